@@ -1,0 +1,250 @@
+"""Plan: the whole parallel layout of one training job, serialised to JSON exactly.
+
+Ranks are laid out with tensor parallel innermost, then data parallel, then pipeline
+(``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``), so tp groups stay inside a node.
+With ``vpp`` virtual stages, ``stages`` holds ``pp * vpp`` model chunks and chunk ``c`` runs on
+pipeline rank ``c % pp`` (Megatron's interleaved order).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from meshmorph.spec.model import ModelSpec, Recompute
+
+
+class Schedule(StrEnum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    ZERO_BUBBLE = "zb"  # ZB-H1 (Qi et al. 2023): backward split into input- and weight-gradient
+
+
+class PlanError(ValueError):
+    """A Plan that cannot exist: the message names the constraint that failed and a way out."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagePlan:
+    """One pipeline model chunk: a contiguous range of layers and their recompute."""
+
+    start: int
+    """Index of the first layer (into ModelSpec.layers)."""
+    stop: int
+    """One past the last layer."""
+    recompute: tuple[Recompute, ...]
+    """Recompute mode of each layer in the range."""
+    gpu: str | None = None
+    """GPU type of the ranks running this chunk (heterogeneous clusters), None if uniform."""
+
+    def __post_init__(self) -> None:
+        if self.stop <= self.start:
+            raise PlanError(f"stage [{self.start}, {self.stop}) holds no layer")
+        if len(self.recompute) != self.stop - self.start:
+            raise PlanError(
+                f"stage [{self.start}, {self.stop}) lists {len(self.recompute)} recompute modes "
+                f"for {self.stop - self.start} layers"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """A hybrid-parallel layout; the predicted figures travel with it when a planner made it."""
+
+    model: str
+    """Model source (catalog name, config path or factory) the plan was made for."""
+    seq_len: int
+    """Sequence length s."""
+    global_batch: int
+    """Sequences per optimizer step."""
+    tp: int = 1
+    """Tensor-parallel degree (inside a node)."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    dp: int = 1
+    """Data-parallel degree."""
+    zero: int = 0
+    """ZeRO stage over the data-parallel group: 0 replicate, 1 optimizer, 2 +grads, 3 +params (FSDP)."""
+    micro_batch: int = 1
+    """Sequences per micro-batch on one data-parallel rank."""
+    num_microbatches: int = 1
+    """Micro-batches per step (gradient accumulation / pipeline depth)."""
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    """Pipeline schedule."""
+    vpp: int = 1
+    """Virtual pipeline stages (model chunks) per pipeline rank; > 1 only for interleaved."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism in the tensor-parallel regions."""
+    dtype: str = "bf16"
+    """Training dtype (``bf16``, ``fp16``, ``fp32``)."""
+    stages: tuple[StagePlan, ...] = ()
+    """``pp * vpp`` model chunks in order."""
+    predicted: dict[str, Any] | None = field(default=None, compare=False)
+    """Predicted figures (step_time_s, tokens_per_s, ...) from the cost model, if any."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        for name in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "vpp", "seq_len",
+                     "global_batch"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.global_batch != self.dp * self.micro_batch * self.num_microbatches:
+            raise PlanError(
+                f"global_batch {self.global_batch} != dp {self.dp} x micro_batch {self.micro_batch}"
+                f" x num_microbatches {self.num_microbatches}"
+                f" = {self.dp * self.micro_batch * self.num_microbatches}"
+            )
+        if self.vpp > 1 and self.schedule != Schedule.INTERLEAVED:
+            raise PlanError(f"vpp {self.vpp} > 1 needs schedule 'interleaved', not '{self.schedule}'")
+        if self.sequence_parallel and self.tp == 1:
+            object.__setattr__(self, "sequence_parallel", False)
+        if self.stages and len(self.stages) != self.pp * self.vpp:
+            raise PlanError(
+                f"{len(self.stages)} stages listed for pp {self.pp} x vpp {self.vpp} = "
+                f"{self.pp * self.vpp} model chunks"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_chunks(self) -> int:
+        return self.pp * self.vpp
+
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+
+    def chunks_of(self, pp_rank: int) -> list[int]:
+        """Model chunks held by one pipeline rank."""
+        return list(range(pp_rank, self.num_chunks, self.pp))
+
+    def recompute_of_layer(self) -> list[Recompute]:
+        return [mode for stage in self.stages for mode in stage.recompute]
+
+    def check_against(self, model: ModelSpec, world_size: int | None = None) -> None:
+        """Refuse a plan this model or world cannot run; the message names the mismatch."""
+        if world_size is not None and self.world_size != world_size:
+            raise PlanError(
+                f"tp {self.tp} x pp {self.pp} x dp {self.dp} = {self.world_size} ranks, but the "
+                f"job has {world_size}; change a degree or the number of processes"
+            )
+        if not self.stages:
+            raise PlanError("the plan lists no stages; use with_even_stages() or plan it")
+        expected = 0
+        for index, stage in enumerate(self.stages):
+            if stage.start != expected:
+                raise PlanError(f"stage {index} starts at layer {stage.start}, expected {expected}")
+            expected = stage.stop
+            for offset, mode in enumerate(stage.recompute):
+                layer = model.layers[min(stage.start + offset, model.num_layers - 1)]
+                if mode not in layer.activation:
+                    raise PlanError(
+                        f"layer {layer.name} cannot use recompute '{mode}' "
+                        f"(supported: {', '.join(layer.activation)})"
+                    )
+        if expected != model.num_layers:
+            raise PlanError(
+                f"the stages cover layers [0, {expected}) but model {model.name} has "
+                f"{model.num_layers} layers (embedding + {model.num_blocks} blocks + head)"
+            )
+        if self.tp > 1:
+            if not model.tp_splittable:
+                raise PlanError(f"model {model.name} cannot be split by tensor parallelism; use tp 1")
+            for what, value in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
+                                ("ffn_hidden_size", model.ffn_hidden_size),
+                                ("vocab_size", model.vocab_size)):
+                if value % self.tp:
+                    raise PlanError(
+                        f"tp {self.tp} does not divide {what} {value} of {model.name}; "
+                        f"choose a tp that divides it"
+                    )
+        if self.sequence_parallel and self.seq_len % self.tp:
+            raise PlanError(f"sequence parallel needs tp {self.tp} to divide seq_len {self.seq_len}")
+        if self.schedule in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.INTERLEAVED) \
+                and self.pp > 1 and self.num_microbatches < self.pp:
+            raise PlanError(
+                f"schedule {self.schedule} needs num_microbatches >= pp, got "
+                f"{self.num_microbatches} < {self.pp}; raise the batch or use gpipe"
+            )
+        if self.schedule == Schedule.INTERLEAVED and self.num_microbatches % self.pp:
+            raise PlanError(
+                f"interleaved needs num_microbatches ({self.num_microbatches}) to be a multiple "
+                f"of pp ({self.pp})"
+            )
+
+    def with_even_stages(self, model: ModelSpec,
+                         recompute: Recompute = Recompute.NONE) -> Plan:
+        """The same plan with layers split as evenly as possible over the model chunks."""
+        chunks = self.num_chunks
+        if model.num_layers < chunks:
+            raise PlanError(
+                f"{model.num_layers} layers cannot fill {chunks} pipeline chunks; lower pp or vpp"
+            )
+        base, extra = divmod(model.num_layers, chunks)
+        stages, start = [], 0
+        for index in range(chunks):
+            stop = start + base + (1 if index < extra else 0)
+            modes = tuple(recompute if recompute in model.layers[i].activation else Recompute.NONE
+                          for i in range(start, stop))
+            stages.append(StagePlan(start=start, stop=stop, recompute=modes))
+            start = stop
+        return replace(self, stages=tuple(stages))
+
+    # --- JSON -------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stages"}
+        data["schedule"] = str(self.schedule)
+        data["world_size"] = self.world_size
+        data["stages"] = [
+            {"layers": [s.start, s.stop], "recompute": [str(m) for m in s.recompute], "gpu": s.gpu}
+            for s in self.stages
+        ]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known - {"world_size", "search_time_s"}
+        if unknown:
+            raise PlanError(f"plan has unknown keys: {', '.join(sorted(unknown))}")
+        kwargs = {k: v for k, v in data.items() if k in known and k != "stages"}
+        stages = tuple(
+            StagePlan(start=int(s["layers"][0]), stop=int(s["layers"][1]),
+                      recompute=tuple(Recompute(m) for m in s["recompute"]), gpu=s.get("gpu"))
+            for s in data.get("stages", [])
+        )
+        plan = cls(**kwargs, stages=stages)
+        if "world_size" in data and data["world_size"] != plan.world_size:
+            raise PlanError(
+                f"plan says world_size {data['world_size']} but tp x pp x dp = {plan.world_size}"
+            )
+        return plan
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        path = Path(path)
+        if not path.is_file():
+            raise PlanError(f"plan file {path} does not exist")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan file {path} is not valid JSON: {exc}") from None
+        return cls.from_dict(data.get("plans", [data])[0] if "plans" in data else data)

@@ -1,0 +1,195 @@
+"""Per-layer figures of GPT-2 style and Llama style decoders, from their shape.
+
+Sources: parameters and FLOPs as in Narayanan et al. 2021 (matmul = 2*m*n*k FLOPs, attention
+counted over the full s x s score matrix, as their Eq. 3 does); activation bytes from Korthikanti
+et al. 2022 Table 2, derived tensor by tensor for SwiGLU and grouped-query attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from meshmorph.spec.model import ActivationBytes, LayerKind, LayerSpec, ModelSpec, Recompute
+
+if TYPE_CHECKING:
+    pass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransformerShape:
+    """The shape of a decoder-only transformer."""
+
+    name: str
+    """Name carried into the ModelSpec."""
+    arch: str
+    """``gpt`` or ``llama``."""
+    num_layers: int
+    """Transformer blocks L."""
+    hidden_size: int
+    """Width h."""
+    num_heads: int
+    """Attention heads a."""
+    vocab_size: int
+    """Vocabulary V."""
+    seq_len: int
+    """Sequence length s."""
+    num_kv_heads: int | None = None
+    """Key/value heads (GQA); None means num_heads."""
+    ffn_hidden_size: int | None = None
+    """FFN width; None means 4h (gpt) or Llama's 2/3*4h rounded up to a multiple of 256."""
+    tied_embeddings: bool | None = None
+    """Head shares the embedding; None means True for gpt, False for llama."""
+    flash_attention: bool | None = None
+    """Attention kernel keeps no s x s scores; None means False for gpt (Megatron 2021), True for llama."""
+    dtype_bytes: int = 2
+    """Bytes per parameter/activation element in training."""
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("gpt", "llama"):
+            raise ValueError(f"arch must be 'gpt' or 'llama', got {self.arch!r}")
+        for field_name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len"):
+            if getattr(self, field_name) <= 0:
+                raise ValueError(f"{field_name} must be positive, got {getattr(self, field_name)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
+            )
+        if self.kv_heads <= 0 or self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.kv_heads}"
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.arch == "gpt":
+            return 4 * self.hidden_size
+        return 256 * -(-int(2 * 4 * self.hidden_size / 3) // 256)
+
+    @property
+    def tied(self) -> bool:
+        return self.arch == "gpt" if self.tied_embeddings is None else self.tied_embeddings
+
+    @property
+    def flash(self) -> bool:
+        return self.arch == "llama" if self.flash_attention is None else self.flash_attention
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec, *, seq_len: int) -> TransformerShape:
+        return cls(
+            name=spec.name,
+            arch=spec.arch,
+            num_layers=spec.num_blocks,
+            hidden_size=spec.hidden_size,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            ffn_hidden_size=spec.ffn_hidden_size,
+            vocab_size=spec.vocab_size,
+            seq_len=seq_len,
+            tied_embeddings=spec.tied_embeddings,
+            flash_attention=_spec_flash(spec),
+            dtype_bytes=spec.dtype_bytes,
+        )
+
+
+def _spec_flash(spec: ModelSpec) -> bool:
+    block = next(layer for layer in spec.layers if layer.kind == LayerKind.BLOCK)
+    return block.activation[Recompute.NONE].split == block.activation[Recompute.SELECTIVE].split
+
+
+def _block(shape: TransformerShape, index: int) -> LayerSpec:
+    h, a, s, f = shape.hidden_size, shape.num_heads, shape.seq_len, shape.ffn
+    h_kv = shape.kv_heads * (h // a)
+    scale = shape.dtype_bytes / 2  # Korthikanti counts 16-bit tensors (2 bytes) and 1-byte masks
+    attention_flops = 4.0 * s * h  # QK^T and AV: 2*s*h each per token
+    if shape.arch == "gpt":
+        # qkv (3h^2 + 3h), out proj (h^2 + h), fc1 (hf + f), fc2 (fh + h), two LayerNorms (4h)
+        params = 4 * h * h + 2 * h * f + 9 * h + f
+        replicated = 2 * h + 4 * h  # out/fc2 biases and LayerNorms are not split
+        matmul_flops = 2.0 * (4 * h * h + 2 * h * f)
+        # Korthikanti: shared = LN inputs 4h + qkv input 2h + fc1 input 2h + 2 dropout masks 2h = 10h
+        shared = 10.0 * h
+        # split = Q,K 4h + V 2h + out-proj input 2h + GeLU in 2f + GeLU out 2f
+        split = 8.0 * h + 4.0 * f
+        scores = 0.0 if shape.flash else 5.0 * a * s  # softmax 2as + dropout mask as + output 2as
+    else:
+        # q, o: h^2 each; k, v: h*h_kv each; gate, up, down: h*f each; two RMSNorms: h each
+        params = 2 * h * h + 2 * h * h_kv + 3 * h * f + 2 * h
+        replicated = 2 * h
+        matmul_flops = 2.0 * (2 * h * h + 2 * h * h_kv + 3 * h * f)
+        # shared = 2 RMSNorm inputs 4h + qkv input 2h + MLP input 2h = 8h (no dropout)
+        shared = 8.0 * h
+        # split = Q 2h + K,V 4*h_kv + attention output 2h + gate 2f + up 2f + silu(gate) 2f + product 2f
+        split = 4.0 * h + 4.0 * h_kv + 8.0 * f
+        scores = 0.0 if shape.flash else 2.0 * a * s  # softmax output only (no dropout)
+    fwd = matmul_flops + attention_flops
+    return LayerSpec(
+        name=f"block.{index}",
+        kind=LayerKind.BLOCK,
+        params=params,
+        tp_split_params=params - replicated,
+        fwd_flops_per_token=fwd,
+        recompute_flops_per_token={
+            Recompute.NONE: 0.0,
+            Recompute.SELECTIVE: attention_flops,
+            Recompute.FULL: fwd,
+        },
+        activation={
+            Recompute.NONE: ActivationBytes(shared * scale, (split + scores) * scale),
+            Recompute.SELECTIVE: ActivationBytes(shared * scale, split * scale),
+            # full recompute keeps only the layer input: 2*s*b*h (16-bit)
+            Recompute.FULL: ActivationBytes(2.0 * h * scale, 0.0),
+        },
+        tp_allreduces_fwd=2,
+    )
+
+
+def build_transformer(shape: TransformerShape) -> ModelSpec:
+    """A ModelSpec for a GPT-2 style or Llama style decoder."""
+    h, v, s = shape.hidden_size, shape.vocab_size, shape.seq_len
+    scale = shape.dtype_bytes / 2
+    positions = s * h if shape.arch == "gpt" else 0  # learned position embeddings (GPT only)
+    embed = LayerSpec(
+        name="embed",
+        kind=LayerKind.EMBEDDING,
+        params=v * h + positions,
+        tp_split_params=v * h,  # vocab-parallel embedding
+        fwd_flops_per_token=0.0,
+        recompute_flops_per_token={Recompute.NONE: 0.0},
+        # the embedding output (plus GPT's dropout mask) is the only tensor kept
+        activation={Recompute.NONE: ActivationBytes((3.0 if shape.arch == "gpt" else 2.0) * h * scale, 0.0)},
+        tp_allreduces_fwd=1,
+    )
+    norm_params = 2 * h if shape.arch == "gpt" else h
+    head = LayerSpec(
+        name="head",
+        kind=LayerKind.HEAD,
+        params=v * h + norm_params,
+        tp_split_params=v * h,
+        fwd_flops_per_token=2.0 * h * v,
+        recompute_flops_per_token={Recompute.NONE: 0.0},
+        # final-norm input 2h and head input 2h, plus fp32 logits for the loss (4V, vocab-parallel)
+        activation={Recompute.NONE: ActivationBytes(4.0 * h * scale, 4.0 * v)},
+        tp_allreduces_fwd=1,
+        tied_params=v * h if shape.tied else 0,
+    )
+    blocks = tuple(_block(shape, i) for i in range(shape.num_layers))
+    return ModelSpec(
+        name=shape.name,
+        arch=shape.arch,
+        layers=(embed, *blocks, head),
+        hidden_size=h,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.kv_heads,
+        ffn_hidden_size=shape.ffn,
+        vocab_size=v,
+        seq_len=s,
+        tied_embeddings=shape.tied,
+        dtype_bytes=shape.dtype_bytes,
+    )

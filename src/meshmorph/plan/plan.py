@@ -162,8 +162,7 @@ class Plan:
             if not model.tp_splittable:
                 raise PlanError(f"model {model.name} cannot be split by tensor parallelism; use tp 1")
             for what, value in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
-                                ("ffn_hidden_size", model.ffn_hidden_size),
-                                ("vocab_size", model.vocab_size)):
+                                ("ffn_hidden_size", model.ffn_hidden_size)):
                 if value % self.tp:
                     raise PlanError(
                         f"tp {self.tp} does not divide {what} {value} of {model.name}; "
@@ -185,16 +184,20 @@ class Plan:
 
     def with_even_stages(self, model: ModelSpec,
                          recompute: Recompute = Recompute.NONE) -> Plan:
-        """The same plan with layers split as evenly as possible over the model chunks."""
+        """The same plan with the blocks split as evenly as possible over the model chunks
+        (earlier chunks take the extra block), the embedding joining the first chunk and the head
+        the last, as Megatron-LM splits; ``recompute`` applies to every block."""
         chunks = self.num_chunks
-        if model.num_layers < chunks:
+        blocks = model.num_layers - 2
+        if blocks < chunks:
             raise PlanError(
-                f"{model.num_layers} layers cannot fill {chunks} pipeline chunks; lower pp or vpp"
+                f"{blocks} blocks cannot fill {chunks} pipeline chunks; lower pp or vpp"
             )
-        base, extra = divmod(model.num_layers, chunks)
+        base, extra = divmod(blocks, chunks)
         stages, start = [], 0
         for index in range(chunks):
             stop = start + base + (1 if index < extra else 0)
+            stop += (1 if index == 0 else 0) + (1 if index == chunks - 1 else 0)
             modes = tuple(recompute if recompute in model.layers[i].activation else Recompute.NONE
                           for i in range(start, stop))
             stages.append(StagePlan(start=start, stop=stop, recompute=modes))

@@ -1,0 +1,48 @@
+"""The few coefficients of the cost model, shared by every estimate.
+
+Defaults were chosen once against Narayanan et al. 2021 Table 1 (A100-80GB, ten rows from 1.7B
+to 1T parameters) and are used unchanged for every row and every other GPU; see
+docs/cost-model.md for how. A Profile measured on real hardware overrides them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostCoefficients:
+    """Achieved fractions of peak and the overlap each kind of communication gets."""
+
+    matmul_efficiency: float = 0.62
+    """Fraction of dense peak FLOP/s a large transformer GEMM reaches (the curve's ceiling)."""
+    efficiency_half_width: float = 160.0
+    """Per-GPU GEMM width (h / tp) at which efficiency falls to half its ceiling; models the
+    drop of small, thin matmuls: eff = ceiling * w / (w + half_width)."""
+    efficiency_half_tokens: float = 64.0
+    """Tokens per micro-batch (b * s) at which efficiency halves (small micro-batches)."""
+    link_efficiency: float = 0.7
+    """Achieved fraction of a link's nominal bandwidth for large collectives."""
+    dp_overlap: float = 0.0
+    """Fraction of data-parallel gradient communication hidden behind backward (0 = none, as in
+    Megatron-LM 2021; torch DDP/FSDP buckets reach about 0.7-0.9)."""
+    zero3_overlap: float = 0.8
+    """Fraction of ZeRO-3/FSDP parameter all-gathers hidden behind compute by prefetching."""
+    tp_overlap: float = 0.0
+    """Fraction of tensor-parallel collectives hidden (0: they sit on the critical path)."""
+    optimizer_bytes_per_param: float = 16.0
+    """HBM bytes read and written per parameter by the Adam update (time = bytes / HBM bw)."""
+    memory_reserve_fraction: float = 0.05
+    """Share of device memory kept free for allocator fragmentation."""
+    context_bytes: float = 1.0 * 2**30
+    """Bytes taken by the CUDA context, communicator buffers and workspace per device."""
+
+    def __post_init__(self) -> None:
+        for name in ("matmul_efficiency", "link_efficiency"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
+        for name in ("dp_overlap", "zero3_overlap", "tp_overlap", "memory_reserve_fraction"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {value}")

@@ -1,0 +1,54 @@
+"""Collective costs in the alpha-beta model, ring algorithms (see reference formulas).
+
+n ranks, M bytes per rank, alpha latency (s), beta per-rank link bandwidth (bytes/s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshmorph.spec.gpus import LinkSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """An effective link: latency and achieved per-rank bandwidth."""
+
+    latency_s: float
+    """alpha: seconds per message hop."""
+    bandwidth_bps: float
+    """beta: achieved bytes per second per rank per direction."""
+
+    @classmethod
+    def from_spec(cls, spec: LinkSpec, efficiency: float) -> Link:
+        return cls(spec.latency_us * 1e-6, spec.bandwidth_gbps * 1e9 * efficiency)
+
+
+def all_reduce(n: int, nbytes: float, link: Link) -> float:
+    # ring: 2(n-1)·alpha + 2(n-1)/n · M/beta
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / link.bandwidth_bps
+
+
+def reduce_scatter(n: int, nbytes: float, link: Link) -> float:
+    # ring: (n-1)·alpha + (n-1)/n · M/beta, M = the full (unsharded) buffer
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bandwidth_bps
+
+
+all_gather = reduce_scatter  # same volume and hops as reduce-scatter
+
+
+def p2p(nbytes: float, link: Link) -> float:
+    # alpha + M/beta
+    if nbytes <= 0:
+        return 0.0
+    return link.latency_s + nbytes / link.bandwidth_bps
+
+
+def exposed(comm_s: float, compute_s: float, overlap: float) -> float:
+    """Communication left on the critical path: at most ``overlap`` of it hides, and never more
+    than the compute it overlaps with."""
+    return max(comm_s * (1.0 - overlap), comm_s - compute_s, 0.0)

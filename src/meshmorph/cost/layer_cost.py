@@ -1,0 +1,130 @@
+"""Time and memory of one layer on one GPU type for one micro-batch shape.
+
+Identical layers (all the blocks of a catalog model) share one entry, so a 126-layer model
+costs as little to evaluate as a 3-layer one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from meshmorph.cost import comm
+from meshmorph.cost.coefficients import CostCoefficients
+from meshmorph.spec.gpus import GPUSpec
+from meshmorph.spec.model import LayerSpec, ModelSpec, Recompute
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    """One layer, one micro-batch, one tensor-parallel rank."""
+
+    fwd_s: float
+    """Forward compute plus exposed tensor-parallel communication."""
+    bwd_s: float
+    """Backward (input and weight gradients) plus recompute plus its communication."""
+    bgrad_s: float
+    """The input-gradient part of bwd_s (zero-bubble B op), recompute included."""
+    wgrad_s: float
+    """The weight-gradient part of bwd_s (zero-bubble W op)."""
+    compute_s: float
+    """Forward + backward compute without recompute and communication."""
+    recompute_s: float
+    """Recomputed forward compute."""
+    tp_comm_s: float
+    """Exposed tensor-parallel communication, forward + backward + recompute."""
+    activation_bytes: float
+    """Bytes kept for backward per micro-batch."""
+    working_bytes: float
+    """Extra bytes while the layer's backward rematerialises activations."""
+    flops: float
+    """Hardware FLOPs on this rank (recompute included)."""
+
+
+def layer_classes(model: ModelSpec) -> tuple[int, ...]:
+    """For each layer, the index of the first layer with the same figures."""
+    reps: list[int] = []
+    classes = []
+    for index, layer in enumerate(model.layers):
+        for rep in reps:
+            if _same(model.layers[rep], layer):
+                classes.append(rep)
+                break
+        else:
+            reps.append(index)
+            classes.append(index)
+    return tuple(classes)
+
+
+def _same(a: LayerSpec, b: LayerSpec) -> bool:
+    return (a.kind, a.params, a.tp_split_params, a.fwd_flops_per_token, a.recompute_flops_per_token,
+            a.activation, a.tp_allreduces_fwd, a.tied_params) == (
+        b.kind, b.params, b.tp_split_params, b.fwd_flops_per_token, b.recompute_flops_per_token,
+        b.activation, b.tp_allreduces_fwd, b.tied_params)
+
+
+def matmul_efficiency(coef: CostCoefficients, ceiling: float, width: float, tokens: float) -> float:
+    """Achieved fraction of peak: eff = ceiling * w/(w + w_half) * n/(n + n_half)."""
+    return ceiling * width / (width + coef.efficiency_half_width) * tokens / (
+        tokens + coef.efficiency_half_tokens)
+
+
+class LayerCoster:
+    """Per-layer costs for one model, cached by (layer class, GPU, shape, parallelism)."""
+
+    def __init__(self, model: ModelSpec, coef: CostCoefficients, *, dtype: str,
+                 efficiency: dict[str, float], tp_link: dict[str, comm.Link]):
+        self.model = model
+        self.coef = coef
+        self.dtype = dtype
+        self.act_scale = 2.0 if dtype == "fp32" else 1.0  # ModelSpec counts 16-bit activations
+        self.efficiency = efficiency  # GPU name -> ceiling
+        self.tp_link = tp_link  # GPU name -> intra-node link
+        self.classes = layer_classes(model)
+        self.gpus: dict[str, GPUSpec] = {}
+        self.cost = lru_cache(maxsize=None)(self._cost)
+
+    def layer(self, index: int, gpu: GPUSpec, micro_batch: int, tp: int, sp: bool,
+              recompute: Recompute) -> LayerCost:
+        self.gpus.setdefault(gpu.name, gpu)
+        return self.cost(self.classes[index], gpu.name, micro_batch, tp, sp, recompute)
+
+    def _cost(self, index: int, gpu_name: str, micro_batch: int, tp: int, sp: bool,
+              recompute: Recompute) -> LayerCost:
+        layer = self.model.layers[index]
+        gpu = self.gpus[gpu_name]
+        tokens = micro_batch * self.model.seq_len
+        peak = gpu.peak_flops(self.dtype)
+        eff = matmul_efficiency(self.coef, self.efficiency[gpu.name], self.model.hidden_size / tp,
+                                tokens)
+        fwd_flops = layer.fwd_flops_per_token * tokens / tp
+        re_flops = layer.recompute_flops_per_token.get(recompute, 0.0) * tokens / tp
+        fwd_c = fwd_flops / (peak * eff)
+        re_c = re_flops / (peak * eff)
+        # TP: each forward all-reduce (or reduce-scatter + all-gather with SP, the same volume)
+        # moves the b*s*h hidden state; backward has as many; full recompute repeats the forward's
+        if tp > 1:
+            nbytes = tokens * self.model.hidden_size * self.model.dtype_bytes * self.act_scale
+            one = comm.all_reduce(tp, nbytes, self.tp_link[gpu.name]) * (1 - self.coef.tp_overlap)
+        else:
+            one = 0.0
+        n_fwd = layer.tp_allreduces_fwd
+        n_re = n_fwd if recompute == Recompute.FULL else 0
+        fwd_comm, bwd_comm = n_fwd * one, (n_fwd + n_re) * one
+        # backward = 2x forward FLOPs: input gradient ~ forward, weight gradient ~ forward
+        bgrad = fwd_c + re_c + bwd_comm
+        wgrad = fwd_c
+        act = layer.activation[recompute].per_rank(tp, sp) * tokens * self.act_scale
+        full = layer.activation[Recompute.NONE].per_rank(tp, sp) * tokens * self.act_scale
+        return LayerCost(
+            fwd_s=fwd_c + fwd_comm,
+            bwd_s=bgrad + wgrad,
+            bgrad_s=bgrad,
+            wgrad_s=wgrad,
+            compute_s=3 * fwd_c,
+            recompute_s=re_c,
+            tp_comm_s=fwd_comm + bwd_comm,
+            activation_bytes=act,
+            working_bytes=max(0.0, full - act),
+            flops=3 * fwd_flops + re_flops,
+        )

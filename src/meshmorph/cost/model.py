@@ -1,0 +1,275 @@
+"""CostModel: a Plan in, an Estimate out (time by simulating the schedule, memory per stage).
+
+Rank placement follows the Plan: tensor parallel innermost (inside a node), then data parallel,
+then pipeline. A collective runs over NVLink/PCIe while its group fits in a node, otherwise at
+the inter-node NIC's speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshmorph.cost import comm
+from meshmorph.cost.coefficients import CostCoefficients
+from meshmorph.cost.estimate import Estimate, StageMemory
+from meshmorph.cost.layer_cost import LayerCoster
+from meshmorph.cost.pipeline import simulate
+from meshmorph.cost.profile import Profile
+from meshmorph.plan.plan import Plan, Schedule, StagePlan
+from meshmorph.spec.cluster import Cluster
+from meshmorph.spec.gpus import GPUSpec
+from meshmorph.spec.model import ModelSpec, Recompute
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTime:
+    """Per-micro-batch times of one model chunk on one rank."""
+
+    fwd_s: float
+    bwd_s: float
+    bgrad_s: float
+    wgrad_s: float
+    compute_s: float
+    recompute_s: float
+    tp_comm_s: float
+    zero3_comm_s: float
+    params: float
+    """Parameters of the chunk on one tensor-parallel rank (before ZeRO sharding)."""
+
+
+def in_flight_microbatches(schedule: Schedule, pp: int, pp_rank: int, m: int, vpp: int) -> float:
+    """Micro-batches of activations a pipeline rank holds at its peak (Korthikanti et al. 2022)."""
+    if pp == 1:
+        return 1.0  # gradient accumulation frees each micro-batch after its backward
+    if schedule == Schedule.GPIPE:
+        return float(m)  # all forwards before any backward
+    if schedule == Schedule.INTERLEAVED:
+        # Megatron's warm-up (p - k - 1)*2 + (v - 1)*p chunk-forwards, +1 in steady state, in units
+        # of one chunk (1/v of the rank's layers): rank 0 -> p + (p - 1)/v
+        units = min(m * vpp, (pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1)
+        return units / vpp
+    if schedule == Schedule.ZERO_BUBBLE:
+        return float(min(m, pp))  # ZB-H1 keeps the peak of 1F1B's first stage on every rank
+    return float(min(m, pp - pp_rank))  # 1F1B: stage k holds p - k
+
+
+class CostModel:
+    """Predicts time and memory of Plans for one model on one cluster."""
+
+    def __init__(self, model: ModelSpec, cluster: Cluster,
+                 coefficients: CostCoefficients | None = None, profile: Profile | None = None):
+        self.model = model
+        self.cluster = cluster
+        self.coef = coefficients or CostCoefficients()
+        self.profile = profile or Profile()
+        eff = self.coef.link_efficiency
+        self.intra = {g.gpu.name: self._link(g.intra_link.name, g.intra_link, eff) for g in cluster.groups}
+        self.inter = self._link(cluster.inter_link.name, cluster.inter_link, eff)
+        self.efficiency = {
+            g.gpu.name: self.profile.matmul_efficiency.get(g.gpu.name, self.coef.matmul_efficiency)
+            for g in cluster.groups
+        }
+        self._costers: dict[str, LayerCoster] = {}
+
+    def _link(self, name: str, spec, efficiency: float) -> comm.Link:  # type: ignore[no-untyped-def]
+        link = comm.Link.from_spec(spec, efficiency)
+        bw = self.profile.link_bandwidth_gbps.get(name)
+        lat = self.profile.link_latency_us.get(name)
+        return comm.Link(lat * 1e-6 if lat is not None else link.latency_s,
+                         bw * 1e9 if bw is not None else link.bandwidth_bps)
+
+    def coster(self, dtype: str) -> LayerCoster:
+        if dtype not in self._costers:
+            self._costers[dtype] = LayerCoster(self.model, self.coef, dtype=dtype,
+                                               efficiency=self.efficiency, tp_link=self.intra)
+        return self._costers[dtype]
+
+    # --- placement --------------------------------------------------------------------------
+    def group_link(self, gpu: GPUSpec, span: int) -> comm.Link:
+        """Link of a collective whose ranks lie within ``span`` consecutive ranks."""
+        return self.intra[gpu.name] if span <= self.cluster.gpus_per_node else self.inter
+
+    def default_gpu(self) -> GPUSpec:
+        return self.cluster.groups[0].gpu
+
+    def stage_gpu(self, stage: StagePlan) -> GPUSpec:
+        if stage.gpu is None:
+            return self.default_gpu()
+        for group in self.cluster.groups:
+            if group.gpu.name == stage.gpu:
+                return group.gpu
+        raise ValueError(f"stage runs on {stage.gpu!r} but the cluster has "
+                         f"{', '.join(g.gpu.name for g in self.cluster.groups)}")
+
+    @staticmethod
+    def param_bytes(dtype: str) -> tuple[float, float, float]:
+        """Bytes per parameter of (weights, gradients, optimizer state) under mixed precision Adam:
+        2 + 2 + 12 (fp32 master, m, v) for 16-bit training, 4 + 4 + 8 for fp32 (ZeRO paper)."""
+        return (4.0, 4.0, 8.0) if dtype == "fp32" else (2.0, 2.0, 12.0)
+
+    # --- pieces the planner reuses ------------------------------------------------------------
+    def chunk_params(self, start: int, stop: int, tp: int) -> float:
+        """Parameters of layers [start, stop) on one tensor-parallel rank."""
+        total = 0.0
+        for layer in self.model.layers[start:stop]:
+            total += layer.tp_split_params / tp + (layer.params - layer.tp_split_params)
+        if start == 0 and stop == self.model.num_layers:
+            total -= self.model.layers[-1].tied_params / tp  # tied head and embedding on one rank
+        return total
+
+    def chunk_time(self, plan: Plan, start: int, stop: int, recompute: Sequence[Recompute],
+                   gpu: GPUSpec) -> ChunkTime:
+        coster = self.coster(plan.dtype)
+        f = b = bg = wg = comp = re = tpc = 0.0
+        for offset, index in enumerate(range(start, stop)):
+            cost = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
+                                recompute[offset])
+            f += cost.fwd_s
+            b += cost.bwd_s
+            bg += cost.bgrad_s
+            wg += cost.wgrad_s
+            comp += cost.compute_s
+            re += cost.recompute_s
+            tpc += cost.tp_comm_s
+        params = self.chunk_params(start, stop, plan.tp)
+        z3 = 0.0
+        if plan.zero == 3 and plan.dp > 1:
+            # FSDP/ZeRO-3 per micro-batch: all-gather weights in forward and again in backward,
+            # reduce-scatter gradients in backward; prefetch hides a share behind compute
+            link = self.group_link(gpu, plan.tp * plan.dp)
+            wbytes = params * self.param_bytes(plan.dtype)[0]
+            gather = comm.all_gather(plan.dp, wbytes, link)
+            scatter = comm.reduce_scatter(plan.dp, wbytes, link)
+            ef = comm.exposed(gather, f, self.coef.zero3_overlap)
+            eb = comm.exposed(gather + scatter, b, self.coef.zero3_overlap)
+            f, b, bg, z3 = f + ef, b + eb, bg + eb, ef + eb
+        return ChunkTime(f, b, bg, wg, comp, re, tpc, z3, params)
+
+    def rank_memory(self, plan: Plan, pp_rank: int, chunks: Sequence[tuple[int, int, Sequence[Recompute]]],
+                    gpu: GPUSpec) -> StageMemory:
+        """Peak memory of one rank of pipeline rank ``pp_rank`` holding ``chunks``."""
+        coster = self.coster(plan.dtype)
+        pb, gb, ob = self.param_bytes(plan.dtype)
+        params = act = work = biggest = 0.0
+        holds_embed = holds_head = False
+        for start, stop, recompute in chunks:
+            params += self.chunk_params(start, stop, plan.tp)
+            holds_embed |= start == 0
+            holds_head |= stop == self.model.num_layers
+            chunk_act = 0.0
+            for offset, index in enumerate(range(start, stop)):
+                cost = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
+                                    recompute[offset])
+                chunk_act += cost.activation_bytes
+                work = max(work, cost.working_bytes)
+                layer = self.model.layers[index]
+                biggest = max(biggest, layer.tp_split_params / plan.tp + layer.params - layer.tp_split_params)
+            act += chunk_act
+        if holds_embed and holds_head and len(chunks) > 1:
+            params -= self.model.layers[-1].tied_params / plan.tp
+        d = plan.dp
+        # ZeRO (Rajbhandari et al. 2020): stage 1 shards optimizer state, 2 also gradients, 3 also weights
+        weights = params * pb / (d if plan.zero >= 3 else 1)
+        grads = params * gb / (d if plan.zero >= 2 else 1)
+        optim = params * ob / (d if plan.zero >= 1 else 1)
+        in_flight = in_flight_microbatches(plan.schedule, plan.pp, pp_rank, plan.num_microbatches,
+                                           plan.vpp)
+        # act sums the rank's chunks; in_flight counts micro-batches of the whole rank's layers
+        activations = in_flight * act + work
+        # ZeRO-3 gathers one layer's full weights at a time, plus one prefetched
+        buffers = 2 * biggest * pb if plan.zero == 3 and d > 1 else 0.0
+        reserved = self.coef.context_bytes + self.coef.memory_reserve_fraction * gpu.memory_bytes
+        return StageMemory(params=weights, grads=grads, optimizer=optim, activations=activations,
+                           buffers=buffers, reserved=reserved, in_flight_microbatches=in_flight)
+
+    def rank_tail(self, plan: Plan, params: float, last_bwd_s: float, gpu: GPUSpec) -> tuple[float, float]:
+        """(exposed data-parallel gradient sync, optimizer step) after a rank's last backward."""
+        pb = self.param_bytes(plan.dtype)[0]
+        link = self.group_link(gpu, plan.tp * plan.dp)
+        nbytes = params * pb
+        if plan.dp == 1 or plan.zero == 3:
+            sync = 0.0  # ZeRO-3 reduce-scatters inside every micro-batch's backward
+        elif plan.zero == 0:
+            sync = comm.all_reduce(plan.dp, nbytes, link)
+        else:
+            # ZeRO-1/2: reduce-scatter gradients, update the shard, all-gather weights
+            sync = comm.reduce_scatter(plan.dp, nbytes, link) + comm.all_gather(plan.dp, nbytes, link)
+        exposed = comm.exposed(sync, last_bwd_s, self.coef.dp_overlap)
+        shard = plan.dp if plan.zero >= 1 else 1
+        optimizer = params / shard * self.coef.optimizer_bytes_per_param / (gpu.hbm_gbps * 1e9)
+        return exposed, optimizer
+
+    def p2p_time(self, plan: Plan, gpu: GPUSpec) -> float:
+        """Sending one micro-batch's hidden state to the next stage (split over tp ranks, as
+        Megatron's scatter/gather does)."""
+        nbytes = plan.micro_batch * self.model.seq_len * self.model.hidden_size * \
+            self.model.dtype_bytes * (2 if plan.dtype == "fp32" else 1) / plan.tp
+        return comm.p2p(nbytes, self.group_link(gpu, plan.tp * plan.dp * plan.pp))
+
+    # --- the whole plan ------------------------------------------------------------------------
+    def estimate(self, plan: Plan) -> Estimate:
+        model = self.model.with_seq_len(plan.seq_len)
+        if model is not self.model:
+            return CostModel(model, self.cluster, self.coef, self.profile).estimate(plan)
+        plan.check_against(model)
+        gpus = [self.stage_gpu(stage) for stage in plan.stages]
+        times = [self.chunk_time(plan, s.start, s.stop, s.recompute, g)
+                 for s, g in zip(plan.stages, gpus, strict=True)]
+        return self.assemble(plan, gpus, times)
+
+    def assemble(self, plan: Plan, gpus: Sequence[GPUSpec], times: Sequence[ChunkTime]) -> Estimate:
+        p, m, v = plan.pp, plan.num_microbatches, plan.vpp
+        zb = plan.schedule == Schedule.ZERO_BUBBLE
+        p2p = [self.p2p_time(plan, g) for g in gpus]
+        timeline = simulate(plan.schedule, p, m, [t.fwd_s for t in times],
+                            [t.bgrad_s if zb else t.bwd_s for t in times], v=v,
+                            wgrad_s=[t.wgrad_s for t in times] if zb else None, p2p_s=p2p)
+        memory, ends, tails = [], [], []
+        for k in range(p):
+            chunk_ids = plan.chunks_of(k)
+            gpu = gpus[chunk_ids[0]]
+            chunks = [(plan.stages[c].start, plan.stages[c].stop, plan.stages[c].recompute)
+                      for c in chunk_ids]
+            memory.append(self.rank_memory(plan, k, chunks, gpu))
+            params = sum(times[c].params for c in chunk_ids)
+            # the overlap window is the last backward's compute, recompute excluded, so that more
+            # recompute never shortens the step (the planner's per-stage choice relies on it)
+            sync, opt = self.rank_tail(plan, params, times[chunk_ids[0]].compute_s * 2 / 3, gpu)
+            tails.append((sync, opt))
+            ends.append(timeline.rank_end_s[k] + sync + opt)
+        step = max(ends)
+        crit = ends.index(step)
+        crit_chunks = plan.chunks_of(crit)
+        per_mb = {name: sum(getattr(times[c], name) for c in crit_chunks) * m
+                  for name in ("compute_s", "recompute_s", "tp_comm_s", "zero3_comm_s")}
+        breakdown = {
+            "compute": per_mb["compute_s"],
+            "recompute": per_mb["recompute_s"],
+            "tp_comm": per_mb["tp_comm_s"],
+            "zero3_comm_exposed": per_mb["zero3_comm_s"],
+            "pp_bubble": timeline.rank_end_s[crit] - timeline.rank_busy_s[crit],
+            "dp_comm_exposed": tails[crit][0],
+            "optimizer": tails[crit][1],
+        }
+        tokens = plan.global_batch * plan.seq_len
+        model_flops = tokens * self.model.model_flops_per_token()
+        hw_flops = tokens * sum(
+            3 * layer.fwd_flops_per_token + layer.recompute_flops_per_token.get(mode, 0.0)
+            for layer, mode in zip(self.model.layers, plan.recompute_of_layer(), strict=True)
+        )
+        world = plan.world_size
+        # every pipeline rank's tp x dp GPUs share the GPU type of its first chunk
+        peak = sum(gpus[plan.chunks_of(k)[0]].peak_flops(plan.dtype) for k in range(p)) * world / p
+        return Estimate(
+            step_time_s=step,
+            tokens_per_s=tokens / step,
+            tflops_per_gpu=hw_flops / step / world / 1e12,
+            model_tflops_per_gpu=model_flops / step / world / 1e12,
+            mfu=model_flops / step / peak,
+            bubble_fraction=timeline.bubble_fraction,
+            memory=tuple(memory),
+            memory_budget_bytes=tuple(gpus[plan.chunks_of(k)[0]].memory_bytes for k in range(p)),
+            breakdown_s=breakdown,
+            stage_times_s=tuple((t.fwd_s, t.bwd_s) for t in times),
+        )

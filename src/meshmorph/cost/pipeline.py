@@ -1,0 +1,199 @@
+"""Pipeline schedules as per-rank op orders, and their simulation over unequal stage times.
+
+An op is (kind, chunk, micro-batch) with kind F (forward), B (backward; input and weight
+gradient together, or only the input gradient in zero-bubble schedules) or W (weight gradient).
+Every rank runs its F and B ops in the listed order; an op starts when the rank is free and its
+dependency has finished plus the point-to-point transfer:
+F(c, j) after F(c-1, j); B(c, j) after B(c+1, j) (the last chunk's B after its own F);
+W(c, j) after B(c, j). Start times are max-plus expressions of the durations, so the makespan
+never decreases when a stage gets slower (the planner's bounds rely on it).
+Zero-bubble (ZB-H1, Qi et al. 2023): B computes only the input gradient, so the backward chain
+runs upstream faster; each rank runs a pending W whenever its next F or B is not ready yet, or
+when p of them wait (the peak memory of 1F1B's first stage), and the rest after its last B.
+With F = B = W this gives the paper's ZB-H1 bubble (p - 1)(F + B - W), a third of 1F1B's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshmorph.plan.plan import Schedule
+
+Op = tuple[str, int, int]  # (kind, chunk, micro-batch)
+
+
+def _one_f_one_b(pp_rank: int, p: int, m: int) -> list[Op]:
+    warmup = min(p - pp_rank - 1, m)
+    ops: list[Op] = [("F", pp_rank, j) for j in range(warmup)]
+    for j in range(warmup, m):
+        ops.append(("F", pp_rank, j))
+        ops.append(("B", pp_rank, j - warmup))
+    ops.extend(("B", pp_rank, j) for j in range(m - warmup, m))
+    return ops
+
+
+def _gpipe(pp_rank: int, m: int) -> list[Op]:
+    return [("F", pp_rank, j) for j in range(m)] + [("B", pp_rank, j) for j in range(m)]
+
+
+def _interleaved(pp_rank: int, p: int, v: int, m: int) -> list[Op]:
+    # Megatron's interleaved 1F1B: micro-batches in groups of p, chunk by chunk
+    def unit(i: int, backward: bool) -> tuple[int, int]:
+        group, within = divmod(i, p * v)
+        local_chunk, offset = divmod(within, p)
+        if backward:
+            local_chunk = v - 1 - local_chunk
+        return local_chunk * p + pp_rank, group * p + offset
+
+    total = m * v
+    warmup = min((p - pp_rank - 1) * 2 + (v - 1) * p, total)
+    ops: list[Op] = [("F", *unit(i, False)) for i in range(warmup)]
+    for i in range(warmup, total):
+        ops.append(("F", *unit(i, False)))
+        ops.append(("B", *unit(i - warmup, True)))
+    ops.extend(("B", *unit(i, True)) for i in range(total - warmup, total))
+    return ops
+
+
+def schedule_ops(schedule: Schedule, p: int, m: int, v: int = 1) -> list[list[Op]]:
+    """The op order of every pipeline rank."""
+    if schedule == Schedule.GPIPE:
+        return [_gpipe(k, m) for k in range(p)]
+    if schedule == Schedule.INTERLEAVED:
+        return [_interleaved(k, p, v, m) for k in range(p)]
+    # zero-bubble (ZB-H1): the 1F1B order of F and B; W ops fill the idle slots (see simulate)
+    return [_one_f_one_b(k, p, m) for k in range(p)]
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """The simulated pipeline: per-rank finish time, busy time, and every op's interval."""
+
+    makespan_s: float
+    """Time from the first forward to the last backward/weight-gradient op."""
+    rank_end_s: tuple[float, ...]
+    """When each pipeline rank finishes its last op."""
+    rank_busy_s: tuple[float, ...]
+    """Compute time of each pipeline rank (the rest is bubble)."""
+    ops: tuple[tuple[int, str, int, int, float, float], ...]
+    """(pp_rank, kind, chunk, micro-batch, start_s, end_s) of every op."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the busiest... of the average rank over the makespan."""
+        if self.makespan_s <= 0:
+            return 0.0
+        idle = sum(self.makespan_s - busy for busy in self.rank_busy_s)
+        return idle / (self.makespan_s * len(self.rank_busy_s))
+
+
+def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: Sequence[float],
+             *, v: int = 1, wgrad_s: Sequence[float] | None = None,
+             p2p_s: Sequence[float] | None = None, keep_ops: bool = False) -> Timeline:
+    """Simulate one step. Per chunk c (``p * v`` of them): forward ``fwd_s[c]``, backward
+    ``bwd_s[c]`` (input gradient only when ``wgrad_s`` is given, for zero-bubble) and the
+    weight-gradient time ``wgrad_s[c]``; ``p2p_s[c]`` is the transfer from chunk c to c+1."""
+    chunks = p * v
+    if len(fwd_s) != chunks or len(bwd_s) != chunks:
+        raise ValueError(f"need {chunks} chunk times, got {len(fwd_s)} and {len(bwd_s)}")
+    split = schedule == Schedule.ZERO_BUBBLE
+    if split and wgrad_s is None:
+        raise ValueError("the zero-bubble schedule needs wgrad_s")
+    w = list(wgrad_s) if split and wgrad_s is not None else [0.0] * chunks
+    comm = list(p2p_s) if p2p_s is not None else [0.0] * chunks
+    orders = schedule_ops(schedule, p, m, v)
+    duration = {"F": fwd_s, "B": bwd_s, "W": w}
+    end_f = [[-1.0] * m for _ in range(chunks)]
+    end_b = [[-1.0] * m for _ in range(chunks)]
+    free = [0.0] * p
+    busy = [0.0] * p
+    pos = [0] * p
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    timeline: list[tuple[int, str, int, int, float, float]] = []
+
+    def ready_time(kind: str, c: int, j: int) -> float:
+        """When op (kind, c, j) may start, or -1 while its dependency has not run."""
+        if kind == "F":
+            if c == 0:
+                return 0.0
+            dep = end_f[c - 1][j]
+            return dep + comm[c - 1] if dep >= 0 else -1.0
+        if c == chunks - 1:
+            return end_f[c][j]
+        dep = end_b[c + 1][j]
+        return dep + comm[c] if dep >= 0 else -1.0
+
+    def run(k: int, kind: str, c: int, j: int, start: float) -> None:
+        end = start + duration[kind][c]
+        if kind == "F":
+            end_f[c][j] = end
+        elif kind == "B":
+            end_b[c][j] = end
+            if split:
+                pending_w[k].append((c, j))
+        free[k] = end
+        busy[k] += end - start
+        if keep_ops:
+            timeline.append((k, kind, c, j, start, end))
+
+    if not split:
+        # fixed order: start times depend only on finished dependencies, so sweep ranks until done
+        remaining = sum(len(order) for order in orders)
+        while remaining:
+            progressed = False
+            for k in range(p):
+                order = orders[k]
+                while pos[k] < len(order):
+                    kind, c, j = order[pos[k]]
+                    ready = ready_time(kind, c, j)
+                    if ready < 0:
+                        break
+                    run(k, kind, c, j, max(free[k], ready))
+                    pos[k] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                raise RuntimeError(f"schedule {schedule} deadlocks for p={p}, m={m}, v={v}")
+    else:
+        # W fills idle time, so decide in time order: always advance the rank that is free first
+        active = set(range(p))
+        while active:
+            decided = False
+            for k in sorted(active, key=free.__getitem__):
+                order = orders[k]
+                if pos[k] == len(order):
+                    if pending_w[k]:
+                        c, j = pending_w[k].pop(0)
+                        run(k, "W", c, j, free[k])
+                    else:
+                        active.discard(k)
+                    decided = True
+                    break
+                kind, c, j = order[pos[k]]
+                ready = ready_time(kind, c, j)
+                # ZB-H1: at most p weight gradients wait on any rank, so no rank holds more
+                # activations than 1F1B's first stage (p micro-batches)
+                must_drain = len(pending_w[k]) >= p
+                if not must_drain and (0 <= ready <= free[k] or (ready > free[k] and not pending_w[k])):
+                    run(k, kind, c, j, max(free[k], ready))
+                    pos[k] += 1
+                    decided = True
+                    break
+                if pending_w[k]:  # next F/B not ready yet (or not even scheduled): fill with W
+                    c, j = pending_w[k].pop(0)
+                    run(k, "W", c, j, free[k])
+                    decided = True
+                    break
+            if not decided:
+                raise RuntimeError(f"schedule {schedule} deadlocks for p={p}, m={m}")
+    return Timeline(max(free), tuple(free), tuple(busy), tuple(timeline))
+
+
+def bubble_closed_form(schedule: Schedule, p: int, m: int, v: int = 1) -> float:
+    """Bubble as a fraction of the ideal time for equal stages (Narayanan et al. 2021)."""
+    if p == 1:
+        return 0.0
+    if schedule == Schedule.INTERLEAVED:
+        return (p - 1) / (v * m)  # (p-1)/(v·m)
+    return (p - 1) / m  # (p-1)/m for GPipe and 1F1B

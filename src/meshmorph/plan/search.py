@@ -1,0 +1,169 @@
+"""The planner: the fastest plans that fit memory, exact under the cost model.
+
+Configurations (plan/space.py) are visited in order of a lower bound on their step time (every
+rank's share of the layers' fastest time, m times over); the visit stops when the bound reaches
+the k-th best step found. Each configuration's stages and recompute are solved exactly
+(plan/stage_solver.py). Interleaved schedules split the blocks evenly (Megatron's requirement)
+and use one recompute mode for all blocks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field, replace
+
+from meshmorph.cost import comm
+from meshmorph.cost.estimate import GIB, Estimate
+from meshmorph.cost.model import CostModel
+from meshmorph.plan.plan import Plan, PlanError, Schedule
+from meshmorph.plan.space import Config, SearchOptions, configurations
+from meshmorph.plan.stage_solver import StageSolver, solve_partition
+from meshmorph.spec.cluster import Cluster
+from meshmorph.spec.gpus import gpu as gpu_by_name
+from meshmorph.spec.model import ModelSpec, Recompute
+
+
+class PlanDoesNotFit(PlanError):
+    """No layout of the search space fits the devices' memory."""
+
+
+@dataclass(slots=True)
+class SearchResult:
+    """The best plans, best first, with their estimates and what the search cost."""
+
+    plans: list[Plan]
+    estimates: list[Estimate]
+    search_time_s: float
+    configurations: int
+    """Configurations in the search space."""
+    configurations_solved: int
+    """Configurations whose stages were solved (the rest were cut by their bound)."""
+    notes: list[str] = field(default_factory=list)
+
+
+def lower_bound(cost: CostModel, config: Config) -> float:
+    """Some pipeline rank does at least m x (fastest time of all layers) / pp, and micro-batch 0
+    passes forward through every layer and backward again (input gradients only, for ZB)."""
+    plan = config.plan
+    coster = cost.coster(plan.dtype)
+    gpus = {name: gpu_by_name(name) for name in config.rank_gpus}
+    zb = plan.schedule == Schedule.ZERO_BUBBLE
+    total = chain = 0.0
+    for index in range(cost.model.num_layers):
+        costs = [coster.layer(index, g, plan.micro_batch, plan.tp, plan.sequence_parallel,
+                              Recompute.NONE) for g in gpus.values()]
+        total += min(c.fwd_s + c.bwd_s for c in costs)
+        chain += min(c.fwd_s + (c.bgrad_s if zb else c.bwd_s) for c in costs)
+    # tails and ZeRO-3 traffic are affine in a rank's parameters, so over the ranks they sum to
+    # at least pp x their value at the average share: add that share to the average rank's work
+    share = cost.chunk_params(0, cost.model.num_layers, plan.tp) / plan.pp
+    extra = float("inf")
+    for g in gpus.values():
+        sync, opt = cost.rank_tail(plan, share, float("inf"), g)
+        z3 = 0.0
+        if plan.zero == 3 and plan.dp > 1:
+            link = cost.group_link(g, plan.tp * plan.dp)
+            wbytes = share * cost.param_bytes(plan.dtype)[0]
+            z3 = plan.num_microbatches * (1 - cost.coef.zero3_overlap) * (
+                2 * comm.all_gather(plan.dp, wbytes, link) + comm.reduce_scatter(plan.dp, wbytes, link))
+        extra = min(extra, sync + opt + z3)
+    return max(plan.num_microbatches * total / plan.pp + extra, chain)
+
+
+def solve_config(cost: CostModel, config: Config, options: SearchOptions,
+                 bound: float) -> tuple[Plan, Estimate] | None:
+    """The fastest plan of one configuration with step time below ``bound`` (None if none)."""
+    plan = config.plan
+    gpus = [gpu_by_name(name) for name in config.rank_gpus]
+    if plan.schedule == Schedule.INTERLEAVED:
+        best = None
+        for mode in options.recompute:
+            candidate = plan.with_even_stages(cost.model, mode)
+            chunk_gpus = [gpus[c % plan.pp] for c in range(plan.num_chunks)]
+            if len(set(config.rank_gpus)) > 1:
+                candidate = replace(candidate, stages=tuple(
+                    replace(s, gpu=g.name) for s, g in zip(candidate.stages, chunk_gpus, strict=True)))
+            times = [cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
+                     for s, g in zip(candidate.stages, chunk_gpus, strict=True)]
+            estimate = cost.assemble(candidate, chunk_gpus, times)
+            if estimate.fits and estimate.step_time_s < bound:
+                bound = estimate.step_time_s
+                best = (candidate, estimate)
+        return best
+    return solve_partition(StageSolver(cost, plan, gpus, options.recompute), bound)
+
+
+def search(model: ModelSpec, cluster: Cluster, *, global_batch: int,
+           options: SearchOptions | None = None, cost: CostModel | None = None) -> SearchResult:
+    """The ``options.top_k`` fastest plans that fit, best first (one per configuration)."""
+    options = options or SearchOptions()
+    started = time.perf_counter()
+    if global_batch < 1:
+        raise PlanError(f"global_batch must be at least 1, got {global_batch}")
+    cost = cost or CostModel(model, cluster)
+    configs = list(configurations(model, cluster, global_batch, options))
+    if not configs:
+        raise PlanDoesNotFit(
+            f"no layout of {cluster.world_size} GPUs divides global batch {global_batch} with "
+            f"tp | {cluster.gpus_per_node} dividing {model.num_heads} heads; change the batch "
+            "to a multiple of the data-parallel degree or the number of GPUs"
+        )
+    bounded = sorted(((lower_bound(cost, c), i) for i, c in enumerate(configs)))
+    best: list[tuple[float, int, Plan, Estimate]] = []  # max-heap by -step
+    solved = 0
+    for bound_s, index in bounded:
+        threshold = -best[0][0] if len(best) == options.top_k else float("inf")
+        if bound_s >= threshold:
+            break
+        solved += 1
+        found = solve_config(cost, configs[index], options, threshold)
+        if found is None:
+            continue
+        plan, estimate = found
+        entry = (-estimate.step_time_s, -index, plan, estimate)
+        if len(best) < options.top_k:
+            heapq.heappush(best, entry)
+        else:
+            heapq.heappushpop(best, entry)
+    if not best:
+        raise _does_not_fit(cost, configs, bounded, options)
+    ranked = sorted(best, key=lambda e: (-e[0], -e[1]))
+    elapsed = time.perf_counter() - started
+    plans = [replace(p, predicted={**e.to_dict(), "search_time_s": elapsed}) for _, _, p, e in ranked]
+    return SearchResult(plans=plans, estimates=[e for *_, e in ranked], search_time_s=elapsed,
+                        configurations=len(configs), configurations_solved=solved)
+
+
+def _does_not_fit(cost: CostModel, configs: list[Config], bounded: list[tuple[float, int]],
+                  options: SearchOptions) -> PlanDoesNotFit:
+    """Name the constraint that failed, by how much, for the layout that came closest."""
+    closest: tuple[float, Plan, Estimate] | None = None
+    for _, index in bounded:
+        config = configs[index]
+        plan = config.plan
+        if plan.num_chunks > cost.model.num_blocks:
+            continue
+        mode = Recompute.FULL if Recompute.FULL in options.recompute else options.recompute[-1]
+        candidate = plan.with_even_stages(cost.model, mode)
+        gpus = [gpu_by_name(config.rank_gpus[c % plan.pp]) for c in range(plan.num_chunks)]
+        times = [cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
+                 for s, g in zip(candidate.stages, gpus, strict=True)]
+        estimate = cost.assemble(candidate, gpus, times)
+        excess = max(m.total - b for m, b in zip(estimate.memory, estimate.memory_budget_bytes,
+                                                   strict=True))
+        if closest is None or excess < closest[0]:
+            closest = (excess, candidate, estimate)
+    if closest is None:
+        return PlanDoesNotFit("no layout of the search space can hold the model's layers")
+    _, plan, estimate = closest
+    stage = max(range(plan.pp), key=lambda k: estimate.memory[k].total - estimate.memory_budget_bytes[k])
+    need = estimate.memory[stage].total / GIB
+    have = estimate.memory_budget_bytes[stage] / GIB
+    return PlanDoesNotFit(
+        f"no plan fits memory: the closest (tp {plan.tp}, pp {plan.pp}, dp {plan.dp}, "
+        f"zero {plan.zero}, micro-batch {plan.micro_batch}, full recompute) needs "
+        f"{need:.1f} GiB per GPU on stage {stage}, the device has {have:.1f} GiB "
+        f"(over by {need - have:.1f} GiB); use more or larger GPUs, a shorter sequence, "
+        "or allow ZeRO-3 and full recompute"
+    )

@@ -1,0 +1,141 @@
+"""The search space of the planner: every layout it considers, as plain configurations.
+
+A configuration fixes everything but the stage boundaries and per-layer recompute: tp (inside a
+node, dividing heads and FFN), pp, dp = world / (tp * pp) dividing the batch, ZeRO stage,
+sequence parallel, micro-batch size, schedule (GPipe, 1F1B, ZB-H1; interleaved with v chunks
+when the blocks split evenly into pp * v chunks) and, on mixed clusters, which GPU type each
+pipeline rank uses (groups stay contiguous; every order of the groups is tried).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import permutations
+
+from meshmorph.plan.plan import Plan, Schedule
+from meshmorph.spec.cluster import Cluster
+from meshmorph.spec.model import ModelSpec, Recompute
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchOptions:
+    """Limits of the search space."""
+
+    top_k: int = 5
+    """How many plans to return (the best configurations, each with its best stages)."""
+    dtype: str = "bf16"
+    """Training dtype."""
+    max_micro_batch: int = 16
+    """Largest micro-batch size tried."""
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """ZeRO stages tried when dp > 1."""
+    schedules: tuple[Schedule, ...] = tuple(Schedule)
+    """Pipeline schedules tried when pp > 1."""
+    max_vpp: int = 4
+    """Most virtual stages per pipeline rank for the interleaved schedule."""
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    """Sequence-parallel settings tried when tp > 1."""
+    recompute: tuple[Recompute, ...] = tuple(Recompute)
+    """Recompute modes a layer may use."""
+    tp_degrees: tuple[int, ...] | None = None
+    """Only these tensor-parallel degrees (None: all that fit a node and divide the model)."""
+    pp_degrees: tuple[int, ...] | None = None
+    """Only these pipeline degrees (None: all)."""
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be at least 1, got {self.top_k}")
+        if self.max_micro_batch < 1:
+            raise ValueError(f"max_micro_batch must be at least 1, got {self.max_micro_batch}")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """One point of the search space, stages not yet chosen."""
+
+    plan: Plan
+    """The plan without stages."""
+    rank_gpus: tuple[str, ...]
+    """GPU type of each pipeline rank."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_degrees(model: ModelSpec, cluster: Cluster, options: SearchOptions) -> list[int]:
+    if not model.tp_splittable:
+        return [1]
+    out = []
+    for tp in divisors(cluster.gpus_per_node):
+        if options.tp_degrees is not None and tp not in options.tp_degrees:
+            continue
+        if model.num_heads % tp or model.num_kv_heads % tp or model.ffn_hidden_size % tp:
+            continue
+        out.append(tp)
+    return out
+
+
+def rank_gpu_orders(cluster: Cluster, tp: int, dp: int, pp: int) -> list[tuple[str, ...]]:
+    """GPU type per pipeline rank: each group hosts (its GPUs) / (tp * dp) ranks."""
+    width = tp * dp
+    if any(group.num_gpus % width for group in cluster.groups):
+        return []
+    counts: dict[str, int] = {}
+    for group in cluster.groups:
+        counts[group.gpu.name] = counts.get(group.gpu.name, 0) + group.num_gpus // width
+    if sum(counts.values()) != pp:
+        return []
+    orders = {tuple(name for name in order for _ in range(counts[name]))
+              for order in permutations(counts)}
+    return sorted(orders)
+
+
+def configurations(model: ModelSpec, cluster: Cluster, global_batch: int,
+                   options: SearchOptions) -> Iterator[Config]:
+    """Every configuration of the search space."""
+    world = cluster.world_size
+    blocks = model.num_blocks
+    for tp in tp_degrees(model, cluster, options):
+        for pp in divisors(world // tp) if world % tp == 0 else []:
+            if options.pp_degrees is not None and pp not in options.pp_degrees:
+                continue
+            if pp > model.num_layers:
+                continue
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                continue
+            for gpus in rank_gpu_orders(cluster, tp, dp, pp):
+                yield from _inner(model, global_batch, options, tp, pp, dp, gpus, blocks)
+
+
+def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int, pp: int, dp: int,
+           gpus: tuple[str, ...], blocks: int) -> Iterator[Config]:
+    per_rank = global_batch // dp
+    for b in divisors(per_rank):
+        if b > options.max_micro_batch:
+            break
+        m = per_rank // b
+        schedules: list[tuple[Schedule, int]] = []
+        if pp == 1:
+            schedules.append((Schedule.ONE_F_ONE_B, 1))
+        else:
+            for schedule in options.schedules:
+                one_chunk = (Schedule.GPIPE,) if m < pp else (
+                    Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE)
+                if schedule in one_chunk:
+                    schedules.append((schedule, 1))
+                elif schedule == Schedule.INTERLEAVED and m >= pp and m % pp == 0:
+                    schedules.extend((schedule, v) for v in range(2, options.max_vpp + 1)
+                                     if blocks % (pp * v) == 0)
+        for zero in options.zero_stages if dp > 1 else (0,):
+            for sp in options.sequence_parallel if tp > 1 else (False,):
+                if sp and model.seq_len % tp:
+                    continue
+                for schedule, vpp in schedules:
+                    plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=global_batch,
+                                tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=b, num_microbatches=m,
+                                schedule=schedule, vpp=vpp, sequence_parallel=sp,
+                                dtype=options.dtype)
+                    yield Config(plan, gpus)

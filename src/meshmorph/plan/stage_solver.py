@@ -1,0 +1,302 @@
+"""The best recompute for one pipeline stage, and the exact stage partition of one configuration.
+
+Per stage: among the layers of one kind (identical figures), which ones recompute does not
+change time or memory, so the choice is how many use full and how many selective recompute.
+For each count of full-recompute layers the fewest selective ones that fit memory are taken;
+the fastest of those is the stage's best. The step time never decreases when a stage's times
+grow (pipeline.simulate), so the best recompute per stage is the best for the whole plan.
+
+Partition: depth-first over the end of each stage with branch and bound. A rank s must run
+m forwards and backwards, after the first micro-batch reached it and before the last backward
+left it, so any completion of a partial partition takes at least
+max_s [sum_{r<s}(f_r + B_r) + m (f_s + b_s) + tail_s]; the layers still to place need at
+least m * (their fastest total) / (ranks left) on some rank, and micro-batch 0 must pass forward
+through them and back (B: the input-gradient part in zero-bubble, else the whole backward). Branches whose bound is not below
+the best step found are cut; leaves are simulated. The result equals brute-force enumeration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from meshmorph.cost.estimate import Estimate
+from meshmorph.cost.model import ChunkTime, CostModel, in_flight_microbatches
+from meshmorph.plan.plan import Plan, Schedule, StagePlan
+from meshmorph.spec.gpus import GPUSpec
+from meshmorph.spec.model import Recompute
+
+_ORDER = (Recompute.FULL, Recompute.SELECTIVE, Recompute.NONE)
+
+
+@dataclass(frozen=True, slots=True)
+class StageChoice:
+    """A stage's recompute and what it costs (shared by every stage with the same layers)."""
+
+    recompute: tuple[Recompute, ...]
+    time: ChunkTime
+    tail_s: float
+    """Exposed gradient sync + optimizer after the rank's last backward."""
+
+
+class StageSolver:
+    """Solves the stages of one configuration on one CostModel."""
+
+    def __init__(self, cost: CostModel, plan: Plan, gpus: Sequence[GPUSpec],
+                 modes: Sequence[Recompute]):
+        self.cost = cost
+        self.plan = plan
+        self.gpus = list(gpus)
+        self.modes = [m for m in _ORDER if m in modes]
+        self.model = cost.model
+        self.L = self.model.num_layers
+        self.classes = cost.coster(plan.dtype).classes
+        self.zb = plan.schedule == Schedule.ZERO_BUBBLE
+        self._cache: dict[tuple, StageChoice | None] = {}
+        self.class_prefix = []
+        for rep in sorted(set(self.classes)):
+            prefix = [0]
+            for c in self.classes:
+                prefix.append(prefix[-1] + (c == rep))
+            self.class_prefix.append(prefix)
+        # fastest per-micro-batch time of each layer over the GPUs in use (for the bounds)
+        coster = cost.coster(plan.dtype)
+        fastest, chain = [], []
+        for index in range(self.L):
+            costs = [coster.layer(index, g, plan.micro_batch, plan.tp, plan.sequence_parallel,
+                                  Recompute.NONE) for g in set_of(self.gpus)]
+            fastest.append(min(c.fwd_s + c.bwd_s for c in costs))
+            chain.append(min(c.fwd_s + (c.bgrad_s if self.zb else c.bwd_s) for c in costs))
+        # suffix sums: fastest work of layers [i, L), and of their forward + input-gradient chain
+        self.suffix_min = [0.0] * (self.L + 1)
+        self.suffix_chain = [0.0] * (self.L + 1)
+        for index in range(self.L - 1, -1, -1):
+            self.suffix_min[index] = self.suffix_min[index + 1] + fastest[index]
+            self.suffix_chain[index] = self.suffix_chain[index + 1] + chain[index]
+
+    # --- one stage -----------------------------------------------------------------------------
+    def stage(self, k: int, start: int, stop: int) -> StageChoice | None:
+        """Fastest recompute for layers [start, stop) on pipeline rank k that fits, or None."""
+        gpu = self.gpus[k]
+        in_flight = in_flight_microbatches(self.plan.schedule, self.plan.pp, k,
+                                           self.plan.num_microbatches, self.plan.vpp)
+        # layers of one class are interchangeable: the stage is known by its class counts
+        counts = tuple(prefix[stop] - prefix[start] for prefix in self.class_prefix)
+        key = (gpu.name, in_flight, start == 0, stop == self.L, counts)
+        choice = self._cache.get(key, False)
+        if choice is False:
+            choice = self._cache[key] = self._solve(k, start, stop, gpu)
+        return choice
+
+    def _extra_backward(self, index: int, gpu: GPUSpec) -> dict[Recompute, float]:
+        """Backward time a layer adds per mode over no recompute."""
+        coster = self.cost.coster(self.plan.dtype)
+        plan = self.plan
+        base = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
+                            Recompute.NONE).bwd_s
+        return {mode: coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
+                                   mode).bwd_s - base if mode in self.model.layers[index].activation
+                else float("inf") for mode in (Recompute.FULL, Recompute.SELECTIVE)}
+
+    def _fits(self, k: int, start: int, stop: int, modes: tuple[Recompute, ...], gpu: GPUSpec) -> bool:
+        memory = self.cost.rank_memory(self.plan, k, [(start, stop, modes)], gpu)
+        return memory.total <= gpu.memory_bytes
+
+    def _solve(self, k: int, start: int, stop: int, gpu: GPUSpec) -> StageChoice | None:
+        layers = range(start, stop)
+        flexible = [i for i in layers
+                    if sum(1 for m in self.modes if m in self.model.layers[i].activation) > 1]
+        # group interchangeable layers: same class -> same time and memory
+        groups: dict[int, list[int]] = {}
+        for i in flexible:
+            groups.setdefault(self.classes[i], []).append(i)
+        best: StageChoice | None = None
+        for modes in self._assignments(k, start, stop, gpu, list(groups.values())):
+            time = self.cost.chunk_time(self.plan, start, stop, modes, gpu)
+            key = time.bgrad_s if self.zb else time.bwd_s
+            if best is None or (time.fwd_s + key, time.bwd_s) < (
+                    best.time.fwd_s + (best.time.bgrad_s if self.zb else best.time.bwd_s),
+                    best.time.bwd_s):
+                best = StageChoice(modes, time, 0.0)
+        if best is None:
+            return None
+        sync, opt = self.cost.rank_tail(self.plan, best.time.params, best.time.compute_s * 2 / 3, gpu)
+        return replace(best, tail_s=sync + opt)
+
+    def _assignments(self, k: int, start: int, stop: int, gpu: GPUSpec,
+                     groups: list[list[int]]):  # type: ignore[no-untyped-def]
+        """Recompute tuples worth trying: per group, each count of full layers with the fewest
+        selective ones that fit (memory falls as layers move none -> selective -> full)."""
+        base = [Recompute.NONE] * (stop - start)
+
+        def build(counts: list[tuple[int, int]]) -> tuple[Recompute, ...]:
+            modes = list(base)
+            for group, (n_full, n_sel) in zip(groups, counts, strict=True):
+                for j, index in enumerate(group):
+                    mode = Recompute.FULL if j < n_full else (
+                        Recompute.SELECTIVE if j < n_full + n_sel else Recompute.NONE)
+                    if mode not in self.model.layers[index].activation:
+                        mode = Recompute.NONE
+                    modes[index - start] = mode
+            return tuple(modes)
+
+        if not groups:
+            modes = build([])
+            if self._fits(k, start, stop, modes, gpu):
+                yield modes
+            return
+
+        def options(group: list[int]) -> list[tuple[int, int]]:
+            n = len(group)
+            full_ok = Recompute.FULL in self.modes
+            sel_ok = Recompute.SELECTIVE in self.modes
+            return [(f, s) for f in (range(n + 1) if full_ok else [0])
+                    for s in (range(n - f + 1) if sel_ok else [0])]
+
+        def rec(i: int, chosen: list[tuple[int, int]]):  # type: ignore[no-untyped-def]
+            if i == len(groups):
+                modes = build(chosen)
+                if self._fits(k, start, stop, modes, gpu):
+                    yield modes
+                return
+            if len(groups) == 1:
+                # one group (the usual case): for each n_full the fewest n_sel that fit; a full
+                # recompute costs more than a selective one, so stop once n_full alone costs more
+                # than the best found
+                n = len(groups[0])
+                extra = self._extra_backward(groups[0][0], gpu)
+                best_extra = float("inf")
+                for n_full in (range(n + 1) if Recompute.FULL in self.modes else [0]):
+                    if n_full * extra[Recompute.FULL] >= best_extra:
+                        break
+                    sels = range(n - n_full + 1) if Recompute.SELECTIVE in self.modes else range(1)
+                    lo, hi = 0, len(sels) - 1
+                    if not self._fits(k, start, stop, build([(n_full, sels[hi])]), gpu):
+                        continue
+                    while lo < hi:  # memory decreases as n_sel grows: binary search
+                        mid = (lo + hi) // 2
+                        if self._fits(k, start, stop, build([(n_full, sels[mid])]), gpu):
+                            hi = mid
+                        else:
+                            lo = mid + 1
+                    cost = n_full * extra[Recompute.FULL] + sels[lo] * extra[Recompute.SELECTIVE]
+                    best_extra = min(best_extra, cost)
+                    yield build([(n_full, sels[lo])])
+                return
+            for option in options(groups[i]):
+                yield from rec(i + 1, [*chosen, option])
+
+        yield from rec(0, [])
+
+
+def set_of(gpus: Sequence[GPUSpec]) -> list[GPUSpec]:
+    seen: dict[str, GPUSpec] = {}
+    for gpu in gpus:
+        seen.setdefault(gpu.name, gpu)
+    return list(seen.values())
+
+
+def solve_partition(solver: StageSolver, bound: float) -> tuple[Plan, Estimate] | None:
+    """The fastest stage partition of a non-interleaved configuration with step time below
+    ``bound``, or None."""
+    plan, p, L = solver.plan, solver.plan.pp, solver.L
+    m = plan.num_microbatches
+    best: list = [bound, None]
+
+    mixed = len(set_of(solver.gpus)) > 1
+
+    def evaluate(choices: list[tuple[int, int, StageChoice]]) -> None:
+        stages = tuple(StagePlan(start=a, stop=b, recompute=c.recompute,
+                                 gpu=g.name if mixed else None)
+                       for (a, b, c), g in zip(choices, solver.gpus, strict=True))
+        candidate = replace(plan, stages=stages)
+        estimate = solver.cost.assemble(candidate, solver.gpus, [c.time for _, _, c in choices])
+        if estimate.step_time_s < best[0]:
+            best[0], best[1] = estimate.step_time_s, (candidate, estimate)
+
+    # a balanced partition first, for a good incumbent
+    greedy = _balanced(solver)
+    if greedy is not None:
+        evaluate(greedy)
+
+    one_f_one_b = plan.schedule == Schedule.ONE_F_ONE_B
+    gpipe = plan.schedule == Schedule.GPIPE
+
+    def own_bound(k: int, prefix_f: float, prefix_b: float, t: ChunkTime, tail: float,
+                  after: float) -> float:
+        """Lower bound on the step from rank k alone (``after``: least time of the chain of the
+        ranks after k)."""
+        generic = prefix_f + prefix_b + m * (t.fwd_s + t.bwd_s) + tail
+        if not one_f_one_b:
+            return generic
+        # 1F1B: rank k runs m forwards and m - w backwards before its last forward ends, then
+        # waits for that micro-batch's chain through the later ranks (or runs its w other
+        # backwards), then its last backward; afterwards the tail, or the chain back to rank 0
+        w = min(p - k - 1, m)
+        last_b = prefix_f + m * t.fwd_s + (m - w) * t.bwd_s + max(after, w * t.bwd_s)
+        return max(generic, last_b + max(tail, prefix_b))
+
+    def flow_shop(prefix: float, max_f: float, max_b: float, t: ChunkTime, after: float) -> float:
+        """GPipe runs a forward then a backward flow shop of m identical jobs: each takes at
+        least the sum of its stages plus (m - 1) x its slowest stage."""
+        if not gpipe:
+            return 0.0
+        return prefix + t.fwd_s + t.bwd_s + after + (m - 1) * (max(max_f, t.fwd_s) + max(max_b, t.bwd_s))
+
+    def dfs(k: int, start: int, prefix_f: float, prefix_b: float, lower: float,
+            chosen: list[tuple[int, int, StageChoice]], max_f: float = 0.0,
+            max_b: float = 0.0) -> None:
+        if k == p - 1:
+            choice = solver.stage(k, start, L)
+            if choice is None:
+                return
+            own = own_bound(k, prefix_f, prefix_b, choice.time, choice.tail_s, 0.0)
+            own = max(own, flow_shop(prefix_f + prefix_b, max_f, max_b, choice.time, 0.0))
+            if max(lower, own) < best[0]:
+                evaluate([*chosen, (start, L, choice)])
+            return
+        for stop in range(start + 1, L - (p - 1 - k) + 1):
+            choice = solver.stage(k, start, stop)
+            if choice is None:
+                break  # more layers never need less memory
+            t = choice.time
+            generic = prefix_f + prefix_b + m * (t.fwd_s + t.bwd_s) + choice.tail_s
+            if generic >= best[0]:
+                break  # longer stages only take longer
+            own = own_bound(k, prefix_f, prefix_b, t, choice.tail_s, solver.suffix_chain[stop])
+            own = max(own, flow_shop(prefix_f + prefix_b, max_f, max_b, t, solver.suffix_chain[stop]))
+            step_b = t.bgrad_s if solver.zb else t.bwd_s
+            # the layers left need m x their work / (ranks left) on some rank, and micro-batch 0
+            # must still pass forward through them and backward again
+            rest = prefix_f + prefix_b + t.fwd_s + step_b + max(
+                m * solver.suffix_min[stop] / (p - 1 - k), solver.suffix_chain[stop])
+            if max(lower, own, rest) >= best[0]:
+                continue
+            dfs(k + 1, stop, prefix_f + t.fwd_s, prefix_b + step_b, max(lower, own),
+                [*chosen, (start, stop, choice)], max(max_f, t.fwd_s), max(max_b, t.bwd_s))
+
+    dfs(0, 0, 0.0, 0.0, 0.0, [])
+    return best[1]
+
+
+def _balanced(solver: StageSolver) -> list[tuple[int, int, StageChoice]] | None:
+    """Greedy: fill each stage up to an equal share of the remaining fastest time."""
+    p, L = solver.plan.pp, solver.L
+    choices, start = [], 0
+    for k in range(p):
+        left = p - k
+        if k == p - 1:
+            stop = L
+        else:
+            target = solver.suffix_min[start] / left
+            stop, acc = start, 0.0
+            while stop < L - (left - 1) and (stop == start or acc + (
+                    solver.suffix_min[stop] - solver.suffix_min[stop + 1]) / 2 <= target):
+                acc += solver.suffix_min[stop] - solver.suffix_min[stop + 1]
+                stop += 1
+        choice = solver.stage(k, start, stop)
+        if choice is None:
+            return None
+        choices.append((start, stop, choice))
+        start = stop
+    return choices

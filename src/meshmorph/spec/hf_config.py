@@ -1,0 +1,150 @@
+"""Import a Hugging Face ``config.json`` as a ModelSpec.
+
+Two layouts are read:
+
+- GPT-2 style (``n_layer, n_embd, n_head, vocab_size, n_positions``; optional ``n_inner``,
+  ``tie_word_embeddings``): LayerNorm, GeLU MLP, learned positions -> arch ``gpt``.
+- Llama style (``num_hidden_layers, hidden_size, num_attention_heads, intermediate_size,
+  vocab_size, max_position_embeddings``; optional ``num_key_value_heads``,
+  ``tie_word_embeddings``): RMSNorm, SwiGLU, RoPE, grouped-query attention -> arch ``llama``.
+  Mistral, Qwen2 and other configs that use the same keys and a SiLU activation read the same way
+  (attention biases, where a model has them, are not counted).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.transformer import TransformerShape, build_transformer
+
+_GPT_KEYS = ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions")
+_LLAMA_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+               "vocab_size", "max_position_embeddings")
+_LAYOUTS = (
+    f"GPT-2 style ({', '.join(_GPT_KEYS)}; optional n_inner, tie_word_embeddings) or "
+    f"Llama style ({', '.join(_LLAMA_KEYS)}; optional num_key_value_heads, tie_word_embeddings)"
+)
+_SWIGLU_ACTIVATIONS = ("silu", "swish", "swiglu")
+
+
+def from_hf_config(path: Path | str, seq_len: int | None = None) -> ModelSpec:
+    """A ModelSpec from a Hugging Face ``config.json``, at the config's context length
+    (``n_positions`` / ``max_position_embeddings``) or at ``seq_len``."""
+    path = Path(path)
+    config = _read(path)
+    if "n_layer" in config:
+        read = _gpt_shape
+    elif "num_hidden_layers" in config:
+        read = _llama_shape
+    else:
+        raise ValueError(f"{path}: unknown config layout; meshmorph reads {_LAYOUTS}")
+    try:
+        shape = read(config, path, seq_len)
+    except ValueError as exc:  # TransformerShape's own checks (heads dividing the width, ...)
+        message = str(exc)
+        raise ValueError(message if message.startswith(str(path)) else f"{path}: {message}") from None
+    return build_transformer(shape)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"model config {path} does not exist; pass the path of a Hugging Face config.json, "
+            "a catalog name (meshmorph models) or a package.module:function factory"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object of model settings, got {type(config).__name__}")
+    return config
+
+
+def _name(config: dict[str, Any], path: Path) -> str:
+    """``_name_or_path`` if the config has one, else the file stem (the folder for ``config.json``)."""
+    name = config.get("_name_or_path")
+    if isinstance(name, str) and name:
+        return name
+    if path.stem == "config" and path.resolve().parent.name:
+        return path.resolve().parent.name
+    return path.stem
+
+
+def _require(config: dict[str, Any], keys: tuple[str, ...], path: Path, layout: str,
+             optional: tuple[str, ...] = ()) -> None:
+    missing = [key for key in keys if key not in config and key not in optional]
+    if missing:
+        raise ValueError(
+            f"{path}: {layout} config is missing {', '.join(missing)}; meshmorph reads {_LAYOUTS}"
+        )
+    for key in keys:
+        value = config.get(key)
+        if key in config and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"{path}: {key} must be a positive integer, got {value!r}")
+
+
+def _context(config: dict[str, Any], key: str, seq_len: int | None) -> int:
+    if seq_len is None:
+        return int(config[key])
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    return seq_len
+
+
+def _gpt_shape(config: dict[str, Any], path: Path, seq_len: int | None) -> TransformerShape:
+    _require(config, _GPT_KEYS, path, "GPT-2 style", optional=("n_positions",) if seq_len else ())
+    s = _context(config, "n_positions", seq_len)
+    if "n_positions" in config and s > config["n_positions"]:
+        raise ValueError(
+            f"{path}: seq_len {s} exceeds n_positions {config['n_positions']} (GPT-2 style models "
+            "learn one embedding per position); use seq_len <= n_positions"
+        )
+    inner = config.get("n_inner")  # None (the usual value) means 4 * n_embd
+    if inner is not None and (not isinstance(inner, int) or inner <= 0):
+        raise ValueError(f"{path}: n_inner must be a positive integer or null, got {inner!r}")
+    return TransformerShape(
+        name=_name(config, path),
+        arch="gpt",
+        num_layers=config["n_layer"],
+        hidden_size=config["n_embd"],
+        num_heads=config["n_head"],
+        vocab_size=config["vocab_size"],
+        seq_len=s,
+        ffn_hidden_size=inner,
+        tied_embeddings=bool(config.get("tie_word_embeddings", True)),  # HF's GPT-2 default
+    )
+
+
+def _llama_shape(config: dict[str, Any], path: Path, seq_len: int | None) -> TransformerShape:
+    optional = ("max_position_embeddings",) if seq_len else ()
+    _require(config, _LLAMA_KEYS, path, "Llama style", optional=optional)
+    activation = config.get("hidden_act", "silu")
+    if activation not in _SWIGLU_ACTIVATIONS:
+        raise ValueError(
+            f"{path}: hidden_act {activation!r} is not a SwiGLU activation; Llama style configs "
+            f"must use one of {', '.join(_SWIGLU_ACTIVATIONS)} (for a GeLU MLP write a GPT-2 style "
+            "config, or trace the model with package.module:function)"
+        )
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads  # absent or null: no GQA
+    if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
+        raise ValueError(
+            f"{path}: num_key_value_heads {kv_heads!r} must be a positive divisor of "
+            f"num_attention_heads {heads}"
+        )
+    return TransformerShape(
+        name=_name(config, path),
+        arch="llama",
+        num_layers=config["num_hidden_layers"],
+        hidden_size=config["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        ffn_hidden_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        seq_len=_context(config, "max_position_embeddings", seq_len),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),  # HF's Llama default
+    )

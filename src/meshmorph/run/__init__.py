@@ -1,0 +1,1 @@
+"""Runs a Plan on torch.distributed: models, parallelism, pipeline, data, checkpoints, launch."""

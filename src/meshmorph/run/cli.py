@@ -1,0 +1,47 @@
+"""Subcommands of the run package: ``meshmorph run`` and ``meshmorph demo``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def _run(args: argparse.Namespace) -> int:
+    from meshmorph.run.launch import run_job
+
+    return run_job(args.config, nproc=args.nproc, plan_arg=args.plan, resume=args.resume,
+                   out=args.out)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from meshmorph.run.demo import run_demo
+
+    return run_demo(nproc=args.nproc, steps=args.steps, out=args.out)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    run = subparsers.add_parser(
+        "run", help="train a job on local processes (torchrun)",
+        description="Check a job file, its data and its plan, then train it under torchrun.",
+    )
+    run.add_argument("--config", required=True, type=Path, help="job file (TOML)")
+    run.add_argument("--nproc", type=int, default=None,
+                     help="processes on this machine (default: the plan's world size, or 1)")
+    run.add_argument("--plan", default=None, metavar="FILE|auto",
+                     help="plan JSON, or 'auto' to search one; default: pure data parallelism")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from the newest complete checkpoint of the run folder")
+    run.add_argument("--out", type=Path, default=None,
+                     help="run folder (default: [run] out_dir of the job file)")
+    run.set_defaults(func=_run)
+
+    demo = subparsers.add_parser(
+        "demo", help="plan and train a small GPT on local CPU processes (about a minute)",
+        description="Plan gpt-small for local CPU processes, show the plans, train it on a "
+                    "synthetic task and write metrics.jsonl and loss.png.",
+    )
+    demo.add_argument("--nproc", type=int, default=4, help="processes (default 4)")
+    demo.add_argument("--steps", type=int, default=None,
+                      help="training steps (default: about a minute of training)")
+    demo.add_argument("--out", type=Path, default=None, help="run folder (default runs/demo)")
+    demo.set_defaults(func=_demo)

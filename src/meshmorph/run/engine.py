@@ -1,0 +1,272 @@
+"""TrainEngine: runs one optimizer step of any Plan, with the numbers of a single device.
+
+One step: this data-parallel rank's share of the global batch is cut into micro-batches; each
+micro-batch's mean token loss is back-propagated scaled by 1/m (by hand, or by the pipeline
+schedule), data parallelism averages over the dp ranks, so the accumulated gradient is that of
+the global-batch mean. Tied embedding copies on different pipeline ranks are summed, the global
+gradient norm is taken over every shard once, gradients are clipped, and AdamW and the LR
+schedule step. ``reference_losses`` runs the same arithmetic in one process: the ground truth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from meshmorph.plan.plan import Plan, PlanError, Schedule
+from meshmorph.run.config import OptimConfig
+from meshmorph.run.grad_norm import clip_grads_, global_grad_norm
+from meshmorph.run.loss import token_cross_entropy
+from meshmorph.run.mesh import TrainMesh, build_mesh
+from meshmorph.run.models import Transformer, build_chunk, build_model
+from meshmorph.run.parallelize import parallelize
+from meshmorph.run.pipeline import build_schedule
+from meshmorph.spec.model import ModelSpec
+
+
+def validate_plan(model: ModelSpec, plan: Plan, world_size: int) -> None:
+    """Refuse, before any process group exists, a plan this model or job cannot run."""
+    plan.check_against(model, world_size)
+    if model.arch not in ("gpt", "llama"):
+        raise PlanError(
+            f"model {model.name!r} has arch {model.arch!r}; the runtime builds only 'gpt' and "
+            "'llama' decoders (catalog models or HF configs)"
+        )
+    if plan.seq_len != model.seq_len:
+        raise PlanError(
+            f"plan seq_len {plan.seq_len} != model seq_len {model.seq_len}; load the model at "
+            f"seq_len {plan.seq_len} (ModelSpec.with_seq_len) or re-plan"
+        )
+    if plan.pp == 1 and plan.num_chunks > 1:
+        raise PlanError(f"vpp {plan.vpp} needs pp > 1; set vpp 1 or raise pp")
+    if plan.schedule == Schedule.ZERO_BUBBLE and plan.pp > 1:
+        rounds = max(1, plan.num_microbatches // plan.pp)
+        if plan.num_microbatches % rounds:
+            raise PlanError(
+                f"zero-bubble runs micro-batches in rounds of pp {plan.pp}: num_microbatches "
+                f"{plan.num_microbatches} is not a multiple of {rounds} rounds; use a multiple of pp"
+            )
+
+
+def _make_optimizer(params: list[nn.Parameter], optim: OptimConfig
+                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    opt = torch.optim.AdamW(params, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                            weight_decay=optim.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: optim.lr_at(step) / optim.lr)
+    return opt, sched
+
+
+class TrainEngine:
+    """This rank's model chunks, their optimizers and the step that trains them."""
+
+    def __init__(self, *, spec: ModelSpec, plan: Plan, optim: OptimConfig, mesh: TrainMesh,
+                 model_parts: list[Transformer], runners: list[nn.Module], chunk_ids: list[int],
+                 device: torch.device) -> None:
+        self.spec, self.plan, self.optim, self.device = spec, plan, optim, device
+        self.train_mesh = mesh
+        self.mesh: DeviceMesh = mesh.mesh
+        self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp
+        self.model_parts: list[nn.Module] = list(model_parts)
+        self._runners = runners  # what runs each part: a DDP wrapper or the part itself
+        self.chunk_ids = chunk_ids
+        pairs = [_make_optimizer(list(part.parameters()), optim) for part in model_parts]
+        self.optimizers = [opt for opt, _ in pairs]
+        self.lr_schedulers = [sched for _, sched in pairs]
+        self.has_first = 0 in chunk_ids
+        self.has_last = plan.num_chunks - 1 in chunk_ids
+        self.schedule = None
+        if plan.pp > 1:
+            logits_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            self.schedule = build_schedule(runners, chunk_ids, spec, plan, mesh, device,
+                                           token_cross_entropy, logits_dtype)
+        self._tied_group = self._make_tied_group()
+        self._grad_norm = float("nan")
+        self._autocast = (partial(torch.autocast, "cuda", dtype=torch.bfloat16)
+                          if device.type == "cuda" else contextlib.nullcontext)
+
+    # --- tied embeddings across pipeline ranks ------------------------------------------------
+    def _make_tied_group(self) -> dist.ProcessGroup | None:
+        """Group of the two pipeline ranks that hold the embedding and the tied head copy."""
+        if not self.spec.tied_embeddings or self.plan.pp == 1:
+            return None
+        if self.plan.pp == 2:
+            return self.train_mesh.group("pp")
+        mine = None
+        for dp_rank in range(self.plan.dp):  # every rank creates every group, in the same order
+            for tp_rank in range(self.plan.tp):
+                ranks = [self.plan.rank_of(0, dp_rank, tp_rank),
+                         self.plan.rank_of(self.plan.pp - 1, dp_rank, tp_rank)]
+                group = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    mine = group
+        return mine
+
+    def _tied_copies(self) -> list[nn.Parameter]:
+        copies = []
+        for part in self.model_parts:
+            if part.embed is not None:
+                copies.append(part.embed.tok.weight)
+            if part.head is not None and self.spec.tied_embeddings:
+                copies.append(part.head.out.weight)
+        return copies
+
+    def _align_grads(self) -> None:
+        """Give every DTensor gradient its parameter's placements (tensor parallelism can leave a
+        gradient Partial or Replicate where the parameter is sharded)."""
+        for part in self.model_parts:
+            for param in part.parameters():
+                grad = param.grad
+                if isinstance(grad, DTensor) and grad.placements != param.placements:
+                    param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+    def _sync_tied_grads(self) -> None:
+        """Sum the gradients of the embedding and its head copy (pipeline ranks 0 and pp-1)."""
+        if self._tied_group is None:
+            return
+        copies = [p for p in self._tied_copies() if p.grad is not None]
+        if not copies:
+            return
+        local = [_local(p.grad) for p in copies]
+        total = torch.stack(local).sum(0) if len(local) > 1 else local[0].clone()
+        dist.all_reduce(total, group=self._tied_group)
+        for grad in local:
+            grad.copy_(total)
+
+    def _norm_params(self) -> list[nn.Parameter]:
+        """Every parameter once: a head copy of a tied embedding on a later rank is not counted."""
+        skip = set()
+        if self._tied_group is not None:
+            skip = {id(part.head.out.weight) for part in self.model_parts
+                    if part.head is not None and part.embed is None}
+        return [p for part in self.model_parts for p in part.parameters()
+                if p.grad is not None and id(p) not in skip]
+
+    # --- the step ------------------------------------------------------------------------------
+    def _accumulate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Gradient accumulation without a pipeline; returns the sum of micro-batch mean losses."""
+        model, m = self._runners[0], self.plan.num_microbatches
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, (x, y) in enumerate(zip(inputs.chunk(m), labels.chunk(m), strict=True)):
+            sync = i == m - 1 or self.plan.zero >= 2  # zero 2/3 reduce-scatter every micro-batch
+            if isinstance(model, FSDPModule):
+                model.set_requires_gradient_sync(sync)
+            no_sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not sync \
+                else contextlib.nullcontext()
+            with no_sync:
+                with self._autocast():
+                    loss = token_cross_entropy(model(x), y)
+                (loss / m).backward()  # d(mean over m micro-batches) = sum of d(loss_i) / m
+            total += loss.detach().double()
+        return total
+
+    def _pipelined(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        target = labels if self.has_last else None
+        with self._autocast():
+            self.schedule.step(*args, target=target, losses=losses if self.has_last else None)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for loss in losses:
+            total += loss.detach().double()
+        return total
+
+    def step(self, tokens: torch.Tensor) -> float:
+        """Train on this dp rank's share of one global batch, LongTensor[G / dp, s + 1]; returns
+        the mean token loss over the whole global batch (identical on every rank)."""
+        plan = self.plan
+        expected = (plan.global_batch // plan.dp, plan.seq_len + 1)
+        if tuple(tokens.shape) != expected:
+            raise ValueError(f"step() takes tokens of shape {list(expected)} (global_batch / dp, "
+                             f"seq_len + 1), got {list(tokens.shape)}")
+        tokens = tokens.to(self.device)
+        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        if self.schedule is None:
+            loss_sum = self._accumulate(inputs, labels)
+        else:
+            loss_sum = self._pipelined(inputs, labels)
+        self._align_grads()
+        self._sync_tied_grads()
+        self._grad_norm = global_grad_norm([p.grad for p in self._norm_params()],
+                                           self.train_mesh)
+        if self.optim.grad_clip > 0:
+            grads = [p.grad for part in self.model_parts for p in part.parameters()
+                     if p.grad is not None]
+            clip_grads_(grads, self._grad_norm, self.optim.grad_clip)
+        for opt, sched in zip(self.optimizers, self.lr_schedulers, strict=True):
+            opt.step()
+            sched.step()
+        # every last-stage rank holds the sum of its m micro-batch means; tp ranks repeat it
+        if not self.has_last:
+            loss_sum.zero_()
+        dist.all_reduce(loss_sum)
+        return float(loss_sum) / (plan.num_microbatches * plan.dp * plan.tp)
+
+    def grad_norm_last(self) -> float:
+        """The global gradient norm of the last step, before clipping."""
+        return self._grad_norm
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def build_engine(model: ModelSpec, plan: Plan, optim: OptimConfig, *, seed: int,
+                 device: torch.device) -> TrainEngine:
+    """This rank's part of ``plan``: model chunks built from ``seed``, parallelized, with
+    optimizers and (pp > 1) the pipeline schedule. torch.distributed must be initialised."""
+    if not dist.is_initialized():
+        raise RuntimeError("build_engine needs torch.distributed initialised "
+                           "(launch with torchrun, or call init_process_group first)")
+    validate_plan(model, plan, dist.get_world_size())
+    mesh = build_mesh(plan, device.type)
+    chunk_ids = plan.chunks_of(mesh.pp_rank)
+    parts, runners = [], []
+    for index in chunk_ids:
+        stage = plan.stages[index]
+        chunk = build_chunk(model, stage.start, stage.stop, seed=seed).to(device)
+        runners.append(parallelize(chunk, model, plan, stage, mesh))
+        parts.append(chunk)
+    return TrainEngine(spec=model, plan=plan, optim=optim, mesh=mesh, model_parts=parts,
+                       runners=runners, chunk_ids=chunk_ids, device=device)
+
+
+def reference_losses(model: ModelSpec, optim: OptimConfig, batches: list[torch.Tensor], *,
+                     seed: int, micro_batch: int, grad_norms: list[float] | None = None
+                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train in one process on whole global batches (LongTensor[global_batch, s + 1]) with the
+    same loss scaling, clipping, AdamW and schedule; returns per-step losses and the final state.
+    ``grad_norms``, if given, receives each step's pre-clip gradient norm."""
+    net = build_model(model, seed=seed)
+    opt, sched = _make_optimizer(list(net.parameters()), optim)
+    losses = []
+    for batch in batches:
+        if batch.shape[0] % micro_batch:
+            raise ValueError(f"global batch {batch.shape[0]} is not a multiple of micro_batch "
+                             f"{micro_batch}")
+        m = batch.shape[0] // micro_batch
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for chunk in batch.chunk(m):
+            loss = token_cross_entropy(net(chunk[:, :-1]), chunk[:, 1:])
+            (loss / m).backward()
+            total += float(loss.detach().double())
+        grads = [p.grad for p in net.parameters() if p.grad is not None]
+        norm = global_grad_norm(grads, None)
+        if grad_norms is not None:
+            grad_norms.append(norm)
+        if optim.grad_clip > 0:
+            clip_grads_(grads, norm, optim.grad_clip)
+        opt.step()
+        sched.step()
+        losses.append(total / m)
+    return losses, {k: v.detach().clone() for k, v in net.state_dict().items()}

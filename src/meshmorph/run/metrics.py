@@ -1,0 +1,113 @@
+"""Per-step metrics on rank 0: one line per step, a progress bar, ``metrics.jsonl`` and ``loss.png``."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+METRICS_FILE = "metrics.jsonl"
+LOSS_CHART = "loss.png"
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetrics:
+    """What one optimizer step measured."""
+
+    step: int
+    """1-based step that just finished."""
+    loss: float
+    """Mean loss of the global batch."""
+    lr: float
+    """Learning rate the step used."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    step_time_s: float
+    """Wall time of the step."""
+    tokens_per_s: float
+    """Global tokens of the step / step time."""
+    peak_memory_mib: float
+    """Peak memory of rank 0: CUDA max allocated, or the process's peak RSS on CPU."""
+    consumed_samples: int
+    """Samples of the order consumed after this step."""
+
+    def line(self, total_steps: int) -> str:
+        return (f"step {self.step:>5}/{total_steps} | loss {self.loss:.4f} | lr {self.lr:.2e} | "
+                f"grad {self.grad_norm:.3f} | {self.step_time_s:.3f} s | "
+                f"{self.tokens_per_s:,.0f} tok/s | mem {self.peak_memory_mib:,.0f} MiB")
+
+
+def peak_memory_mib() -> float:
+    """CUDA max_memory_allocated when a GPU is in use, else peak RSS of this process."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop lines of steps after ``last_step`` (a resumed run writes them again)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= last_step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+class MetricsLogger:
+    """Rank 0 prints and records every step; other ranks hold a logger that does nothing."""
+
+    def __init__(self, out_dir: Path, *, enabled: bool, total_steps: int, start_step: int,
+                 tokens_per_step: int, console: Console | None = None) -> None:
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.tokens_per_step = tokens_per_step
+        self.path = out_dir / METRICS_FILE
+        self.chart_path = out_dir / LOSS_CHART
+        self._progress: Progress | None = None
+        if not enabled:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        truncate_metrics(self.path, start_step)
+        self.console = console or Console(file=sys.stdout, highlight=False, soft_wrap=True)
+        self._progress = Progress(
+            TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+            TimeRemainingColumn(), console=self.console, transient=True,
+        )
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step)
+        self._progress.start()
+
+    def log(self, *, step: int, loss: float, lr: float, grad_norm: float, step_time_s: float,
+            consumed_samples: int) -> StepMetrics | None:
+        if not self.enabled:
+            return None
+        metrics = StepMetrics(
+            step=step, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=step_time_s,
+            tokens_per_s=self.tokens_per_step / max(step_time_s, 1e-9),  # B * s / step time
+            peak_memory_mib=peak_memory_mib(), consumed_samples=consumed_samples,
+        )
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(asdict(metrics)) + "\n")
+        assert self._progress is not None
+        self._progress.console.print(metrics.line(self.total_steps))
+        self._progress.update(self._task, completed=step)
+        return metrics
+
+    def close(self, *, chart: bool = True) -> Path | None:
+        """Stop the progress bar and draw ``loss.png`` from every recorded step."""
+        if not self.enabled:
+            return None
+        assert self._progress is not None
+        self._progress.stop()
+        if not chart or not self.path.is_file():
+            return None
+        from meshmorph.viz.loss_chart import read_metrics, write_loss_chart
+
+        records = read_metrics(self.path)
+        return write_loss_chart(records, self.chart_path) if records else None

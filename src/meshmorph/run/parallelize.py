@@ -1,0 +1,166 @@
+"""Apply a Plan to one model chunk, in a fixed order: tensor/sequence parallel, activation
+recompute, then data parallel.
+
+Data parallelism by ZeRO stage:
+
+- zero 0: whole parameters, gradients and optimizer state on every data-parallel rank, gradients
+  all-reduced once per step: ``DistributedDataParallel`` around the chunk where its parameters
+  are plain tensors (tp 1; the fastest path), FSDP2's composable ``replicate`` where tensor
+  parallelism made them DTensors, and under a zero-bubble schedule. The DDP wrapper is only what runs the chunk: the chunk itself,
+  with its original parameter names, stays the engine's model part.
+- zero 1 and 2: FSDP2 ``fully_shard(reshard_after_forward=False)``. Parameters stay gathered from
+  forward to backward, while gradients and optimizer state are sharded — that is how ZeRO-1/2
+  are realised here. Zero 1 reduces gradients once per step (after the last micro-batch; whole
+  gradients accumulate in between), zero 2 reduce-scatters after every micro-batch and
+  accumulates only the shard.
+- zero 3: FSDP2 ``fully_shard(reshard_after_forward=True)`` on every block and on the chunk root:
+  parameters are gathered per block in forward and again in backward.
+
+With tensor parallelism every parameter of the chunk is a DTensor on the tp mesh (parameters TP
+does not split are replicated DTensors), so with data parallelism on top every parameter lives on
+the same 2-D (dp, tp) mesh.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from meshmorph.plan.plan import Plan, Schedule, StagePlan
+from meshmorph.run.mesh import TrainMesh
+from meshmorph.run.models import Transformer
+from meshmorph.run.recompute import apply_recompute
+from meshmorph.spec.model import ModelSpec
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters become replicated DTensors on the tp mesh; plain-tensor inputs are taken as
+    replicated, DTensor inputs are gathered, and the output is handed back as a plain tensor. For the layers tensor
+    parallelism does not split (norms without sequence parallel, learned positions)."""
+
+    @staticmethod
+    def _params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            dtensor = DTensor.from_local(param.detach(), mesh, [Replicate()], run_check=False)
+            module.register_parameter(param_name, nn.Parameter(dtensor))
+
+    @staticmethod
+    def _inputs(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        def whole(x: Any) -> Any:
+            if isinstance(x, DTensor):  # e.g. a sequence-parallel norm's output: gather it
+                return x.redistribute(placements=[Replicate()])
+            if isinstance(x, torch.Tensor):
+                return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            return x
+
+        return tuple(whole(x) for x in inputs)
+
+    @staticmethod
+    def _outputs(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._params, self._inputs, self._outputs)
+
+
+def tp_plan(chunk: Transformer, spec: ModelSpec, tp_degree: int,
+            sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Module name -> parallel style for the layers this chunk holds (Megatron's split: q/k/v,
+    fc1 (or w1/w3) by columns, wo and fc2 (or w2) by rows, embedding and head by vocabulary)."""
+    seq = Shard(1)  # activations between tensor-parallel regions: by sequence with SP
+    norm: ParallelStyle = SequenceParallel() if sequence_parallel else ReplicateParallel()
+    between = seq if sequence_parallel else Replicate()
+    # vocab-parallel embedding and head where t divides V, else both replicated
+    vocab_split = spec.vocab_size % tp_degree == 0
+    plan: dict[str, ParallelStyle] = {}
+    if chunk.embed is not None:
+        plan["embed.tok"] = (RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+                             if vocab_split else ReplicateParallel())
+        if chunk.embed.pos is not None:
+            plan["embed.pos"] = ReplicateParallel()
+        if sequence_parallel:  # each rank keeps its sequence slice of the summed embeddings
+            plan["embed"] = PrepareModuleOutput(output_layouts=Replicate(),
+                                                desired_output_layouts=seq, use_local_output=True)
+    up = ("fc1",) if spec.arch == "gpt" else ("w1", "w3")
+    down = "fc2" if spec.arch == "gpt" else "w2"
+    for key in chunk.blocks:
+        block = f"blocks.{key}"
+        plan[f"{block}.attn_norm"] = norm
+        plan[f"{block}.mlp_norm"] = norm
+        if sequence_parallel:
+            for region in ("attn", "mlp"):
+                plan[f"{block}.{region}"] = PrepareModuleInput(
+                    input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                    use_local_output=True)
+        for name in ("wq", "wk", "wv"):
+            plan[f"{block}.attn.{name}"] = ColwiseParallel()
+        plan[f"{block}.attn.wo"] = RowwiseParallel(output_layouts=between)
+        for name in up:
+            plan[f"{block}.mlp.{name}"] = ColwiseParallel()
+        plan[f"{block}.mlp.{down}"] = RowwiseParallel(output_layouts=between)
+    if chunk.head is not None:
+        plan["head.norm"] = norm
+        plan["head.out"] = (ColwiseParallel(input_layouts=between, output_layouts=Replicate())
+                            if vocab_split else ReplicateParallel())
+    return plan
+
+
+def apply_tp(chunk: Transformer, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Tensor (and sequence) parallelism over ``tp_mesh``; a tied head is re-tied afterwards
+    (both halves are split by vocabulary rows, so they stay one DTensor)."""
+    # every rank built the same weights from the same seed: no broadcast needed (src_data_rank None)
+    parallelize_module(chunk, tp_mesh, tp_plan(chunk, spec, tp_mesh.size(), sequence_parallel), src_data_rank=None)
+    if spec.tied_embeddings and chunk.embed is not None and chunk.head is not None:
+        chunk.head.out.weight = chunk.embed.tok.weight
+
+
+def apply_dp(chunk: Transformer, dp_mesh: DeviceMesh, zero: int, *, allow_ddp: bool = True
+             ) -> nn.Module:
+    """Data parallelism over ``dp_mesh`` by ZeRO stage (see the module docstring); returns the
+    module that runs the chunk (a DDP wrapper, or the chunk itself). ``allow_ddp`` False keeps
+    zero 0 on ``replicate`` (a zero-bubble schedule computes weight gradients apart from the
+    backward that DDP's reducer hooks into, and DDP then misses them)."""
+    if zero == 0:
+        if allow_ddp and not any(isinstance(p, DTensor) for p in chunk.parameters()):
+            # every rank built the same weights: no initial broadcast needed
+            return DistributedDataParallel(chunk, process_group=dp_mesh.get_group(),
+                                           broadcast_buffers=False, init_sync=False)
+        for block in chunk.blocks.values():
+            replicate(block, mesh=dp_mesh)
+        replicate(chunk, mesh=dp_mesh)
+        return chunk
+    shard = partial(fully_shard, mesh=dp_mesh, reshard_after_forward=zero == 3)
+    for block in chunk.blocks.values():
+        shard(block)
+    shard(chunk)
+    return chunk
+
+
+def parallelize(chunk: Transformer, spec: ModelSpec, plan: Plan, stage: StagePlan,
+                mesh: TrainMesh) -> nn.Module:
+    """Apply ``plan`` to ``chunk`` (the layers of ``stage``) in place: TP/SP, recompute, DP.
+    Returns the module that runs the chunk (a DDP wrapper for zero 0 without TP, else the chunk)."""
+    if plan.tp > 1:
+        apply_tp(chunk, spec, mesh.sub("tp"), plan.sequence_parallel)
+    apply_recompute(chunk, stage.start, stage.recompute)
+    if plan.dp > 1:
+        split_backward = plan.pp > 1 and plan.schedule == Schedule.ZERO_BUBBLE
+        return apply_dp(chunk, mesh.sub("dp"), plan.zero, allow_ddp=not split_backward)
+    return chunk

@@ -1,0 +1,187 @@
+"""The per-rank training entry point, run under torchrun.
+
+``python -m meshmorph.run.trainer --job job.toml --plan plan.json --out RUN_DIR [--resume]``
+
+Each rank: joins the process group, builds the engine for its part of the Plan, and loops
+(its data-parallel share of the batch, one engine step, metrics on rank 0, a checkpoint every K
+steps). SIGINT/SIGTERM only raise a flag; the ranks agree on it before every step, so all of
+them stop at the same step boundary, never inside a checkpoint, leave the group cleanly and exit
+with 0 (the launcher, which sent the signal, reports the interruption).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+from meshmorph.plan.plan import Plan
+from meshmorph.run.checkpoint import (
+    CheckpointInfo,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from meshmorph.run.data import ByteTextFile, DataShard, SampleOrder, SampleSource, SyntheticTask
+from meshmorph.run.job import JobConfig, load_job
+from meshmorph.run.metrics import MetricsLogger
+from meshmorph.spec.catalog import load_model
+from meshmorph.spec.model import ModelSpec
+
+
+class StopFlag:
+    """Turns SIGINT/SIGTERM into a request to stop at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+
+    def agreed(self) -> bool:
+        """Whether any rank was asked to stop (collective: every rank must call it)."""
+        if not dist.is_initialized():
+            return self.requested
+        flag = torch.tensor([int(self.requested)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a CPU tensor: gloo on every backend
+        return bool(flag.item())
+
+
+def make_source(job: JobConfig, model: ModelSpec) -> SampleSource:
+    """The job's sample source, checked against the model's vocabulary."""
+    if job.data.kind == "synthetic":
+        return SyntheticTask(vocab_size=model.vocab_size, seq_len=job.model.seq_len,
+                             seed=job.data.seed)
+    path = job.data_path()
+    assert path is not None  # DataSection insists on a path for text
+    source = ByteTextFile(path, job.model.seq_len)
+    if model.vocab_size < ByteTextFile.vocab_size:
+        raise ValueError(
+            f"text data is byte-level ({ByteTextFile.vocab_size} tokens) but model {model.name} has "
+            f"vocab_size {model.vocab_size}; use a model with vocab_size >= 256"
+        )
+    return source
+
+
+def init_distributed() -> torch.device:
+    """Join the process group torchrun describes; the device this rank trains on."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("cuda:nccl,cpu:gloo", timeout=timedelta(minutes=10))
+        return torch.device("cuda", local_rank)
+    dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+    return torch.device("cpu")
+
+
+def find_resume_point(ckpt_dir: Path) -> CheckpointInfo | None:
+    """Rank 0 finds and verifies the newest checkpoint; every rank gets the same answer."""
+    answer: list[object] = [None]
+    if dist.get_rank() == 0:
+        try:
+            answer[0] = latest_checkpoint(ckpt_dir)
+        except ValueError as exc:
+            answer[0] = str(exc)
+    dist.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], str):
+        raise ValueError(answer[0])
+    return answer[0]  # type: ignore[return-value]
+
+
+def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: StopFlag) -> int:
+    from meshmorph.run.engine import build_engine
+
+    device = init_distributed()
+    rank = dist.get_rank()
+    model = load_model(job.model.source, job.model.seq_len)
+    source = make_source(job, model)
+    engine = build_engine(model, plan, job.optim, seed=job.train.seed, device=device)
+    shard = DataShard(source, SampleOrder(len(source), job.data.seed),
+                      global_batch=plan.global_batch, dp_rank=engine.dp_rank,
+                      dp_size=engine.dp_size)
+    ckpt_dir = job.checkpoint_dir(out_dir)
+    step, consumed = 0, 0
+    if resume:
+        info = find_resume_point(ckpt_dir)
+        if info is None:
+            if rank == 0:
+                print(f"no checkpoint in {ckpt_dir}; starting from step 0", flush=True)
+        else:
+            load_checkpoint(engine, info)
+            step, consumed = info.step, info.consumed_samples
+            if rank == 0:
+                print(f"resumed from {info.path} (step {step}, {consumed} samples consumed)",
+                      flush=True)
+    metrics = MetricsLogger(out_dir, enabled=rank == 0, total_steps=job.train.steps,
+                            start_step=step, tokens_per_step=plan.global_batch * plan.seq_len)
+    interrupted = False
+    try:
+        while step < job.train.steps:
+            if stop.agreed():
+                interrupted = True
+                break
+            tokens = shard.batch(consumed).to(device)
+            lr = float(engine.optimizers[0].param_groups[0]["lr"])  # the LR this step uses
+            start = time.perf_counter()
+            loss = engine.step(tokens)
+            step_time_s = time.perf_counter() - start
+            step += 1
+            consumed += plan.global_batch
+            metrics.log(step=step, loss=loss, lr=lr, grad_norm=engine.grad_norm_last(),
+                        step_time_s=step_time_s, consumed_samples=consumed)
+            if job.checkpoint.every and step % job.checkpoint.every == 0:
+                save_checkpoint(engine, ckpt_dir, step=step, consumed_samples=consumed,
+                                plan=plan.to_dict(), keep=job.checkpoint.keep)
+    finally:
+        chart = metrics.close()
+    if rank == 0:
+        state = "stopped by a signal" if interrupted else "finished"
+        print(f"{state} at step {step}; metrics in {metrics.path}"
+              + (f", loss chart in {chart}" if chart else ""), flush=True)
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="meshmorph.run.trainer",
+                                     description="One rank of a meshmorph training job.")
+    parser.add_argument("--job", required=True, type=Path, help="job file (TOML)")
+    parser.add_argument("--plan", required=True, type=Path, help="plan file (JSON)")
+    parser.add_argument("--out", required=True, type=Path, help="run folder")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint of the run folder")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    stop = StopFlag()
+    args = parse_args(argv)
+    code = 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            job = load_job(args.job)
+            plan = Plan.load(args.plan)
+            code = train(job, plan, args.out, resume=args.resume, stop=stop)
+    except (ValueError, FileNotFoundError) as exc:
+        rank = os.environ.get("RANK", "0")
+        print(f"meshmorph: error on rank {rank}: {exc}", file=sys.stderr, flush=True)
+        code = 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

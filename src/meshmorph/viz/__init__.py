@@ -1,0 +1,1 @@
+"""Charts: loss curves, pipeline timelines, memory per stage."""

@@ -1,0 +1,33 @@
+"""The loss chart of a run: training loss against step, from ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The JSON lines of a metrics file, in order."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_loss_chart(records: list[dict], out_png: Path, *, title: str = "training loss") -> Path:
+    """Draw loss vs step (one point per record with ``step`` and ``loss``) into ``out_png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    losses = [r["loss"] for r in records]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, losses, marker="." if len(steps) < 60 else None, linewidth=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return out_png

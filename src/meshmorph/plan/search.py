@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from meshmorph.cost import comm
 from meshmorph.cost.estimate import GIB, Estimate
 from meshmorph.cost.model import CostModel
 from meshmorph.plan.plan import Plan, PlanError, Schedule
 from meshmorph.plan.space import Config, SearchOptions, configurations
-from meshmorph.plan.stage_solver import StageSolver, solve_partition
+from meshmorph.plan.stage_solver import PartitionResult, StageSolver, solve_partition
 from meshmorph.spec.cluster import Cluster
+from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.gpus import gpu as gpu_by_name
-from meshmorph.spec.model import ModelSpec, Recompute
+from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
 
 
 class PlanDoesNotFit(PlanError):
@@ -39,7 +40,14 @@ class SearchResult:
     """Configurations in the search space."""
     configurations_solved: int
     """Configurations whose stages were solved (the rest were cut by their bound)."""
-    notes: list[str] = field(default_factory=list)
+    lower_bound_s: float
+    """No plan of the search space is faster than this (proven by the bounds)."""
+
+    @property
+    def optimality_gap(self) -> float:
+        """How much slower the best plan may be than the optimum, as a fraction."""
+        best = self.estimates[0].step_time_s
+        return max(0.0, (best - self.lower_bound_s) / best)
 
 
 def lower_bound(cost: CostModel, config: Config) -> float:
@@ -49,31 +57,54 @@ def lower_bound(cost: CostModel, config: Config) -> float:
     coster = cost.coster(plan.dtype)
     gpus = {name: gpu_by_name(name) for name in config.rank_gpus}
     zb = plan.schedule == Schedule.ZERO_BUBBLE
-    total = chain = 0.0
-    for index in range(cost.model.num_layers):
+    total = chain = total_f = total_b = 0.0
+    block_time, block_params = float("inf"), float("inf")
+    for index, layer in enumerate(cost.model.layers):
         costs = [coster.layer(index, g, plan.micro_batch, plan.tp, plan.sequence_parallel,
                               Recompute.NONE) for g in gpus.values()]
-        total += min(c.fwd_s + c.bwd_s for c in costs)
+        fastest = min(c.fwd_s + c.bwd_s for c in costs)
+        total += fastest
+        total_f += min(c.fwd_s for c in costs)
+        total_b += min(c.bwd_s for c in costs)
         chain += min(c.fwd_s + (c.bgrad_s if zb else c.bwd_s) for c in costs)
+        if layer.kind == LayerKind.BLOCK:
+            block_time = min(block_time, fastest)
+            block_params = min(block_params, cost.chunk_params(index, index + 1, plan.tp))
     # tails and ZeRO-3 traffic are affine in a rank's parameters, so over the ranks they sum to
     # at least pp x their value at the average share: add that share to the average rank's work
+    m = plan.num_microbatches
     share = cost.chunk_params(0, cost.model.num_layers, plan.tp) / plan.pp
-    extra = float("inf")
-    for g in gpus.values():
-        sync, opt = cost.rank_tail(plan, share, float("inf"), g)
-        z3 = 0.0
-        if plan.zero == 3 and plan.dp > 1:
-            link = cost.group_link(g, plan.tp * plan.dp)
-            wbytes = share * cost.param_bytes(plan.dtype)[0]
-            z3 = plan.num_microbatches * (1 - cost.coef.zero3_overlap) * (
-                2 * comm.all_gather(plan.dp, wbytes, link) + comm.reduce_scatter(plan.dp, wbytes, link))
-        extra = min(extra, sync + opt + z3)
-    return max(plan.num_microbatches * total / plan.pp + extra, chain)
+    bound = max(m * total / plan.pp + min(_tail_bound(cost, plan, share, g) for g in gpus.values()),
+                chain)
+    if plan.schedule == Schedule.GPIPE:
+        # GPipe is a forward then a backward flow shop of m identical jobs: at least the sum of
+        # the stages plus (m - 1) x the slowest stage, which is at least the average one
+        bound = max(bound, chain + (m - 1) * (total_f + total_b) / plan.pp)
+    if cost.model.num_blocks:
+        # pigeonhole: some rank holds ceil(blocks / pp) blocks, their work and their tail
+        most = -(-cost.model.num_blocks // plan.pp)
+        bound = max(bound, m * most * block_time + min(
+            _tail_bound(cost, plan, most * block_params, g) for g in gpus.values()))
+    return bound
+
+
+def _tail_bound(cost: CostModel, plan: Plan, params: float, gpu: GPUSpec) -> float:
+    """Least gradient sync + optimizer + ZeRO-3 traffic of a rank holding ``params``: affine in
+    ``params``, so the average share bounds the average rank."""
+    sync, opt = cost.rank_tail(plan, params, float("inf"), gpu)
+    z3 = 0.0
+    if plan.zero == 3 and plan.dp > 1:
+        link = cost.group_link(gpu, plan.tp * plan.dp)
+        wbytes = params * cost.param_bytes(plan.dtype)[0]
+        z3 = plan.num_microbatches * (1 - cost.coef.zero3_overlap) * (
+            2 * comm.all_gather(plan.dp, wbytes, link) + comm.reduce_scatter(plan.dp, wbytes, link))
+    return sync + opt + z3
 
 
 def solve_config(cost: CostModel, config: Config, options: SearchOptions,
-                 bound: float) -> tuple[Plan, Estimate] | None:
-    """The fastest plan of one configuration with step time below ``bound`` (None if none)."""
+                 bound: float) -> PartitionResult:
+    """The fastest plan of one configuration with step time below ``bound``, and the bound of
+    what was left unexplored."""
     plan = config.plan
     gpus = [gpu_by_name(name) for name in config.rank_gpus]
     if plan.schedule == Schedule.INTERLEAVED:
@@ -90,8 +121,9 @@ def solve_config(cost: CostModel, config: Config, options: SearchOptions,
             if estimate.fits and estimate.step_time_s < bound:
                 bound = estimate.step_time_s
                 best = (candidate, estimate)
-        return best
-    return solve_partition(StageSolver(cost, plan, gpus, options.recompute), bound)
+        return PartitionResult(best, float("inf"))
+    return solve_partition(StageSolver(cost, plan, gpus, options.recompute), bound,
+                           options.tolerance, options.max_nodes)
 
 
 def search(model: ModelSpec, cluster: Cluster, *, global_batch: int,
@@ -112,15 +144,18 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int,
     bounded = sorted(((lower_bound(cost, c), i) for i, c in enumerate(configs)))
     best: list[tuple[float, int, Plan, Estimate]] = []  # max-heap by -step
     solved = 0
+    proven = float("inf")  # least bound of everything not searched to the end
     for bound_s, index in bounded:
         threshold = -best[0][0] if len(best) == options.top_k else float("inf")
-        if bound_s >= threshold:
+        if bound_s >= threshold * (1.0 - options.tolerance):
+            proven = min(proven, bound_s)
             break
         solved += 1
-        found = solve_config(cost, configs[index], options, threshold)
-        if found is None:
+        result = solve_config(cost, configs[index], options, threshold)
+        proven = min(proven, result.open_bound_s)
+        if result.best is None:
             continue
-        plan, estimate = found
+        plan, estimate = result.best
         entry = (-estimate.step_time_s, -index, plan, estimate)
         if len(best) < options.top_k:
             heapq.heappush(best, entry)
@@ -129,10 +164,12 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int,
     if not best:
         raise _does_not_fit(cost, configs, bounded, options)
     ranked = sorted(best, key=lambda e: (-e[0], -e[1]))
+    proven = min(proven, -ranked[0][0])
     elapsed = time.perf_counter() - started
     plans = [replace(p, predicted={**e.to_dict(), "search_time_s": elapsed}) for _, _, p, e in ranked]
     return SearchResult(plans=plans, estimates=[e for *_, e in ranked], search_time_s=elapsed,
-                        configurations=len(configs), configurations_solved=solved)
+                        configurations=len(configs), configurations_solved=solved,
+                        lower_bound_s=proven)
 
 
 def _does_not_fit(cost: CostModel, configs: list[Config], bounded: list[tuple[float, int]],

@@ -38,6 +38,13 @@ class SearchOptions:
     """Sequence-parallel settings tried when tp > 1."""
     recompute: tuple[Recompute, ...] = tuple(Recompute)
     """Recompute modes a layer may use."""
+    tolerance: float = 1e-3
+    """Optimality gap: branches whose lower bound is within this fraction of the best step found
+    are cut, so the result is at most this much slower than the optimum (0 = exact; near-ties
+    between pipeline partitions make exact search slow on deep pipelines)."""
+    max_nodes: int | None = 4000
+    """Branch-and-bound nodes per configuration before its open branches are left with their
+    bound (the result then reports its proven optimality gap); None: search to the end."""
     tp_degrees: tuple[int, ...] | None = None
     """Only these tensor-parallel degrees (None: all that fit a node and divide the model)."""
     pp_degrees: tuple[int, ...] | None = None
@@ -46,6 +53,11 @@ class SearchOptions:
     def __post_init__(self) -> None:
         if self.top_k < 1:
             raise ValueError(f"top_k must be at least 1, got {self.top_k}")
+        if Recompute.NONE not in self.recompute:
+            raise ValueError("recompute options must include 'none' (layers that cannot "
+                             "recompute, such as the embedding, use it)")
+        if not 0 <= self.tolerance < 1:
+            raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance}")
         if self.max_micro_batch < 1:
             raise ValueError(f"max_micro_batch must be at least 1, got {self.max_micro_batch}")
 

@@ -11,7 +11,8 @@ m forwards and backwards, after the first micro-batch reached it and before the 
 left it, so any completion of a partial partition takes at least
 max_s [sum_{r<s}(f_r + B_r) + m (f_s + b_s) + tail_s]; the layers still to place need at
 least m * (their fastest total) / (ranks left) on some rank, and micro-batch 0 must pass forward
-through them and back (B: the input-gradient part in zero-bubble, else the whole backward). Branches whose bound is not below
+through them and back (B: the input-gradient part in zero-bubble, else the whole backward);
+and some rank left holds at least ceil(blocks left / ranks left) blocks. Branches whose bound is not below
 the best step found are cut; leaves are simulated. The result equals brute-force enumeration.
 """
 
@@ -22,9 +23,10 @@ from dataclasses import dataclass, replace
 
 from meshmorph.cost.estimate import Estimate
 from meshmorph.cost.model import ChunkTime, CostModel, in_flight_microbatches
+from meshmorph.cost.pipeline import simulate
 from meshmorph.plan.plan import Plan, Schedule, StagePlan
 from meshmorph.spec.gpus import GPUSpec
-from meshmorph.spec.model import Recompute
+from meshmorph.spec.model import LayerKind, Recompute
 
 _ORDER = (Recompute.FULL, Recompute.SELECTIVE, Recompute.NONE)
 
@@ -53,6 +55,8 @@ class StageSolver:
         self.classes = cost.coster(plan.dtype).classes
         self.zb = plan.schedule == Schedule.ZERO_BUBBLE
         self._cache: dict[tuple, StageChoice | None] = {}
+        self._by_range: dict[tuple[int, int, int], StageChoice | None] = {}
+        self._finish: dict[tuple[int, int], bool] = {}
         self.class_prefix = []
         for rep in sorted(set(self.classes)):
             prefix = [0]
@@ -61,13 +65,30 @@ class StageSolver:
             self.class_prefix.append(prefix)
         # fastest per-micro-batch time of each layer over the GPUs in use (for the bounds)
         coster = cost.coster(plan.dtype)
-        fastest, chain = [], []
+        fastest, chain, least = [], [], []
         for index in range(self.L):
             costs = [coster.layer(index, g, plan.micro_batch, plan.tp, plan.sequence_parallel,
                                   Recompute.NONE) for g in set_of(self.gpus)]
             fastest.append(min(c.fwd_s + c.bwd_s for c in costs))
             chain.append(min(c.fwd_s + (c.bgrad_s if self.zb else c.bwd_s) for c in costs))
+            least.append(tuple(min(getattr(c, name) for c in costs)
+                               for name in ("fwd_s", "bwd_s", "bgrad_s", "wgrad_s")))
+        # least[i..]: the smallest one-layer stage among layers i.., per op kind (a stage holds at
+        # least one layer), for the simulated bound of a partial partition
+        self.least_after: list[tuple[float, float, float, float]] = [(0.0,) * 4] * (self.L + 1)
+        inf4 = (float("inf"),) * 4
+        acc = inf4
+        for index in range(self.L - 1, -1, -1):
+            acc = tuple(min(a, b) for a, b in zip(acc, least[index], strict=True))  # type: ignore[assignment]
+            self.least_after[index] = acc  # type: ignore[assignment]
         # suffix sums: fastest work of layers [i, L), and of their forward + input-gradient chain
+        # pigeonhole: some rank holds at least ceil(blocks left / ranks left) blocks
+        blocks = [i for i in range(self.L) if self.model.layers[i].kind == LayerKind.BLOCK]
+        self.block_time = min((fastest[i] for i in blocks), default=0.0)
+        self.blocks_after = [0] * (self.L + 1)
+        for index in range(self.L - 1, -1, -1):
+            is_block = self.model.layers[index].kind == LayerKind.BLOCK
+            self.blocks_after[index] = self.blocks_after[index + 1] + is_block
         self.suffix_min = [0.0] * (self.L + 1)
         self.suffix_chain = [0.0] * (self.L + 1)
         for index in range(self.L - 1, -1, -1):
@@ -77,6 +98,30 @@ class StageSolver:
     # --- one stage -----------------------------------------------------------------------------
     def stage(self, k: int, start: int, stop: int) -> StageChoice | None:
         """Fastest recompute for layers [start, stop) on pipeline rank k that fits, or None."""
+        found = self._by_range.get((k, start, stop), False)
+        if found is False:
+            found = self._by_range[(k, start, stop)] = self._stage(k, start, stop)
+        return found
+
+    def can_finish(self, k: int, start: int) -> bool:
+        """Whether ranks k..pp-1 can hold layers [start, L) within memory."""
+        key = (k, start)
+        if key not in self._finish:
+            p = self.plan.pp
+            if k == p - 1:
+                self._finish[key] = self.stage(k, start, self.L) is not None
+            else:
+                ok = False
+                for stop in range(start + 1, self.L - (p - 1 - k) + 1):
+                    if self.stage(k, start, stop) is None:
+                        break  # more layers never need less memory
+                    if self.can_finish(k + 1, stop):
+                        ok = True
+                        break
+                self._finish[key] = ok
+        return self._finish[key]
+
+    def _stage(self, k: int, start: int, stop: int) -> StageChoice | None:
         gpu = self.gpus[k]
         in_flight = in_flight_microbatches(self.plan.schedule, self.plan.pp, k,
                                            self.plan.num_microbatches, self.plan.vpp)
@@ -101,6 +146,56 @@ class StageSolver:
     def _fits(self, k: int, start: int, stop: int, modes: tuple[Recompute, ...], gpu: GPUSpec) -> bool:
         memory = self.cost.rank_memory(self.plan, k, [(start, stop, modes)], gpu)
         return memory.total <= gpu.memory_bytes
+
+    def _one_group(self, k: int, start: int, stop: int, gpu: GPUSpec, group: list[int],
+                   build):  # type: ignore[no-untyped-def]
+        """One group of interchangeable layers (the usual case): for each count of full
+        recompute, the fewest selective ones that fit. Memory is affine in the counts, so it is
+        computed from the all-none stage; a full recompute costs more time than a selective one,
+        so the loop stops once the full ones alone cost more than the best found."""
+        plan = self.plan
+        coster = self.cost.coster(plan.dtype)
+        n = len(group)
+        per = {mode: coster.layer(group[0], gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
+                                  mode) for mode in self.modes
+               if mode in self.model.layers[group[0]].activation}
+        # with no recompute no layer rematerialises anything, so the working set is zero
+        none = self.cost.rank_memory(plan, k, [(start, stop, build([(0, 0)]))], gpu)
+        in_flight = none.in_flight_microbatches
+        budget = gpu.memory_bytes
+        a_none = per[Recompute.NONE].activation_bytes
+
+        def total(n_full: int, n_sel: int) -> float:
+            saved = 0.0
+            work = 0.0
+            for mode, count in ((Recompute.FULL, n_full), (Recompute.SELECTIVE, n_sel)):
+                if count:
+                    saved += count * (a_none - per[mode].activation_bytes)
+                    work = max(work, per[mode].working_bytes)
+            # rank_memory: activations = in_flight * sum(act) + max(working of the layers)
+            return none.total - in_flight * saved + work
+
+        extra = self._extra_backward(group[0], gpu)
+        best_extra = float("inf")
+        full_counts = range(n + 1) if Recompute.FULL in per else range(1)
+        for n_full in full_counts:
+            if n_full * extra[Recompute.FULL] >= best_extra:
+                break
+            sels = range(n - n_full + 1) if Recompute.SELECTIVE in per else range(1)
+            lo, hi = 0, len(sels) - 1
+            if total(n_full, sels[hi]) > budget:
+                continue
+            while lo < hi:  # memory decreases as n_sel grows: binary search
+                mid = (lo + hi) // 2
+                if total(n_full, sels[mid]) <= budget:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            modes = build([(n_full, sels[lo])])
+            if not self._fits(k, start, stop, modes, gpu):
+                continue  # the affine shortcut disagreed by rounding: trust rank_memory
+            best_extra = min(best_extra, n_full * extra[Recompute.FULL] + sels[lo] * extra[Recompute.SELECTIVE])
+            yield modes
 
     def _solve(self, k: int, start: int, stop: int, gpu: GPUSpec) -> StageChoice | None:
         layers = range(start, stop)
@@ -160,28 +255,7 @@ class StageSolver:
                     yield modes
                 return
             if len(groups) == 1:
-                # one group (the usual case): for each n_full the fewest n_sel that fit; a full
-                # recompute costs more than a selective one, so stop once n_full alone costs more
-                # than the best found
-                n = len(groups[0])
-                extra = self._extra_backward(groups[0][0], gpu)
-                best_extra = float("inf")
-                for n_full in (range(n + 1) if Recompute.FULL in self.modes else [0]):
-                    if n_full * extra[Recompute.FULL] >= best_extra:
-                        break
-                    sels = range(n - n_full + 1) if Recompute.SELECTIVE in self.modes else range(1)
-                    lo, hi = 0, len(sels) - 1
-                    if not self._fits(k, start, stop, build([(n_full, sels[hi])]), gpu):
-                        continue
-                    while lo < hi:  # memory decreases as n_sel grows: binary search
-                        mid = (lo + hi) // 2
-                        if self._fits(k, start, stop, build([(n_full, sels[mid])]), gpu):
-                            hi = mid
-                        else:
-                            lo = mid + 1
-                    cost = n_full * extra[Recompute.FULL] + sels[lo] * extra[Recompute.SELECTIVE]
-                    best_extra = min(best_extra, cost)
-                    yield build([(n_full, sels[lo])])
+                yield from self._one_group(k, start, stop, gpu, groups[0], build)
                 return
             for option in options(groups[i]):
                 yield from rec(i + 1, [*chosen, option])
@@ -196,12 +270,29 @@ def set_of(gpus: Sequence[GPUSpec]) -> list[GPUSpec]:
     return list(seen.values())
 
 
-def solve_partition(solver: StageSolver, bound: float) -> tuple[Plan, Estimate] | None:
+@dataclass(slots=True)
+class PartitionResult:
+    """The best partition found and what is proven about the rest."""
+
+    best: tuple[Plan, Estimate] | None
+    """Fastest plan found below the bound, if any."""
+    open_bound_s: float
+    """Least lower bound of the branches left unexplored when the budget ran out (inf if none):
+    no partition of this configuration is faster than min(best, open_bound_s)."""
+
+
+def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
+                    max_nodes: int | None = None) -> PartitionResult:
     """The fastest stage partition of a non-interleaved configuration with step time below
-    ``bound``, or None."""
+    ``bound``; with ``tolerance`` > 0, one at most that fraction slower than the fastest. With
+    ``max_nodes``, branches beyond that many visited nodes are left open and their bound kept."""
     plan, p, L = solver.plan, solver.plan.pp, solver.L
     m = plan.num_microbatches
+    keep = 1.0 - tolerance
     best: list = [bound, None]
+    cut = [bound * keep]
+    visited = [0]
+    open_bound = [float("inf")]
 
     mixed = len(set_of(solver.gpus)) > 1
 
@@ -213,6 +304,7 @@ def solve_partition(solver: StageSolver, bound: float) -> tuple[Plan, Estimate] 
         estimate = solver.cost.assemble(candidate, solver.gpus, [c.time for _, _, c in choices])
         if estimate.step_time_s < best[0]:
             best[0], best[1] = estimate.step_time_s, (candidate, estimate)
+            cut[0] = best[0] * keep
 
     # a balanced partition first, for a good incumbent
     greedy = _balanced(solver)
@@ -225,8 +317,12 @@ def solve_partition(solver: StageSolver, bound: float) -> tuple[Plan, Estimate] 
     def own_bound(k: int, prefix_f: float, prefix_b: float, t: ChunkTime, tail: float,
                   after: float) -> float:
         """Lower bound on the step from rank k alone (``after``: least time of the chain of the
-        ranks after k)."""
-        generic = prefix_f + prefix_b + m * (t.fwd_s + t.bwd_s) + tail
+        ranks after k). After rank k's last backward, its tail and the backward chain to rank 0
+        run side by side; in zero-bubble the rank's W ops may also run after its last B."""
+        if solver.zb:
+            return max(prefix_f + m * (t.fwd_s + t.bwd_s) + tail,
+                       prefix_f + m * (t.fwd_s + t.bgrad_s) + prefix_b)
+        generic = prefix_f + m * (t.fwd_s + t.bwd_s) + max(tail, prefix_b)
         if not one_f_one_b:
             return generic
         # 1F1B: rank k runs m forwards and m - w backwards before its last forward ends, then
@@ -243,16 +339,34 @@ def solve_partition(solver: StageSolver, bound: float) -> tuple[Plan, Estimate] 
             return 0.0
         return prefix + t.fwd_s + t.bwd_s + after + (m - 1) * (max(max_f, t.fwd_s) + max(max_b, t.bwd_s))
 
+    p2p = [solver.cost.p2p_time(plan, g) for g in solver.gpus]
+
+    def simulated_bound(chosen: list[tuple[int, int, StageChoice]], stop: int) -> float:
+        """Simulate the stages chosen so far followed by ranks holding the smallest possible
+        one-layer stage: every real completion is slower (simulate is monotone)."""
+        f_min, b_min, bg_min, w_min = solver.least_after[stop]
+        left = p - len(chosen)
+        times = [c.time for _, _, c in chosen]
+        fwd = [t.fwd_s for t in times] + [f_min] * left
+        bwd = [(t.bgrad_s if solver.zb else t.bwd_s) for t in times] + [
+            bg_min if solver.zb else b_min] * left
+        wgrad = [t.wgrad_s for t in times] + [w_min] * left if solver.zb else None
+        return simulate(plan.schedule, p, m, fwd, bwd, wgrad_s=wgrad, p2p_s=p2p).makespan_s
+
     def dfs(k: int, start: int, prefix_f: float, prefix_b: float, lower: float,
             chosen: list[tuple[int, int, StageChoice]], max_f: float = 0.0,
             max_b: float = 0.0) -> None:
+        visited[0] += 1
+        if max_nodes is not None and visited[0] > max_nodes:
+            open_bound[0] = min(open_bound[0], lower)
+            return
         if k == p - 1:
             choice = solver.stage(k, start, L)
             if choice is None:
                 return
             own = own_bound(k, prefix_f, prefix_b, choice.time, choice.tail_s, 0.0)
             own = max(own, flow_shop(prefix_f + prefix_b, max_f, max_b, choice.time, 0.0))
-            if max(lower, own) < best[0]:
+            if max(lower, own) < cut[0]:
                 evaluate([*chosen, (start, L, choice)])
             return
         for stop in range(start + 1, L - (p - 1 - k) + 1):
@@ -260,23 +374,32 @@ def solve_partition(solver: StageSolver, bound: float) -> tuple[Plan, Estimate] 
             if choice is None:
                 break  # more layers never need less memory
             t = choice.time
-            generic = prefix_f + prefix_b + m * (t.fwd_s + t.bwd_s) + choice.tail_s
-            if generic >= best[0]:
-                break  # longer stages only take longer
             own = own_bound(k, prefix_f, prefix_b, t, choice.tail_s, solver.suffix_chain[stop])
+            if own_bound(k, prefix_f, prefix_b, t, choice.tail_s, 0.0) >= cut[0]:
+                break  # longer stages only take longer
             own = max(own, flow_shop(prefix_f + prefix_b, max_f, max_b, t, solver.suffix_chain[stop]))
             step_b = t.bgrad_s if solver.zb else t.bwd_s
             # the layers left need m x their work / (ranks left) on some rank, and micro-batch 0
             # must still pass forward through them and backward again
-            rest = prefix_f + prefix_b + t.fwd_s + step_b + max(
-                m * solver.suffix_min[stop] / (p - 1 - k), solver.suffix_chain[stop])
-            if max(lower, own, rest) >= best[0]:
+            left = p - 1 - k
+            # a later rank s: at least the forward chain up to it plus m x its work (plus, without
+            # zero-bubble, the backward chain back from it); micro-batch 0's whole chain
+            heaviest = max(solver.suffix_min[stop] / left,
+                           -(-solver.blocks_after[stop] // left) * solver.block_time)
+            upstream = 0.0 if solver.zb else prefix_b + step_b
+            rest = max(prefix_f + t.fwd_s + m * heaviest + upstream,
+                       prefix_f + prefix_b + t.fwd_s + step_b + solver.suffix_chain[stop])
+            if max(lower, own, rest) >= cut[0] or not solver.can_finish(k + 1, stop):
                 continue
+            if m <= 4 * p and m * p <= 256 and simulated_bound(
+                    [*chosen, (start, stop, choice)], stop) >= cut[0]:
+                continue  # few micro-batches: fill and drain decide, so simulate the prefix
             dfs(k + 1, stop, prefix_f + t.fwd_s, prefix_b + step_b, max(lower, own),
                 [*chosen, (start, stop, choice)], max(max_f, t.fwd_s), max(max_b, t.bwd_s))
 
-    dfs(0, 0, 0.0, 0.0, 0.0, [])
-    return best[1]
+    if solver.can_finish(0, 0):
+        dfs(0, 0, 0.0, 0.0, 0.0, [])
+    return PartitionResult(best[1], open_bound[0])
 
 
 def _balanced(solver: StageSolver) -> list[tuple[int, int, StageChoice]] | None:

@@ -1,0 +1,298 @@
+"""Subcommands of the plan package: ``meshmorph plan``, ``estimate``, ``models`` and ``gpus``.
+
+Every error a user can fix (unknown model or GPU, a bad cluster string, degrees that do not match
+the cluster, a batch that does not divide, no plan that fits) is a ValueError, which the console
+script prints as one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from meshmorph.plan.plan import Plan, PlanError, Schedule
+from meshmorph.spec.model import Recompute
+
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _console():  # type: ignore[no-untyped-def]
+    """A console for the reports; wide enough for the plans table when writing to a file/pipe."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = max(console.width, 140)
+    return console
+
+
+def _chart_paths(chart: Path) -> tuple[Path, Path]:
+    """The pipeline timeline goes to ``chart``, the memory chart beside it (``NAME-memory.png``)."""
+    return chart, chart.with_name(f"{chart.stem}-memory{chart.suffix or '.png'}")
+
+
+def _write_charts(plan: Plan, cost, estimate, chart: Path, console) -> None:  # type: ignore[no-untyped-def]
+    from meshmorph.viz.memory_chart import write_memory_chart
+    from meshmorph.viz.pipeline_chart import write_plan_pipeline_chart
+
+    timeline_png, memory_png = _chart_paths(chart)
+    write_plan_pipeline_chart(plan, cost, timeline_png)
+    write_memory_chart(estimate, memory_png,
+                       title=f"{plan.model}: peak memory per GPU by pipeline stage")
+    console.print(f"charts: {timeline_png} (pipeline timeline), {memory_png} (memory per stage)")
+
+
+# --- meshmorph plan --------------------------------------------------------------------------
+def _plan(args: argparse.Namespace) -> int:
+    from meshmorph.cost.model import CostModel
+    from meshmorph.plan.report import print_plans
+    from meshmorph.plan.search import search
+    from meshmorph.plan.space import SearchOptions
+    from meshmorph.spec.catalog import load_model
+    from meshmorph.spec.cluster import parse_cluster
+
+    model = load_model(args.model, args.seq_len)
+    cluster = parse_cluster(args.cluster)
+    options = SearchOptions(top_k=args.top, dtype=args.dtype, max_micro_batch=args.max_micro_batch,
+                            tolerance=args.tolerance)
+    cost = CostModel(model, cluster)
+    result = search(model, cluster, global_batch=args.global_batch, options=options, cost=cost)
+    console = _console()
+    params = (f"{model.num_params / 1e9:.2f} B" if model.num_params >= 1e9
+              else f"{model.num_params / 1e6:.2f} M")
+    console.print(f"[bold]{model.name}[/] ({params} parameters, "
+                  f"{model.num_blocks} blocks, seq {model.seq_len}) on {cluster.describe()} "
+                  f"({cluster.world_size} GPUs), global batch {args.global_batch}, {args.dtype}")
+    print_plans(result.plans, console, search_time_s=result.search_time_s, model=model,
+                title=f"best {len(result.plans)} plans, fastest first")
+    console.print(f"searched {result.configurations} configurations, solved "
+                  f"{result.configurations_solved}, in {result.search_time_s:.2f} s")
+    if args.json:
+        _write_json(args.json, {
+            "search_time_s": result.search_time_s,
+            "cluster": cluster.describe(),
+            "configurations": result.configurations,
+            "configurations_solved": result.configurations_solved,
+            "plans": [plan.to_dict() for plan in result.plans],
+        })
+        console.print(f"plans written to {args.json}")
+    if args.chart:
+        _write_charts(result.plans[0], cost, result.estimates[0], args.chart, console)
+    return 0
+
+
+# --- meshmorph estimate ----------------------------------------------------------------------
+def build_plan(args: argparse.Namespace, model) -> Plan:  # type: ignore[no-untyped-def]
+    """The Plan the ``estimate`` flags describe (or the ``--plan`` file), stages filled in."""
+    recompute = Recompute(args.recompute)
+    if args.plan is not None:
+        given = [f"--{n}" for n in ("tp", "pp", "dp") if getattr(args, n) is not None]
+        if given:
+            raise PlanError(f"give either --plan or {'/'.join(given)}, not both")
+        plan = replace(Plan.load(args.plan), seq_len=model.seq_len)
+        return plan if plan.stages else plan.with_even_stages(model, recompute)
+    missing = [f"--{n}" for n in ("tp", "pp", "dp") if getattr(args, n) is None]
+    if missing:
+        raise PlanError(f"estimate needs {', '.join(missing)} (or --plan FILE)")
+    tp, pp, dp, micro = args.tp, args.pp, args.dp, args.micro_batch
+    vpp = args.vpp
+    schedule = Schedule(args.schedule) if args.schedule else (
+        Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B)
+    # default batch: one micro-batch per pipeline stage on every data-parallel rank
+    global_batch = args.global_batch or dp * micro * pp
+    if global_batch % (dp * micro):
+        raise PlanError(
+            f"global batch {global_batch} is not divisible by dp {dp} x micro-batch {micro} = "
+            f"{dp * micro}; choose a batch that is a multiple of {dp * micro}"
+        )
+    num_microbatches = global_batch // (dp * micro)  # m = B / (dp * b)
+    plan = Plan(model=args.model, seq_len=model.seq_len, global_batch=global_batch, tp=tp, pp=pp,
+                dp=dp, zero=args.zero, micro_batch=micro, num_microbatches=num_microbatches,
+                schedule=schedule, vpp=vpp, sequence_parallel=args.sequence_parallel,
+                dtype=args.dtype)
+    return plan.with_even_stages(model, recompute)
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from meshmorph.cost.model import CostModel
+    from meshmorph.plan.report import print_estimate
+    from meshmorph.spec.catalog import load_model
+    from meshmorph.spec.cluster import parse_cluster
+
+    cluster = parse_cluster(args.cluster)
+    if args.plan is not None:
+        stored = Plan.load(args.plan)
+        source = args.model or stored.model
+        model = load_model(source, args.seq_len or stored.seq_len)
+    elif args.model is None:
+        raise PlanError("estimate needs --model (or --plan FILE)")
+    else:
+        model = load_model(args.model, args.seq_len)
+    plan = build_plan(args, model)
+    plan.check_against(model, cluster.world_size)
+    cost = CostModel(model, cluster)
+    estimate = cost.estimate(plan)
+    console = _console()
+    console.print(f"on {cluster.describe()} ({cluster.world_size} GPUs)")
+    print_estimate(plan, estimate, console, model=model)
+    if args.json:
+        _write_json(args.json, replace(plan, predicted=estimate.to_dict()).to_dict())
+        console.print(f"estimate written to {args.json}")
+    if args.chart:
+        _write_charts(plan, cost, estimate, args.chart, console)
+    return 0 if estimate.fits else 1
+
+
+# --- meshmorph models / gpus -----------------------------------------------------------------
+def model_rows() -> list[dict[str, Any]]:
+    """One row per catalog model: its shape and parameter count."""
+    from meshmorph.spec.catalog import MODEL_CATALOG
+    from meshmorph.spec.transformer import build_transformer
+
+    rows = []
+    for name, shape in MODEL_CATALOG.items():
+        spec = build_transformer(shape)
+        rows.append({"name": name, "arch": shape.arch, "layers": spec.num_blocks,
+                     "hidden": spec.hidden_size, "heads": spec.num_heads,
+                     "kv_heads": spec.num_kv_heads, "ffn": spec.ffn_hidden_size,
+                     "vocab": spec.vocab_size, "seq_len": spec.seq_len,
+                     "params": spec.num_params, "params_b": spec.num_params / 1e9})
+    return rows
+
+
+def _models(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    rows = model_rows()
+    table = Table(title="model catalog", title_justify="left")
+    for name in ("name", "arch", "layers", "hidden", "heads/kv", "ffn", "vocab", "seq",
+                 "params (B)"):
+        table.add_column(name, justify="left" if name in ("name", "arch") else "right")
+    for r in rows:
+        params = f"{r['params_b']:.2f}" if r["params_b"] >= 0.01 else f"{r['params_b']:.5f}"
+        table.add_row(r["name"], r["arch"], str(r["layers"]), str(r["hidden"]),
+                      f"{r['heads']}/{r['kv_heads']}", str(r["ffn"]), str(r["vocab"]),
+                      str(r["seq_len"]), params)
+    console = _console()
+    console.print(table)
+    if args.json:
+        _write_json(args.json, {"models": rows})
+    return 0
+
+
+def gpu_rows() -> list[dict[str, Any]]:
+    """One row per catalog GPU: memory, bandwidth, dense peaks, links, price."""
+    from meshmorph.spec.gpus import GPU_CATALOG
+
+    return [{"name": g.name, "part": g.description, "memory_gib": g.memory_gib,
+             "hbm_gbps": g.hbm_gbps, "peak_tflops": dict(g.peak_tflops),
+             "intra_node_link": g.intra_node_link, "inter_node_link": g.inter_node_link,
+             "price_per_hour": g.price_per_hour} for g in GPU_CATALOG.values()]
+
+
+def _gpus(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    rows = gpu_rows()
+    table = Table(title="GPU catalog (dense peaks, no sparsity)", title_justify="left")
+    for name in ("name", "part", "memory GiB", "HBM GB/s", "fp32", "tf32", "bf16", "fp8",
+                 "links (node / net)", "$/GPU-h"):
+        table.add_column(name, justify="left" if name in ("name", "part", "links (node / net)")
+                         else "right")
+    for r in rows:
+        peaks = [f"{r['peak_tflops'][d]:g}" if d in r["peak_tflops"] else "-"
+                 for d in ("fp32", "tf32", "bf16", "fp8")]
+        table.add_row(r["name"], r["part"], f"{r['memory_gib']:g}", f"{r['hbm_gbps']:g}", *peaks,
+                      f"{r['intra_node_link']} / {r['inter_node_link']}",
+                      f"{r['price_per_hour']:.2f}" if r["price_per_hour"] is not None else "-")
+    console = _console()
+    console.print(table)
+    console.print("peak columns are dense TFLOP/s")
+    if args.json:
+        _write_json(args.json, {"gpus": rows})
+    return 0
+
+
+# --- registration ----------------------------------------------------------------------------
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    plan = subparsers.add_parser(
+        "plan", help="search the fastest parallel layouts of a model on a cluster",
+        description="Search tp/pp/dp, ZeRO, sequence parallel, micro-batch, schedule, stage "
+                    "boundaries and per-layer recompute; print the best plans.",
+    )
+    plan.add_argument("--model", required=True,
+                      help="catalog name, config.json path or package.module:function")
+    plan.add_argument("--cluster", required=True, help="GPU:NODESxPER_NODE (h100:4x8) or a .toml")
+    plan.add_argument("--global-batch", required=True, type=_positive,
+                      help="sequences per optimizer step")
+    plan.add_argument("--seq-len", type=_positive, default=None,
+                      help="sequence length (default: the model's own)")
+    plan.add_argument("--top", type=_positive, default=5, help="plans to show (default 5)")
+    plan.add_argument("--dtype", choices=DTYPES, default="bf16", help="training dtype (default bf16)")
+    plan.add_argument("--max-micro-batch", type=_positive, default=16,
+                      help="largest micro-batch size tried (default 16)")
+    plan.add_argument("--tolerance", type=float, default=1e-3,
+                      help="optimality gap: results are at most this fraction slower than the "
+                           "best (default 0.001; 0 = exact)")
+    plan.add_argument("--json", type=Path, default=None, help="write the plans to this JSON file")
+    plan.add_argument("--chart", type=Path, default=None,
+                      help="write the best plan's pipeline timeline to this PNG (and its memory "
+                           "per stage to NAME-memory.png)")
+    plan.set_defaults(func=_plan)
+
+    est = subparsers.add_parser(
+        "estimate", help="predict step time and memory of one layout",
+        description="Predict one plan's step time (with its terms), throughput, MFU and memory "
+                    "per pipeline stage. Exit code 1 when it does not fit the devices' memory.",
+    )
+    est.add_argument("--model", default=None, help="catalog name, config.json or factory "
+                                                   "(default with --plan: the plan's model)")
+    est.add_argument("--cluster", required=True, help="GPU:NODESxPER_NODE (h100:4x8) or a .toml")
+    est.add_argument("--plan", type=Path, default=None,
+                     help="plan JSON (a plan, or the output of 'meshmorph plan --json')")
+    est.add_argument("--tp", type=_positive, default=None, help="tensor-parallel degree")
+    est.add_argument("--pp", type=_positive, default=None, help="pipeline-parallel degree")
+    est.add_argument("--dp", type=_positive, default=None, help="data-parallel degree")
+    est.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
+    est.add_argument("--micro-batch", type=_positive, default=1, help="sequences per micro-batch")
+    est.add_argument("--global-batch", type=_positive, default=None,
+                     help="sequences per step (default dp x micro-batch x pp)")
+    est.add_argument("--seq-len", type=_positive, default=None,
+                     help="sequence length (default: the model's own)")
+    est.add_argument("--schedule", choices=[str(s) for s in Schedule], default=None,
+                     help="pipeline schedule (default 1f1b, interleaved when --vpp > 1)")
+    est.add_argument("--vpp", type=_positive, default=1,
+                     help="model chunks per pipeline rank (interleaved)")
+    est.add_argument("--recompute", choices=[str(r) for r in Recompute], default="none",
+                     help="activation recompute of every block")
+    est.add_argument("--sequence-parallel", action="store_true",
+                     help="Megatron sequence parallelism (needs tp > 1)")
+    est.add_argument("--dtype", choices=DTYPES, default="bf16", help="training dtype (default bf16)")
+    est.add_argument("--json", type=Path, default=None,
+                     help="write the plan and its prediction to this JSON file")
+    est.add_argument("--chart", type=Path, default=None,
+                     help="write the pipeline timeline to this PNG (and NAME-memory.png)")
+    est.set_defaults(func=_estimate)
+
+    models = subparsers.add_parser("models", help="list the model catalog")
+    models.add_argument("--json", type=Path, default=None, help="also write the list as JSON")
+    models.set_defaults(func=_models)
+
+    gpus = subparsers.add_parser("gpus", help="list the GPU catalog")
+    gpus.add_argument("--json", type=Path, default=None, help="also write the list as JSON")
+    gpus.set_defaults(func=_gpus)

@@ -14,7 +14,7 @@ from meshmorph.cost import comm
 from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.estimate import Estimate, StageMemory
 from meshmorph.cost.layer_cost import LayerCoster
-from meshmorph.cost.pipeline import simulate
+from meshmorph.cost.pipeline import Timeline, simulate
 from meshmorph.cost.profile import Profile
 from meshmorph.plan.plan import Plan, Schedule, StagePlan
 from meshmorph.spec.cluster import Cluster
@@ -71,6 +71,7 @@ class CostModel:
             for g in cluster.groups
         }
         self._costers: dict[str, LayerCoster] = {}
+        self._timelines: dict[tuple, Timeline] = {}
 
     def _link(self, name: str, spec, efficiency: float) -> comm.Link:  # type: ignore[no-untyped-def]
         link = comm.Link.from_spec(spec, efficiency)
@@ -221,10 +222,19 @@ class CostModel:
     def assemble(self, plan: Plan, gpus: Sequence[GPUSpec], times: Sequence[ChunkTime]) -> Estimate:
         p, m, v = plan.pp, plan.num_microbatches, plan.vpp
         zb = plan.schedule == Schedule.ZERO_BUBBLE
-        p2p = [self.p2p_time(plan, g) for g in gpus]
-        timeline = simulate(plan.schedule, p, m, [t.fwd_s for t in times],
-                            [t.bgrad_s if zb else t.bwd_s for t in times], v=v,
-                            wgrad_s=[t.wgrad_s for t in times] if zb else None, p2p_s=p2p)
+        p2p = tuple(self.p2p_time(plan, g) for g in gpus)
+        fwd = tuple(t.fwd_s for t in times)
+        bwd = tuple(t.bgrad_s if zb else t.bwd_s for t in times)
+        wgrad = tuple(t.wgrad_s for t in times) if zb else None
+        # plans that differ only in what the simulation does not see (ZeRO 0/1/2, the tail)
+        # share one simulation
+        key = (plan.schedule, p, m, v, fwd, bwd, wgrad, p2p)
+        timeline = self._timelines.get(key)
+        if timeline is None:
+            if len(self._timelines) > 50_000:
+                self._timelines.clear()
+            timeline = self._timelines[key] = simulate(plan.schedule, p, m, fwd, bwd, v=v,
+                                                       wgrad_s=wgrad, p2p_s=p2p)
         memory, ends, tails = [], [], []
         for k in range(p):
             chunk_ids = plan.chunks_of(k)

@@ -62,7 +62,7 @@ def _plan(args: argparse.Namespace) -> int:
     model = load_model(args.model, args.seq_len)
     cluster = parse_cluster(args.cluster)
     options = SearchOptions(top_k=args.top, dtype=args.dtype, max_micro_batch=args.max_micro_batch,
-                            tolerance=args.tolerance)
+                            tolerance=args.tolerance, max_nodes=args.max_nodes or None)
     cost = CostModel(model, cluster)
     result = search(model, cluster, global_batch=args.global_batch, options=options, cost=cost)
     console = _console()
@@ -74,13 +74,16 @@ def _plan(args: argparse.Namespace) -> int:
     print_plans(result.plans, console, search_time_s=result.search_time_s, model=model,
                 title=f"best {len(result.plans)} plans, fastest first")
     console.print(f"searched {result.configurations} configurations, solved "
-                  f"{result.configurations_solved}, in {result.search_time_s:.2f} s")
+                  f"{result.configurations_solved}, in {result.search_time_s:.2f} s; "
+                  f"proven optimality gap {result.optimality_gap:.2%} "
+                  "(0% = the best plan is optimal under the cost model)")
     if args.json:
         _write_json(args.json, {
             "search_time_s": result.search_time_s,
             "cluster": cluster.describe(),
             "configurations": result.configurations,
             "configurations_solved": result.configurations_solved,
+            "optimality_gap": result.optimality_gap,
             "plans": [plan.to_dict() for plan in result.plans],
         })
         console.print(f"plans written to {args.json}")
@@ -249,6 +252,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--tolerance", type=float, default=1e-3,
                       help="optimality gap: results are at most this fraction slower than the "
                            "best (default 0.001; 0 = exact)")
+    plan.add_argument("--max-nodes", type=int, default=1000,
+                      help="branch-and-bound nodes per configuration before the rest is left "
+                           "with its bound (the proven gap is printed); 0 = no limit")
     plan.add_argument("--json", type=Path, default=None, help="write the plans to this JSON file")
     plan.add_argument("--chart", type=Path, default=None,
                       help="write the best plan's pipeline timeline to this PNG (and its memory "

@@ -76,6 +76,12 @@ def lower_bound(cost: CostModel, config: Config) -> float:
     share = cost.chunk_params(0, cost.model.num_layers, plan.tp) / plan.pp
     bound = max(m * total / plan.pp + min(_tail_bound(cost, plan, share, g) for g in gpus.values()),
                 chain)
+    if plan.pp > 1 and plan.schedule in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE):
+        # every rank s needs sum_{r<s} w_r + m w_s (micro-batch 0's chain to it and back, plus
+        # its own work; w = f + B). Over any split of the total W, the largest of these is at
+        # least C with all of them equal: w_s = C (1 - 1/m)^s / m, so C = W / (1 - (1 - 1/m)^p)
+        work = chain  # per micro-batch f + B of all layers (B: input gradient only for ZB)
+        bound = max(bound, work / (1.0 - (1.0 - 1.0 / m) ** plan.pp))
     if plan.schedule == Schedule.GPIPE:
         # GPipe is a forward then a backward flow shop of m identical jobs: at least the sum of
         # the stages plus (m - 1) x the slowest stage, which is at least the average one
@@ -152,7 +158,7 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int,
             break
         solved += 1
         result = solve_config(cost, configs[index], options, threshold)
-        proven = min(proven, result.open_bound_s)
+        proven = min(proven, max(bound_s, result.open_bound_s))
         if result.best is None:
             continue
         plan, estimate = result.best

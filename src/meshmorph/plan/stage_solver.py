@@ -355,10 +355,10 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
 
     def dfs(k: int, start: int, prefix_f: float, prefix_b: float, lower: float,
             chosen: list[tuple[int, int, StageChoice]], max_f: float = 0.0,
-            max_b: float = 0.0) -> None:
+            max_b: float = 0.0, node_bound: float = 0.0) -> None:
         visited[0] += 1
         if max_nodes is not None and visited[0] > max_nodes:
-            open_bound[0] = min(open_bound[0], lower)
+            open_bound[0] = min(open_bound[0], node_bound)  # this branch stays unexplored
             return
         if k == p - 1:
             choice = solver.stage(k, start, L)
@@ -387,15 +387,20 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
             heaviest = max(solver.suffix_min[stop] / left,
                            -(-solver.blocks_after[stop] // left) * solver.block_time)
             upstream = 0.0 if solver.zb else prefix_b + step_b
+            # every later rank s needs the chain to it and back plus m x its own (f + B): over
+            # any split of the layers left the largest is at least C = W / (1 - (1 - 1/m)^left)
+            # (all equal), W their least f + B per micro-batch (search.lower_bound derives it)
+            spread = solver.suffix_chain[stop] / (1.0 - (1.0 - 1.0 / m) ** left)
             rest = max(prefix_f + t.fwd_s + m * heaviest + upstream,
-                       prefix_f + prefix_b + t.fwd_s + step_b + solver.suffix_chain[stop])
+                       prefix_f + prefix_b + t.fwd_s + step_b + max(solver.suffix_chain[stop], spread))
             if max(lower, own, rest) >= cut[0] or not solver.can_finish(k + 1, stop):
                 continue
-            if m <= 4 * p and m * p <= 256 and simulated_bound(
+            if m <= 4 * p and m * p <= (64 if solver.zb else 256) and simulated_bound(
                     [*chosen, (start, stop, choice)], stop) >= cut[0]:
                 continue  # few micro-batches: fill and drain decide, so simulate the prefix
             dfs(k + 1, stop, prefix_f + t.fwd_s, prefix_b + step_b, max(lower, own),
-                [*chosen, (start, stop, choice)], max(max_f, t.fwd_s), max(max_b, t.bwd_s))
+                [*chosen, (start, stop, choice)], max(max_f, t.fwd_s), max(max_b, t.bwd_s),
+                max(lower, own, rest))
 
     if solver.can_finish(0, 0):
         dfs(0, 0, 0.0, 0.0, 0.0, [])

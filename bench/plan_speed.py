@@ -1,0 +1,102 @@
+"""Planner search time on the issue's four cases, beside brute-force enumeration where it finishes.
+
+    python bench/plan_speed.py [--quick]
+
+For each case it prints the search time, the configurations in the space and how many were
+solved, the best plan, its predicted step time and the proven optimality gap. Brute force scores
+every plan of the same space with the cost model; it runs only when the space has at most
+--brute-limit plans (the count is printed either way), and on a small instance (gpt3-1.3b on
+one 8-GPU node, restricted options) so that the two can be compared side by side.
+Writes bench/results/plan_speed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+from meshmorph.cost.model import CostModel
+from meshmorph.plan.brute_force import brute_force, count_plans
+from meshmorph.plan.search import search
+from meshmorph.plan.space import SearchOptions, configurations
+from meshmorph.spec import catalog_model, parse_cluster
+
+CASES = [
+    ("gpt3-175b", "a100-80g:128x8", 1536, None),
+    ("llama3-70b", "h100:8x8", 512, None),
+    ("llama3-405b", "h100:2048x8", 2048, None),
+    ("llama2-13b", "h100:4x8+a100-80g:4x8", 256, None),
+    # small enough for brute force: the side-by-side comparison
+    ("gpt3-350m", "a100-40g:1x4", 16, SearchOptions(max_micro_batch=2, tolerance=0.0,
+                                                    max_nodes=None, top_k=1)),
+]
+
+
+def run_case(name: str, cluster_text: str, batch: int, options: SearchOptions | None,
+             brute_limit: int) -> dict:
+    model = catalog_model(name)
+    cluster = parse_cluster(cluster_text)
+    options = options or SearchOptions()
+    started = time.perf_counter()
+    result = search(model, cluster, global_batch=batch, options=options)
+    search_s = time.perf_counter() - started
+    best, estimate = result.plans[0], result.estimates[0]
+    configs = list(configurations(model, cluster, batch, options))
+    plans_in_space = count_plans(model, configs, options)
+    row = {
+        "model": name, "cluster": cluster_text, "global_batch": batch,
+        "search_time_s": search_s, "configurations": result.configurations,
+        "configurations_solved": result.configurations_solved,
+        "optimality_gap": result.optimality_gap, "plans_in_space": plans_in_space,
+        "best": {"tp": best.tp, "pp": best.pp, "dp": best.dp, "zero": best.zero,
+                 "micro_batch": best.micro_batch, "num_microbatches": best.num_microbatches,
+                 "schedule": str(best.schedule), "vpp": best.vpp,
+                 "sequence_parallel": best.sequence_parallel},
+        "step_time_s": estimate.step_time_s, "mfu": estimate.mfu,
+        "brute_force_time_s": None, "brute_force_step_time_s": None,
+    }
+    if plans_in_space <= brute_limit:
+        started = time.perf_counter()
+        _, bf_estimate = brute_force(model, cluster, global_batch=batch, options=options,
+                                     cost=CostModel(model, cluster), max_plans=brute_limit)
+        row["brute_force_time_s"] = time.perf_counter() - started
+        row["brute_force_step_time_s"] = bf_estimate.step_time_s
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="skip the 16,384-GPU case")
+    parser.add_argument("--brute-limit", type=int, default=300_000,
+                        help="run brute force only when the space has at most this many plans")
+    args = parser.parse_args()
+    rows = []
+    for name, cluster, batch, options in CASES:
+        if args.quick and cluster.startswith("h100:2048"):
+            continue
+        row = run_case(name, cluster, batch, options, args.brute_limit)
+        rows.append(row)
+        b = row["best"]
+        brute = (f"brute force {row['brute_force_time_s']:.1f} s "
+                 f"(step {row['brute_force_step_time_s']:.4f} s, "
+                 f"{row['brute_force_time_s'] / row['search_time_s']:.0f}x the search)"
+                 if row["brute_force_time_s"] is not None else
+                 f"brute force not run ({row['plans_in_space']:.3g} plans)")
+        print(f"{name:12s} {cluster:24s} B={batch:<5d} search {row['search_time_s']:6.2f} s  "
+              f"{row['configurations_solved']}/{row['configurations']} configs  "
+              f"gap {row['optimality_gap']:.2%}  best tp{b['tp']} pp{b['pp']} dp{b['dp']} "
+              f"z{b['zero']} mb{b['micro_batch']}x{b['num_microbatches']} {b['schedule']}"
+              f"{'' if b['vpp'] == 1 else b['vpp']} step {row['step_time_s']:.3f} s "
+              f"MFU {row['mfu']:.1%} | {brute}", flush=True)
+    out = Path(__file__).parent / "results" / "plan_speed.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": platform.platform(), "python": platform.python_version(),
+                               "target_s": 2.0, "cases": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

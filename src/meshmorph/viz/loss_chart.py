@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from meshmorph.viz.figure import save_figure
+
 
 def read_metrics(path: Path) -> list[dict]:
     """The JSON lines of a metrics file, in order."""
@@ -26,8 +28,4 @@ def write_loss_chart(records: list[dict], out_png: Path, *, title: str = "traini
     ax.set_ylabel("loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return out_png
+    return save_figure(fig, out_png)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshmorph.cost.estimate import GIB, Estimate
+from meshmorph.viz.figure import save_figure
 
 PART_COLOURS = {
     "params": "#4c78a8",
@@ -52,8 +53,4 @@ def write_memory_chart(estimate: Estimate, out_png: Path, *,
     ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize=8,
               loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return out_png
+    return save_figure(fig, out_png)

@@ -11,6 +11,7 @@ from pathlib import Path
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.pipeline import Timeline, simulate
 from meshmorph.plan.plan import Plan, Schedule
+from meshmorph.viz.figure import save_figure
 
 OP_COLOURS = {"F": "#4c78a8", "B": "#59a14f", "W": "#f28e2b"}
 """Forward, backward (input gradient only under zero-bubble), weight gradient."""
@@ -69,11 +70,7 @@ def write_pipeline_chart(timeline: Timeline, out_png: Path, *, pp: int, vpp: int
     ax.legend(handles=[Patch(color=OP_COLOURS[k], label=OP_NAMES[k]) for k in kinds],
               loc="upper right", fontsize=8, ncol=len(kinds))
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return out_png
+    return save_figure(fig, out_png)
 
 
 def write_plan_pipeline_chart(plan: Plan, cost: CostModel, out_png: Path) -> Path:

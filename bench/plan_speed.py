@@ -5,8 +5,9 @@
 For each case it prints the search time, the configurations in the space and how many were
 solved, the best plan, its predicted step time and the proven optimality gap. Brute force scores
 every plan of the same space with the cost model; it runs only when the space has at most
---brute-limit plans (the count is printed either way), and on a small instance (gpt3-1.3b on
-one 8-GPU node, restricted options) so that the two can be compared side by side.
+--brute-limit plans (the count is printed either way): on the four large cases it cannot, so a
+fifth, small instance (gpt-tiny on 4 CPU processes, restricted options, exact search) compares
+the two side by side.
 Writes bench/results/plan_speed.json.
 """
 
@@ -29,9 +30,9 @@ CASES = [
     ("llama3-70b", "h100:8x8", 512, None),
     ("llama3-405b", "h100:2048x8", 2048, None),
     ("llama2-13b", "h100:4x8+a100-80g:4x8", 256, None),
-    # small enough for brute force: the side-by-side comparison
-    ("gpt3-350m", "a100-40g:1x4", 16, SearchOptions(max_micro_batch=2, tolerance=0.0,
-                                                    max_nodes=None, top_k=1)),
+    # small enough for brute force: the side-by-side comparison, exact search
+    ("gpt-tiny", "cpu:1x4", 8, SearchOptions(max_micro_batch=2, zero_stages=(0, 3), tolerance=0.0,
+                                             max_nodes=None, top_k=1, dtype="fp32")),
 ]
 
 

@@ -160,41 +160,46 @@ def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: 
             if not progressed:
                 raise RuntimeError(f"schedule {schedule} deadlocks for p={p}, m={m}, v={v}")
     else:
-        # W fills idle time, so decide in time order: advance the rank that is free first and
-        # can decide (its next F/B has a known ready time, or it has a W to fill with)
+        # W fills idle time, so decide in time order: advance the rank that is free first. A
+        # rank whose next F/B waits on an op not yet run, with no W to fill in, sleeps until that
+        # op runs (blocked[op] = rank)
         heap = [(0.0, k) for k in range(p)]
+        blocked: dict[tuple[str, int, int], int] = {}
+
+        def step(k: int, kind: str, c: int, j: int, start: float) -> None:
+            run(k, kind, c, j, start)
+            sleeper = blocked.pop((kind, c, j), None)
+            if sleeper is not None:
+                heapq.heappush(heap, (free[sleeper], sleeper))
+
         while heap:
-            waiting = []
-            while heap:
-                _, k = heapq.heappop(heap)
-                order = orders[k]
-                if pos[k] == len(order):
-                    if pending_w[k]:
-                        c, j = pending_w[k].pop(0)
-                        run(k, "W", c, j, free[k])
-                        heapq.heappush(heap, (free[k], k))
-                    break  # a finished rank leaves the heap
-                kind, c, j = order[pos[k]]
-                ready = ready_time(kind, c, j)
-                # ZB-H1: at most p weight gradients wait on any rank, so no rank holds more
-                # activations than 1F1B's first stage (p micro-batches)
-                must_drain = len(pending_w[k]) >= p
-                if not must_drain and (0 <= ready <= free[k] or (ready > free[k] and not pending_w[k])):
-                    run(k, kind, c, j, max(free[k], ready))
-                    pos[k] += 1
-                elif pending_w[k]:  # next F/B not ready yet (or not even scheduled): fill with W
+            _, k = heapq.heappop(heap)
+            order = orders[k]
+            if pos[k] == len(order):
+                if pending_w[k]:
                     c, j = pending_w[k].pop(0)
-                    run(k, "W", c, j, free[k])
-                else:
-                    waiting.append((free[k], k))
-                    continue
-                heapq.heappush(heap, (free[k], k))
-                break
+                    step(k, "W", c, j, free[k])
+                    heapq.heappush(heap, (free[k], k))
+                continue  # a finished rank leaves the heap
+            kind, c, j = order[pos[k]]
+            ready = ready_time(kind, c, j)
+            # ZB-H1: at most p weight gradients wait on any rank, so no rank holds more
+            # activations than 1F1B's first stage (p micro-batches)
+            must_drain = len(pending_w[k]) >= p
+            if not must_drain and (0 <= ready <= free[k] or (ready > free[k] and not pending_w[k])):
+                pos[k] += 1
+                step(k, kind, c, j, max(free[k], ready))
+            elif pending_w[k]:  # next F/B not ready yet (or not even scheduled): fill with W
+                wc, wj = pending_w[k].pop(0)
+                step(k, "W", wc, wj, free[k])
             else:
-                if waiting:
-                    raise RuntimeError(f"schedule {schedule} deadlocks for p={p}, m={m}")
-            for item in waiting:
-                heapq.heappush(heap, item)
+                dep = ("F", c - 1, j) if kind == "F" else (
+                    ("F", c, j) if c == chunks - 1 else ("B", c + 1, j))
+                blocked[dep] = k
+                continue
+            heapq.heappush(heap, (free[k], k))
+        if blocked or any(pos[k] < len(orders[k]) for k in range(p)):
+            raise RuntimeError(f"schedule {schedule} deadlocks for p={p}, m={m}")
     return Timeline(max(free), tuple(free), tuple(busy), tuple(timeline))
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from meshmorph.plan.plan import Plan, PlanError, Schedule
+from meshmorph.plan.report import report_console
 from meshmorph.spec.model import Recompute
 
 DTYPES = ("bf16", "fp16", "fp32")
@@ -23,15 +24,6 @@ def _write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
 
-
-def _console():  # type: ignore[no-untyped-def]
-    """A console for the reports; wide enough for the plans table when writing to a file/pipe."""
-    from rich.console import Console
-
-    console = Console(highlight=False)
-    if not console.is_terminal:
-        console.width = max(console.width, 140)
-    return console
 
 
 def _chart_paths(chart: Path) -> tuple[Path, Path]:
@@ -65,13 +57,13 @@ def _plan(args: argparse.Namespace) -> int:
                             tolerance=args.tolerance, max_nodes=args.max_nodes or None)
     cost = CostModel(model, cluster)
     result = search(model, cluster, global_batch=args.global_batch, options=options, cost=cost)
-    console = _console()
+    console = report_console()
     params = (f"{model.num_params / 1e9:.2f} B" if model.num_params >= 1e9
               else f"{model.num_params / 1e6:.2f} M")
     console.print(f"[bold]{model.name}[/] ({params} parameters, "
                   f"{model.num_blocks} blocks, seq {model.seq_len}) on {cluster.describe()} "
                   f"({cluster.world_size} GPUs), global batch {args.global_batch}, {args.dtype}")
-    print_plans(result.plans, console, search_time_s=result.search_time_s, model=model,
+    print_plans(result.plans, console, model=model,
                 title=f"best {len(result.plans)} plans, fastest first")
     console.print(f"searched {result.configurations} configurations, solved "
                   f"{result.configurations_solved}, in {result.search_time_s:.2f} s; "
@@ -143,8 +135,8 @@ def _estimate(args: argparse.Namespace) -> int:
     plan.check_against(model, cluster.world_size)
     cost = CostModel(model, cluster)
     estimate = cost.estimate(plan)
-    console = _console()
-    console.print(f"on {cluster.describe()} ({cluster.world_size} GPUs)")
+    console = report_console()
+    console.print(f"[bold]{model.name}[/] on {cluster.describe()} ({cluster.world_size} GPUs)")
     print_estimate(plan, estimate, console, model=model)
     if args.json:
         _write_json(args.json, replace(plan, predicted=estimate.to_dict()).to_dict())
@@ -184,7 +176,7 @@ def _models(args: argparse.Namespace) -> int:
         table.add_row(r["name"], r["arch"], str(r["layers"]), str(r["hidden"]),
                       f"{r['heads']}/{r['kv_heads']}", str(r["ffn"]), str(r["vocab"]),
                       str(r["seq_len"]), params)
-    console = _console()
+    console = report_console()
     console.print(table)
     if args.json:
         _write_json(args.json, {"models": rows})
@@ -216,7 +208,7 @@ def _gpus(args: argparse.Namespace) -> int:
         table.add_row(r["name"], r["part"], f"{r['memory_gib']:g}", f"{r['hbm_gbps']:g}", *peaks,
                       f"{r['intra_node_link']} / {r['inter_node_link']}",
                       f"{r['price_per_hour']:.2f}" if r["price_per_hour"] is not None else "-")
-    console = _console()
+    console = report_console()
     console.print(table)
     console.print("peak columns are dense TFLOP/s")
     if args.json:

@@ -179,3 +179,11 @@ def print_estimate(plan: Plan, estimate: Estimate, console: Console, *,
         peak = max(estimate.peak_memory_gib)
         console.print(f"[green]fits[/]: largest stage peak {peak:.1f} GiB of "
                       f"{min(estimate.memory_budget_bytes) / GIB:.1f} GiB")
+
+
+def report_console() -> Console:
+    """A console for the reports; wide enough for the plans table when writing to a file/pipe."""
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = max(console.width, 140)
+    return console

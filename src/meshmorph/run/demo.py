@@ -76,7 +76,9 @@ def show_plans(plans: list[Plan], console: Console) -> None:
 
 def run_demo(*, nproc: int = 4, steps: int | None = None, out: Path | None = None) -> int:
     """Plan, show, train; returns the launcher's exit code."""
-    console = Console(highlight=False)
+    from meshmorph.plan.report import report_console
+
+    console = report_console()
     out_dir = out or Path("runs") / "demo"
     out_dir.mkdir(parents=True, exist_ok=True)
     job_path = out_dir / "job.toml"
@@ -100,7 +102,7 @@ def run_demo(*, nproc: int = 4, steps: int | None = None, out: Path | None = Non
     show_plans(plans[:8], console)
     plan = plans[0]
     console.print(f"training plan 1: tp {plan.tp} x pp {plan.pp} x dp {plan.dp}, zero {plan.zero}, "
-                  f"{plan.num_microbatches} micro-batches of {plan.micro_batch}, {plan.schedule}")
+                  f"micro-batches {plan.num_microbatches} x {plan.micro_batch}, {plan.schedule}")
     check_plan_for_job(plan, job, model, nproc)
     code = launch(PreparedRun(job_path=job_path, job=job, model=model, plan=plan, nproc=nproc,
                               out_dir=out_dir, resume=False))

@@ -307,10 +307,6 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
             cut[0] = best[0] * keep
 
     # a balanced partition first, for a good incumbent
-    greedy = _balanced(solver)
-    if greedy is not None:
-        evaluate(greedy)
-
     one_f_one_b = plan.schedule == Schedule.ONE_F_ONE_B
     gpipe = plan.schedule == Schedule.GPIPE
 
@@ -402,6 +398,22 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
                 [*chosen, (start, stop, choice)], max(max_f, t.fwd_s), max(max_b, t.bwd_s),
                 max(lower, own, rest))
 
+    def partition_bound(choices: list[tuple[int, int, StageChoice]]) -> float:
+        """The per-rank bounds of a whole partition (cheap next to simulating it)."""
+        times = [c.time for _, _, c in choices]
+        chain = [t.fwd_s + (t.bgrad_s if solver.zb else t.bwd_s) for t in times]
+        bound = prefix_f = prefix_b = 0.0
+        for k, (_, _, choice) in enumerate(choices):
+            t = choice.time
+            bound = max(bound, own_bound(k, prefix_f, prefix_b, t, choice.tail_s, sum(chain[k + 1:])))
+            prefix_f += t.fwd_s
+            prefix_b += chain[k] - t.fwd_s
+        return bound
+
+    # a balanced partition first, for a good incumbent (simulated only if it could win)
+    greedy = _balanced(solver)
+    if greedy is not None and partition_bound(greedy) < cut[0]:
+        evaluate(greedy)
     if solver.can_finish(0, 0):
         dfs(0, 0, 0.0, 0.0, 0.0, [])
     return PartitionResult(best[1], open_bound[0])

@@ -83,7 +83,7 @@ class Timeline:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of the busiest... of the average rank over the makespan."""
+        """Idle share of the average pipeline rank over the makespan."""
         if self.makespan_s <= 0:
             return 0.0
         idle = sum(self.makespan_s - busy for busy in self.rank_busy_s)

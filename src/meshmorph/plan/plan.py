@@ -250,4 +250,5 @@ class Plan:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise PlanError(f"plan file {path} is not valid JSON: {exc}") from None
-        return cls.from_dict(data.get("plans", [data])[0] if "plans" in data else data)
+        # a `meshmorph plan --json` file holds several plans, best first: take the best
+        return cls.from_dict(data["plans"][0] if "plans" in data else data)

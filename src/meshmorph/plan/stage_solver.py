@@ -235,10 +235,8 @@ class StageSolver:
                     modes[index - start] = mode
             return tuple(modes)
 
-        if not groups:
-            modes = build([])
-            if self._fits(k, start, stop, modes, gpu):
-                yield modes
+        if len(groups) == 1:
+            yield from self._one_group(k, start, stop, gpu, groups[0], build)
             return
 
         def options(group: list[int]) -> list[tuple[int, int]]:
@@ -253,9 +251,6 @@ class StageSolver:
                 modes = build(chosen)
                 if self._fits(k, start, stop, modes, gpu):
                     yield modes
-                return
-            if len(groups) == 1:
-                yield from self._one_group(k, start, stop, gpu, groups[0], build)
                 return
             for option in options(groups[i]):
                 yield from rec(i + 1, [*chosen, option])

@@ -136,16 +136,20 @@ class CostModel:
         params = self.chunk_params(start, stop, plan.tp)
         z3 = 0.0
         if plan.zero == 3 and plan.dp > 1:
-            # FSDP/ZeRO-3 per micro-batch: all-gather weights in forward and again in backward,
-            # reduce-scatter gradients in backward; prefetch hides a share behind compute
-            link = self.group_link(gpu, plan.tp * plan.dp)
-            wbytes = params * self.param_bytes(plan.dtype)[0]
-            gather = comm.all_gather(plan.dp, wbytes, link)
-            scatter = comm.reduce_scatter(plan.dp, wbytes, link)
+            # prefetch hides a share of the per-micro-batch traffic behind compute
+            gather, scatter = self.zero3_traffic(plan, params, gpu)
             ef = comm.exposed(gather, f, self.coef.zero3_overlap)
             eb = comm.exposed(gather + scatter, b, self.coef.zero3_overlap)
             f, b, bg, z3 = f + ef, b + eb, bg + eb, ef + eb
         return ChunkTime(f, b, bg, wg, comp, re, tpc, z3, params)
+
+    def zero3_traffic(self, plan: Plan, params: float, gpu: GPUSpec) -> tuple[float, float]:
+        """(all-gather, reduce-scatter) seconds of one ZeRO-3/FSDP collective over ``params``:
+        per micro-batch, weights are gathered in forward and again in backward, and gradients
+        reduce-scattered in backward."""
+        link = self.group_link(gpu, plan.tp * plan.dp)
+        wbytes = params * self.param_bytes(plan.dtype)[0]
+        return comm.all_gather(plan.dp, wbytes, link), comm.reduce_scatter(plan.dp, wbytes, link)
 
     def rank_memory(self, plan: Plan, pp_rank: int, chunks: Sequence[tuple[int, int, Sequence[Recompute]]],
                     gpu: GPUSpec) -> StageMemory:

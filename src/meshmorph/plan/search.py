@@ -13,12 +13,17 @@ import heapq
 import time
 from dataclasses import dataclass, replace
 
-from meshmorph.cost import comm
 from meshmorph.cost.estimate import GIB, Estimate
 from meshmorph.cost.model import CostModel
 from meshmorph.plan.plan import Plan, PlanError, Schedule
 from meshmorph.plan.space import Config, SearchOptions, configurations
-from meshmorph.plan.stage_solver import PartitionResult, StageSolver, solve_partition
+from meshmorph.plan.stage_solver import (
+    PartitionResult,
+    StageSolver,
+    fastest_layer_times,
+    solve_partition,
+    unique_gpus,
+)
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.gpus import gpu as gpu_by_name
@@ -54,43 +59,35 @@ def lower_bound(cost: CostModel, config: Config) -> float:
     """Some pipeline rank does at least m x (fastest time of all layers) / pp, and micro-batch 0
     passes forward through every layer and backward again (input gradients only, for ZB)."""
     plan = config.plan
-    coster = cost.coster(plan.dtype)
-    gpus = {name: gpu_by_name(name) for name in config.rank_gpus}
-    zb = plan.schedule == Schedule.ZERO_BUBBLE
-    total = chain = total_f = total_b = 0.0
-    block_time, block_params = float("inf"), float("inf")
-    for index, layer in enumerate(cost.model.layers):
-        costs = [coster.layer(index, g, plan.micro_batch, plan.tp, plan.sequence_parallel,
-                              Recompute.NONE) for g in gpus.values()]
-        fastest = min(c.fwd_s + c.bwd_s for c in costs)
-        total += fastest
-        total_f += min(c.fwd_s for c in costs)
-        total_b += min(c.bwd_s for c in costs)
-        chain += min(c.fwd_s + (c.bgrad_s if zb else c.bwd_s) for c in costs)
-        if layer.kind == LayerKind.BLOCK:
-            block_time = min(block_time, fastest)
-            block_params = min(block_params, cost.chunk_params(index, index + 1, plan.tp))
+    gpus = unique_gpus(config.rank_gpus)
+    fastest = fastest_layer_times(cost, plan, gpus)
+    total = sum(t.work_s for t in fastest)
+    chain = sum(t.chain_s for t in fastest)
+    blocks = [i for i, layer in enumerate(cost.model.layers) if layer.kind == LayerKind.BLOCK]
     # tails and ZeRO-3 traffic are affine in a rank's parameters, so over the ranks they sum to
     # at least pp x their value at the average share: add that share to the average rank's work
     m = plan.num_microbatches
     share = cost.chunk_params(0, cost.model.num_layers, plan.tp) / plan.pp
-    bound = max(m * total / plan.pp + min(_tail_bound(cost, plan, share, g) for g in gpus.values()),
+    bound = max(m * total / plan.pp + min(_tail_bound(cost, plan, share, g) for g in gpus),
                 chain)
     if plan.pp > 1 and plan.schedule in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE):
         # every rank s needs sum_{r<s} w_r + m w_s (micro-batch 0's chain to it and back, plus
         # its own work; w = f + B). Over any split of the total W, the largest of these is at
         # least C with all of them equal: w_s = C (1 - 1/m)^s / m, so C = W / (1 - (1 - 1/m)^p)
-        work = chain  # per micro-batch f + B of all layers (B: input gradient only for ZB)
-        bound = max(bound, work / (1.0 - (1.0 - 1.0 / m) ** plan.pp))
+        bound = max(bound, chain / (1.0 - (1.0 - 1.0 / m) ** plan.pp))
     if plan.schedule == Schedule.GPIPE:
         # GPipe is a forward then a backward flow shop of m identical jobs: at least the sum of
         # the stages plus (m - 1) x the slowest stage, which is at least the average one
+        total_f = sum(t.fwd_s for t in fastest)
+        total_b = sum(t.bwd_s for t in fastest)
         bound = max(bound, chain + (m - 1) * (total_f + total_b) / plan.pp)
-    if cost.model.num_blocks:
+    if blocks:
         # pigeonhole: some rank holds ceil(blocks / pp) blocks, their work and their tail
-        most = -(-cost.model.num_blocks // plan.pp)
+        most = -(-len(blocks) // plan.pp)
+        block_time = min(fastest[i].work_s for i in blocks)
+        block_params = min(cost.chunk_params(i, i + 1, plan.tp) for i in blocks)
         bound = max(bound, m * most * block_time + min(
-            _tail_bound(cost, plan, most * block_params, g) for g in gpus.values()))
+            _tail_bound(cost, plan, most * block_params, g) for g in gpus))
     return bound
 
 
@@ -100,11 +97,22 @@ def _tail_bound(cost: CostModel, plan: Plan, params: float, gpu: GPUSpec) -> flo
     sync, opt = cost.rank_tail(plan, params, float("inf"), gpu)
     z3 = 0.0
     if plan.zero == 3 and plan.dp > 1:
-        link = cost.group_link(gpu, plan.tp * plan.dp)
-        wbytes = params * cost.param_bytes(plan.dtype)[0]
-        z3 = plan.num_microbatches * (1 - cost.coef.zero3_overlap) * (
-            2 * comm.all_gather(plan.dp, wbytes, link) + comm.reduce_scatter(plan.dp, wbytes, link))
+        gather, scatter = cost.zero3_traffic(plan, params, gpu)
+        z3 = plan.num_microbatches * (1 - cost.coef.zero3_overlap) * (2 * gather + scatter)
     return sync + opt + z3
+
+
+def even_estimate(cost: CostModel, config: Config, mode: Recompute) -> tuple[Plan, Estimate]:
+    """A configuration with its blocks split evenly (Megatron-style) and ``mode`` recompute."""
+    plan = config.plan
+    candidate = plan.with_even_stages(cost.model, mode)
+    gpus = [gpu_by_name(config.rank_gpus[c % plan.pp]) for c in range(plan.num_chunks)]
+    if len(set(config.rank_gpus)) > 1:
+        candidate = replace(candidate, stages=tuple(
+            replace(s, gpu=g.name) for s, g in zip(candidate.stages, gpus, strict=True)))
+    times = [cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
+             for s, g in zip(candidate.stages, gpus, strict=True)]
+    return candidate, cost.assemble(candidate, gpus, times)
 
 
 def solve_config(cost: CostModel, config: Config, options: SearchOptions,
@@ -112,22 +120,15 @@ def solve_config(cost: CostModel, config: Config, options: SearchOptions,
     """The fastest plan of one configuration with step time below ``bound``, and the bound of
     what was left unexplored."""
     plan = config.plan
-    gpus = [gpu_by_name(name) for name in config.rank_gpus]
     if plan.schedule == Schedule.INTERLEAVED:
         best = None
         for mode in options.recompute:
-            candidate = plan.with_even_stages(cost.model, mode)
-            chunk_gpus = [gpus[c % plan.pp] for c in range(plan.num_chunks)]
-            if len(set(config.rank_gpus)) > 1:
-                candidate = replace(candidate, stages=tuple(
-                    replace(s, gpu=g.name) for s, g in zip(candidate.stages, chunk_gpus, strict=True)))
-            times = [cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
-                     for s, g in zip(candidate.stages, chunk_gpus, strict=True)]
-            estimate = cost.assemble(candidate, chunk_gpus, times)
+            candidate, estimate = even_estimate(cost, config, mode)
             if estimate.fits and estimate.step_time_s < bound:
                 bound = estimate.step_time_s
                 best = (candidate, estimate)
         return PartitionResult(best, float("inf"))
+    gpus = [gpu_by_name(name) for name in config.rank_gpus]
     return solve_partition(StageSolver(cost, plan, gpus, options.recompute), bound,
                            options.tolerance, options.max_nodes)
 
@@ -188,11 +189,7 @@ def _does_not_fit(cost: CostModel, configs: list[Config], bounded: list[tuple[fl
         if plan.num_chunks > cost.model.num_blocks:
             continue
         mode = Recompute.FULL if Recompute.FULL in options.recompute else options.recompute[-1]
-        candidate = plan.with_even_stages(cost.model, mode)
-        gpus = [gpu_by_name(config.rank_gpus[c % plan.pp]) for c in range(plan.num_chunks)]
-        times = [cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
-                 for s, g in zip(candidate.stages, gpus, strict=True)]
-        estimate = cost.assemble(candidate, gpus, times)
+        candidate, estimate = even_estimate(cost, config, mode)
         excess = max(m.total - b for m, b in zip(estimate.memory, estimate.memory_budget_bytes,
                                                    strict=True))
         if closest is None or excess < closest[0]:

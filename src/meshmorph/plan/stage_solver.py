@@ -18,7 +18,7 @@ the best step found are cut; leaves are simulated. The result equals brute-force
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from meshmorph.cost.estimate import Estimate
@@ -26,6 +26,7 @@ from meshmorph.cost.model import ChunkTime, CostModel, in_flight_microbatches
 from meshmorph.cost.pipeline import simulate
 from meshmorph.plan.plan import Plan, Schedule, StagePlan
 from meshmorph.spec.gpus import GPUSpec
+from meshmorph.spec.gpus import gpu as gpu_by_name
 from meshmorph.spec.model import LayerKind, Recompute
 
 _ORDER = (Recompute.FULL, Recompute.SELECTIVE, Recompute.NONE)
@@ -63,37 +64,29 @@ class StageSolver:
             for c in self.classes:
                 prefix.append(prefix[-1] + (c == rep))
             self.class_prefix.append(prefix)
-        # fastest per-micro-batch time of each layer over the GPUs in use (for the bounds)
-        coster = cost.coster(plan.dtype)
-        fastest, chain, least = [], [], []
-        for index in range(self.L):
-            costs = [coster.layer(index, g, plan.micro_batch, plan.tp, plan.sequence_parallel,
-                                  Recompute.NONE) for g in set_of(self.gpus)]
-            fastest.append(min(c.fwd_s + c.bwd_s for c in costs))
-            chain.append(min(c.fwd_s + (c.bgrad_s if self.zb else c.bwd_s) for c in costs))
-            least.append(tuple(min(getattr(c, name) for c in costs)
-                               for name in ("fwd_s", "bwd_s", "bgrad_s", "wgrad_s")))
-        # least[i..]: the smallest one-layer stage among layers i.., per op kind (a stage holds at
-        # least one layer), for the simulated bound of a partial partition
+        fastest = fastest_layer_times(cost, plan, unique_gpus(g.name for g in self.gpus))
+        # least_after[i]: the smallest one-layer stage among layers i.., per op kind (a stage
+        # holds at least one layer), for the simulated bound of a partial partition
         self.least_after: list[tuple[float, float, float, float]] = [(0.0,) * 4] * (self.L + 1)
-        inf4 = (float("inf"),) * 4
-        acc = inf4
+        acc = (float("inf"),) * 4
         for index in range(self.L - 1, -1, -1):
-            acc = tuple(min(a, b) for a, b in zip(acc, least[index], strict=True))  # type: ignore[assignment]
-            self.least_after[index] = acc  # type: ignore[assignment]
-        # suffix sums: fastest work of layers [i, L), and of their forward + input-gradient chain
+            t = fastest[index]
+            acc = (min(acc[0], t.fwd_s), min(acc[1], t.bwd_s), min(acc[2], t.bgrad_s),
+                   min(acc[3], t.wgrad_s))
+            self.least_after[index] = acc
         # pigeonhole: some rank holds at least ceil(blocks left / ranks left) blocks
         blocks = [i for i in range(self.L) if self.model.layers[i].kind == LayerKind.BLOCK]
-        self.block_time = min((fastest[i] for i in blocks), default=0.0)
+        self.block_time = min((fastest[i].work_s for i in blocks), default=0.0)
         self.blocks_after = [0] * (self.L + 1)
         for index in range(self.L - 1, -1, -1):
             is_block = self.model.layers[index].kind == LayerKind.BLOCK
             self.blocks_after[index] = self.blocks_after[index + 1] + is_block
+        # suffix sums: fastest work of layers [i, L), and of their forward + input-gradient chain
         self.suffix_min = [0.0] * (self.L + 1)
         self.suffix_chain = [0.0] * (self.L + 1)
         for index in range(self.L - 1, -1, -1):
-            self.suffix_min[index] = self.suffix_min[index + 1] + fastest[index]
-            self.suffix_chain[index] = self.suffix_chain[index + 1] + chain[index]
+            self.suffix_min[index] = self.suffix_min[index + 1] + fastest[index].work_s
+            self.suffix_chain[index] = self.suffix_chain[index + 1] + fastest[index].chain_s
 
     # --- one stage -----------------------------------------------------------------------------
     def stage(self, k: int, start: int, stop: int) -> StageChoice | None:
@@ -258,11 +251,39 @@ class StageSolver:
         yield from rec(0, [])
 
 
-def set_of(gpus: Sequence[GPUSpec]) -> list[GPUSpec]:
-    seen: dict[str, GPUSpec] = {}
-    for gpu in gpus:
-        seen.setdefault(gpu.name, gpu)
-    return list(seen.values())
+def unique_gpus(names: Iterable[str]) -> list[GPUSpec]:
+    """The distinct GPU types among ``names``, in first-seen order."""
+    return [gpu_by_name(name) for name in dict.fromkeys(names)]
+
+
+@dataclass(frozen=True, slots=True)
+class FastestLayer:
+    """A layer's least per-micro-batch times over the GPU types in use, without recompute."""
+
+    fwd_s: float
+    bwd_s: float
+    bgrad_s: float
+    wgrad_s: float
+    work_s: float
+    """Least forward + backward."""
+    chain_s: float
+    """Least forward + the backward the pipeline chain waits for (input gradient only for ZB)."""
+
+
+def fastest_layer_times(cost: CostModel, plan: Plan, gpus: Sequence[GPUSpec]) -> list[FastestLayer]:
+    """Per layer, the least times over ``gpus``: what every lower bound of the search starts from."""
+    coster = cost.coster(plan.dtype)
+    zb = plan.schedule == Schedule.ZERO_BUBBLE
+    out = []
+    for index in range(cost.model.num_layers):
+        costs = [coster.layer(index, g, plan.micro_batch, plan.tp, plan.sequence_parallel,
+                              Recompute.NONE) for g in gpus]
+        out.append(FastestLayer(
+            fwd_s=min(c.fwd_s for c in costs), bwd_s=min(c.bwd_s for c in costs),
+            bgrad_s=min(c.bgrad_s for c in costs), wgrad_s=min(c.wgrad_s for c in costs),
+            work_s=min(c.fwd_s + c.bwd_s for c in costs),
+            chain_s=min(c.fwd_s + (c.bgrad_s if zb else c.bwd_s) for c in costs)))
+    return out
 
 
 @dataclass(slots=True)
@@ -289,7 +310,7 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
     visited = [0]
     open_bound = [float("inf")]
 
-    mixed = len(set_of(solver.gpus)) > 1
+    mixed = len({g.name for g in solver.gpus}) > 1
 
     def evaluate(choices: list[tuple[int, int, StageChoice]]) -> None:
         stages = tuple(StagePlan(start=a, stop=b, recompute=c.recompute,

@@ -18,7 +18,7 @@ from meshmorph.cost.pipeline import Timeline, simulate
 from meshmorph.cost.profile import Profile
 from meshmorph.plan.plan import Plan, Schedule, StagePlan
 from meshmorph.spec.cluster import Cluster
-from meshmorph.spec.gpus import GPUSpec
+from meshmorph.spec.gpus import GPUSpec, LinkSpec
 from meshmorph.spec.model import ModelSpec, Recompute
 
 
@@ -73,7 +73,7 @@ class CostModel:
         self._costers: dict[str, LayerCoster] = {}
         self._timelines: dict[tuple, Timeline] = {}
 
-    def _link(self, name: str, spec, efficiency: float) -> comm.Link:  # type: ignore[no-untyped-def]
+    def _link(self, name: str, spec: LinkSpec, efficiency: float) -> comm.Link:
         link = comm.Link.from_spec(spec, efficiency)
         bw = self.profile.link_bandwidth_gbps.get(name)
         lat = self.profile.link_latency_us.get(name)

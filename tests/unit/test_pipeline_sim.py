@@ -48,6 +48,16 @@ def test_zero_bubble_h1_with_f_equal_b_equal_w_has_bubble_p_minus_1_times_f_plus
     assert (one_f_one_b.makespan_s - m * 3 * f) == 3 * (timeline.makespan_s - m * 3 * f)
 
 
+def test_zero_bubble_runs_the_runtime_order() -> None:
+    # ScheduleInterleavedZeroBubble with one chunk per rank: 1F1B's F/B, each B followed by the
+    # W of the backward pp_rank places earlier, the last pp_rank W ops at the end
+    orders = schedule_ops(Schedule.ZERO_BUBBLE, 3, 4)
+    text = [" ".join(f"{kind}{j}" for kind, _, j in order) for order in orders]
+    assert text[0] == "F0 F1 F2 B0 W0 F3 B1 W1 B2 W2 B3 W3"
+    assert text[1] == "F0 F1 B0 F2 B1 W0 F3 B2 W1 B3 W2 W3"
+    assert text[2] == "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3"
+
+
 @pytest.mark.parametrize("fwd,bwd,m", [
     ([1.0, 3.0, 2.0], [2.0, 5.0, 1.0], 4),
     ([4.0, 1.0, 1.0, 2.0], [1.0, 1.0, 6.0, 3.0], 6),
@@ -105,7 +115,8 @@ def test_no_schedule_deadlocks_and_every_op_runs_once_over_a_grid() -> None:
         work = m * (sum(fwd) + sum(bwd) + (sum(wgrad) if wgrad else 0.0))
         assert sum(timeline.rank_busy_s) == pytest.approx(work), (schedule, p, m, v)
         orders = schedule_ops(schedule, p, m, v)
-        assert all(len(order) == 2 * m * v for order in orders), (schedule, p, m, v)
+        ops_per_mb = 3 if schedule == Schedule.ZERO_BUBBLE else 2
+        assert all(len(order) == ops_per_mb * m * v for order in orders), (schedule, p, m, v)
 
 
 @st.composite

@@ -8,14 +8,15 @@ F(c, j) after F(c-1, j); B(c, j) after B(c+1, j) (the last chunk's B after its o
 W(c, j) after B(c, j). Start times are max-plus expressions of the durations, so the makespan
 never decreases when a stage gets slower (the planner's bounds rely on it).
 Zero-bubble (ZB-H1, Qi et al. 2023): B computes only the input gradient, so the backward chain
-runs upstream faster; each rank runs a pending W whenever its next F or B is not ready yet, or
-when p of them wait (the peak memory of 1F1B's first stage), and the rest after its last B.
-With F = B = W this gives the paper's ZB-H1 bubble (p - 1)(F + B - W), a third of 1F1B's.
+runs upstream faster; the order is the one torch.distributed.pipelining runs
+(ScheduleInterleavedZeroBubble with one chunk per rank): 1F1B's F and B, pipeline rank k runs
+the weight gradient of the backward k places earlier after each B, and its last k after its last
+B, so it holds at most p micro-batches (1F1B's first stage). With F = B = W and m >= p this
+gives the paper's ZB-H1 bubble (p - 1)(F + B - W), a third of 1F1B's.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -32,6 +33,22 @@ def _one_f_one_b(pp_rank: int, p: int, m: int) -> list[Op]:
         ops.append(("F", pp_rank, j))
         ops.append(("B", pp_rank, j - warmup))
     ops.extend(("B", pp_rank, j) for j in range(m - warmup, m))
+    return ops
+
+
+def _zero_bubble_h1(pp_rank: int, p: int, m: int) -> list[Op]:
+    # the order torch.distributed.pipelining runs (ScheduleInterleavedZeroBubble, one chunk per
+    # rank): 1F1B's F and B (B = input gradient), each B followed by the weight gradient of the
+    # backward pp_rank places earlier, the last pp_rank W ops at the end
+    ops: list[Op] = []
+    done_b = 0
+    for op in _one_f_one_b(pp_rank, p, m):
+        ops.append(op)
+        if op[0] == "B":
+            done_b += 1
+            if done_b > pp_rank:
+                ops.append(("W", pp_rank, done_b - 1 - pp_rank))
+    ops.extend(("W", pp_rank, j) for j in range(max(0, m - pp_rank), m))
     return ops
 
 
@@ -64,7 +81,8 @@ def schedule_ops(schedule: Schedule, p: int, m: int, v: int = 1) -> list[list[Op
         return [_gpipe(k, m) for k in range(p)]
     if schedule == Schedule.INTERLEAVED:
         return [_interleaved(k, p, v, m) for k in range(p)]
-    # zero-bubble (ZB-H1): the 1F1B order of F and B; W ops fill the idle slots (see simulate)
+    if schedule == Schedule.ZERO_BUBBLE:
+        return [_zero_bubble_h1(k, p, m) for k in range(p)]
     return [_one_f_one_b(k, p, m) for k in range(p)]
 
 
@@ -104,115 +122,26 @@ def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: 
         raise ValueError("the zero-bubble schedule needs wgrad_s")
     w = list(wgrad_s) if split and wgrad_s is not None else [0.0] * chunks
     comm = list(p2p_s) if p2p_s is not None else [0.0] * chunks
-    if not split and not keep_ops:
-        return _simulate_fixed(schedule, p, m, v, list(fwd_s), list(bwd_s), comm)
-    orders = schedule_ops(schedule, p, m, v)
-    duration = {"F": fwd_s, "B": bwd_s, "W": w}
-    end_f = [[-1.0] * m for _ in range(chunks)]
-    end_b = [[-1.0] * m for _ in range(chunks)]
-    free = [0.0] * p
-    busy = [0.0] * p
-    pos = [0] * p
-    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-    timeline: list[tuple[int, str, int, int, float, float]] = []
+    return _simulate_fixed(schedule, p, m, v, list(fwd_s), list(bwd_s), w, comm, keep_ops)
 
-    def ready_time(kind: str, c: int, j: int) -> float:
-        """When op (kind, c, j) may start, or -1 while its dependency has not run."""
-        if kind == "F":
-            if c == 0:
-                return 0.0
-            dep = end_f[c - 1][j]
-            return dep + comm[c - 1] if dep >= 0 else -1.0
-        if c == chunks - 1:
-            return end_f[c][j]
-        dep = end_b[c + 1][j]
-        return dep + comm[c] if dep >= 0 else -1.0
 
-    def run(k: int, kind: str, c: int, j: int, start: float) -> None:
-        end = start + duration[kind][c]
-        if kind == "F":
-            end_f[c][j] = end
-        elif kind == "B":
-            end_b[c][j] = end
-            if split:
-                pending_w[k].append((c, j))
-        free[k] = end
-        busy[k] += end - start
-        if keep_ops:
-            timeline.append((k, kind, c, j, start, end))
-
-    if not split:
-        # fixed order: start times depend only on finished dependencies, so sweep ranks until done
-        remaining = sum(len(order) for order in orders)
-        while remaining:
-            progressed = False
-            for k in range(p):
-                order = orders[k]
-                while pos[k] < len(order):
-                    kind, c, j = order[pos[k]]
-                    ready = ready_time(kind, c, j)
-                    if ready < 0:
-                        break
-                    run(k, kind, c, j, max(free[k], ready))
-                    pos[k] += 1
-                    remaining -= 1
-                    progressed = True
-            if not progressed:
-                raise RuntimeError(f"schedule {schedule} deadlocks for p={p}, m={m}, v={v}")
-    else:
-        # W fills idle time, so decide in time order: advance the rank that is free first. A
-        # rank whose next F/B waits on an op not yet run, with no W to fill in, sleeps until that
-        # op runs (blocked[op] = rank)
-        heap = [(0.0, k) for k in range(p)]
-        blocked: dict[tuple[str, int, int], int] = {}
-
-        def step(k: int, kind: str, c: int, j: int, start: float) -> None:
-            run(k, kind, c, j, start)
-            sleeper = blocked.pop((kind, c, j), None)
-            if sleeper is not None:
-                heapq.heappush(heap, (free[sleeper], sleeper))
-
-        while heap:
-            _, k = heapq.heappop(heap)
-            order = orders[k]
-            if pos[k] == len(order):
-                if pending_w[k]:
-                    c, j = pending_w[k].pop(0)
-                    step(k, "W", c, j, free[k])
-                    heapq.heappush(heap, (free[k], k))
-                continue  # a finished rank leaves the heap
-            kind, c, j = order[pos[k]]
-            ready = ready_time(kind, c, j)
-            # ZB-H1: at most p weight gradients wait on any rank, so no rank holds more
-            # activations than 1F1B's first stage (p micro-batches)
-            must_drain = len(pending_w[k]) >= p
-            if not must_drain and (0 <= ready <= free[k] or (ready > free[k] and not pending_w[k])):
-                pos[k] += 1
-                step(k, kind, c, j, max(free[k], ready))
-            elif pending_w[k]:  # next F/B not ready yet (or not even scheduled): fill with W
-                wc, wj = pending_w[k].pop(0)
-                step(k, "W", wc, wj, free[k])
-            else:
-                dep = ("F", c - 1, j) if kind == "F" else (
-                    ("F", c, j) if c == chunks - 1 else ("B", c + 1, j))
-                blocked[dep] = k
-                continue
-            heapq.heappush(heap, (free[k], k))
-        if blocked or any(pos[k] < len(orders[k]) for k in range(p)):
-            raise RuntimeError(f"schedule {schedule} deadlocks for p={p}, m={m}")
-    return Timeline(max(free), tuple(free), tuple(busy), tuple(timeline))
+_KIND = {"F": 0, "B": 1, "W": 2}
 
 
 @lru_cache(maxsize=256)
-def _orders(schedule: Schedule, p: int, m: int, v: int) -> tuple[tuple[tuple[bool, int, int], ...], ...]:
-    """Op orders as (is_forward, chunk, micro-batch), cached: the planner simulates one shape often."""
-    return tuple(tuple((kind == "F", c, j) for kind, c, j in order)
+def _orders(schedule: Schedule, p: int, m: int, v: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """Op orders as (kind: 0 F / 1 B / 2 W, chunk, micro-batch), cached: the planner simulates
+    one shape often."""
+    return tuple(tuple((_KIND[kind], c, j) for kind, c, j in order)
                  for order in schedule_ops(schedule, p, m, v))
 
 
 def _simulate_fixed(schedule: Schedule, p: int, m: int, v: int, fwd: list[float],
-                    bwd: list[float], comm: list[float]) -> Timeline:
-    """The fixed-order simulation of ``simulate`` without op records, written for speed."""
+                    bwd: list[float], wgrad: list[float], comm: list[float],
+                    keep_ops: bool) -> Timeline:
+    """Every rank runs its ops in order; an op starts when the rank is free and its dependency
+    has finished (plus the transfer). Start times depend only on finished dependencies, so the
+    ranks are swept in turn until every op has run."""
     chunks = p * v
     last = chunks - 1
     orders = _orders(schedule, p, m, v)
@@ -223,13 +152,15 @@ def _simulate_fixed(schedule: Schedule, p: int, m: int, v: int, fwd: list[float]
     pos = [0] * p
     lengths = [len(order) for order in orders]
     remaining = sum(lengths)
+    records: list[tuple[int, str, int, int, float, float]] = []
+    names = "FBW"
     while remaining:
         progressed = False
         for k in range(p):
             order, n, i, t = orders[k], lengths[k], pos[k], free[k]
             while i < n:
-                forward, c, j = order[i]
-                if forward:
+                kind, c, j = order[i]
+                if kind == 0:
                     if c == 0:
                         ready = 0.0
                     else:
@@ -238,9 +169,10 @@ def _simulate_fixed(schedule: Schedule, p: int, m: int, v: int, fwd: list[float]
                             break
                         ready += comm[c - 1]
                     d = fwd[c]
-                    t = (t if t > ready else ready) + d
+                    start = t if t > ready else ready
+                    t = start + d
                     end_f[c][j] = t
-                else:
+                elif kind == 1:
                     if c == last:
                         ready = end_f[c][j]
                     else:
@@ -250,8 +182,15 @@ def _simulate_fixed(schedule: Schedule, p: int, m: int, v: int, fwd: list[float]
                     if ready < 0:
                         break
                     d = bwd[c]
-                    t = (t if t > ready else ready) + d
+                    start = t if t > ready else ready
+                    t = start + d
                     end_b[c][j] = t
+                else:  # the weight gradient follows its own B, earlier on this rank
+                    d = wgrad[c]
+                    start = t
+                    t += d
+                if keep_ops:
+                    records.append((k, names[kind], c, j, start, t))
                 busy[k] += d
                 i += 1
             if i != pos[k]:
@@ -260,7 +199,7 @@ def _simulate_fixed(schedule: Schedule, p: int, m: int, v: int, fwd: list[float]
                 progressed = True
         if not progressed:
             raise RuntimeError(f"schedule {schedule} deadlocks for p={p}, m={m}, v={v}")
-    return Timeline(max(free), tuple(free), tuple(busy), ())
+    return Timeline(max(free), tuple(free), tuple(busy), tuple(records))
 
 
 def bubble_closed_form(schedule: Schedule, p: int, m: int, v: int = 1) -> float:

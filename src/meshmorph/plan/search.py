@@ -15,19 +15,13 @@ from dataclasses import dataclass, replace
 
 from meshmorph.cost.estimate import GIB, Estimate
 from meshmorph.cost.model import CostModel
+from meshmorph.plan.bounds import ConfigBounds
 from meshmorph.plan.plan import Plan, PlanError, Schedule
 from meshmorph.plan.space import Config, SearchOptions, configurations
-from meshmorph.plan.stage_solver import (
-    PartitionResult,
-    StageSolver,
-    fastest_layer_times,
-    solve_partition,
-    unique_gpus,
-)
+from meshmorph.plan.stage_solver import PartitionResult, StageSolver, solve_partition
 from meshmorph.spec.cluster import Cluster
-from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.gpus import gpu as gpu_by_name
-from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
+from meshmorph.spec.model import ModelSpec, Recompute
 
 
 class PlanDoesNotFit(PlanError):
@@ -53,53 +47,6 @@ class SearchResult:
         """How much slower the best plan may be than the optimum, as a fraction."""
         best = self.estimates[0].step_time_s
         return max(0.0, (best - self.lower_bound_s) / best)
-
-
-def lower_bound(cost: CostModel, config: Config) -> float:
-    """Some pipeline rank does at least m x (fastest time of all layers) / pp, and micro-batch 0
-    passes forward through every layer and backward again (input gradients only, for ZB)."""
-    plan = config.plan
-    gpus = unique_gpus(config.rank_gpus)
-    fastest = fastest_layer_times(cost, plan, gpus)
-    total = sum(t.work_s for t in fastest)
-    chain = sum(t.chain_s for t in fastest)
-    blocks = [i for i, layer in enumerate(cost.model.layers) if layer.kind == LayerKind.BLOCK]
-    # tails and ZeRO-3 traffic are affine in a rank's parameters, so over the ranks they sum to
-    # at least pp x their value at the average share: add that share to the average rank's work
-    m = plan.num_microbatches
-    share = cost.chunk_params(0, cost.model.num_layers, plan.tp) / plan.pp
-    bound = max(m * total / plan.pp + min(_tail_bound(cost, plan, share, g) for g in gpus),
-                chain)
-    if plan.pp > 1 and plan.schedule in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE):
-        # every rank s needs sum_{r<s} w_r + m w_s (micro-batch 0's chain to it and back, plus
-        # its own work; w = f + B). Over any split of the total W, the largest of these is at
-        # least C with all of them equal: w_s = C (1 - 1/m)^s / m, so C = W / (1 - (1 - 1/m)^p)
-        bound = max(bound, chain / (1.0 - (1.0 - 1.0 / m) ** plan.pp))
-    if plan.schedule == Schedule.GPIPE:
-        # GPipe is a forward then a backward flow shop of m identical jobs: at least the sum of
-        # the stages plus (m - 1) x the slowest stage, which is at least the average one
-        total_f = sum(t.fwd_s for t in fastest)
-        total_b = sum(t.bwd_s for t in fastest)
-        bound = max(bound, chain + (m - 1) * (total_f + total_b) / plan.pp)
-    if blocks:
-        # pigeonhole: some rank holds ceil(blocks / pp) blocks, their work and their tail
-        most = -(-len(blocks) // plan.pp)
-        block_time = min(fastest[i].work_s for i in blocks)
-        block_params = min(cost.chunk_params(i, i + 1, plan.tp) for i in blocks)
-        bound = max(bound, m * most * block_time + min(
-            _tail_bound(cost, plan, most * block_params, g) for g in gpus))
-    return bound
-
-
-def _tail_bound(cost: CostModel, plan: Plan, params: float, gpu: GPUSpec) -> float:
-    """Least gradient sync + optimizer + ZeRO-3 traffic of a rank holding ``params``: affine in
-    ``params``, so the average share bounds the average rank."""
-    sync, opt = cost.rank_tail(plan, params, float("inf"), gpu)
-    z3 = 0.0
-    if plan.zero == 3 and plan.dp > 1:
-        gather, scatter = cost.zero3_traffic(plan, params, gpu)
-        z3 = plan.num_microbatches * (1 - cost.coef.zero3_overlap) * (2 * gather + scatter)
-    return sync + opt + z3
 
 
 def even_estimate(cost: CostModel, config: Config, mode: Recompute) -> tuple[Plan, Estimate]:
@@ -148,7 +95,8 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int,
             f"tp | {cluster.gpus_per_node} dividing {model.num_heads} heads; change the batch "
             "to a multiple of the data-parallel degree or the number of GPUs"
         )
-    bounded = sorted(((lower_bound(cost, c), i) for i, c in enumerate(configs)))
+    bounds = ConfigBounds(cost, options.recompute)
+    bounded = sorted((bounds(c), i) for i, c in enumerate(configs))
     best: list[tuple[float, int, Plan, Estimate]] = []  # max-heap by -step
     solved = 0
     proven = float("inf")  # least bound of everything not searched to the end

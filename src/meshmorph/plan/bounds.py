@@ -142,6 +142,107 @@ class ConfigBounds:
             heapq.heappush(heap, (ranks[k].h(counts[k] + 1), k))
         return worst
 
+    def fill_bound(self, config: Config, floor: float) -> float:
+        """``memory_bound`` with the pipeline's fill: rank s starts its work only after
+        micro-batch 0 went forward through every block before it (and, in 1F1B and GPipe, ends
+        only after the last micro-batch's backward went back through them): at least
+        max_s [c x (blocks before s) + K_s + h_s(n_s)], c the least per-block chain time.
+
+        Least over splits by bisection on the step T: for a given T the ranks in order take as
+        many blocks as their h allows (h interpolated linearly between whole blocks, a
+        relaxation); a block more on an earlier rank costs each later rank at most c / (m x
+        block work) <= 1/m of a block, so with m >= pp - 1 taking the most is optimal and T
+        is feasible iff they take all blocks. ``floor`` is a known lower bound (the memory
+        bound); returns at least it."""
+        run = block_run(self.cost.model)
+        plan = config.plan
+        p, m = plan.pp, plan.num_microbatches
+        if (run is None or p == 1 or m < p - 1
+                or plan.schedule not in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.GPIPE)
+                or floor == math.inf):
+            return floor
+        ranks = [self._rank(plan, run, k, config.rank_gpus[k]) for k in range(p)]
+        least = [0 if (k == 0 and run.prefix) or (k == p - 1 and run.suffix) else 1
+                 for k in range(p)]
+        reserve = [sum(least[k + 1:]) for k in range(p)]
+        hop = min(self.cost.p2p_time(plan, gpu_by_name(g)) for g in config.rank_gpus)
+        bound = floor
+        # rank s starts after micro-batch 0's forward reached it, then does its work and tail;
+        # in 1F1B and GPipe the last backward must also go back to rank 0 (which the tail
+        # overlaps, so that variant leaves the tail out); in zero-bubble the last B goes back
+        # after the rank's F and B ops (its W ops need not precede it)
+        variants = [("h", False)]
+        variants.append(("fb", True) if plan.schedule == Schedule.ZERO_BUBBLE else ("work", True))
+        for kind, both in variants:
+            per_block = min(r.block_chain(both, kind == "fb") for r in ranks)
+            entry = ranks[0].fixed_chain(both, kind == "fb")
+            hops = hop * (2 if both else 1)
+
+            def feasible(step: float, per_block: float = per_block, entry: float = entry,
+                         hops: float = hops, kind: str = kind) -> bool:
+                placed = 0.0
+                for k, rank in enumerate(ranks):
+                    room = step - per_block * placed - (entry + hops * k if k else 0.0)
+                    n = rank.capacity(room, run.count, kind)
+                    if n < least[k]:
+                        return False
+                    # no more than the blocks left after the later ranks' least
+                    placed += min(n, run.count - placed - reserve[k])
+                return placed >= run.count - 1e-9
+
+            lo, hi = 0.0, floor + per_block * run.count + (entry + hops) * p
+            if not feasible(hi):
+                continue  # only when some h is infinite everywhere; the floor stands
+            for _ in range(40):
+                mid = (lo + hi) / 2
+                if feasible(mid):
+                    hi = mid
+                else:
+                    lo = mid
+                if hi - lo <= 1e-4 * hi:
+                    break
+            bound = max(bound, lo)
+        return bound
+
+    def split_table(self, config: Config) -> SplitTable | None:
+        """For the stage search: per pipeline rank k, the least max h over ranks k.. holding any
+        number of the last blocks, and the block counts of the split that minimises the bound
+        (a balanced start). None when the model is not a run of alike blocks."""
+        run = block_run(self.cost.model)
+        if run is None or config.plan.pp == 1:
+            return None
+        plan = config.plan
+        p = plan.pp
+        ranks = [self._rank(plan, run, k, config.rank_gpus[k]) for k in range(p)]
+        least = [0 if (k == 0 and run.prefix) or (k == p - 1 and run.suffix) else 1
+                 for k in range(p)]
+        rest: list[list[float]] = []
+        counts: list[int] = []
+        for k in range(p):
+            # greedy over ranks k..p-1: after each added block the running max is the least
+            # max for that many blocks
+            table = [math.inf] * (run.count + 1)
+            counts = least[k:]
+            base = sum(counts)
+            if base <= run.count:
+                worst = max(rank.h(n) for rank, n in zip(ranks[k:], counts, strict=True))
+                table[base] = worst
+                heap = [(ranks[k + j].h(counts[j] + 1), j) for j in range(p - k)]
+                heapq.heapify(heap)
+                for total in range(base + 1, run.count + 1):
+                    value, j = heapq.heappop(heap)
+                    if value == math.inf:
+                        break
+                    counts[j] += 1
+                    worst = max(worst, value)
+                    table[total] = worst
+                    heapq.heappush(heap, (ranks[k + j].h(counts[j] + 1), j))
+            rest.append(table)
+            if k == 0:
+                counts = list(counts) if table[run.count] < math.inf else []
+                balanced = counts
+        return SplitTable(run, rest, balanced)
+
     def _rank(self, plan: Plan, run: BlockRun, k: int, gpu_name: str) -> _RankModel:
         p = plan.pp
         in_flight = in_flight_microbatches(plan.schedule, p, k, plan.num_microbatches, plan.vpp)
@@ -239,6 +340,32 @@ def _least_extra(hull: list[tuple[float, float]], need: float, n: int) -> float:
     return math.inf
 
 
+@dataclass(frozen=True, slots=True)
+class SplitTable:
+    """What the stage search takes from the block-split bound of one configuration."""
+
+    run: BlockRun
+    rest: list[list[float]]
+    """rest[k][n]: no ranks k..pp-1 holding the last n blocks (and the layer after them) finish
+    in less (their own work, recompute and tail; infinity when they cannot hold them)."""
+    balanced: list[int]
+    """Blocks per rank of the split that minimises the bound (empty when none fits)."""
+
+    def blocks_from(self, start: int) -> int:
+        """Blocks among layers [start, L)."""
+        return self.run.count - min(max(start - self.run.first, 0), self.run.count)
+
+    def stops(self) -> list[int] | None:
+        """Stage ends of the balanced split (the fixed layers with the first and last rank)."""
+        if not self.balanced:
+            return None
+        stops, at = [], self.run.first
+        for n in self.balanced[:-1]:
+            at += n
+            stops.append(at)
+        return stops
+
+
 class _RankModel:
     """h(n) of one pipeline rank: its least time holding its fixed layers and n blocks."""
 
@@ -255,6 +382,8 @@ class _RankModel:
                           + ob / (d if plan.zero >= 1 else 1))
         # fixed layers at their fastest and at their smallest, each on its own (a relaxation)
         self.fixed_work = 0.0
+        self.fixed_fwd = 0.0
+        self.fixed_wgrad = 0.0
         self.fixed_params = 0.0
         fixed_act = 0.0
         biggest_fixed = 0.0
@@ -263,6 +392,8 @@ class _RankModel:
             layer_modes = [mode for mode in modes if mode in layer.activation] or [Recompute.NONE]
             costs = [coster.layer(index, gpu, b, tp, sp, mode) for mode in layer_modes]
             self.fixed_work += min(c.fwd_s + c.bwd_s for c in costs)
+            self.fixed_fwd += min(c.fwd_s for c in costs)
+            self.fixed_wgrad += max(c.wgrad_s for c in costs)
             fixed_act += min(c.activation_bytes for c in costs)
             params = cost.chunk_params(index, index + 1, tp)
             self.fixed_params += params
@@ -273,13 +404,17 @@ class _RankModel:
         block = model.layers[run.first]
         none = coster.layer(run.first, gpu, b, tp, sp, Recompute.NONE)
         self.block_work = none.fwd_s + none.bwd_s
+        self.block_fwd = none.fwd_s
+        self.block_wgrad = none.wgrad_s
         self.block_act = in_flight * none.activation_bytes
         points = [(0.0, 0.0)]
+        self.working = math.inf  # a block that recomputes needs at least this while it does
         for mode in modes:
             if mode != Recompute.NONE and mode in block.activation:
                 c = coster.layer(run.first, gpu, b, tp, sp, mode)
                 points.append((in_flight * (none.activation_bytes - c.activation_bytes),
                                c.fwd_s + c.bwd_s - self.block_work))
+                self.working = min(self.working, c.working_bytes)
         self.hull = _hull(points)
         zero3 = plan.zero == 3 and d > 1
         self.buffer_fixed = 2 * biggest_fixed * pb if zero3 else 0.0
@@ -289,11 +424,63 @@ class _RankModel:
         self.m = m
         t0 = tail_bound(cost, plan, 0.0, gpu)
         self.tail0, self.tail1 = t0, (tail_bound(cost, plan, 1e9, gpu) - t0) / 1e9
+        self._h: dict[int, float] = {}
 
     def h(self, n: int) -> float:
+        value = self._h.get(n)
+        if value is None:
+            value = self._h[n] = self._value(n)
+        return value
+
+    def capacity(self, room: float, most: int, kind: str = "h") -> float:
+        """Most blocks (a real number: the function interpolated linearly between whole
+        blocks) with h (``kind`` "h"), h without the tail ("work") or only the F and B ops
+        ("fb") at most ``room``, at most ``most``; -1 when not even zero blocks fit."""
+        h = {"h": self.h, "work": self.work, "fb": self.fb}[kind]
+        if h(0) > room:
+            return -1.0
+        lo, hi = 0, most
+        if h(most) <= room:
+            return float(most)
+        while hi - lo > 1:  # h(lo) <= room < h(hi)
+            mid = (lo + hi) // 2
+            if h(mid) <= room:
+                lo = mid
+            else:
+                hi = mid
+        step = h(hi) - h(lo)
+        return lo + ((room - h(lo)) / step if step < math.inf else 0.0)
+
+    def work(self, n: int) -> float:
+        """h(n) without the tail (gradient sync, optimizer, ZeRO-3 traffic)."""
+        value = self.h(n)
+        if value == math.inf:
+            return value
+        return value - self.tail0 - self.tail1 * (self.fixed_params + n * self.block_params)
+
+    def fb(self, n: int) -> float:
+        """work(n) without the weight-gradient ops (zero-bubble's W)."""
+        return self.work(n) - self.m * (self.fixed_wgrad + n * self.block_wgrad)
+
+    def block_chain(self, both: bool, input_grad: bool = False) -> float:
+        """One block's share of micro-batch 0's chain: forward, and when ``both`` the backward
+        (only its input gradient when ``input_grad``)."""
+        if not both:
+            return self.block_fwd
+        return self.block_work - (self.block_wgrad if input_grad else 0.0)
+
+    def fixed_chain(self, both: bool, input_grad: bool = False) -> float:
+        """The fixed layers' share of that chain."""
+        if not both:
+            return self.fixed_fwd
+        return self.fixed_work - (self.fixed_wgrad if input_grad else 0.0)
+
+    def _value(self, n: int) -> float:
         params = self.fixed_params + n * self.block_params
         need = (self.fixed_bytes + self.per_param * params + n * self.block_act
                 + (self.buffer_blocks if n else self.buffer_fixed))
+        if need > 0:
+            need += self.working  # some block recomputes, and rematerialises while it does
         extra = _least_extra(self.hull, need, n)
         if extra == math.inf:
             return math.inf

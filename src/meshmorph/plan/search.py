@@ -63,7 +63,7 @@ def even_estimate(cost: CostModel, config: Config, mode: Recompute) -> tuple[Pla
 
 
 def solve_config(cost: CostModel, config: Config, options: SearchOptions,
-                 bound: float) -> PartitionResult:
+                 bound: float, bounds: ConfigBounds | None = None) -> PartitionResult:
     """The fastest plan of one configuration with step time below ``bound``, and the bound of
     what was left unexplored."""
     plan = config.plan
@@ -76,8 +76,9 @@ def solve_config(cost: CostModel, config: Config, options: SearchOptions,
                 best = (candidate, estimate)
         return PartitionResult(best, float("inf"))
     gpus = [gpu_by_name(name) for name in config.rank_gpus]
+    table = bounds.split_table(config) if bounds is not None else None
     return solve_partition(StageSolver(cost, plan, gpus, options.recompute), bound,
-                           options.tolerance, options.max_nodes)
+                           options.tolerance, options.max_nodes, table)
 
 
 def search(model: ModelSpec, cluster: Cluster, *, global_batch: int,
@@ -96,17 +97,31 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int,
             "to a multiple of the data-parallel degree or the number of GPUs"
         )
     bounds = ConfigBounds(cost, options.recompute)
-    bounded = sorted((bounds(c), i) for i, c in enumerate(configs))
+    # lazily tightened: every configuration enters with the cheap bound; when it comes first it
+    # gets the memory bound, then the fill bound, then it is solved, so the dearer bounds are
+    # computed only for configurations that might still win
+    queue = [(bounds.lower_bound(c), 0, i) for i, c in enumerate(configs)]
+    heapq.heapify(queue)
     best: list[tuple[float, int, Plan, Estimate]] = []  # max-heap by -step
     solved = 0
     proven = float("inf")  # least bound of everything not searched to the end
-    for bound_s, index in bounded:
+    while queue:
+        bound_s, level, index = heapq.heappop(queue)
         threshold = -best[0][0] if len(best) == options.top_k else float("inf")
         if bound_s >= threshold * (1.0 - options.tolerance):
             proven = min(proven, bound_s)
             break
+        config = configs[index]
+        if level == 0:
+            tighter = bounds.memory_bound(config)
+            if tighter < float("inf"):  # infinite: nothing of this configuration fits
+                heapq.heappush(queue, (max(bound_s, tighter), 1, index))
+            continue
+        if level == 1:
+            heapq.heappush(queue, (bounds.fill_bound(config, bound_s), 2, index))
+            continue
         solved += 1
-        result = solve_config(cost, configs[index], options, threshold)
+        result = solve_config(cost, config, options, threshold, bounds)
         proven = min(proven, max(bound_s, result.open_bound_s))
         if result.best is None:
             continue
@@ -117,7 +132,7 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int,
         else:
             heapq.heappushpop(best, entry)
     if not best:
-        raise _does_not_fit(cost, configs, bounded, options)
+        raise _does_not_fit(cost, configs, options)
     ranked = sorted(best, key=lambda e: (-e[0], -e[1]))
     proven = min(proven, -ranked[0][0])
     elapsed = time.perf_counter() - started
@@ -127,12 +142,11 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int,
                         lower_bound_s=proven)
 
 
-def _does_not_fit(cost: CostModel, configs: list[Config], bounded: list[tuple[float, int]],
+def _does_not_fit(cost: CostModel, configs: list[Config],
                   options: SearchOptions) -> PlanDoesNotFit:
     """Name the constraint that failed, by how much, for the layout that came closest."""
     closest: tuple[float, Plan, Estimate] | None = None
-    for _, index in bounded:
-        config = configs[index]
+    for config in configs:
         plan = config.plan
         if plan.num_chunks > cost.model.num_blocks:
             continue

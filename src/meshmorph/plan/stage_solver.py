@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from meshmorph.cost.estimate import Estimate
 from meshmorph.cost.model import ChunkTime, CostModel, in_flight_microbatches
@@ -28,6 +29,9 @@ from meshmorph.plan.plan import Plan, Schedule, StagePlan
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.gpus import gpu as gpu_by_name
 from meshmorph.spec.model import LayerKind, Recompute
+
+if TYPE_CHECKING:
+    from meshmorph.plan.bounds import SplitTable
 
 _ORDER = (Recompute.FULL, Recompute.SELECTIVE, Recompute.NONE)
 
@@ -298,10 +302,12 @@ class PartitionResult:
 
 
 def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
-                    max_nodes: int | None = None) -> PartitionResult:
+                    max_nodes: int | None = None, table: SplitTable | None = None) -> PartitionResult:
     """The fastest stage partition of a non-interleaved configuration with step time below
     ``bound``; with ``tolerance`` > 0, one at most that fraction slower than the fastest. With
-    ``max_nodes``, branches beyond that many visited nodes are left open and their bound kept."""
+    ``max_nodes``, branches beyond that many visited nodes are left open and their bound kept.
+    ``table`` (plan.bounds.SplitTable) adds the memory-aware bound of the ranks still to fill
+    and a balanced first partition; stage ends are tried nearest the balanced ones first."""
     plan, p, L = solver.plan, solver.plan.pp, solver.L
     m = plan.num_microbatches
     keep = 1.0 - tolerance
@@ -381,14 +387,19 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
             if max(lower, own) < cut[0]:
                 evaluate([*chosen, (start, L, choice)])
             return
+        candidates = []
         for stop in range(start + 1, L - (p - 1 - k) + 1):
             choice = solver.stage(k, start, stop)
             if choice is None:
                 break  # more layers never need less memory
+            if own_bound(k, prefix_f, prefix_b, choice.time, choice.tail_s, 0.0) >= cut[0]:
+                break  # longer stages only take longer
+            candidates.append((stop, choice))
+        if target is not None:  # nearest the balanced split first
+            candidates.sort(key=lambda c: abs(c[0] - target[k]))
+        for stop, choice in candidates:
             t = choice.time
             own = own_bound(k, prefix_f, prefix_b, t, choice.tail_s, solver.suffix_chain[stop])
-            if own_bound(k, prefix_f, prefix_b, t, choice.tail_s, 0.0) >= cut[0]:
-                break  # longer stages only take longer
             own = max(own, flow_shop(prefix_f + prefix_b, max_f, max_b, t, solver.suffix_chain[stop]))
             step_b = t.bgrad_s if solver.zb else t.bwd_s
             # the layers left need m x their work / (ranks left) on some rank, and micro-batch 0
@@ -405,6 +416,8 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
             spread = solver.suffix_chain[stop] / (1.0 - (1.0 - 1.0 / m) ** left)
             rest = max(prefix_f + t.fwd_s + m * heaviest + upstream,
                        prefix_f + prefix_b + t.fwd_s + step_b + max(solver.suffix_chain[stop], spread))
+            if table is not None:
+                rest = max(rest, table.rest[k + 1][table.blocks_from(stop)])
             if max(lower, own, rest) >= cut[0] or not solver.can_finish(k + 1, stop):
                 continue
             if m <= 4 * p and m * p <= (64 if solver.zb else 256) and simulated_bound(
@@ -426,13 +439,29 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
             prefix_b += chain[k] - t.fwd_s
         return bound
 
-    # a balanced partition first, for a good incumbent (simulated only if it could win)
-    greedy = _balanced(solver)
-    if greedy is not None and partition_bound(greedy) < cut[0]:
-        evaluate(greedy)
+    # balanced partitions first, for a good incumbent (simulated only if it could win)
+    target = table.stops() if table is not None else None
+    starts = [_balanced(solver)]
+    if target is not None:
+        starts.insert(0, _from_stops(solver, target))
+    for greedy in starts:
+        if greedy is not None and partition_bound(greedy) < cut[0]:
+            evaluate(greedy)
     if solver.can_finish(0, 0):
         dfs(0, 0, 0.0, 0.0, 0.0, [])
     return PartitionResult(best[1], open_bound[0])
+
+
+def _from_stops(solver: StageSolver, stops: list[int]) -> list[tuple[int, int, StageChoice]] | None:
+    """The partition with these stage ends, if every stage fits."""
+    choices, start = [], 0
+    for k, stop in enumerate([*stops, solver.L]):
+        choice = solver.stage(k, start, stop) if stop > start else None
+        if choice is None:
+            return None
+        choices.append((start, stop, choice))
+        start = stop
+    return choices
 
 
 def _balanced(solver: StageSolver) -> list[tuple[int, int, StageChoice]] | None:

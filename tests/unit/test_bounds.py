@@ -1,0 +1,88 @@
+"""The planner's configuration bounds never exceed what the configuration can reach.
+
+Every configuration of tiny instances is scored by brute force (every partition and recompute
+assignment); its bound must not be above the fastest plan that fits, must be infinite only when
+none fits, and the split table's bound for all ranks must equal the configuration's memory bound.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshmorph.cost.model import CostModel
+from meshmorph.plan.bounds import ConfigBounds, _hull, _least_extra
+from meshmorph.plan.brute_force import candidate_plans
+from meshmorph.plan.space import SearchOptions, configurations
+from meshmorph.spec.cluster import parse_cluster
+from meshmorph.spec.transformer import TransformerShape, build_transformer
+
+
+def test_recompute_relaxation_takes_the_cheapest_bytes_first() -> None:
+    # selective saves 10 bytes for 1 s, full 30 bytes for 9 s: per byte selective is cheaper
+    hull = _hull([(0.0, 0.0), (10.0, 1.0), (30.0, 9.0)])
+    assert hull == [(0.0, 0.0), (10.0, 1.0), (30.0, 9.0)]
+    assert _least_extra(hull, 0.0, 3) == 0.0
+    assert _least_extra(hull, 15.0, 3) == pytest.approx(1.5)  # 1.5 blocks' worth of selective
+    assert _least_extra(hull, 40.0, 2) == pytest.approx(2 * (1.0 + 10.0 * 8.0 / 20.0))
+    assert _least_extra(hull, 61.0, 2) == math.inf  # more than all-full frees
+    assert _least_extra(hull, 1.0, 0) == math.inf
+    # a mode dearer per byte than a mix of the others drops out of the hull
+    assert _hull([(0.0, 0.0), (10.0, 5.0), (30.0, 9.0)]) == [(0.0, 0.0), (30.0, 9.0)]
+
+
+@settings(max_examples=16, deadline=None, derandomize=True)
+@given(arch=st.sampled_from(("gpt", "llama")), blocks=st.integers(2, 4),
+       seq_len=st.sampled_from((2048, 8192)), hidden=st.sampled_from((256, 512)),
+       cluster=st.sampled_from(("cpu:1x4", "a100-40g:1x4", "a100-40g:1x2+v100-32g:1x2")),
+       batch=st.sampled_from((4, 8)))
+@pytest.mark.timeout(120)
+def test_bound_is_below_every_configurations_brute_force_best(
+        arch: str, blocks: int, seq_len: int, hidden: int, cluster: str, batch: int) -> None:
+    model = build_transformer(TransformerShape(name="tiny", arch=arch, num_layers=blocks,
+                                               hidden_size=hidden, num_heads=8, vocab_size=8000,
+                                               seq_len=seq_len))
+    spec = parse_cluster(cluster)
+    options = SearchOptions(max_micro_batch=2, max_vpp=2, tolerance=0.0, max_nodes=None,
+                            dtype="fp32" if cluster.startswith("cpu") else "bf16")
+    cost = CostModel(model, spec)
+    bounds = ConfigBounds(cost, options.recompute)
+    checked = infinite = 0
+    for config in configurations(model, spec, batch, options):
+        best = math.inf
+        for plan in candidate_plans(model, config, options):
+            estimate = cost.estimate(plan)
+            if estimate.fits:
+                best = min(best, estimate.step_time_s)
+        bound = bounds(config)
+        assert bound <= best * (1 + 1e-9), (config.plan, bound, best)
+        filled = bounds.fill_bound(config, bound)
+        assert bound <= filled <= best * (1 + 1e-9), (config.plan, filled, best)
+        if bound == math.inf:
+            infinite += 1
+        table = bounds.split_table(config)
+        if table is not None:
+            assert table.rest[0][table.run.count] == pytest.approx(bounds.memory_bound(config))
+            if best < math.inf:
+                assert table.balanced and sum(table.balanced) == table.run.count
+        checked += 1
+    assert checked > 0
+
+
+def test_bound_is_infinite_exactly_when_nothing_fits() -> None:
+    # 2 GPT blocks at 8192 tokens on one 4 GiB CPU process: no recompute makes them fit
+    model = build_transformer(TransformerShape(name="tiny", arch="gpt", num_layers=2,
+                                               hidden_size=256, num_heads=8, vocab_size=32000,
+                                               seq_len=8192))
+    spec = parse_cluster("cpu:1x1")
+    options = SearchOptions(max_micro_batch=2, dtype="fp32")
+    cost = CostModel(model, spec)
+    bounds = ConfigBounds(cost, options.recompute)
+    configs = list(configurations(model, spec, 16, options))
+    assert configs
+    for config in configs:
+        assert bounds(config) == math.inf
+        assert not any(cost.estimate(plan).fits for plan in candidate_plans(model, config, options))

@@ -190,16 +190,16 @@ class ConfigBounds:
                     placed += min(n, run.count - placed - reserve[k])
                 return placed >= run.count - 1e-9
 
-            lo, hi = 0.0, floor + per_block * run.count + (entry + hops) * p
-            if not feasible(hi):
-                continue  # only when some h is infinite everywhere; the floor stands
+            lo, hi = bound, bound + per_block * run.count + (entry + hops) * p
+            if feasible(lo) or not feasible(hi):
+                continue  # no better than the bound so far (or some h infinite everywhere)
             for _ in range(40):
                 mid = (lo + hi) / 2
                 if feasible(mid):
                     hi = mid
                 else:
                     lo = mid
-                if hi - lo <= 1e-4 * hi:
+                if hi - lo <= 2e-4 * hi:
                     break
             bound = max(bound, lo)
         return bound

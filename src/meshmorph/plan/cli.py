@@ -244,7 +244,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--tolerance", type=float, default=1e-3,
                       help="optimality gap: results are at most this fraction slower than the "
                            "best (default 0.001; 0 = exact)")
-    plan.add_argument("--max-nodes", type=int, default=1000,
+    plan.add_argument("--max-nodes", type=int, default=300,
                       help="branch-and-bound nodes per configuration before the rest is left "
                            "with its bound (the proven gap is printed); 0 = no limit")
     plan.add_argument("--json", type=Path, default=None, help="write the plans to this JSON file")

@@ -62,6 +62,7 @@ class StageSolver:
         self._cache: dict[tuple, StageChoice | None] = {}
         self._by_range: dict[tuple[int, int, int], StageChoice | None] = {}
         self._finish: dict[tuple[int, int], bool] = {}
+        self.alike_middle = len(set(self.classes[1:-1])) <= 1
         self.class_prefix = []
         for rep in sorted(set(self.classes)):
             prefix = [0]
@@ -101,7 +102,47 @@ class StageSolver:
         return found
 
     def can_finish(self, k: int, start: int) -> bool:
-        """Whether ranks k..pp-1 can hold layers [start, L) within memory."""
+        """Whether ranks k..pp-1 can hold layers [start, L) within memory. A stage that fits
+        still fits without its first or last layers; when the layers between the first and the
+        last are alike, each rank taking as many layers as fit (leaving one per later rank)
+        therefore reaches the end whenever any partition does. Otherwise: a memoised search."""
+        key = (k, start)
+        known = self._finish.get(key)
+        if known is not None:
+            return known
+        if not self.alike_middle:
+            return self._can_finish_search(k, start)
+        p, L = self.plan.pp, self.L
+        path = []
+        reach = start
+        ok = True
+        for j in range(k, p):
+            path.append((j, reach))
+            if self._finish.get((j, reach)) is not None:
+                ok = self._finish[(j, reach)]
+                reach = L if ok else reach
+                break
+            most = L - (p - 1 - j)
+            if j == p - 1:
+                ok = self.stage(j, reach, L) is not None
+                reach = L
+                break
+            if most <= reach or self.stage(j, reach, reach + 1) is None:
+                ok = False
+                break
+            lo, hi = reach + 1, most  # stage(j, reach, lo) fits; find the largest that does
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self.stage(j, reach, mid) is not None:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            reach = lo
+        for node in path:
+            self._finish[node] = ok
+        return ok
+
+    def _can_finish_search(self, k: int, start: int) -> bool:
         key = (k, start)
         if key not in self._finish:
             p = self.plan.pp
@@ -112,7 +153,7 @@ class StageSolver:
                 for stop in range(start + 1, self.L - (p - 1 - k) + 1):
                     if self.stage(k, start, stop) is None:
                         break  # more layers never need less memory
-                    if self.can_finish(k + 1, stop):
+                    if self._can_finish_search(k + 1, stop):
                         ok = True
                         break
                 self._finish[key] = ok
@@ -189,8 +230,9 @@ class StageSolver:
                 else:
                     lo = mid + 1
             modes = build([(n_full, sels[lo])])
-            if not self._fits(k, start, stop, modes, gpu):
-                continue  # the affine shortcut disagreed by rounding: trust rank_memory
+            if total(n_full, sels[lo]) > budget * (1 - 1e-9) and not self._fits(
+                    k, start, stop, modes, gpu):
+                continue  # at the edge the affine shortcut may round wrong: trust rank_memory
             best_extra = min(best_extra, n_full * extra[Recompute.FULL] + sels[lo] * extra[Recompute.SELECTIVE])
             yield modes
 

@@ -120,27 +120,10 @@ class ConfigBounds:
         plan = config.plan
         p = plan.pp
         ranks = [self._rank(plan, run, k, config.rank_gpus[k]) for k in range(p)]
-        # a middle rank holds at least one layer, so at least one block
-        counts = [0 if (k == 0 and run.prefix) or (k == p - 1 and run.suffix) else 1
-                  for k in range(p)]
         if p == 1:
-            counts = [run.count]
-        left = run.count - sum(counts)
-        if left < 0:
-            return math.inf
-        worst = max(rank.h(n) for rank, n in zip(ranks, counts, strict=True))
-        if worst == math.inf or not left:
-            return worst
-        heap = [(ranks[k].h(counts[k] + 1), k) for k in range(p)]
-        heapq.heapify(heap)
-        for _ in range(left):
-            value, k = heapq.heappop(heap)
-            if value == math.inf:
-                return math.inf
-            counts[k] += 1
-            worst = max(worst, value)
-            heapq.heappush(heap, (ranks[k].h(counts[k] + 1), k))
-        return worst
+            return ranks[0].h(run.count)
+        table, _ = _least_max(ranks, _least_blocks(run, p), run.count)
+        return table[run.count]
 
     def fill_bound(self, config: Config, floor: float) -> float:
         """``memory_bound`` with the pipeline's fill: rank s starts its work only after
@@ -162,8 +145,7 @@ class ConfigBounds:
                 or floor == math.inf):
             return floor
         ranks = [self._rank(plan, run, k, config.rank_gpus[k]) for k in range(p)]
-        least = [0 if (k == 0 and run.prefix) or (k == p - 1 and run.suffix) else 1
-                 for k in range(p)]
+        least = _least_blocks(run, p)
         reserve = [sum(least[k + 1:]) for k in range(p)]
         hop = min(self.cost.p2p_time(plan, gpu_by_name(g)) for g in config.rank_gpus)
         bound = floor
@@ -214,32 +196,13 @@ class ConfigBounds:
         plan = config.plan
         p = plan.pp
         ranks = [self._rank(plan, run, k, config.rank_gpus[k]) for k in range(p)]
-        least = [0 if (k == 0 and run.prefix) or (k == p - 1 and run.suffix) else 1
-                 for k in range(p)]
+        least = _least_blocks(run, p)
         rest: list[list[float]] = []
-        counts: list[int] = []
+        balanced: list[int] = []
         for k in range(p):
-            # greedy over ranks k..p-1: after each added block the running max is the least
-            # max for that many blocks
-            table = [math.inf] * (run.count + 1)
-            counts = least[k:]
-            base = sum(counts)
-            if base <= run.count:
-                worst = max(rank.h(n) for rank, n in zip(ranks[k:], counts, strict=True))
-                table[base] = worst
-                heap = [(ranks[k + j].h(counts[j] + 1), j) for j in range(p - k)]
-                heapq.heapify(heap)
-                for total in range(base + 1, run.count + 1):
-                    value, j = heapq.heappop(heap)
-                    if value == math.inf:
-                        break
-                    counts[j] += 1
-                    worst = max(worst, value)
-                    table[total] = worst
-                    heapq.heappush(heap, (ranks[k + j].h(counts[j] + 1), j))
+            table, counts = _least_max(ranks[k:], least[k:], run.count)
             rest.append(table)
-            if k == 0:
-                counts = list(counts) if table[run.count] < math.inf else []
+            if k == 0 and table[run.count] < math.inf:
                 balanced = counts
         return SplitTable(run, rest, balanced)
 
@@ -338,6 +301,37 @@ def _least_extra(hull: list[tuple[float, float]], need: float, n: int) -> float:
         if x <= x2:
             return n * (y1 + (y2 - y1) * (x - x1) / (x2 - x1))
     return math.inf
+
+
+def _least_blocks(run: BlockRun, p: int) -> list[int]:
+    """Fewest blocks per pipeline rank: a middle rank holds at least one layer, so one block."""
+    return [0 if (k == 0 and run.prefix) or (k == p - 1 and run.suffix) else 1 for k in range(p)]
+
+
+def _least_max(ranks: list[_RankModel], least: list[int],
+               count: int) -> tuple[list[float], list[int]]:
+    """Greedy over the ranks: each next block goes to the rank whose h grows least. Every h is
+    non-decreasing, so after each block the running max is the least max_k h_k(n_k) over all
+    splits of that many blocks. Returns that least max for 0..count blocks (infinity where no
+    split fits) and the counts of the split of all ``count`` blocks."""
+    table = [math.inf] * (count + 1)
+    counts = list(least)
+    base = sum(counts)
+    if base > count:
+        return table, counts
+    worst = max(rank.h(n) for rank, n in zip(ranks, counts, strict=True))
+    table[base] = worst
+    heap = [(rank.h(n + 1), j) for j, (rank, n) in enumerate(zip(ranks, counts, strict=True))]
+    heapq.heapify(heap)
+    for total in range(base + 1, count + 1):
+        value, j = heapq.heappop(heap)
+        if value == math.inf:
+            break
+        counts[j] += 1
+        worst = max(worst, value)
+        table[total] = worst
+        heapq.heappush(heap, (ranks[j].h(counts[j] + 1), j))
+    return table, counts
 
 
 @dataclass(frozen=True, slots=True)

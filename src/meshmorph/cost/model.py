@@ -27,13 +27,21 @@ class ChunkTime:
     """Per-micro-batch times of one model chunk on one rank."""
 
     fwd_s: float
+    """Forward, exposed TP and ZeRO-3 communication included."""
     bwd_s: float
+    """Backward (input and weight gradients), recompute and exposed communication included."""
     bgrad_s: float
+    """The input-gradient part of bwd_s (zero-bubble B op)."""
     wgrad_s: float
+    """The weight-gradient part of bwd_s (zero-bubble W op)."""
     compute_s: float
+    """Forward + backward compute without recompute and communication."""
     recompute_s: float
+    """Recomputed forward compute."""
     tp_comm_s: float
+    """Exposed tensor-parallel communication."""
     zero3_comm_s: float
+    """Exposed ZeRO-3 gather and reduce-scatter."""
     params: float
     """Parameters of the chunk on one tensor-parallel rank (before ZeRO sharding)."""
 

@@ -153,12 +153,11 @@ class ConfigBounds:
         # in 1F1B and GPipe the last backward must also go back to rank 0 (which the tail
         # overlaps, so that variant leaves the tail out); in zero-bubble the last B goes back
         # after the rank's F and B ops (its W ops need not precede it)
-        variants = [("h", False)]
-        variants.append(("fb", True) if plan.schedule == Schedule.ZERO_BUBBLE else ("work", True))
-        for kind, both in variants:
-            per_block = min(r.block_chain(both, kind == "fb") for r in ranks)
-            entry = ranks[0].fixed_chain(both, kind == "fb")
-            hops = hop * (2 if both else 1)
+        kinds = ("h", "fb" if plan.schedule == Schedule.ZERO_BUBBLE else "work")
+        for kind in kinds:
+            per_block = min(r.block_chain(kind) for r in ranks)
+            entry = ranks[0].fixed_chain(kind)
+            hops = hop * (1 if kind == "h" else 2)  # forward only, or there and back
 
             def feasible(step: float, per_block: float = per_block, entry: float = entry,
                          hops: float = hops, kind: str = kind) -> bool:
@@ -456,18 +455,16 @@ class _RankModel:
         """work(n) without the weight-gradient ops (zero-bubble's W)."""
         return self.work(n) - self.m * (self.fixed_wgrad + n * self.block_wgrad)
 
-    def block_chain(self, both: bool, input_grad: bool = False) -> float:
-        """One block's share of micro-batch 0's chain: forward, and when ``both`` the backward
-        (only its input gradient when ``input_grad``)."""
-        if not both:
-            return self.block_fwd
-        return self.block_work - (self.block_wgrad if input_grad else 0.0)
+    def block_chain(self, kind: str) -> float:
+        """One block's share of micro-batch 0's chain in the fill bound of ``kind``: its forward
+        ("h"), forward and backward ("work"), forward and input gradient ("fb")."""
+        return {"h": self.block_fwd, "work": self.block_work,
+                "fb": self.block_work - self.block_wgrad}[kind]
 
-    def fixed_chain(self, both: bool, input_grad: bool = False) -> float:
+    def fixed_chain(self, kind: str) -> float:
         """The fixed layers' share of that chain."""
-        if not both:
-            return self.fixed_fwd
-        return self.fixed_work - (self.fixed_wgrad if input_grad else 0.0)
+        return {"h": self.fixed_fwd, "work": self.fixed_work,
+                "fb": self.fixed_work - self.fixed_wgrad}[kind]
 
     def _value(self, n: int) -> float:
         params = self.fixed_params + n * self.block_params

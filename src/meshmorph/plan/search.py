@@ -1,9 +1,9 @@
 """The planner: the fastest plans that fit memory, exact under the cost model.
 
-Configurations (plan/space.py) are visited in order of a lower bound on their step time (every
-rank's share of the layers' fastest time, m times over); the visit stops when the bound reaches
-the k-th best step found. Each configuration's stages and recompute are solved exactly
-(plan/stage_solver.py). Interleaved schedules split the blocks evenly (Megatron's requirement)
+Configurations (plan/space.py) are visited in order of a lower bound on their step time,
+tightened lazily (plan/bounds.py: cheap, then memory-aware, then with the pipeline's fill); the
+visit stops when the bound reaches the k-th best step found. Each configuration's stages and
+recompute are solved exactly (plan/stage_solver.py). Interleaved schedules split the blocks evenly (Megatron's requirement)
 and use one recompute mode for all blocks.
 """
 
@@ -63,7 +63,7 @@ def even_estimate(cost: CostModel, config: Config, mode: Recompute) -> tuple[Pla
 
 
 def solve_config(cost: CostModel, config: Config, options: SearchOptions,
-                 bound: float, bounds: ConfigBounds | None = None) -> PartitionResult:
+                 bound: float, bounds: ConfigBounds) -> PartitionResult:
     """The fastest plan of one configuration with step time below ``bound``, and the bound of
     what was left unexplored."""
     plan = config.plan
@@ -76,9 +76,8 @@ def solve_config(cost: CostModel, config: Config, options: SearchOptions,
                 best = (candidate, estimate)
         return PartitionResult(best, float("inf"))
     gpus = [gpu_by_name(name) for name in config.rank_gpus]
-    table = bounds.split_table(config) if bounds is not None else None
     return solve_partition(StageSolver(cost, plan, gpus, options.recompute), bound,
-                           options.tolerance, options.max_nodes, table)
+                           options.tolerance, options.max_nodes, bounds.split_table(config))
 
 
 def search(model: ModelSpec, cluster: Cluster, *, global_batch: int,

@@ -454,7 +454,7 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
             upstream = 0.0 if solver.zb else prefix_b + step_b
             # every later rank s needs the chain to it and back plus m x its own (f + B): over
             # any split of the layers left the largest is at least C = W / (1 - (1 - 1/m)^left)
-            # (all equal), W their least f + B per micro-batch (search.lower_bound derives it)
+            # (all equal), W their least f + B per micro-batch (bounds.ConfigBounds.lower_bound derives it)
             spread = solver.suffix_chain[stop] / (1.0 - (1.0 - 1.0 / m) ** left)
             rest = max(prefix_f + t.fwd_s + m * heaviest + upstream,
                        prefix_f + prefix_b + t.fwd_s + step_b + max(solver.suffix_chain[stop], spread))

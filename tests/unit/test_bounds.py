@@ -86,3 +86,9 @@ def test_bound_is_infinite_exactly_when_nothing_fits() -> None:
     for config in configs:
         assert bounds(config) == math.inf
         assert not any(cost.estimate(plan).fits for plan in candidate_plans(model, config, options))
+
+
+def test_search_options_refuse_a_node_budget_below_one() -> None:
+    with pytest.raises(ValueError, match="max_nodes must be at least 1"):
+        SearchOptions(max_nodes=0)
+    assert SearchOptions(max_nodes=None).max_nodes is None

@@ -181,6 +181,8 @@ def test_estimate_with_degrees_not_matching_the_cluster_exits_2_naming_both() ->
      "estimate needs --pp, --dp"),
     (["estimate", "--plan", str(EXAMPLE_PLAN), "--cluster", "a100-80g:96x8", "--tp", "8"],
      "give either --plan or --tp"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "cpu:1x2", "--global-batch", "8",
+      "--max-nodes", "-5"], "must be 0 (no limit) or a positive count, got -5"),
 ])
 def test_user_errors_are_one_line_with_exit_2(argv: list[str], message: str) -> None:
     code, _, err = run_cli(argv)

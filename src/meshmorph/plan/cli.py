@@ -51,6 +51,9 @@ def _plan(args: argparse.Namespace) -> int:
     from meshmorph.spec.catalog import load_model
     from meshmorph.spec.cluster import parse_cluster
 
+    if args.max_nodes < 0:
+        raise ValueError(f"--max-nodes must be 0 (no limit) or a positive count, got "
+                         f"{args.max_nodes}")
     model = load_model(args.model, args.seq_len)
     cluster = parse_cluster(args.cluster)
     options = SearchOptions(top_k=args.top, dtype=args.dtype, max_micro_batch=args.max_micro_batch,

@@ -58,6 +58,9 @@ class SearchOptions:
                              "recompute, such as the embedding, use it)")
         if not 0 <= self.tolerance < 1:
             raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance}")
+        if self.max_nodes is not None and self.max_nodes < 1:
+            raise ValueError(f"max_nodes must be at least 1 (or None: no cap), got "
+                             f"{self.max_nodes}")
         if self.max_micro_batch < 1:
             raise ValueError(f"max_micro_batch must be at least 1, got {self.max_micro_batch}")
 

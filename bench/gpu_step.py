@@ -46,10 +46,10 @@ import torch.distributed as dist
 from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.estimate import GIB, Estimate
 from meshmorph.cost.model import CostModel
-from meshmorph.plan.plan import Plan
 from meshmorph.run.config import OptimConfig
 from meshmorph.run.engine import TrainEngine, build_engine
 from meshmorph.spec import ModelSpec, gpu, load_model, parse_cluster
+from meshmorph.spec.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_MODELS = ("gpt3-125m", "gpt3-350m", "gpt3-760m", "gpt3-1.3b")

@@ -40,11 +40,11 @@ def overhead_job(rank: int, world_size: int, steps: int, out: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from meshmorph.plan.plan import Plan
     from meshmorph.run.config import OptimConfig
     from meshmorph.run.engine import build_engine
     from meshmorph.run.loss import token_cross_entropy
     from meshmorph.run.models import build_model
+    from meshmorph.spec.plan import Plan
     from meshmorph.spec.transformer import TransformerShape, build_transformer
 
     spec = build_transformer(TransformerShape(**OVERHEAD_SHAPE))  # type: ignore[arg-type]

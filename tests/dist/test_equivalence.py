@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshmorph.plan.plan import Plan, PlanError, Schedule, StagePlan
+from meshmorph.spec.plan import Plan, PlanError, Schedule, StagePlan
 from meshmorph.run.config import OptimConfig
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import ModelSpec, Recompute

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from meshmorph.cost import CostModel, Estimate
-from meshmorph.plan.plan import Plan, Schedule
 from meshmorph.plan.search import search
 from meshmorph.plan.space import SearchOptions
 from meshmorph.spec.cluster import Cluster, parse_cluster
 from meshmorph.spec.model import ModelSpec, Recompute
+from meshmorph.spec.plan import Plan, Schedule
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
 TOLERANCE = 0.15

@@ -11,10 +11,10 @@ import pytest
 
 from meshmorph.cost import comm
 from meshmorph.cost.model import CostModel, in_flight_microbatches
-from meshmorph.plan.plan import Plan, Schedule
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.gpus import gpu
 from meshmorph.spec.model import Recompute
+from meshmorph.spec.plan import Plan, Schedule
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
 GPT = build_transformer(TransformerShape(name="gpt-1k", arch="gpt", num_layers=4, hidden_size=1024,

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshmorph.cost.pipeline import bubble_closed_form, schedule_ops, simulate
-from meshmorph.plan.plan import Schedule
+from meshmorph.spec.plan import Schedule
 
 
 @pytest.mark.parametrize("schedule", [Schedule.GPIPE, Schedule.ONE_F_ONE_B])

@@ -13,11 +13,11 @@ import pytest
 from meshmorph.cli import main
 from meshmorph.cost.estimate import GIB
 from meshmorph.cost.model import CostModel
-from meshmorph.plan.plan import Plan
 from meshmorph.plan.report import memory_summary, recompute_summary
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import Recompute
+from meshmorph.spec.plan import Plan
 from meshmorph.viz.pipeline_chart import plan_timeline
 
 EXAMPLE_PLAN = Path(__file__).resolve().parents[2] / "examples" / "plans" / "megatron-gpt3-175b.json"

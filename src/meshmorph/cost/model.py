@@ -16,10 +16,10 @@ from meshmorph.cost.estimate import Estimate, StageMemory
 from meshmorph.cost.layer_cost import LayerCoster
 from meshmorph.cost.pipeline import Timeline, simulate
 from meshmorph.cost.profile import Profile
-from meshmorph.plan.plan import Plan, Schedule, StagePlan
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.gpus import GPUSpec, LinkSpec
 from meshmorph.spec.model import ModelSpec, Recompute
+from meshmorph.spec.plan import Plan, Schedule, StagePlan
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from meshmorph.plan.plan import Schedule
+from meshmorph.spec.plan import Schedule
 
 Op = tuple[str, int, int]  # (kind, chunk, micro-batch)
 

@@ -1,5 +1,5 @@
-"""Plans and the search for the fastest one. Imports no torch."""
+"""The search for the fastest Plan (the Plan noun itself lives in spec/). Imports no torch."""
 
-from meshmorph.plan.plan import Plan, PlanError, Schedule, StagePlan
+from meshmorph.spec.plan import Plan, PlanError, Schedule, StagePlan
 
 __all__ = ["Plan", "PlanError", "Schedule", "StagePlan"]

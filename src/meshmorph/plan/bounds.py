@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 from meshmorph.cost.layer_cost import layer_classes
 from meshmorph.cost.model import CostModel, in_flight_microbatches
-from meshmorph.plan.plan import Plan, Schedule
 from meshmorph.plan.space import Config
 from meshmorph.plan.stage_solver import fastest_layer_times, unique_gpus
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.gpus import gpu as gpu_by_name
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
+from meshmorph.spec.plan import Plan, Schedule
 
 
 @dataclass(frozen=True, slots=True)

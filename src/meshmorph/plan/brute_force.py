@@ -20,11 +20,11 @@ from math import comb, prod
 
 from meshmorph.cost.estimate import Estimate
 from meshmorph.cost.model import CostModel
-from meshmorph.plan.plan import Plan, Schedule, StagePlan
 from meshmorph.plan.search import PlanDoesNotFit
 from meshmorph.plan.space import Config, SearchOptions, configurations
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.model import ModelSpec, Recompute
+from meshmorph.spec.plan import Plan, Schedule, StagePlan
 
 
 def layer_modes(model: ModelSpec, options: SearchOptions) -> list[tuple[Recompute, ...]]:

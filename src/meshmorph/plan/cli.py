@@ -13,9 +13,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from meshmorph.plan.plan import Plan, PlanError, Schedule
 from meshmorph.plan.report import report_console
 from meshmorph.spec.model import Recompute
+from meshmorph.spec.plan import Plan, PlanError, Schedule
 
 DTYPES = ("bf16", "fp16", "fp32")
 

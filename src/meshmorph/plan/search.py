@@ -16,12 +16,12 @@ from dataclasses import dataclass, replace
 from meshmorph.cost.estimate import GIB, Estimate
 from meshmorph.cost.model import CostModel
 from meshmorph.plan.bounds import ConfigBounds
-from meshmorph.plan.plan import Plan, PlanError, Schedule
 from meshmorph.plan.space import Config, SearchOptions, configurations
 from meshmorph.plan.stage_solver import PartitionResult, StageSolver, solve_partition
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.gpus import gpu as gpu_by_name
 from meshmorph.spec.model import ModelSpec, Recompute
+from meshmorph.spec.plan import Plan, PlanError, Schedule
 
 
 class PlanDoesNotFit(PlanError):

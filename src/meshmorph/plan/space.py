@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import permutations
 
-from meshmorph.plan.plan import Plan, Schedule
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.model import ModelSpec, Recompute
+from meshmorph.spec.plan import Plan, Schedule
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 from meshmorph.cost.estimate import Estimate
 from meshmorph.cost.model import ChunkTime, CostModel, in_flight_microbatches
 from meshmorph.cost.pipeline import simulate
-from meshmorph.plan.plan import Plan, Schedule, StagePlan
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.gpus import gpu as gpu_by_name
 from meshmorph.spec.model import LayerKind, Recompute
+from meshmorph.spec.plan import Plan, Schedule, StagePlan
 
 if TYPE_CHECKING:
     from meshmorph.plan.bounds import SplitTable

@@ -12,10 +12,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from meshmorph.plan.plan import Plan, PlanError
 from meshmorph.run.job import load_job
 from meshmorph.run.launch import PreparedRun, check_plan_for_job, launch, searched_plans
 from meshmorph.spec.catalog import load_model
+from meshmorph.spec.plan import Plan, PlanError
 
 DEMO_MODEL = "gpt-small"
 DEMO_SEQ_LEN = 64

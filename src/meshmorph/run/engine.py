@@ -21,7 +21,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from meshmorph.plan.plan import Plan, PlanError, Schedule
 from meshmorph.run.config import OptimConfig
 from meshmorph.run.grad_norm import clip_grads_, global_grad_norm
 from meshmorph.run.loss import token_cross_entropy
@@ -30,6 +29,7 @@ from meshmorph.run.models import Transformer, build_chunk, build_model
 from meshmorph.run.parallelize import parallelize
 from meshmorph.run.pipeline import build_schedule
 from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import Plan, PlanError, Schedule
 
 
 def validate_plan(model: ModelSpec, plan: Plan, world_size: int) -> None:

@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshmorph.plan.plan import Plan, PlanError
 from meshmorph.run.job import JobConfig, load_job
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import Plan, PlanError
 
 STOP_GRACE_S = 20.0
 """Seconds the ranks get to stop at a step boundary after Ctrl-C before they are terminated."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshmorph.plan.plan import Plan
+from meshmorph.spec.plan import Plan
 
 MESH_DIMS = ("pp", "dp", "tp")
 """Names of the mesh dimensions, outermost first."""

@@ -43,11 +43,11 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from meshmorph.plan.plan import Plan, Schedule, StagePlan
 from meshmorph.run.mesh import TrainMesh
 from meshmorph.run.models import Transformer
 from meshmorph.run.recompute import apply_recompute
 from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import Plan, Schedule, StagePlan
 
 
 class ReplicateParallel(ParallelStyle):

@@ -30,9 +30,9 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-from meshmorph.plan.plan import Plan, Schedule
 from meshmorph.run.mesh import TrainMesh
 from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import Plan, Schedule
 
 
 def _io_shapes(chunk_index: int, plan: Plan, spec: ModelSpec, logits_dtype: torch.dtype

@@ -24,7 +24,6 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from meshmorph.plan.plan import Plan
 from meshmorph.run.checkpoint import (
     CheckpointInfo,
     latest_checkpoint,
@@ -36,6 +35,7 @@ from meshmorph.run.job import JobConfig, load_job
 from meshmorph.run.metrics import MetricsLogger
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import Plan
 
 
 class StopFlag:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.pipeline import Timeline, simulate
-from meshmorph.plan.plan import Plan, Schedule
+from meshmorph.spec.plan import Plan, Schedule
 from meshmorph.viz.figure import save_figure
 
 OP_COLOURS = {"F": "#4c78a8", "B": "#59a14f", "W": "#f28e2b"}

@@ -52,8 +52,10 @@ def _published_plan(row: dict[str, Any], model: ModelSpec) -> Plan:
             if model.num_blocks % (pp * v) == 0 and m % pp == 0:
                 schedule, vpp = Schedule.INTERLEAVED, v
                 break
+    # Megatron-LM 2021 trained in fp16 and all-reduced fp16 gradients
     plan = Plan(model=row["id"], seq_len=2048, global_batch=batch, tp=tp, pp=pp, dp=dp,
-                micro_batch=1, num_microbatches=m, schedule=schedule, vpp=vpp)
+                micro_batch=1, num_microbatches=m, schedule=schedule, vpp=vpp, dtype="fp16",
+                reduce_dtype="fp16")
     return plan.with_even_stages(model, Recompute.FULL)
 
 

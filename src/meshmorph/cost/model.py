@@ -16,6 +16,12 @@ from meshmorph.cost.estimate import Estimate, StageMemory
 from meshmorph.cost.layer_cost import LayerCoster
 from meshmorph.cost.pipeline import Timeline, simulate
 from meshmorph.cost.profile import Profile
+from meshmorph.cost.state import (
+    HeldBytes,
+    compute_bytes,
+    data_parallel_traffic,
+    held_bytes_per_param,
+)
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.gpus import GPUSpec, LinkSpec
 from meshmorph.spec.model import ModelSpec, Recompute
@@ -41,7 +47,7 @@ class ChunkTime:
     tp_comm_s: float
     """Exposed tensor-parallel communication."""
     zero3_comm_s: float
-    """Exposed ZeRO-3 gather and reduce-scatter."""
+    """Exposed per-micro-batch ZeRO gathers and reduce-scatters (ZeRO-3; ZeRO-2's scatters)."""
     params: float
     """Parameters of the chunk on one tensor-parallel rank (before ZeRO sharding)."""
 
@@ -112,10 +118,9 @@ class CostModel:
                          f"{', '.join(g.gpu.name for g in self.cluster.groups)}")
 
     @staticmethod
-    def param_bytes(dtype: str) -> tuple[float, float, float]:
-        """Bytes per parameter of (weights, gradients, optimizer state) under mixed precision Adam:
-        2 + 2 + 12 (fp32 master, m, v) for 16-bit training, 4 + 4 + 8 for fp32 (ZeRO paper)."""
-        return (4.0, 4.0, 8.0) if dtype == "fp32" else (2.0, 2.0, 12.0)
+    def held(plan: Plan) -> HeldBytes:
+        """Bytes per parameter a rank of ``plan`` holds (cost/state.py: what the runtime holds)."""
+        return held_bytes_per_param(zero=plan.zero, dp=plan.dp, pp=plan.pp, dtype=plan.dtype)
 
     # --- pieces the planner reuses ------------------------------------------------------------
     def chunk_params(self, start: int, stop: int, tp: int) -> float:
@@ -143,27 +148,34 @@ class CostModel:
             tpc += cost.tp_comm_s
         params = self.chunk_params(start, stop, plan.tp)
         z3 = 0.0
-        if plan.zero == 3 and plan.dp > 1:
-            # prefetch hides a share of the per-micro-batch traffic behind compute
-            gather, scatter = self.zero3_traffic(plan, params, gpu)
-            ef = comm.exposed(gather, f, self.coef.zero3_overlap)
-            eb = comm.exposed(gather + scatter, b, self.coef.zero3_overlap)
+        gathers, scatter = self.microbatch_dp_traffic(plan, params, gpu)
+        if gathers or scatter:
+            # prefetch hides a share of the per-micro-batch traffic behind compute; ZeRO-3
+            # gathers half in forward, half in backward; reduce-scatters run in backward
+            ef = comm.exposed(gathers / 2, f, self.coef.zero3_overlap)
+            eb = comm.exposed(gathers / 2 + scatter, b, self.coef.zero3_overlap)
             f, b, bg, z3 = f + ef, b + eb, bg + eb, ef + eb
         return ChunkTime(f, b, bg, wg, comp, re, tpc, z3, params)
 
-    def zero3_traffic(self, plan: Plan, params: float, gpu: GPUSpec) -> tuple[float, float]:
-        """(all-gather, reduce-scatter) seconds of one ZeRO-3/FSDP collective over ``params``:
-        per micro-batch, weights are gathered in forward and again in backward, and gradients
-        reduce-scattered in backward."""
+    def microbatch_dp_traffic(self, plan: Plan, params: float, gpu: GPUSpec) -> tuple[float, float]:
+        """(all-gather, reduce-scatter) seconds of the data-parallel collectives inside one
+        micro-batch over ``params`` (ZeRO-3's gathers in forward and backward, ZeRO-2/3's
+        gradient reduce-scatter; none under pipeline parallelism, see cost/state.py)."""
+        traffic = data_parallel_traffic(zero=plan.zero, dp=plan.dp, pp=plan.pp, dtype=plan.dtype,
+                                        reduce_dtype=plan.reduce_dtype)
+        if plan.dp == 1:
+            return 0.0, 0.0
         link = self.group_link(gpu, plan.tp * plan.dp)
-        wbytes = params * self.param_bytes(plan.dtype)[0]
-        return comm.all_gather(plan.dp, wbytes, link), comm.reduce_scatter(plan.dp, wbytes, link)
+        # an all-gather's input is 1/d of the buffer it fills: the buffer is d x the input
+        gathered = params * traffic.all_gather_per_microbatch * plan.dp
+        return (comm.all_gather(plan.dp, gathered, link),
+                comm.reduce_scatter(plan.dp, params * traffic.reduce_scatter_per_microbatch, link))
 
     def rank_memory(self, plan: Plan, pp_rank: int, chunks: Sequence[tuple[int, int, Sequence[Recompute]]],
                     gpu: GPUSpec) -> StageMemory:
         """Peak memory of one rank of pipeline rank ``pp_rank`` holding ``chunks``."""
         coster = self.coster(plan.dtype)
-        pb, gb, ob = self.param_bytes(plan.dtype)
+        held = self.held(plan)
         params = act = work = biggest = 0.0
         holds_embed = holds_head = False
         for start, stop, recompute in chunks:
@@ -181,34 +193,32 @@ class CostModel:
             act += chunk_act
         if holds_embed and holds_head and len(chunks) > 1:
             params -= self.model.layers[-1].tied_params / plan.tp
-        d = plan.dp
-        # ZeRO (Rajbhandari et al. 2020): stage 1 shards optimizer state, 2 also gradients, 3 also weights
-        weights = params * pb / (d if plan.zero >= 3 else 1)
-        grads = params * gb / (d if plan.zero >= 2 else 1)
-        optim = params * ob / (d if plan.zero >= 1 else 1)
+        # ZeRO as the runtime realises it (cost/state.py): fp32 masters, gradients and moments
+        weights, grads, optim = params * held.params, params * held.grads, params * held.optimizer
         in_flight = in_flight_microbatches(plan.schedule, plan.pp, pp_rank, plan.num_microbatches,
                                            plan.vpp)
         # act sums the rank's chunks; in_flight counts micro-batches of the whole rank's layers
         activations = in_flight * act + work
-        # ZeRO-3 gathers one layer's full weights at a time, plus one prefetched
-        buffers = 2 * biggest * pb if plan.zero == 3 and d > 1 else 0.0
+        # ZeRO-3 gathers one layer's full weights at a time, plus one prefetched; transient
+        # unsharded copies and whole gradients between micro-batches (held.peak_extra)
+        gathering = plan.zero == 3 and plan.dp > 1 and plan.pp == 1
+        buffers = (2 * biggest * compute_bytes(plan.dtype) if gathering else 0.0) \
+            + params * held.peak_extra
         reserved = self.coef.context_bytes + self.coef.memory_reserve_fraction * gpu.memory_bytes
         return StageMemory(params=weights, grads=grads, optimizer=optim, activations=activations,
                            buffers=buffers, reserved=reserved, in_flight_microbatches=in_flight)
 
     def rank_tail(self, plan: Plan, params: float, last_bwd_s: float, gpu: GPUSpec) -> tuple[float, float]:
         """(exposed data-parallel gradient sync, optimizer step) after a rank's last backward."""
-        pb = self.param_bytes(plan.dtype)[0]
+        traffic = data_parallel_traffic(zero=plan.zero, dp=plan.dp, pp=plan.pp, dtype=plan.dtype,
+                                        reduce_dtype=plan.reduce_dtype)
         link = self.group_link(gpu, plan.tp * plan.dp)
-        nbytes = params * pb
-        if plan.dp == 1 or plan.zero == 3:
-            sync = 0.0  # ZeRO-3 reduce-scatters inside every micro-batch's backward
-        elif plan.zero == 0:
-            sync = comm.all_reduce(plan.dp, nbytes, link)
-        else:
-            # ZeRO-1/2: reduce-scatter gradients, update the shard, all-gather weights
-            sync = comm.reduce_scatter(plan.dp, nbytes, link) + comm.all_gather(plan.dp, nbytes, link)
-        exposed = comm.exposed(sync, last_bwd_s, self.coef.dp_overlap)
+        # gradient reductions overlap the last backward; parameter gathers (ZeRO-1 after the
+        # update, ZeRO-2 before the first forward) do not
+        reduce = comm.all_reduce(plan.dp, params * traffic.all_reduce_per_step, link) \
+            + comm.reduce_scatter(plan.dp, params * traffic.reduce_scatter_per_step, link)
+        gather = comm.all_gather(plan.dp, params * traffic.all_gather_per_step * plan.dp, link)
+        exposed = comm.exposed(reduce, last_bwd_s, self.coef.dp_overlap) + gather
         shard = plan.dp if plan.zero >= 1 else 1
         optimizer = params / shard * self.coef.optimizer_bytes_per_param / (gpu.hbm_gbps * 1e9)
         return exposed, optimizer

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from meshmorph.cost.layer_cost import layer_classes
 from meshmorph.cost.model import CostModel, in_flight_microbatches
+from meshmorph.cost.state import compute_bytes
 from meshmorph.plan.space import Config
 from meshmorph.plan.stage_solver import fastest_layer_times, unique_gpus
 from meshmorph.spec.gpus import GPUSpec
@@ -221,10 +222,8 @@ def tail_bound(cost: CostModel, plan: Plan, params: float, gpu: GPUSpec) -> floa
     """Least gradient sync + optimizer + ZeRO-3 traffic of a rank holding ``params``: affine in
     ``params``, so the average share bounds the average rank."""
     sync, opt = cost.rank_tail(plan, params, float("inf"), gpu)
-    z3 = 0.0
-    if plan.zero == 3 and plan.dp > 1:
-        gather, scatter = cost.zero3_traffic(plan, params, gpu)
-        z3 = plan.num_microbatches * (1 - cost.coef.zero3_overlap) * (2 * gather + scatter)
+    gathers, scatter = cost.microbatch_dp_traffic(plan, params, gpu)
+    z3 = plan.num_microbatches * (1 - cost.coef.zero3_overlap) * (gathers + scatter)
     return sync + opt + z3
 
 
@@ -369,10 +368,9 @@ class _RankModel:
         m = plan.num_microbatches
         b, tp, sp = plan.micro_batch, plan.tp, plan.sequence_parallel
         fixed = [*(run.prefix if k == 0 else ()), *(run.suffix if k == plan.pp - 1 else ())]
-        pb, gb, ob = cost.param_bytes(plan.dtype)
+        self.per_param = cost.held(plan).at_peak  # bytes per parameter, buffers included
+        pb = compute_bytes(plan.dtype)  # one gathered ZeRO-3 copy
         d = plan.dp
-        self.per_param = (pb / (d if plan.zero >= 3 else 1) + gb / (d if plan.zero >= 2 else 1)
-                          + ob / (d if plan.zero >= 1 else 1))
         # fixed layers at their fastest and at their smallest, each on its own (a relaxation)
         self.fixed_work = 0.0
         self.fixed_fwd = 0.0
@@ -409,7 +407,7 @@ class _RankModel:
                                c.fwd_s + c.bwd_s - self.block_work))
                 self.working = min(self.working, c.working_bytes)
         self.hull = _hull(points)
-        zero3 = plan.zero == 3 and d > 1
+        zero3 = plan.zero == 3 and d > 1 and plan.pp == 1
         self.buffer_fixed = 2 * biggest_fixed * pb if zero3 else 0.0
         self.buffer_blocks = 2 * max(biggest_fixed, self.block_params) * pb if zero3 else 0.0
         reserved = cost.coef.context_bytes + cost.coef.memory_reserve_fraction * gpu.memory_bytes

@@ -84,7 +84,11 @@ class Plan:
     sequence_parallel: bool = False
     """Megatron sequence parallelism in the tensor-parallel regions."""
     dtype: str = "bf16"
-    """Training dtype (``bf16``, ``fp16``, ``fp32``)."""
+    """Compute dtype (``bf16``, ``fp16``, ``fp32``); parameters, gradients and Adam moments are
+    kept in fp32 whatever it is (mixed precision)."""
+    reduce_dtype: str = "fp32"
+    """Dtype of data-parallel gradient reductions: ``fp32`` (meshmorph's default, FSDP2's
+    ``reduce_dtype``), or a 16-bit one as Megatron-LM 2021 reduced fp16 gradients."""
     stages: tuple[StagePlan, ...] = ()
     """``pp * vpp`` model chunks in order."""
     predicted: dict[str, Any] | None = field(default=None, compare=False)
@@ -96,6 +100,9 @@ class Plan:
                      "global_batch"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("dtype", "reduce_dtype"):
+            if getattr(self, name) not in ("bf16", "fp16", "fp32"):
+                raise PlanError(f"{name} must be bf16, fp16 or fp32, got {getattr(self, name)!r}")
         if self.zero not in (0, 1, 2, 3):
             raise PlanError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.global_batch != self.dp * self.micro_batch * self.num_microbatches:

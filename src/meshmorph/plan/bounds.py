@@ -100,7 +100,7 @@ class ConfigBounds:
             # plus its own work; w = f + B). Over any split of the total W, the largest of these
             # is at least C with all of them equal: w_s = C (1 - 1/m)^s / m, so
             # C = W / (1 - (1 - 1/m)^p)
-            bound = max(bound, sums.chain / (1.0 - (1.0 - 1.0 / m) ** plan.pp))
+            bound = max(bound, sums.chain / _filled_share(m, plan.pp))
         if plan.schedule == Schedule.GPIPE:
             # GPipe is a forward then a backward flow shop of m identical jobs: at least the sum
             # of the stages plus (m - 1) x the slowest stage, at least the average one
@@ -475,3 +475,8 @@ class _RankModel:
             return math.inf
         return (self.m * (self.fixed_work + n * self.block_work + extra)
                 + self.tail0 + self.tail1 * params)
+
+
+def _filled_share(m: int, ranks: int) -> float:
+    """1 - (1 - 1/m)^ranks, without rounding to 0 for huge m."""
+    return 1.0 if m == 1 else -math.expm1(ranks * math.log1p(-1.0 / m))

@@ -9,6 +9,7 @@ pipeline rank uses (groups stay contiguous; every order of the groups is tried).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import permutations
@@ -75,8 +76,19 @@ class Config:
     """GPU type of each pipeline rank."""
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int, *, up_to: int | None = None) -> list[int]:
+    """The divisors of ``n`` (at most ``up_to``), ascending. Pairs (d, n / d) with d <= sqrt(n):
+    O(sqrt n) steps, or O(up_to) when only the small ones are wanted, so a huge batch whose
+    micro-batch sizes are capped costs no more than a small one."""
+    if n < 1:
+        raise ValueError(f"divisors of {n}: n must be at least 1")
+    limit = n if up_to is None else min(n, up_to)
+    root = math.isqrt(n)
+    if limit <= root:  # every wanted divisor is a small one
+        return [d for d in range(1, limit + 1) if n % d == 0]
+    small = [d for d in range(1, root + 1) if n % d == 0]
+    large = [n // d for d in reversed(small) if n // d != d and n // d <= limit]
+    return small + large
 
 
 def tp_degrees(model: ModelSpec, cluster: Cluster, options: SearchOptions) -> list[int]:
@@ -128,9 +140,7 @@ def configurations(model: ModelSpec, cluster: Cluster, global_batch: int,
 def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int, pp: int, dp: int,
            gpus: tuple[str, ...], blocks: int) -> Iterator[Config]:
     per_rank = global_batch // dp
-    for b in divisors(per_rank):
-        if b > options.max_micro_batch:
-            break
+    for b in divisors(per_rank, up_to=options.max_micro_batch):
         m = per_rank // b
         schedules: list[tuple[Schedule, int]] = []
         if pp == 1:

@@ -1,0 +1,43 @@
+"""The planner's search space: divisor enumeration stays fast for huge batches."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from meshmorph.plan.space import SearchOptions, configurations, divisors
+from meshmorph.spec import catalog_model, parse_cluster
+
+
+def test_divisors_match_the_definition_with_and_without_a_cap() -> None:
+    for n in range(1, 600):
+        every = [d for d in range(1, n + 1) if n % d == 0]
+        assert divisors(n) == every
+        for cap in (1, 2, 7, 16, n // 2, n):
+            assert divisors(n, up_to=cap) == [d for d in every if d <= cap], (n, cap)
+
+
+def test_divisors_of_a_20_digit_number_take_microseconds() -> None:
+    # 10^20 - 1 = 3^2 x 11 x 41 x 101 x 271 x 3541 x 9091 x 27961
+    started = time.perf_counter()
+    assert divisors(99_999_999_999_999_999_999, up_to=16) == [1, 3, 9, 11]
+    assert divisors(2 ** 40)[-3:] == [2 ** 38, 2 ** 39, 2 ** 40]  # O(sqrt n): 2^20 steps
+    assert time.perf_counter() - started < 2.0
+
+
+def test_divisors_refuse_zero() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        divisors(0)
+
+
+def test_a_huge_global_batch_enumerates_its_configurations_at_once() -> None:
+    model = catalog_model("gpt3-125m")
+    cluster = parse_cluster("h100:1x8")
+    started = time.perf_counter()
+    configs = list(configurations(model, cluster, 99_999_999_999_999_999_999,
+                                  SearchOptions(max_micro_batch=16)))
+    assert time.perf_counter() - started < 1.0
+    # only dp 1 divides an odd batch on 8 GPUs: tp x pp = 8, micro-batches 1, 3, 9 and 11
+    assert configs and {c.plan.dp for c in configs} == {1}
+    assert {c.plan.micro_batch for c in configs} == {1, 3, 9, 11}

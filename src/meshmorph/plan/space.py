@@ -16,7 +16,7 @@ from itertools import permutations
 
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, Schedule
+from meshmorph.spec.plan import DType, Plan, Schedule
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,8 +25,8 @@ class SearchOptions:
 
     top_k: int = 5
     """How many plans to return (the best configurations, each with its best stages)."""
-    dtype: str = "bf16"
-    """Training dtype."""
+    dtype: DType = DType.BF16
+    """Compute dtype of every plan (``bf16``, ``fp16`` or ``fp32``; a string is converted)."""
     max_micro_batch: int = 16
     """Largest micro-batch size tried."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -52,6 +52,9 @@ class SearchOptions:
     """Only these pipeline degrees (None: all)."""
 
     def __post_init__(self) -> None:
+        if self.dtype not in tuple(DType):
+            raise ValueError(f"dtype must be one of {', '.join(DType)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", DType(self.dtype))
         if self.top_k < 1:
             raise ValueError(f"top_k must be at least 1, got {self.top_k}")
         if Recompute.NONE not in self.recompute:

@@ -16,6 +16,14 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 
+class Arch(StrEnum):
+    """Architecture family the runtime builds a ModelSpec as."""
+
+    GPT = "gpt"  # GPT-2 style: LayerNorm, GeLU MLP, learned positions
+    LLAMA = "llama"  # RMSNorm, SwiGLU, RoPE, grouped-query attention
+    CUSTOM = "custom"  # a traced module: the runtime cannot rebuild it
+
+
 class LayerKind(StrEnum):
     EMBEDDING = "embedding"
     BLOCK = "block"
@@ -80,7 +88,7 @@ class ModelSpec:
 
     name: str
     """Catalog name, config path or factory the spec came from."""
-    arch: str
+    arch: Arch
     """``gpt`` (GPT-2 style: LayerNorm, GeLU MLP, learned positions), ``llama`` (RMSNorm, SwiGLU,
     RoPE, grouped-query attention) or ``custom`` (traced module: the runtime cannot rebuild it)."""
     layers: tuple[LayerSpec, ...]
@@ -105,6 +113,10 @@ class ModelSpec:
     """Whether tensor parallelism can split this model (False for traced custom modules)."""
 
     def __post_init__(self) -> None:
+        if self.arch not in tuple(Arch):
+            raise ValueError(f"model {self.name!r}: arch must be one of {', '.join(Arch)}, "
+                             f"got {self.arch!r}")
+        object.__setattr__(self, "arch", Arch(self.arch))
         if not self.layers:
             raise ValueError(f"model {self.name!r} has no layers")
         names = [layer.name for layer in self.layers]
@@ -140,7 +152,7 @@ class ModelSpec:
         """The same architecture at another sequence length (catalog and HF models only)."""
         if seq_len == self.seq_len:
             return self
-        if self.arch == "custom":
+        if self.arch == Arch.CUSTOM:
             raise ValueError(
                 f"model {self.name!r} was traced at seq_len {self.seq_len}; trace it again at {seq_len}"
             )

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from meshmorph.spec.model import ModelSpec, Recompute
 
@@ -24,8 +24,32 @@ class Schedule(StrEnum):
     ZERO_BUBBLE = "zb"  # ZB-H1 (Qi et al. 2023): backward split into input- and weight-gradient
 
 
+class DType(StrEnum):
+    """Floating-point format of compute or of gradient reductions."""
+
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of one element."""
+        return 4 if self == DType.FP32 else 2
+
+
 class PlanError(ValueError):
     """A Plan that cannot exist: the message names the constraint that failed and a way out."""
+
+
+_E = TypeVar("_E", bound=StrEnum)
+
+
+def _member(name: str, kind: type[_E], value: object) -> _E:
+    """``value`` as a member of ``kind``; a PlanError naming the field and the choices otherwise."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise PlanError(f"{name} must be one of {', '.join(kind)}, got {value!r}") from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,10 +107,10 @@ class Plan:
     """Virtual pipeline stages (model chunks) per pipeline rank; > 1 only for interleaved."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism in the tensor-parallel regions."""
-    dtype: str = "bf16"
+    dtype: DType = DType.BF16
     """Compute dtype (``bf16``, ``fp16``, ``fp32``); parameters, gradients and Adam moments are
     kept in fp32 whatever it is (mixed precision)."""
-    reduce_dtype: str = "fp32"
+    reduce_dtype: DType = DType.FP32
     """Dtype of data-parallel gradient reductions: ``fp32`` (meshmorph's default, FSDP2's
     ``reduce_dtype``), or a 16-bit one as Megatron-LM 2021 reduced fp16 gradients."""
     stages: tuple[StagePlan, ...] = ()
@@ -95,14 +119,13 @@ class Plan:
     """Predicted figures (step_time_s, tokens_per_s, ...) from the cost model, if any."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        object.__setattr__(self, "schedule", _member("schedule", Schedule, self.schedule))
         for name in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "vpp", "seq_len",
                      "global_batch"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("dtype", "reduce_dtype"):
-            if getattr(self, name) not in ("bf16", "fp16", "fp32"):
-                raise PlanError(f"{name} must be bf16, fp16 or fp32, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, _member(name, DType, getattr(self, name)))
         if self.zero not in (0, 1, 2, 3):
             raise PlanError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.global_batch != self.dp * self.micro_batch * self.num_microbatches:
@@ -215,6 +238,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stages"}
         data["schedule"] = str(self.schedule)
+        data["dtype"], data["reduce_dtype"] = str(self.dtype), str(self.reduce_dtype)
         data["world_size"] = self.world_size
         data["stages"] = [
             {"layers": [s.start, s.stop], "recompute": [str(m) for m in s.recompute], "gpu": s.gpu}

@@ -50,16 +50,18 @@ def test_llama3_8b_gqa_config_counts_8_030_261_248_parameters(tmp_path):
 def test_gpt2_small_config_counts_124_439_808_with_tied_embeddings_and_learned_positions(tmp_path):
     spec = from_hf_config(_write(tmp_path, GPT2_SMALL, "gpt2.json"))
     v, s, h, L = 50257, 1024, 768, 12
+    pad = (50304 - v) * h  # the runtime pads the vocabulary to a multiple of 128: 47 rows
     # token + position embeddings, 12 blocks of 12h^2 + 13h, final LayerNorm 2h; head tied
-    assert spec.num_params == v * h + s * h + L * (12 * h * h + 13 * h) + 2 * h == 124_439_808
+    assert spec.num_params - pad == v * h + s * h + L * (12 * h * h + 13 * h) + 2 * h == 124_439_808
     head = spec.layers[-1]
-    assert (head.kind, head.tied_params, spec.tied_embeddings) == (LayerKind.HEAD, v * h, True)
+    assert (spec.vocab_size, spec.padded_vocab_size) == (50257, 50304)
+    assert (head.kind, head.tied_params, spec.tied_embeddings) == (LayerKind.HEAD, 50304 * h, True)
     assert (spec.arch, spec.seq_len, spec.ffn_hidden_size, spec.name) == ("gpt", 1024, 3072, "gpt2")
 
 
 def test_untied_gpt2_counts_the_head_separately(tmp_path):
     spec = from_hf_config(_write(tmp_path, {**GPT2_SMALL, "tie_word_embeddings": False}, "g.json"))
-    assert spec.num_params == 124_439_808 + 50257 * 768
+    assert spec.num_params == 124_439_808 + 50257 * 768 + 2 * 47 * 768  # + padded rows, twice
 
 
 def test_n_inner_and_seq_len_are_honoured(tmp_path):
@@ -78,7 +80,7 @@ def test_name_or_path_names_the_model(tmp_path):
 def test_example_configs_load_through_load_model():
     gpt2 = load_model(str(EXAMPLES / "gpt2-config.json"))
     llama = load_model(str(EXAMPLES / "llama-config.json"), seq_len=4096)
-    assert (gpt2.name, gpt2.num_params) == ("gpt2", 124_439_808)
+    assert (gpt2.name, gpt2.num_params) == ("gpt2", 124_439_808 + 47 * 768)  # vocab padded to 128
     assert (llama.name, llama.num_params, llama.seq_len) == ("llama3-8b", 8_030_261_248, 4096)
 
 

@@ -5,7 +5,13 @@ micro-batch's mean token loss is back-propagated scaled by 1/m (by hand, or by t
 schedule), data parallelism averages over the dp ranks, so the accumulated gradient is that of
 the global-batch mean. Tied embedding copies on different pipeline ranks are summed, the global
 gradient norm is taken over every shard once, gradients are clipped, and AdamW and the LR
-schedule step. ``reference_losses`` runs the same arithmetic in one process: the ground truth.
+schedule step. The tests' one-device oracle (tests/dist/reference.py) runs the same arithmetic.
+
+Precision: parameters, gradients and Adam moments stay fp32; a 16-bit plan computes under FSDP2's
+MixedPrecisionPolicy (zero 2/3) or ``torch.autocast`` (everything else), and an fp16 plan scales
+its loss (``LossScaler``). ZeRO-2 keeps the parameters FSDP2 gathered for the first micro-batch
+to the end of the step and reshards them after the optimizer step. The first step also records
+what this rank holds at the end of backward and sends (run/state_line.py).
 """
 
 from __future__ import annotations
@@ -21,13 +27,18 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from meshmorph.run import state_line
+from meshmorph.run.comm_count import CommCounter
 from meshmorph.run.config import OptimConfig
 from meshmorph.run.grad_norm import clip_grads_, global_grad_norm
 from meshmorph.run.loss import token_cross_entropy
+from meshmorph.run.materialize import materialize_
 from meshmorph.run.mesh import TrainMesh, build_mesh
-from meshmorph.run.models import Transformer, build_chunk, build_model
-from meshmorph.run.parallelize import parallelize
+from meshmorph.run.models import Transformer, build_chunk
+from meshmorph.run.loss_scale import LossScaler
+from meshmorph.run.parallelize import TORCH_DTYPES, parallelize, uses_fsdp_precision
 from meshmorph.run.pipeline import build_schedule
+from meshmorph.run.zero1 import ShardedAdamW
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan, PlanError, Schedule
 
@@ -56,10 +67,22 @@ def validate_plan(model: ModelSpec, plan: Plan, world_size: int) -> None:
             )
 
 
-def _make_optimizer(params: list[nn.Parameter], optim: OptimConfig
+def _make_optimizer(params: list[nn.Parameter], optim: OptimConfig, *,
+                    device: torch.device | None = None, mesh: TrainMesh | None = None,
+                    zero: int = 0
                     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    opt = torch.optim.AdamW(params, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-                            weight_decay=optim.weight_decay)
+    """AdamW (fused on CUDA, foreach elsewhere) and its LR schedule; ZeRO-1 over dp > 1 shards
+    the moments (run/zero1.py)."""
+    fused = device is not None and device.type == "cuda"
+    kw = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+              weight_decay=optim.weight_decay)
+    opt: torch.optim.Optimizer
+    if zero == 1 and mesh is not None and mesh.dp > 1:
+        opt = ShardedAdamW(params, dp_mesh=mesh.sub("dp"),
+                           dp_tp_mesh=mesh.sub("dp", "tp") if mesh.tp > 1 else None,
+                           foreach=not fused, fused=fused, **kw)  # type: ignore[arg-type]
+    else:
+        opt = torch.optim.AdamW(params, foreach=not fused, fused=fused, **kw)  # type: ignore[arg-type]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: optim.lr_at(step) / optim.lr)
     return opt, sched
 
@@ -77,20 +100,36 @@ class TrainEngine:
         self.model_parts: list[nn.Module] = list(model_parts)
         self._runners = runners  # what runs each part: a DDP wrapper or the part itself
         self.chunk_ids = chunk_ids
-        pairs = [_make_optimizer(list(part.parameters()), optim) for part in model_parts]
+        pairs = [_make_optimizer(list(part.parameters()), optim, device=device, mesh=mesh,
+                                 zero=plan.zero) for part in model_parts]
         self.optimizers = [opt for opt, _ in pairs]
         self.lr_schedulers = [sched for _, sched in pairs]
         self.has_first = 0 in chunk_ids
         self.has_last = plan.num_chunks - 1 in chunk_ids
+        self.scaler = LossScaler() if plan.dtype == "fp16" else None
         self.schedule = None
         if plan.pp > 1:
-            logits_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             self.schedule = build_schedule(runners, chunk_ids, spec, plan, mesh, device,
-                                           token_cross_entropy, logits_dtype)
+                                           self._scaled_loss)
         self._tied_group = self._make_tied_group()
         self._grad_norm = float("nan")
-        self._autocast = (partial(torch.autocast, "cuda", dtype=torch.bfloat16)
-                          if device.type == "cuda" else contextlib.nullcontext)
+        # FSDP2's MixedPrecisionPolicy casts zero 2/3's parameters; autocast everywhere else
+        self._autocast = (partial(torch.autocast, device.type, dtype=TORCH_DTYPES[plan.dtype])
+                          if plan.dtype != "fp32" and not uses_fsdp_precision(plan)
+                          else contextlib.nullcontext)
+        self._fsdp_modules = [m for part in model_parts for m in part.modules()
+                              if isinstance(m, FSDPModule)]
+        self.capture_state = True
+        """Whether the next step records what this rank holds and sends (the first step does)."""
+        self.captured_state: dict[str, object] | None = None
+        """This rank's measured state of the captured step (run/state_line.py), once taken."""
+        self.state_written = False
+        """Whether the state line of the captured step was written (run/state_line.py)."""
+
+    def _scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's mean loss, times the fp16 loss scale."""
+        loss = token_cross_entropy(logits, labels)
+        return loss * self.scaler.scale if self.scaler is not None else loss
 
     # --- tied embeddings across pipeline ranks ------------------------------------------------
     def _make_tied_group(self) -> dist.ProcessGroup | None:
@@ -154,6 +193,9 @@ class TrainEngine:
         """Gradient accumulation without a pipeline; returns the sum of micro-batch mean losses."""
         model, m = self._runners[0], self.plan.num_microbatches
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        if isinstance(model, FSDPModule) and self.plan.zero == 2:
+            # gathered once for the first micro-batch, kept to the end of the step
+            model.set_reshard_after_backward(False)
         for i, (x, y) in enumerate(zip(inputs.chunk(m), labels.chunk(m), strict=True)):
             sync = i == m - 1 or self.plan.zero >= 2  # zero 2/3 reduce-scatter every micro-batch
             if isinstance(model, FSDPModule):
@@ -162,7 +204,7 @@ class TrainEngine:
                 else contextlib.nullcontext()
             with no_sync:
                 with self._autocast():
-                    loss = token_cross_entropy(model(x), y)
+                    loss = self._scaled_loss(model(x), y)
                 (loss / m).backward()  # d(mean over m micro-batches) = sum of d(loss_i) / m
             total += loss.detach().double()
         return total
@@ -180,7 +222,20 @@ class TrainEngine:
 
     def step(self, tokens: torch.Tensor) -> float:
         """Train on this dp rank's share of one global batch, LongTensor[G / dp, s + 1]; returns
-        the mean token loss over the whole global batch (identical on every rank)."""
+        the mean token loss over the whole global batch (identical on every rank). The first
+        call also records this rank's state (``captured_state``)."""
+        if not self.capture_state:
+            return self._step(tokens)
+        counter = CommCounter()
+        with counter:
+            loss = self._step(tokens)
+        assert self.captured_state is not None
+        self.captured_state["optimizer_bytes"] = state_line.optimizer_bytes(self)
+        self.captured_state["comm_bytes"] = dict(counter.sent_bytes)
+        self.capture_state = False
+        return loss
+
+    def _step(self, tokens: torch.Tensor) -> float:
         plan = self.plan
         expected = (plan.global_batch // plan.dp, plan.seq_len + 1)
         if tuple(tokens.shape) != expected:
@@ -194,17 +249,26 @@ class TrainEngine:
             loss_sum = self._accumulate(inputs, labels)
         else:
             loss_sum = self._pipelined(inputs, labels)
+        if self.capture_state:  # the end of backward, before anything touches the gradients
+            self.captured_state = state_line.held_bytes(self)
         self._align_grads()
         self._sync_tied_grads()
+        grads = [p.grad for part in self.model_parts for p in part.parameters()
+                 if p.grad is not None]
+        if self.scaler is not None:
+            loss_sum /= self.scaler.scale
+            self.scaler.unscale_(grads)
         self._grad_norm = global_grad_norm([p.grad for p in self._norm_params()],
                                            self.train_mesh)
-        if self.optim.grad_clip > 0:
-            grads = [p.grad for part in self.model_parts for p in part.parameters()
-                     if p.grad is not None]
-            clip_grads_(grads, self._grad_norm, self.optim.grad_clip)
-        for opt, sched in zip(self.optimizers, self.lr_schedulers, strict=True):
-            opt.step()
+        if self.scaler is None or self.scaler.update(self._grad_norm):
+            if self.optim.grad_clip > 0:
+                clip_grads_(grads, self._grad_norm, self.optim.grad_clip)
+            for opt in self.optimizers:
+                opt.step()
+        for sched in self.lr_schedulers:
             sched.step()
+        for module in self._fsdp_modules if self.plan.zero == 2 else ():
+            module.reshard()  # the next step gathers the updated weights
         # every last-stage rank holds the sum of its m micro-batch means; tp ranks repeat it
         if not self.has_last:
             loss_sum.zero_()
@@ -233,40 +297,14 @@ def build_engine(model: ModelSpec, plan: Plan, optim: OptimConfig, *, seed: int,
     parts, runners = [], []
     for index in chunk_ids:
         stage = plan.stages[index]
-        chunk = build_chunk(model, stage.start, stage.stop, seed=seed).to(device)
+        # built on the meta device; each rank then allocates and fills only its own shards
+        chunk = build_chunk(model, stage.start, stage.stop, seed=seed, device="meta")
+        if plan.dp > 1 and plan.zero <= 1 and plan.tp == 1:  # DDP (zero 0/1) needs real tensors
+            materialize_(chunk, model, seed=seed, device=device)
         runners.append(parallelize(chunk, model, plan, stage, mesh))
+        if any(p.is_meta for p in chunk.parameters()):  # after TP and FSDP2 sharding
+            materialize_(chunk, model, seed=seed, device=device)
         parts.append(chunk)
     return TrainEngine(spec=model, plan=plan, optim=optim, mesh=mesh, model_parts=parts,
                        runners=runners, chunk_ids=chunk_ids, device=device)
 
-
-def reference_losses(model: ModelSpec, optim: OptimConfig, batches: list[torch.Tensor], *,
-                     seed: int, micro_batch: int, grad_norms: list[float] | None = None
-                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train in one process on whole global batches (LongTensor[global_batch, s + 1]) with the
-    same loss scaling, clipping, AdamW and schedule; returns per-step losses and the final state.
-    ``grad_norms``, if given, receives each step's pre-clip gradient norm."""
-    net = build_model(model, seed=seed)
-    opt, sched = _make_optimizer(list(net.parameters()), optim)
-    losses = []
-    for batch in batches:
-        if batch.shape[0] % micro_batch:
-            raise ValueError(f"global batch {batch.shape[0]} is not a multiple of micro_batch "
-                             f"{micro_batch}")
-        m = batch.shape[0] // micro_batch
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for chunk in batch.chunk(m):
-            loss = token_cross_entropy(net(chunk[:, :-1]), chunk[:, 1:])
-            (loss / m).backward()
-            total += float(loss.detach().double())
-        grads = [p.grad for p in net.parameters() if p.grad is not None]
-        norm = global_grad_norm(grads, None)
-        if grad_norms is not None:
-            grad_norms.append(norm)
-        if optim.grad_clip > 0:
-            clip_grads_(grads, norm, optim.grad_clip)
-        opt.step()
-        sched.step()
-        losses.append(total / m)
-    return losses, {k: v.detach().clone() for k, v in net.state_dict().items()}

@@ -2,13 +2,17 @@
 
 The module tree mirrors ``ModelSpec.layers``: ``embed`` is layer 0, ``blocks[str(i)]`` is layer
 ``i + 1`` and ``head`` is the last layer, so a StagePlan's layer range names the modules a pipeline
-chunk keeps. Every layer draws its initial weights from its own generator seeded by
-``(seed, layer index)``: a chunk built alone holds bitwise the same weights as the same layers of
-the whole model, on every rank and under every plan. The model code holds no parallelism.
+chunk keeps. Every parameter draws its initial value from its own generator seeded by
+``(seed, layer index, parameter name)`` (``init_value``): a chunk built alone, or one rank's
+shard of it materialised from the meta device, holds bitwise the same weights as the same
+positions of the whole model, on every rank and under every plan. The embedding and head hold
+``padded_vocab_size`` rows; the head hands back only the first ``vocab_size`` logits. The model
+code holds no parallelism.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -135,7 +139,7 @@ class Embedding(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.tok = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.tok = nn.Embedding(spec.padded_vocab_size, spec.hidden_size)  # rows >= V never indexed
         self.pos = nn.Embedding(spec.seq_len, spec.hidden_size) if spec.arch == "gpt" else None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -146,15 +150,20 @@ class Embedding(nn.Module):
 
 
 class Head(nn.Module):
-    """Final norm and the projection to vocabulary logits."""
+    """Final norm and the projection to vocabulary logits: the matmul runs over the padded
+    vocabulary, and only the first V logits leave the head, so the loss and every gradient of
+    the real rows are those of the unpadded model (the padded columns get a zero gradient)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.norm = _norm(spec)
-        self.out = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.vocab_size = spec.vocab_size
+        self.padded = spec.padded_vocab_size != spec.vocab_size
+        self.out = nn.Linear(spec.hidden_size, spec.padded_vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(x))
+        logits = self.out(self.norm(x))
+        return logits[..., : self.vocab_size] if self.padded else logits
 
 
 class Transformer(nn.Module):
@@ -183,34 +192,63 @@ class Transformer(nn.Module):
         return x
 
 
-def _init_layer(module: nn.Module, generator: torch.Generator, num_blocks: int,
-                done: set[int]) -> None:
-    """Normal(0, 0.02) weights and embeddings, zero biases, unit norms; the residual output
-    projections (wo, fc2/w2) scaled by 1/sqrt(2 L) as in GPT-2. Skips parameters in ``done``
-    (a tied head weight is the embedding's)."""
-    residual_std = INIT_STD / math.sqrt(2 * num_blocks)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            if id(param) in done:
-                continue
-            done.add(id(param))
-            leaf = name.rsplit(".", 2)
-            if name.endswith("bias"):
-                param.zero_()
-            elif isinstance(_owner(module, name), nn.LayerNorm | RMSNorm):
-                param.fill_(1.0)
-            else:
-                std = residual_std if leaf[-2] in ("wo", "fc2", "w2") else INIT_STD
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
+def layer_of(spec: ModelSpec, name: str) -> tuple[int, str]:
+    """``(layer index, name inside the layer)`` of a chunk parameter's name: ``embed.tok.weight``
+    -> (0, ``tok.weight``), ``blocks.3.attn.wq.weight`` -> (4, ``attn.wq.weight``), ``head.*`` ->
+    (num_layers - 1, ``*``)."""
+    top, _, rest = name.partition(".")
+    if top == "embed":
+        return 0, rest
+    if top == "head":
+        return spec.num_layers - 1, rest
+    if top == "blocks":
+        key, _, rest = rest.partition(".")
+        return int(key) + 1, rest
+    raise ValueError(f"parameter {name!r} is not under embed, blocks.<i> or head; initialise "
+                     "only chunks built by build_chunk (before any DDP wrapper renames them)")
 
 
-def _owner(module: nn.Module, param_name: str) -> nn.Module:
-    return module.get_submodule(param_name.rpartition(".")[0])
+def _param_seed(seed: int, layer: int, name: str) -> int:
+    """A generator seed of its own for every (seed, layer, parameter): any rank can draw any
+    parameter's value without drawing the others."""
+    digest = hashlib.blake2b(f"{seed}/{layer}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def init_value(spec: ModelSpec, layer: int, name: str, shape: tuple[int, ...], *,
+               seed: int) -> torch.Tensor:
+    """The fp32 value the whole model built from ``seed`` holds in parameter ``name`` of layer
+    ``layer`` (global shape ``shape``), on the host.
+
+    Normal(0, 0.02) weights and embeddings, zero biases, unit norm scales; the residual output
+    projections (wo, fc2/w2) scaled by 1/sqrt(2 L) as in GPT-2. The padded vocabulary rows
+    (embedding rows and head columns V..V_padded) are zero: never indexed, never read, so their
+    gradient and their AdamW update stay zero. A tied head holds the embedding's value."""
+    owner = name.rpartition(".")[0].rpartition(".")[2]  # the module holding it: "wq", "attn_norm"
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    if owner.endswith("norm"):  # attn_norm, mlp_norm, the head's norm: LayerNorm or RMSNorm
+        return torch.ones(shape)
+    vocab_table = (layer == 0 and name == "tok.weight") or (
+        layer == spec.num_layers - 1 and name == "out.weight")
+    if vocab_table and spec.tied_embeddings:
+        layer, name = 0, "tok.weight"  # one matrix, wherever the head is
+    generator = torch.Generator().manual_seed(_param_seed(seed, layer, name))
+    std = INIT_STD / math.sqrt(2 * spec.num_blocks) if owner in ("wo", "fc2", "w2") else INIT_STD
+    if not vocab_table:
+        return torch.randn(shape, generator=generator) * std
+    value = torch.zeros(shape)
+    value[: spec.vocab_size] = torch.randn((spec.vocab_size, *shape[1:]), generator=generator) * std
+    return value
 
 
 def build_chunk(spec: ModelSpec, start: int, stop: int, *, seed: int,
-                dtype: torch.dtype = torch.float32) -> Transformer:
-    """Layers [start, stop) of the model, with the weights the whole model would hold."""
+                dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> Transformer:
+    """Layers [start, stop) of the model, with the weights the whole model would hold.
+
+    ``device="meta"`` allocates nothing and initialises nothing: parallelize the chunk there, then
+    ``materialize_`` gives each rank only its own shards, with these same values."""
     if spec.arch not in ("gpt", "llama"):
         raise ValueError(
             f"model {spec.name!r} has arch {spec.arch!r}: the runtime rebuilds only 'gpt' and "
@@ -219,26 +257,17 @@ def build_chunk(spec: ModelSpec, start: int, stop: int, *, seed: int,
         )
     if not 0 <= start < stop <= spec.num_layers:
         raise ValueError(f"layer range [{start}, {stop}) is outside [0, {spec.num_layers})")
-    model = Transformer(spec, start, stop)
-    layers: list[tuple[int, nn.Module]] = []
-    if model.embed is not None:
-        layers.append((0, model.embed))
-    layers += [(int(key) + 1, block) for key, block in model.blocks.items()]
-    if model.head is not None:
-        layers.append((spec.num_layers - 1, model.head))
-    done: set[int] = set()
-    for index, layer in layers:
-        generator = torch.Generator().manual_seed(seed * 100_003 + index)  # one stream per layer
-        _init_layer(layer, generator, spec.num_blocks, done)
-    if spec.tied_embeddings and model.head is not None and model.embed is None:
-        # the head of a later pipeline chunk holds a copy of the embedding matrix
-        generator = torch.Generator().manual_seed(seed * 100_003)
-        with torch.no_grad():
-            weight = torch.randn(model.head.out.weight.shape, generator=generator) * INIT_STD
-            model.head.out.weight.copy_(weight)
+    with torch.device("meta"):
+        model = Transformer(spec, start, stop)
+    if torch.device(device).type != "meta":
+        from meshmorph.run.materialize import materialize_
+
+        materialize_(model, spec, seed=seed, device=device)
     return model.to(dtype)
 
 
-def build_model(spec: ModelSpec, *, seed: int, dtype: torch.dtype = torch.float32) -> Transformer:
-    """The whole decoder of ``spec`` (arch ``gpt`` or ``llama``), initialised from ``seed``."""
-    return build_chunk(spec, 0, spec.num_layers, seed=seed, dtype=dtype)
+def build_model(spec: ModelSpec, *, seed: int, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> Transformer:
+    """The whole decoder of ``spec`` (arch ``gpt`` or ``llama``), initialised from ``seed``: the
+    one-device reference every layout's shards are cut from."""
+    return build_chunk(spec, 0, spec.num_layers, seed=seed, dtype=dtype, device=device)

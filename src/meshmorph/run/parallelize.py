@@ -1,20 +1,26 @@
 """Apply a Plan to one model chunk, in a fixed order: tensor/sequence parallel, activation
 recompute, then data parallel.
 
-Data parallelism by ZeRO stage:
+Data parallelism by ZeRO stage (what each holds and sends: cost/state.py, docs/cost-model.md):
 
 - zero 0: whole parameters, gradients and optimizer state on every data-parallel rank, gradients
   all-reduced once per step: ``DistributedDataParallel`` around the chunk where its parameters
   are plain tensors (tp 1; the fastest path), FSDP2's composable ``replicate`` where tensor
-  parallelism made them DTensors, and under a zero-bubble schedule. The DDP wrapper is only what runs the chunk: the chunk itself,
-  with its original parameter names, stays the engine's model part.
-- zero 1 and 2: FSDP2 ``fully_shard(reshard_after_forward=False)``. Parameters stay gathered from
-  forward to backward, while gradients and optimizer state are sharded — that is how ZeRO-1/2
-  are realised here. Zero 1 reduces gradients once per step (after the last micro-batch; whole
-  gradients accumulate in between), zero 2 reduce-scatters after every micro-batch and
-  accumulates only the shard.
+  parallelism made them DTensors, and under a zero-bubble schedule. The DDP wrapper is only what
+  runs the chunk: the chunk itself, with its original parameter names, stays the engine's model part.
+- zero 1: zero 0's wrapping and gradient all-reduce; the optimizer shards its state
+  (run/zero1.py: AdamW on a dim-0 shard of every parameter, updated shards all-gathered back).
+- zero 2: FSDP2 ``fully_shard(reshard_after_forward=False)``; the engine also turns off
+  resharding after backward, so parameters are gathered once per step and stay unsharded to its
+  end (the engine reshards after the optimizer step); gradients are reduce-scattered after every
+  micro-batch and only the shard is kept.
 - zero 3: FSDP2 ``fully_shard(reshard_after_forward=True)`` on every block and on the chunk root:
   parameters are gathered per block in forward and again in backward.
+
+Precision: a 16-bit plan keeps fp32 parameters. FSDP2 (zero 2/3) computes through
+``MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=plan.reduce_dtype)``; everywhere else the
+engine runs forward under ``torch.autocast`` and gradients are reduced in fp32, or through DDP's
+bf16/fp16 compress hook (``replicate``'s ``reduce_dtype``) when the plan's ``reduce_dtype`` is 16-bit.
 
 With tensor parallelism every parameter of the chunk is a DTensor on the tp mesh (parameters TP
 does not split are replicated DTensors), so with data parallelism on top every parameter lives on
@@ -29,8 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -88,7 +95,7 @@ def tp_plan(chunk: Transformer, spec: ModelSpec, tp_degree: int,
     norm: ParallelStyle = SequenceParallel() if sequence_parallel else ReplicateParallel()
     between = seq if sequence_parallel else Replicate()
     # vocab-parallel embedding and head where t divides V, else both replicated
-    vocab_split = spec.vocab_size % tp_degree == 0
+    vocab_split = spec.padded_vocab_size % tp_degree == 0  # the runtime's (padded) rows
     plan: dict[str, ParallelStyle] = {}
     if chunk.embed is not None:
         plan["embed.tok"] = (RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
@@ -131,22 +138,44 @@ def apply_tp(chunk: Transformer, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_
         chunk.head.out.weight = chunk.embed.tok.weight
 
 
-def apply_dp(chunk: Transformer, dp_mesh: DeviceMesh, zero: int, *, allow_ddp: bool = True
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""torch dtype of each plan dtype name."""
+
+
+def uses_fsdp_precision(plan: Plan) -> bool:
+    """Whether FSDP2's MixedPrecisionPolicy (not autocast) sets the compute dtype: zero 2/3."""
+    return plan.dp > 1 and plan.zero >= 2
+
+
+_COMPRESS_HOOKS = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
+"""DDP comm hooks that reduce fp32 gradients in a 16-bit dtype (torch's default hooks)."""
+
+
+def apply_dp(chunk: Transformer, dp_mesh: DeviceMesh, plan: Plan, *, allow_ddp: bool = True
              ) -> nn.Module:
     """Data parallelism over ``dp_mesh`` by ZeRO stage (see the module docstring); returns the
     module that runs the chunk (a DDP wrapper, or the chunk itself). ``allow_ddp`` False keeps
-    zero 0 on ``replicate`` (a zero-bubble schedule computes weight gradients apart from the
+    zero 0/1 on ``replicate`` (a zero-bubble schedule computes weight gradients apart from the
     backward that DDP's reducer hooks into, and DDP then misses them)."""
-    if zero == 0:
+    reduce_dtype = TORCH_DTYPES[plan.reduce_dtype]
+    if plan.zero <= 1:  # zero 1 shards only the optimizer (run/zero1.py)
         if allow_ddp and not any(isinstance(p, DTensor) for p in chunk.parameters()):
-            # every rank built the same weights: no initial broadcast needed
-            return DistributedDataParallel(chunk, process_group=dp_mesh.get_group(),
-                                           broadcast_buffers=False, init_sync=False)
+            # every rank built the same weights: no initial broadcast needed; gradients are views
+            # into DDP's buckets (one fp32 copy of the gradients, not two)
+            ddp = DistributedDataParallel(chunk, process_group=dp_mesh.get_group(),
+                                          broadcast_buffers=False, init_sync=False,
+                                          gradient_as_bucket_view=True)
+            if plan.reduce_dtype in _COMPRESS_HOOKS:
+                ddp.register_comm_hook(dp_mesh.get_group(), _COMPRESS_HOOKS[plan.reduce_dtype])
+            return ddp
+        policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
         for block in chunk.blocks.values():
-            replicate(block, mesh=dp_mesh)
-        replicate(chunk, mesh=dp_mesh)
+            replicate(block, mesh=dp_mesh, mp_policy=policy)
+        replicate(chunk, mesh=dp_mesh, mp_policy=policy)
         return chunk
-    shard = partial(fully_shard, mesh=dp_mesh, reshard_after_forward=zero == 3)
+    policy = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[plan.dtype], reduce_dtype=reduce_dtype)
+    shard = partial(fully_shard, mesh=dp_mesh, reshard_after_forward=plan.zero == 3,
+                    mp_policy=policy)
     for block in chunk.blocks.values():
         shard(block)
     shard(chunk)
@@ -162,5 +191,5 @@ def parallelize(chunk: Transformer, spec: ModelSpec, plan: Plan, stage: StagePla
     apply_recompute(chunk, stage.start, stage.recompute)
     if plan.dp > 1:
         split_backward = plan.pp > 1 and plan.schedule == Schedule.ZERO_BUBBLE
-        return apply_dp(chunk, mesh.sub("dp"), plan.zero, allow_ddp=not split_backward)
+        return apply_dp(chunk, mesh.sub("dp"), plan, allow_ddp=not split_backward)
     return chunk

@@ -105,6 +105,9 @@ class ModelSpec:
     """Vocabulary V."""
     seq_len: int
     """Sequence length s the per-token figures were computed for."""
+    padded_vocab_size: int = 0
+    """Rows of the embedding and columns of the head the runtime allocates and the cost model
+    prices (V rounded up for fast GPU matmuls; the extra logits are never read); 0 means V."""
     tied_embeddings: bool = False
     """Output head shares the embedding matrix."""
     dtype_bytes: int = 2
@@ -122,6 +125,11 @@ class ModelSpec:
         names = [layer.name for layer in self.layers]
         if len(set(names)) != len(names):
             raise ValueError(f"model {self.name!r} has duplicate layer names")
+        if not self.padded_vocab_size:
+            object.__setattr__(self, "padded_vocab_size", self.vocab_size)
+        if self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"model {self.name!r}: padded_vocab_size {self.padded_vocab_size} is "
+                             f"below vocab_size {self.vocab_size}; pad up, never down")
 
     @property
     def num_layers(self) -> int:

@@ -15,6 +15,15 @@ from meshmorph.spec.model import ActivationBytes, LayerKind, LayerSpec, ModelSpe
 if TYPE_CHECKING:
     pass
 
+VOCAB_MULTIPLE = 128
+"""The runtime pads the vocabulary to a multiple of this (tensor-core friendly head and embedding
+matmuls on GPUs; every tensor-parallel degree up to 128 that is a power of two divides it)."""
+
+
+def pad_vocab(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """``vocab_size`` rounded up to a multiple of ``multiple``."""
+    return multiple * -(-vocab_size // multiple)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransformerShape:
@@ -44,6 +53,9 @@ class TransformerShape:
     """Attention kernel keeps no s x s scores; None means False for gpt (Megatron 2021), True for llama."""
     dtype_bytes: int = 2
     """Bytes per parameter/activation element in training."""
+    padded_vocab_size: int | None = None
+    """Embedding rows and head columns the runtime allocates; None means vocab_size rounded up
+    to a multiple of 128 (VOCAB_MULTIPLE). The padded logits are never read by the loss."""
 
     def __post_init__(self) -> None:
         if self.arch not in ("gpt", "llama"):
@@ -59,6 +71,10 @@ class TransformerShape:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.kv_heads}"
             )
+        if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"padded_vocab_size {self.padded_vocab_size} is below vocab_size "
+                             f"{self.vocab_size}; leave it None to pad to a multiple of "
+                             f"{VOCAB_MULTIPLE}")
 
     @property
     def kv_heads(self) -> int:
@@ -71,6 +87,10 @@ class TransformerShape:
         if self.arch == "gpt":
             return 4 * self.hidden_size
         return 256 * -(-int(2 * 4 * self.hidden_size / 3) // 256)
+
+    @property
+    def padded_vocab(self) -> int:
+        return self.padded_vocab_size or pad_vocab(self.vocab_size)
 
     @property
     def tied(self) -> bool:
@@ -95,6 +115,7 @@ class TransformerShape:
             tied_embeddings=spec.tied_embeddings,
             flash_attention=_spec_flash(spec),
             dtype_bytes=spec.dtype_bytes,
+            padded_vocab_size=spec.padded_vocab_size,
         )
 
 
@@ -152,7 +173,8 @@ def _block(shape: TransformerShape, index: int) -> LayerSpec:
 
 def build_transformer(shape: TransformerShape) -> ModelSpec:
     """A ModelSpec for a GPT-2 style or Llama style decoder."""
-    h, v, s = shape.hidden_size, shape.vocab_size, shape.seq_len
+    # the runtime allocates (and computes) the padded vocabulary: price what runs
+    h, v, s = shape.hidden_size, shape.padded_vocab, shape.seq_len
     scale = shape.dtype_bytes / 2
     positions = s * h if shape.arch == "gpt" else 0  # learned position embeddings (GPT only)
     embed = LayerSpec(
@@ -188,7 +210,8 @@ def build_transformer(shape: TransformerShape) -> ModelSpec:
         num_heads=shape.num_heads,
         num_kv_heads=shape.kv_heads,
         ffn_hidden_size=shape.ffn,
-        vocab_size=v,
+        vocab_size=shape.vocab_size,
+        padded_vocab_size=v,
         seq_len=s,
         tied_embeddings=shape.tied,
         dtype_bytes=shape.dtype_bytes,

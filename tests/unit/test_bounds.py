@@ -14,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshmorph.cost.model import CostModel
-from meshmorph.plan.bounds import ConfigBounds, _hull, _least_extra
+from meshmorph.plan.bounds import ConfigBounds
 from meshmorph.plan.brute_force import candidate_plans
+from meshmorph.plan.relaxations import least_extra_time as _least_extra
+from meshmorph.plan.relaxations import recompute_hull as _hull
 from meshmorph.plan.space import SearchOptions, configurations
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.transformer import TransformerShape, build_transformer

@@ -3,7 +3,8 @@
 Configurations (plan/space.py) are visited in order of a lower bound on their step time,
 tightened lazily (plan/bounds.py: cheap, then memory-aware, then with the pipeline's fill); the
 visit stops when the bound reaches the k-th best step found. Each configuration's stages and
-recompute are solved exactly (plan/stage_solver.py). Interleaved schedules split the blocks evenly (Megatron's requirement)
+recompute are solved exactly (plan/stage_recompute.py per stage, plan/partition_search.py
+over stage ends). Interleaved schedules split the blocks evenly (Megatron's requirement)
 and use one recompute mode for all blocks.
 """
 
@@ -16,8 +17,9 @@ from dataclasses import dataclass, replace
 from meshmorph.cost.estimate import GIB, Estimate
 from meshmorph.cost.model import CostModel
 from meshmorph.plan.bounds import ConfigBounds
+from meshmorph.plan.partition_search import PartitionResult, solve_partition
 from meshmorph.plan.space import Config, SearchOptions, configurations
-from meshmorph.plan.stage_solver import PartitionResult, StageSolver, solve_partition
+from meshmorph.plan.stage_recompute import StageSolver
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.gpus import gpu as gpu_by_name
 from meshmorph.spec.model import ModelSpec, Recompute

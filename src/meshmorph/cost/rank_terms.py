@@ -1,0 +1,91 @@
+"""One rank's memory and tail as the terms ``CostModel`` adds them up, for the planner's bounds.
+
+``CostModel.rank_memory`` of a rank holding P parameters (its tensor-parallel share, a tied copy
+counted once), whose layers keep a_i activation bytes per micro-batch and rematerialise w_i
+while they recompute, is affine in what the rank holds:
+
+    total = P x held.at_peak                       (cost/state.py: masters, grads, moments, extra)
+          + in_flight x sum_i a_i + max_i w_i      (activations: micro-batches in flight, working set)
+          + gather x (params of its largest layer) (ZeRO-3 without pp: that layer, plus a prefetch)
+          + reserved                               (context + allocator reserve)
+
+and its tail after the last backward is ``CostModel.rank_tail`` with the overlap window
+``CostModel.assemble`` gives it (two thirds of the chunk's compute: its backward without
+recompute). The planner's bounds and stage search build on these functions, never on their own
+copy of the arithmetic; ``tests/unit/test_rank_terms_bounds.py`` proves that they reassemble
+``rank_memory`` and ``assemble``'s tail exactly, so a change to the cost model that they miss
+fails there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshmorph.cost.model import ChunkTime, CostModel, in_flight_microbatches
+from meshmorph.cost.state import compute_bytes
+from meshmorph.spec.gpus import GPUSpec
+from meshmorph.spec.plan import Plan
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemoryTerms:
+    """The coefficients of one pipeline rank's peak memory (module docstring)."""
+
+    bytes_per_param: float
+    """Bytes per held parameter at the step's peak (``CostModel.held(plan).at_peak``)."""
+    in_flight: float
+    """Micro-batches of the rank's stored activations alive at its peak."""
+    gather_bytes_per_param: float
+    """Bytes per parameter of the rank's largest layer held as gather buffers (ZeRO-3 without
+    pipeline parallelism: one layer in use and one prefetched, in the compute dtype; else 0)."""
+    reserved_bytes: float
+    """CUDA context, communicator buffers and the allocator's reserve."""
+    budget_bytes: float
+    """Device memory of the rank's GPU."""
+
+    def activation_bytes(self, stored: float, working: float) -> float:
+        """Activation memory of layers storing ``stored`` bytes per micro-batch in total, the
+        largest of whose working sets (while one recomputes) is ``working``."""
+        return self.in_flight * stored + working
+
+    def total(self, *, params: float, stored: float, working: float,
+              largest_layer_params: float) -> float:
+        """Peak bytes of a rank holding ``params`` parameters (module docstring)."""
+        return (params * self.bytes_per_param + self.activation_bytes(stored, working)
+                + largest_layer_params * self.gather_bytes_per_param + self.reserved_bytes)
+
+
+def rank_memory_terms(cost: CostModel, plan: Plan, pp_rank: int, gpu: GPUSpec) -> RankMemoryTerms:
+    """What ``cost.rank_memory(plan, pp_rank, ..., gpu)`` multiplies and adds, for any layers."""
+    gathering = plan.zero == 3 and plan.dp > 1 and plan.pp == 1
+    return RankMemoryTerms(
+        bytes_per_param=cost.held(plan).at_peak,
+        in_flight=in_flight_microbatches(plan.schedule, plan.pp, pp_rank, plan.num_microbatches,
+                                         plan.vpp),
+        gather_bytes_per_param=2 * compute_bytes(plan.dtype) if gathering else 0.0,
+        reserved_bytes=cost.coef.context_bytes + cost.coef.memory_reserve_fraction * gpu.memory_bytes,
+        budget_bytes=gpu.memory_bytes,
+    )
+
+
+def tail_overlap_window_s(time: ChunkTime) -> float:
+    """The compute the gradient sync may hide behind: the rank's last backward without
+    recompute (backward = 2 x forward), so that more recompute never shortens the step."""
+    return time.compute_s * 2 / 3
+
+
+def rank_tail_s(cost: CostModel, plan: Plan, time: ChunkTime, gpu: GPUSpec) -> float:
+    """Exposed gradient sync + optimizer step after the last backward of a rank holding one
+    chunk with times ``time``, as ``CostModel.assemble`` adds it."""
+    sync, optimizer = cost.rank_tail(plan, time.params, tail_overlap_window_s(time), gpu)
+    return sync + optimizer
+
+
+def least_rank_tail_s(cost: CostModel, plan: Plan, params: float, gpu: GPUSpec) -> float:
+    """The least tail a rank holding ``params`` can have whatever its layers (the sync hidden as
+    far as ``dp_overlap`` allows), plus the least exposed part of its per-micro-batch ZeRO
+    traffic (``comm.exposed`` never hides more than the overlap share): affine in ``params``."""
+    sync, optimizer = cost.rank_tail(plan, params, float("inf"), gpu)
+    gathers, scatter = cost.microbatch_dp_traffic(plan, params, gpu)
+    per_microbatch = (1 - cost.coef.zero3_overlap) * (gathers + scatter)
+    return sync + optimizer + plan.num_microbatches * per_microbatch

@@ -1,0 +1,153 @@
+"""The exact stage partition of one non-interleaved configuration: depth-first over the end of
+each stage, branch and bound.
+
+Stage ends are tried nearest a balanced split first (the block-split bound's, else an equal
+share of the fastest time), whose partition is also the first incumbent. A branch is cut when
+a bound of ``plan.partition_bounds`` reaches the best step found (less ``tolerance``), or when
+the ranks left cannot hold the layers left (``plan.stage_reach``); leaves are priced by
+``CostModel.assemble``. With tolerance 0 and no node budget the result equals brute-force
+enumeration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from meshmorph.cost.estimate import Estimate
+from meshmorph.plan.partition_bounds import PartitionBounds
+from meshmorph.plan.stage_reach import MemoryReach
+from meshmorph.plan.stage_recompute import StageChoice, StageSolver
+from meshmorph.spec.plan import Plan, StagePlan
+
+if TYPE_CHECKING:
+    from meshmorph.plan.rank_bound import SplitTable
+
+Choices = list[tuple[int, int, StageChoice]]
+
+
+@dataclass(slots=True)
+class PartitionResult:
+    """The best partition found and what is proven about the rest."""
+
+    best: tuple[Plan, Estimate] | None
+    """Fastest plan found below the bound, if any."""
+    open_bound_s: float
+    """Least lower bound of the branches left unexplored when the budget ran out (inf if none):
+    no partition of this configuration is faster than min(best, open_bound_s)."""
+
+
+def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
+                    max_nodes: int | None = None, table: SplitTable | None = None) -> PartitionResult:
+    """The fastest stage partition of a non-interleaved configuration with step time below
+    ``bound``; with ``tolerance`` > 0, one at most that fraction slower than the fastest. With
+    ``max_nodes``, branches beyond that many visited nodes are left open and their bound kept.
+    ``table`` (plan.rank_bound.SplitTable) adds the memory-aware bound of the ranks still to fill
+    and a balanced first partition; stage ends are tried nearest the balanced ones first."""
+    plan, p, L = solver.plan, solver.plan.pp, solver.L
+    bounds = PartitionBounds(solver, table)
+    reach = MemoryReach(solver)
+    keep = 1.0 - tolerance
+    best: list = [bound, None]
+    cut = [bound * keep]
+    visited = [0]
+    open_bound = [float("inf")]
+    mixed = len({g.name for g in solver.gpus}) > 1
+
+    def evaluate(choices: Choices) -> None:
+        stages = tuple(StagePlan(start=a, stop=b, recompute=c.recompute,
+                                 gpu=g.name if mixed else None)
+                       for (a, b, c), g in zip(choices, solver.gpus, strict=True))
+        candidate = replace(plan, stages=stages)
+        estimate = solver.cost.assemble(candidate, solver.gpus, [c.time for _, _, c in choices])
+        if estimate.step_time_s < best[0]:
+            best[0], best[1] = estimate.step_time_s, (candidate, estimate)
+            cut[0] = best[0] * keep
+
+    def dfs(k: int, start: int, prefix_f: float, prefix_b: float, lower: float,
+            chosen: Choices, max_f: float = 0.0, max_b: float = 0.0,
+            node_bound: float = 0.0) -> None:
+        visited[0] += 1
+        if max_nodes is not None and visited[0] > max_nodes:
+            open_bound[0] = min(open_bound[0], node_bound)  # this branch stays unexplored
+            return
+        if k == p - 1:
+            choice = solver.stage(k, start, L)
+            if choice is None:
+                return
+            own = bounds.own(k, prefix_f, prefix_b, choice.time, choice.tail_s, 0.0)
+            own = max(own, bounds.flow_shop(prefix_f + prefix_b, max_f, max_b, choice.time, 0.0))
+            if max(lower, own) < cut[0]:
+                evaluate([*chosen, (start, L, choice)])
+            return
+        candidates = []
+        for stop in range(start + 1, L - (p - 1 - k) + 1):
+            choice = solver.stage(k, start, stop)
+            if choice is None:
+                break  # more layers never need less memory
+            if bounds.own(k, prefix_f, prefix_b, choice.time, choice.tail_s, 0.0) >= cut[0]:
+                break  # longer stages only take longer
+            candidates.append((stop, choice))
+        if target is not None:  # nearest the balanced split first
+            candidates.sort(key=lambda c: abs(c[0] - target[k]))
+        for stop, choice in candidates:
+            t = choice.time
+            after = bounds.suffix_chain[stop]
+            own = bounds.own(k, prefix_f, prefix_b, t, choice.tail_s, after)
+            own = max(own, bounds.flow_shop(prefix_f + prefix_b, max_f, max_b, t, after))
+            rest = bounds.rest(k, stop, prefix_f, prefix_b, t)
+            if max(lower, own, rest) >= cut[0] or not reach.can_finish(k + 1, stop):
+                continue
+            extended = [*chosen, (start, stop, choice)]
+            if bounds.simulates and bounds.simulated(extended, stop) >= cut[0]:
+                continue
+            dfs(k + 1, stop, prefix_f + t.fwd_s, prefix_b + bounds.step_b(t), max(lower, own),
+                extended, max(max_f, t.fwd_s), max(max_b, t.bwd_s), max(lower, own, rest))
+
+    # balanced partitions first, for a good incumbent (simulated only if it could win)
+    target = table.stops() if table is not None else None
+    starts = [_balanced(solver, bounds)]
+    if target is not None:
+        starts.insert(0, _from_stops(solver, target))
+    for greedy in starts:
+        if greedy is not None and bounds.whole(greedy) < cut[0]:
+            evaluate(greedy)
+    if reach.can_finish(0, 0):
+        dfs(0, 0, 0.0, 0.0, 0.0, [])
+    return PartitionResult(best[1], open_bound[0])
+
+
+def _from_stops(solver: StageSolver, stops: list[int]) -> Choices | None:
+    """The partition with these stage ends, if every stage fits."""
+    choices, start = [], 0
+    for k, stop in enumerate([*stops, solver.L]):
+        choice = solver.stage(k, start, stop) if stop > start else None
+        if choice is None:
+            return None
+        choices.append((start, stop, choice))
+        start = stop
+    return choices
+
+
+def _balanced(solver: StageSolver, bounds: PartitionBounds) -> Choices | None:
+    """Greedy: fill each stage up to an equal share of the remaining fastest time."""
+    p, L = solver.plan.pp, solver.L
+    suffix = bounds.suffix_min
+    choices, start = [], 0
+    for k in range(p):
+        left = p - k
+        if k == p - 1:
+            stop = L
+        else:
+            target = suffix[start] / left
+            stop, acc = start, 0.0
+            while stop < L - (left - 1) and (stop == start or acc + (
+                    suffix[stop] - suffix[stop + 1]) / 2 <= target):
+                acc += suffix[stop] - suffix[stop + 1]
+                stop += 1
+        choice = solver.stage(k, start, stop)
+        if choice is None:
+            return None
+        choices.append((start, stop, choice))
+        start = stop
+    return choices

@@ -1,0 +1,198 @@
+"""h_k(n): the least time pipeline rank k can take holding its fixed layers and n blocks.
+
+Memory forces recompute: the rank needs at least m x (work of its layers + the least recompute
+that frees the bytes its memory lacks) + its tail, the recompute taken from the linear
+relaxation (each block none, selective or full, fractions allowed; ``plan.relaxations``). Its
+memory and tail are ``CostModel``'s (``cost.rank_terms``), evaluated for n blocks. Every h_k
+grows with n, so the least max_k h_k(n_k) over the splits of the blocks is found greedily
+(``least_max``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from meshmorph.cost.model import CostModel
+from meshmorph.cost.rank_terms import least_rank_tail_s, rank_memory_terms
+from meshmorph.plan.block_run import BlockRun
+from meshmorph.plan.relaxations import least_extra_time, recompute_hull
+from meshmorph.spec.gpus import GPUSpec
+from meshmorph.spec.model import Recompute
+from meshmorph.spec.plan import Plan
+
+
+class FillKind(StrEnum):
+    """Which of a rank's times the fill bound counts once micro-batch 0's chain reached it."""
+
+    WITH_TAIL = "h"
+    """h: its work, recompute and tail (the forward chain reached it)."""
+    WORK = "work"
+    """h without the tail (1F1B, GPipe: the last backward must still go back to rank 0)."""
+    FB_OPS = "fb"
+    """Only its F and B ops (zero-bubble: its W ops need not precede the last B going back)."""
+
+
+class RankBound:
+    """h(n) of one pipeline rank (module docstring), memoised."""
+
+    def __init__(self, cost: CostModel, plan: Plan, run: BlockRun, k: int, gpu: GPUSpec,
+                 modes: tuple[Recompute, ...]):
+        coster = cost.coster(plan.dtype)
+        model = cost.model
+        b, tp, sp = plan.micro_batch, plan.tp, plan.sequence_parallel
+        self.terms = terms = rank_memory_terms(cost, plan, k, gpu)
+        fixed = [*(run.prefix if k == 0 else ()), *(run.suffix if k == plan.pp - 1 else ())]
+        # fixed layers at their fastest and at their smallest, each on its own (a relaxation)
+        self.fixed_work = self.fixed_fwd = self.fixed_wgrad = self.fixed_params = 0.0
+        self.fixed_stored = 0.0
+        self.biggest_fixed = 0.0
+        for index in fixed:
+            layer = model.layers[index]
+            layer_modes = [mode for mode in modes if mode in layer.activation] or [Recompute.NONE]
+            costs = [coster.layer(index, gpu, b, tp, sp, mode) for mode in layer_modes]
+            self.fixed_work += min(c.fwd_s + c.bwd_s for c in costs)
+            self.fixed_fwd += min(c.fwd_s for c in costs)
+            self.fixed_wgrad += max(c.wgrad_s for c in costs)
+            self.fixed_stored += min(c.activation_bytes for c in costs)
+            params = cost.chunk_params(index, index + 1, tp)
+            self.fixed_params += params
+            self.biggest_fixed = max(self.biggest_fixed, params)
+        if plan.pp == 1 and run.suffix:  # the tied head and the embedding on one rank
+            self.fixed_params -= model.layers[run.suffix[0]].tied_params / tp
+        self.block_params = cost.chunk_params(run.first, run.first + 1, tp)
+        block = model.layers[run.first]
+        none = coster.layer(run.first, gpu, b, tp, sp, Recompute.NONE)
+        self.block_work = none.fwd_s + none.bwd_s
+        self.block_fwd = none.fwd_s
+        self.block_wgrad = none.wgrad_s
+        self.block_stored = none.activation_bytes
+        points = [(0.0, 0.0)]
+        self.working = math.inf  # a block that recomputes needs at least this while it does
+        for mode in modes:
+            if mode != Recompute.NONE and mode in block.activation:
+                c = coster.layer(run.first, gpu, b, tp, sp, mode)
+                saved = terms.activation_bytes(none.activation_bytes - c.activation_bytes, 0.0)
+                points.append((saved, c.fwd_s + c.bwd_s - self.block_work))
+                self.working = min(self.working, c.working_bytes)
+        self.hull = recompute_hull(points)
+        self.m = plan.num_microbatches
+        t0 = least_rank_tail_s(cost, plan, 0.0, gpu)
+        self.tail0, self.tail1 = t0, (least_rank_tail_s(cost, plan, 1e9, gpu) - t0) / 1e9
+        self._h: dict[int, float] = {}
+
+    def h(self, n: int) -> float:
+        value = self._h.get(n)
+        if value is None:
+            value = self._h[n] = self._value(n)
+        return value
+
+    def capacity(self, room: float, most: int, kind: FillKind = FillKind.WITH_TAIL) -> float:
+        """Most blocks (a real number: the function interpolated linearly between whole
+        blocks) whose time of ``kind`` is at most ``room``, at most ``most``; -1 when not even
+        zero blocks fit."""
+        h = {FillKind.WITH_TAIL: self.h, FillKind.WORK: self.work, FillKind.FB_OPS: self.fb}[kind]
+        if h(0) > room:
+            return -1.0
+        lo, hi = 0, most
+        if h(most) <= room:
+            return float(most)
+        while hi - lo > 1:  # h(lo) <= room < h(hi)
+            mid = (lo + hi) // 2
+            if h(mid) <= room:
+                lo = mid
+            else:
+                hi = mid
+        step = h(hi) - h(lo)
+        return lo + ((room - h(lo)) / step if step < math.inf else 0.0)
+
+    def work(self, n: int) -> float:
+        """h(n) without the tail (gradient sync, optimizer, ZeRO-3 traffic)."""
+        value = self.h(n)
+        if value == math.inf:
+            return value
+        return value - self.tail0 - self.tail1 * (self.fixed_params + n * self.block_params)
+
+    def fb(self, n: int) -> float:
+        """work(n) without the weight-gradient ops (zero-bubble's W)."""
+        return self.work(n) - self.m * (self.fixed_wgrad + n * self.block_wgrad)
+
+    def block_chain(self, kind: FillKind) -> float:
+        """One block's share of micro-batch 0's chain in the fill bound of ``kind``: its forward,
+        forward and backward, or forward and input gradient."""
+        return {FillKind.WITH_TAIL: self.block_fwd, FillKind.WORK: self.block_work,
+                FillKind.FB_OPS: self.block_work - self.block_wgrad}[kind]
+
+    def fixed_chain(self, kind: FillKind) -> float:
+        """The fixed layers' share of that chain."""
+        return {FillKind.WITH_TAIL: self.fixed_fwd, FillKind.WORK: self.fixed_work,
+                FillKind.FB_OPS: self.fixed_work - self.fixed_wgrad}[kind]
+
+    def _value(self, n: int) -> float:
+        params = self.fixed_params + n * self.block_params
+        largest = max(self.biggest_fixed, self.block_params) if n else self.biggest_fixed
+        # bytes over the budget with no recompute (CostModel.rank_memory's terms)
+        need = self.terms.total(params=params, stored=self.fixed_stored + n * self.block_stored,
+                                working=0.0, largest_layer_params=largest) - self.terms.budget_bytes
+        if need > 0:
+            need += self.working  # some block recomputes, and rematerialises while it does
+        extra = least_extra_time(self.hull, need, n)
+        if extra == math.inf:
+            return math.inf
+        return (self.m * (self.fixed_work + n * self.block_work + extra)
+                + self.tail0 + self.tail1 * params)
+
+
+def least_max(ranks: list[RankBound], least: list[int],
+              count: int) -> tuple[list[float], list[int]]:
+    """Greedy over the ranks: each next block goes to the rank whose h grows least. Every h is
+    non-decreasing, so after each block the running max is the least max_k h_k(n_k) over all
+    splits of that many blocks. Returns that least max for 0..count blocks (infinity where no
+    split fits) and the counts of the split of all ``count`` blocks."""
+    table = [math.inf] * (count + 1)
+    counts = list(least)
+    base = sum(counts)
+    if base > count:
+        return table, counts
+    worst = max(rank.h(n) for rank, n in zip(ranks, counts, strict=True))
+    table[base] = worst
+    heap = [(rank.h(n + 1), j) for j, (rank, n) in enumerate(zip(ranks, counts, strict=True))]
+    heapq.heapify(heap)
+    for total in range(base + 1, count + 1):
+        value, j = heapq.heappop(heap)
+        if value == math.inf:
+            break
+        counts[j] += 1
+        worst = max(worst, value)
+        table[total] = worst
+        heapq.heappush(heap, (ranks[j].h(counts[j] + 1), j))
+    return table, counts
+
+
+@dataclass(frozen=True, slots=True)
+class SplitTable:
+    """What the stage search takes from the block-split bound of one configuration."""
+
+    run: BlockRun
+    """The model's layers as one before, a run of alike blocks, one after."""
+    rest: list[list[float]]
+    """rest[k][n]: no ranks k..pp-1 holding the last n blocks (and the layer after them) finish
+    in less (their own work, recompute and tail; infinity when they cannot hold them)."""
+    balanced: list[int]
+    """Blocks per rank of the split that minimises the bound (empty when none fits)."""
+
+    def blocks_from(self, start: int) -> int:
+        """Blocks among layers [start, L)."""
+        return self.run.count - min(max(start - self.run.first, 0), self.run.count)
+
+    def stops(self) -> list[int] | None:
+        """Stage ends of the balanced split (the fixed layers with the first and last rank)."""
+        if not self.balanced:
+            return None
+        stops, at = [], self.run.first
+        for n in self.balanced[:-1]:
+            at += n
+            stops.append(at)
+        return stops

@@ -1,0 +1,206 @@
+"""The fastest recompute for one pipeline stage that fits its rank's memory.
+
+Among the layers of one kind (identical figures) which ones recompute changes neither time nor
+memory, so a stage's choice is how many of them use full and how many selective recompute. For
+each count of full-recompute layers the fewest selective ones that fit memory are taken; the
+fastest of those is the stage's best. The step time never decreases when a stage's times grow
+(``cost.pipeline.simulate`` is max-plus), so the best recompute per stage is the best for the
+whole plan. Memory comes from ``CostModel.rank_memory`` and its affine terms
+(``cost.rank_terms``); the tail from ``cost.rank_terms.rank_tail_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+from meshmorph.cost.model import ChunkTime, CostModel, in_flight_microbatches
+from meshmorph.cost.rank_terms import rank_memory_terms, rank_tail_s
+from meshmorph.spec.gpus import GPUSpec
+from meshmorph.spec.model import Recompute
+from meshmorph.spec.plan import Plan, Schedule
+
+_ORDER = (Recompute.FULL, Recompute.SELECTIVE, Recompute.NONE)
+_EDGE = 1e-9
+"""Relative distance from the budget within which the affine memory shortcut defers to
+``CostModel.rank_memory`` (the two add the same terms in another order)."""
+
+Build = Callable[[list[tuple[int, int]]], tuple[Recompute, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class StageChoice:
+    """A stage's recompute and what it costs (shared by every stage with the same layers)."""
+
+    recompute: tuple[Recompute, ...]
+    """Recompute mode of each layer of the stage."""
+    time: ChunkTime
+    """Per-micro-batch times of the stage with that recompute."""
+    tail_s: float
+    """Exposed gradient sync + optimizer after the rank's last backward."""
+
+
+class StageSolver:
+    """The best recompute of any stage [start, stop) on any pipeline rank of one configuration."""
+
+    def __init__(self, cost: CostModel, plan: Plan, gpus: Sequence[GPUSpec],
+                 modes: Sequence[Recompute]):
+        self.cost = cost
+        self.plan = plan
+        self.gpus = list(gpus)
+        self.modes = [m for m in _ORDER if m in modes]
+        self.model = cost.model
+        self.L = self.model.num_layers
+        self.classes = cost.coster(plan.dtype).classes
+        self.zb = plan.schedule == Schedule.ZERO_BUBBLE
+        self._cache: dict[tuple, StageChoice | None] = {}
+        self._by_range: dict[tuple[int, int, int], StageChoice | None] = {}
+        self.class_prefix = []
+        for rep in sorted(set(self.classes)):
+            prefix = [0]
+            for c in self.classes:
+                prefix.append(prefix[-1] + (c == rep))
+            self.class_prefix.append(prefix)
+
+    def stage(self, k: int, start: int, stop: int) -> StageChoice | None:
+        """Fastest recompute for layers [start, stop) on pipeline rank k that fits, or None."""
+        found = self._by_range.get((k, start, stop), False)
+        if found is False:
+            found = self._by_range[(k, start, stop)] = self._stage(k, start, stop)
+        return found
+
+    def _stage(self, k: int, start: int, stop: int) -> StageChoice | None:
+        gpu = self.gpus[k]
+        in_flight = in_flight_microbatches(self.plan.schedule, self.plan.pp, k,
+                                           self.plan.num_microbatches, self.plan.vpp)
+        # layers of one class are interchangeable: the stage is known by its class counts
+        counts = tuple(prefix[stop] - prefix[start] for prefix in self.class_prefix)
+        key = (gpu.name, in_flight, start == 0, stop == self.L, counts)
+        choice = self._cache.get(key, False)
+        if choice is False:
+            choice = self._cache[key] = self._solve(k, start, stop, gpu)
+        return choice
+
+    def _solve(self, k: int, start: int, stop: int, gpu: GPUSpec) -> StageChoice | None:
+        flexible = [i for i in range(start, stop)
+                    if sum(1 for m in self.modes if m in self.model.layers[i].activation) > 1]
+        # group interchangeable layers: same class -> same time and memory
+        groups: dict[int, list[int]] = {}
+        for i in flexible:
+            groups.setdefault(self.classes[i], []).append(i)
+        best: StageChoice | None = None
+        for modes in self._assignments(k, start, stop, gpu, list(groups.values())):
+            time = self.cost.chunk_time(self.plan, start, stop, modes, gpu)
+            key = time.bgrad_s if self.zb else time.bwd_s
+            if best is None or (time.fwd_s + key, time.bwd_s) < (
+                    best.time.fwd_s + (best.time.bgrad_s if self.zb else best.time.bwd_s),
+                    best.time.bwd_s):
+                best = StageChoice(modes, time, 0.0)
+        if best is None:
+            return None
+        return replace(best, tail_s=rank_tail_s(self.cost, self.plan, best.time, gpu))
+
+    def _fits(self, k: int, start: int, stop: int, modes: tuple[Recompute, ...], gpu: GPUSpec) -> bool:
+        memory = self.cost.rank_memory(self.plan, k, [(start, stop, modes)], gpu)
+        return memory.total <= gpu.memory_bytes
+
+    def _extra_backward(self, index: int, gpu: GPUSpec) -> dict[Recompute, float]:
+        """Backward time a layer adds per mode over no recompute."""
+        coster = self.cost.coster(self.plan.dtype)
+        plan = self.plan
+        base = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
+                            Recompute.NONE).bwd_s
+        return {mode: coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
+                                   mode).bwd_s - base if mode in self.model.layers[index].activation
+                else float("inf") for mode in (Recompute.FULL, Recompute.SELECTIVE)}
+
+    def _assignments(self, k: int, start: int, stop: int, gpu: GPUSpec,
+                     groups: list[list[int]]) -> Iterator[tuple[Recompute, ...]]:
+        """Recompute tuples worth trying: per group, each count of full layers with the fewest
+        selective ones that fit (memory falls as layers move none -> selective -> full)."""
+        base = [Recompute.NONE] * (stop - start)
+
+        def build(counts: list[tuple[int, int]]) -> tuple[Recompute, ...]:
+            modes = list(base)
+            for group, (n_full, n_sel) in zip(groups, counts, strict=True):
+                for j, index in enumerate(group):
+                    mode = Recompute.FULL if j < n_full else (
+                        Recompute.SELECTIVE if j < n_full + n_sel else Recompute.NONE)
+                    if mode not in self.model.layers[index].activation:
+                        mode = Recompute.NONE
+                    modes[index - start] = mode
+            return tuple(modes)
+
+        if len(groups) == 1:
+            yield from self._one_group(k, start, stop, gpu, groups[0], build)
+            return
+
+        def options(group: list[int]) -> list[tuple[int, int]]:
+            n = len(group)
+            full_ok = Recompute.FULL in self.modes
+            sel_ok = Recompute.SELECTIVE in self.modes
+            return [(f, s) for f in (range(n + 1) if full_ok else [0])
+                    for s in (range(n - f + 1) if sel_ok else [0])]
+
+        def rec(i: int, chosen: list[tuple[int, int]]) -> Iterator[tuple[Recompute, ...]]:
+            if i == len(groups):
+                modes = build(chosen)
+                if self._fits(k, start, stop, modes, gpu):
+                    yield modes
+                return
+            for option in options(groups[i]):
+                yield from rec(i + 1, [*chosen, option])
+
+        yield from rec(0, [])
+
+    def _one_group(self, k: int, start: int, stop: int, gpu: GPUSpec, group: list[int],
+                   build: Build) -> Iterator[tuple[Recompute, ...]]:
+        """One group of interchangeable layers (the usual case): for each count of full
+        recompute, the fewest selective ones that fit. Memory is affine in the counts
+        (``cost.rank_terms``), so it is computed from the all-none stage; a full recompute costs
+        more time than a selective one, so the loop stops once the full ones alone cost more
+        than the best found."""
+        plan = self.plan
+        coster = self.cost.coster(plan.dtype)
+        n = len(group)
+        per = {mode: coster.layer(group[0], gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
+                                  mode) for mode in self.modes
+               if mode in self.model.layers[group[0]].activation}
+        # with no recompute no layer rematerialises anything: its working set is zero
+        none = self.cost.rank_memory(plan, k, [(start, stop, build([(0, 0)]))], gpu)
+        terms = rank_memory_terms(self.cost, plan, k, gpu)
+        budget = gpu.memory_bytes
+        a_none = per[Recompute.NONE].activation_bytes
+
+        def fits(n_full: int, n_sel: int) -> bool:
+            saved = 0.0
+            work = 0.0
+            for mode, count in ((Recompute.FULL, n_full), (Recompute.SELECTIVE, n_sel)):
+                if count:
+                    saved += count * (a_none - per[mode].activation_bytes)
+                    work = max(work, per[mode].working_bytes)
+            total = none.total + terms.activation_bytes(-saved, work)
+            if abs(total - budget) > _EDGE * budget:
+                return total < budget
+            # at the edge the affine shortcut may round the other way: trust rank_memory
+            return self._fits(k, start, stop, build([(n_full, n_sel)]), gpu)
+
+        extra = self._extra_backward(group[0], gpu)
+        best_extra = float("inf")
+        full_counts = range(n + 1) if Recompute.FULL in per else range(1)
+        for n_full in full_counts:
+            if n_full * extra[Recompute.FULL] >= best_extra:
+                break
+            sels = range(n - n_full + 1) if Recompute.SELECTIVE in per else range(1)
+            lo, hi = 0, len(sels) - 1
+            if not fits(n_full, sels[hi]):
+                continue
+            while lo < hi:  # memory decreases as n_sel grows: binary search
+                mid = (lo + hi) // 2
+                if fits(n_full, sels[mid]):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            best_extra = min(best_extra, n_full * extra[Recompute.FULL]
+                             + sels[lo] * extra[Recompute.SELECTIVE])
+            yield build([(n_full, sels[lo])])

@@ -65,7 +65,8 @@ def run_cli(args: list[str], *, timeout_s: float = 120) -> tuple[int, str]:
 
 def losses(run_dir: Path) -> list[tuple[int, float, int]]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [(r["step"], r["loss"], r["consumed_samples"]) for r in map(json.loads, lines)]
+    return [(r["step"], r["loss"], r["consumed_samples"]) for r in map(json.loads, lines)
+            if "event" not in r]
 
 
 def _no_process_may_start(monkeypatch: pytest.MonkeyPatch) -> None:

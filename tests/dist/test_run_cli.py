@@ -42,7 +42,8 @@ def records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row for row in rows if "event" not in row]  # step lines only
 
 
 @pytest.mark.dist
@@ -71,7 +72,7 @@ def test_text_file_example_trains_on_2_procs_one_metric_line_per_step_and_loss_f
 
 @pytest.mark.dist
 @pytest.mark.timeout(180)
-def test_ctrl_c_stops_every_rank_within_seconds_leaving_only_complete_checkpoints(
+def test_ctrl_c_finishes_the_step_saves_and_prints_the_resume_command(
         tmp_path: Path) -> None:
     job = tmp_path / "long.toml"
     job.write_text((EXAMPLES / "text-file.toml").read_text()
@@ -98,4 +99,8 @@ def test_ctrl_c_stops_every_rank_within_seconds_leaving_only_complete_checkpoint
     assert f"stopped by a signal at step {last};" in output, output
     complete, ignored = scan_checkpoints(run_dir / "checkpoints")
     assert ignored == [] and len(complete) == 2  # keep = 2, none half-written
-    assert all(verify_checkpoint(path).step % 3 == 0 for path in complete)
+    assert verify_checkpoint(complete[-1]).step == last  # saved where it stopped
+    assert verify_checkpoint(complete[0]).step == (last - 1) // 3 * 3  # the one before it
+    assert (f"resume with:\n  meshmorph run --config {job} --nproc 2 --plan "
+            f"{run_dir / 'plan.json'} --out {run_dir} --resume") in output, output
+    assert "Traceback" not in output and not (run_dir / ".meshmorph.stop").exists()

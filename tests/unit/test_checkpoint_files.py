@@ -1,8 +1,9 @@
-"""Checkpoint folders: atomic commit, marker verification, newest-complete search, retention,
-and a single-process DCP save/load round trip."""
+"""Checkpoint folders: atomic commit, manifest verification, newest-checkpoint search,
+retention, the tied-head key mapping, and a single-process DCP save/load round trip."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from meshmorph.run.checkpoint import (
-    MARKER,
+    MANIFEST,
     CheckpointError,
     commit_checkpoint,
     latest_checkpoint,
@@ -19,6 +20,7 @@ from meshmorph.run.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
     scan_checkpoints,
+    tied_aliases,
     verify_checkpoint,
 )
 
@@ -35,35 +37,81 @@ def _fake_save(ckpt_dir: Path, step: int, payload: bytes = b"x" * 100) -> Path:
     return final
 
 
-def test_commit_writes_marker_with_sizes_and_renames(tmp_path: Path) -> None:
+def test_commit_writes_manifest_with_sizes_and_renames(tmp_path: Path) -> None:
     final = _fake_save(tmp_path, 4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"]
-    marker = json.loads((final / MARKER).read_text())
+    marker = json.loads((final / MANIFEST).read_text())
     assert (marker["step"], marker["consumed_samples"], marker["plan"]) == (4, 32, PLAN)
     assert {k: v["bytes"] for k, v in marker["files"].items()} == {".metadata": 4, "__0_0.distcp": 100}
     info = verify_checkpoint(final)
     assert (info.step, info.consumed_samples, info.path) == (4, 32, final)
 
 
-def test_latest_ignores_unmarked_and_tmp_folders_and_warns(tmp_path: Path) -> None:
+def test_latest_ignores_interrupted_saves_and_warns(tmp_path: Path) -> None:
     _fake_save(tmp_path, 2)
     _fake_save(tmp_path, 10)  # numeric, not lexical, order: 10 is newer than 2 and 9
     (tmp_path / "step-12.tmp-dead").mkdir()
-    (tmp_path / "step-14").mkdir()  # no marker
     _fake_save(tmp_path, 9)
     warned: list[str] = []
     info = latest_checkpoint(tmp_path, warn=warned.append)
     assert info is not None and info.step == 10
-    assert len(warned) == 2 and "step-12.tmp-dead" in warned[0] + warned[1]
+    assert len(warned) == 1 and "step-12.tmp-dead" in warned[0]
     complete, ignored = scan_checkpoints(tmp_path)
     assert [p.name for p in complete] == ["step-2", "step-9", "step-10"]
-    assert sorted(p.name for p in ignored) == ["step-12.tmp-dead", "step-14"]
+    assert [p.name for p in ignored] == ["step-12.tmp-dead"]
     assert latest_checkpoint(tmp_path / "none") is None
+
+
+def test_newest_checkpoint_without_manifest_is_refused_naming_the_previous_one(
+        tmp_path: Path) -> None:
+    _fake_save(tmp_path, 4)
+    (_fake_save(tmp_path, 8) / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match=r"step-8 is incomplete: manifest\.json is missing"
+                       r".*the previous checkpoint is .*step-4"):
+        latest_checkpoint(tmp_path)
+
+
+def test_manifest_is_written_last_with_reported_hashes_and_fingerprint(tmp_path: Path) -> None:
+    tmp = tmp_path / "step-3.tmp-x"
+    tmp.mkdir()
+    (tmp / "__0_0.distcp").write_bytes(b"a" * 7)
+    (tmp / "__1_0.distcp").write_bytes(b"b" * 5)
+    reported = {"__1_0.distcp": {"bytes": 5, "sha256": hashlib.sha256(b"b" * 5).hexdigest()}}
+    commit_checkpoint(tmp, tmp_path / "step-3", step=3, consumed_samples=24, plan=PLAN,
+                      files=reported, fingerprint={"plan_sha256": "abc"})
+    manifest = json.loads((tmp_path / "step-3" / MANIFEST).read_text())
+    assert manifest["files"]["__1_0.distcp"] == reported["__1_0.distcp"]
+    assert manifest["files"]["__0_0.distcp"]["sha256"] == hashlib.sha256(b"a" * 7).hexdigest()
+    assert manifest["fingerprint"] == {"plan_sha256": "abc"}
+    assert not list(tmp_path.glob("*.tmp-*")) and not list(tmp_path.rglob("*.partial"))
+
+
+def test_a_reported_file_that_is_not_there_is_never_committed(tmp_path: Path) -> None:
+    tmp = tmp_path / "step-3.tmp-x"
+    tmp.mkdir()
+    (tmp / "__0_0.distcp").write_bytes(b"a")
+    with pytest.raises(CheckpointError, match=r"a rank reported __1_0\.distcp"):
+        commit_checkpoint(tmp, tmp_path / "step-3", step=3, consumed_samples=24, plan=PLAN,
+                          files={"__1_0.distcp": {"bytes": 1, "sha256": "0"}})
+    assert not (tmp_path / "step-3").exists() and not (tmp / MANIFEST).exists()
+
+
+def test_pipeline_head_reads_the_tied_embedding_of_a_checkpoint_without_pipeline() -> None:
+    saved = {"optim.state.embed.tok.weight.exp_avg", "optim.state.embed.tok.weight.step",
+             "model.head.out.weight", "model.embed.tok.weight"}
+    keys = ["state.head.out.weight.exp_avg", "state.head.out.weight.step", "state.head.norm.weight.step"]
+    assert tied_aliases("optim", keys, saved) == {
+        "state.head.out.weight.exp_avg": "state.embed.tok.weight.exp_avg",
+        "state.head.out.weight.step": "state.embed.tok.weight.step"}
+    assert tied_aliases("model", ["head.out.weight"], saved) == {}  # saved under its own name
+    # a rank that holds both (no pipeline) reads the embedding under its own name
+    assert tied_aliases("optim", [*keys, "state.embed.tok.weight.step"], saved) == {
+        "state.head.out.weight.exp_avg": "state.embed.tok.weight.exp_avg"}
 
 
 @pytest.mark.parametrize(("damage", "message"), [
     (lambda f: f.unlink(), r"file __0_0\.distcp is missing"),
-    (lambda f: f.write_bytes(b"x" * 60), r"__0_0\.distcp has 60 bytes, the marker says 100"),
+    (lambda f: f.write_bytes(b"x" * 60), r"__0_0\.distcp has 60 bytes, the manifest says 100"),
     (lambda f: f.write_bytes(b"y" * 100), r"__0_0\.distcp does not match its SHA-256"),
 ])
 def test_corrupted_newest_checkpoint_names_folder_and_previous_one(tmp_path: Path, damage,
@@ -78,10 +126,10 @@ def test_corrupted_newest_checkpoint_names_folder_and_previous_one(tmp_path: Pat
     assert verify_checkpoint(tmp_path / "step-4").step == 4  # the good one is untouched
 
 
-def test_unreadable_marker_is_a_clear_error(tmp_path: Path) -> None:
+def test_unreadable_manifest_is_a_clear_error(tmp_path: Path) -> None:
     final = _fake_save(tmp_path, 3)
-    (final / MARKER).write_text("{not json")
-    with pytest.raises(CheckpointError, match=r"step-3 has an unreadable COMPLETE marker"):
+    (final / MANIFEST).write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"step-3 has an unreadable manifest\.json"):
         verify_checkpoint(final)
 
 

@@ -75,7 +75,7 @@ def test_minimal_job_file_takes_defaults(tmp_path: Path) -> None:
     (("lr = 1e-3", 'lr = "fast"'), r"\[optim\] lr must be float, got 'fast'"),
     (('kind = "text"', 'kind = "images"'), r"\[data\] kind must be 'synthetic' or 'text'"),
     (("micro_batch = 2", "micro_batch = 3"), r"micro_batch 3 does not divide global_batch 8"),
-    (("lr = 1e-3", "lr = -1.0"), r"job\.toml: need 0 <= min_lr <= lr"),
+    (("lr = 1e-3", "lr = -1.0"), r"job\.toml: \[optim\] needs 0 <= min_lr <= lr"),
     (("[model]", "model = 3\n[models]"), r"unknown section \[models\]"),
 ])
 def test_mistakes_are_refused_naming_file_and_key(tmp_path: Path, edit: tuple[str, str],

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -16,13 +18,41 @@ from typing import Any
 from meshmorph.plan.report import report_console
 from meshmorph.spec.model import Recompute
 from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan_file import load_plan
 
 DTYPES = ("bf16", "fp16", "fp32")
+MAX_GLOBAL_BATCH = 2**24
+"""Largest --global-batch accepted (sequences per step); beyond it a number is a typo."""
+MAX_SEQ_LEN = 2**24
+"""Largest --seq-len accepted (tokens per sequence)."""
+
+
+def _unwritable(path: Path, exc: OSError, flag: str) -> ValueError:
+    reason = exc.strerror or str(exc)
+    return ValueError(f"cannot write {path} ({reason}); pass a writable path to {flag}")
 
 
 def _write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+    except OSError as exc:
+        raise _unwritable(path, exc, "--json") from None
+
+
+def _check_writable(path: Path | None, flag: str) -> None:
+    """Refuse an output path that cannot be written, before any work is done."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; pass a file path")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is not a folder; pass a writable path")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"cannot write {path} (permission denied); pass a writable path to {flag}")
 
 
 
@@ -36,9 +66,12 @@ def _write_charts(plan: Plan, cost, estimate, chart: Path, console) -> None:  # 
     from meshmorph.viz.pipeline_chart import write_plan_pipeline_chart
 
     timeline_png, memory_png = _chart_paths(chart)
-    write_plan_pipeline_chart(plan, cost, timeline_png)
-    write_memory_chart(estimate, memory_png,
-                       title=f"{plan.model}: peak memory per GPU by pipeline stage")
+    try:
+        write_plan_pipeline_chart(plan, cost, timeline_png)
+        write_memory_chart(estimate, memory_png,
+                           title=f"{plan.model}: peak memory per GPU by pipeline stage")
+    except OSError as exc:
+        raise _unwritable(chart, exc, "--chart") from None
     console.print(f"charts: {timeline_png} (pipeline timeline), {memory_png} (memory per stage)")
 
 
@@ -54,6 +87,11 @@ def _plan(args: argparse.Namespace) -> int:
     if args.max_nodes < 0:
         raise ValueError(f"--max-nodes must be 0 (no limit) or a positive count, got "
                          f"{args.max_nodes}")
+    if not math.isfinite(args.tolerance) or args.tolerance < 0:
+        raise ValueError(f"--tolerance must be a finite fraction >= 0 (0 = exact), got "
+                         f"{args.tolerance}")
+    _check_writable(args.json, "--json")
+    _check_writable(args.chart, "--chart")
     model = load_model(args.model, args.seq_len)
     cluster = parse_cluster(args.cluster)
     options = SearchOptions(top_k=args.top, dtype=args.dtype, max_micro_batch=args.max_micro_batch,
@@ -95,7 +133,7 @@ def build_plan(args: argparse.Namespace, model) -> Plan:  # type: ignore[no-unty
         given = [f"--{n}" for n in ("tp", "pp", "dp") if getattr(args, n) is not None]
         if given:
             raise PlanError(f"give either --plan or {'/'.join(given)}, not both")
-        plan = replace(Plan.load(args.plan), seq_len=model.seq_len)
+        plan = replace(load_plan(args.plan), seq_len=model.seq_len)
         return plan if plan.stages else plan.with_even_stages(model, recompute)
     missing = [f"--{n}" for n in ("tp", "pp", "dp") if getattr(args, n) is None]
     if missing:
@@ -125,9 +163,11 @@ def _estimate(args: argparse.Namespace) -> int:
     from meshmorph.spec.catalog import load_model
     from meshmorph.spec.cluster import parse_cluster
 
+    _check_writable(args.json, "--json")
+    _check_writable(args.chart, "--chart")
     cluster = parse_cluster(args.cluster)
     if args.plan is not None:
-        stored = Plan.load(args.plan)
+        stored = load_plan(args.plan)
         source = args.model or stored.model
         model = load_model(source, args.seq_len or stored.seq_len)
     elif args.model is None:
@@ -182,6 +222,7 @@ def _models(args: argparse.Namespace) -> int:
     console = report_console()
     console.print(table)
     if args.json:
+        _check_writable(args.json, "--json")
         _write_json(args.json, {"models": rows})
     return 0
 
@@ -221,10 +262,25 @@ def _gpus(args: argparse.Namespace) -> int:
 
 # --- registration ----------------------------------------------------------------------------
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _bounded(limit: int, unit: str):  # type: ignore[no-untyped-def]
+    """A positive integer argument no larger than ``limit`` (a larger one is a typo)."""
+    def parse(text: str) -> int:
+        value = _positive(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(
+                f"{value} is above the limit of {limit:,} {unit} (2**{limit.bit_length() - 1}); "
+                "pass a realistic value")
+        return value
+    return parse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -236,9 +292,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--model", required=True,
                       help="catalog name, config.json path or package.module:function")
     plan.add_argument("--cluster", required=True, help="GPU:NODESxPER_NODE (h100:4x8) or a .toml")
-    plan.add_argument("--global-batch", required=True, type=_positive,
+    plan.add_argument("--global-batch", required=True, type=_bounded(MAX_GLOBAL_BATCH, "sequences"),
                       help="sequences per optimizer step")
-    plan.add_argument("--seq-len", type=_positive, default=None,
+    plan.add_argument("--seq-len", type=_bounded(MAX_SEQ_LEN, "tokens"), default=None,
                       help="sequence length (default: the model's own)")
     plan.add_argument("--top", type=_positive, default=5, help="plans to show (default 5)")
     plan.add_argument("--dtype", choices=DTYPES, default="bf16", help="training dtype (default bf16)")
@@ -271,9 +327,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     est.add_argument("--dp", type=_positive, default=None, help="data-parallel degree")
     est.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
     est.add_argument("--micro-batch", type=_positive, default=1, help="sequences per micro-batch")
-    est.add_argument("--global-batch", type=_positive, default=None,
+    est.add_argument("--global-batch", type=_bounded(MAX_GLOBAL_BATCH, "sequences"), default=None,
                      help="sequences per step (default dp x micro-batch x pp)")
-    est.add_argument("--seq-len", type=_positive, default=None,
+    est.add_argument("--seq-len", type=_bounded(MAX_SEQ_LEN, "tokens"), default=None,
                      help="sequence length (default: the model's own)")
     est.add_argument("--schedule", choices=[str(s) for s in Schedule], default=None,
                      help="pipeline schedule (default 1f1b, interleaved when --vpp > 1)")

@@ -1,11 +1,14 @@
 """Checkpoints through torch.distributed.checkpoint, committed atomically.
 
-Every rank saves into ``step-N.tmp-<uuid>``; after all ranks finished (a barrier), rank 0 writes a
-``COMPLETE`` marker (step, consumed samples, plan, size and SHA-256 of every file) and renames
-the folder to ``step-N``. A folder without the marker is never loaded. Model and optimizer
-state go through ``get_*_state_dict`` with the parameters' original names, so a checkpoint loads
-into any other Plan (DCP reshards on load). Per-rank RNG states and the LR-scheduler state go
-into a small ``extra-rank<r>.pt`` per rank.
+Every rank saves into ``step-N.tmp-<uuid>``, hashes the files it wrote (SHA-256) and reports them
+to rank 0. Rank 0 writes ``manifest.json`` last (step, consumed samples, plan, run fingerprint, size
+and SHA-256 of every file) to a temporary name, fsyncs it, renames it into place, fsyncs the folder,
+renames the folder to ``step-N`` and fsyncs the checkpoint folder. Only then are older checkpoints
+pruned. A ``.tmp-`` folder is an interrupted save and is never loaded; a ``step-N`` folder without
+a manifest, or whose files do not match it, is refused with the checkpoint to fall back to. Model
+and optimizer state go through ``get_*_state_dict`` with the parameters' original names, so a
+checkpoint loads into any other Plan (DCP reshards on load). Per-rank RNG states and the
+LR-scheduler state go into a small ``extra-rank<r>.pt`` per rank.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MARKER = "COMPLETE"
+MANIFEST = "manifest.json"
 PREFIX = "step-"
+TMP_INFIX = ".tmp-"
 
 
 class CheckpointError(ValueError):
@@ -31,7 +35,7 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class CheckpointInfo:
-    """A committed checkpoint, as its marker describes it."""
+    """A committed checkpoint, as its manifest describes it."""
 
     path: Path
     """The ``step-N`` folder."""
@@ -41,6 +45,8 @@ class CheckpointInfo:
     """Samples of the order consumed when it was saved (the data-loader position)."""
     plan: dict[str, Any]
     """The Plan (as JSON) the run had when it saved."""
+    fingerprint: dict[str, Any] | None = None
+    """Model, data and plan identity of the run that saved it (None in a manifest without one)."""
 
 
 def _step_of(path: Path) -> int | None:
@@ -50,7 +56,8 @@ def _step_of(path: Path) -> int | None:
     return int(name[len(PREFIX):])
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """SHA-256 of a file, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -58,43 +65,66 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def scan_checkpoints(ckpt_dir: Path) -> tuple[list[Path], list[Path]]:
-    """(``step-N`` folders with a marker, oldest first; folders that are ignored: ``*.tmp-*``
-    left by an interrupted save and ``step-N`` without a marker)."""
-    complete, ignored = [], []
+def file_record(path: Path) -> dict[str, Any]:
+    """What the manifest holds about one file: its size and SHA-256."""
+    return {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def step_folders(ckpt_dir: Path) -> list[Path]:
+    """Every ``step-N`` folder (with or without a manifest), oldest first."""
     if not ckpt_dir.is_dir():
-        return complete, ignored
-    for entry in sorted(ckpt_dir.iterdir()):
-        if not entry.is_dir():
-            continue
-        if _step_of(entry) is not None and (entry / MARKER).is_file():
-            complete.append(entry)
-        elif entry.name.startswith(PREFIX):
-            ignored.append(entry)
-    complete.sort(key=lambda p: _step_of(p) or 0)
+        return []
+    found = [entry for entry in ckpt_dir.iterdir() if entry.is_dir() and _step_of(entry) is not None]
+    return sorted(found, key=lambda p: _step_of(p) or 0)
+
+
+def scan_checkpoints(ckpt_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(``step-N`` folders with a manifest, oldest first; other ``step-`` entries: ``*.tmp-*``
+    left by an interrupted save, ``step-N`` without a manifest)."""
+    if not ckpt_dir.is_dir():
+        return [], []
+    complete = [path for path in step_folders(ckpt_dir) if (path / MANIFEST).is_file()]
+    ignored = sorted(entry for entry in ckpt_dir.iterdir()
+                     if entry.name.startswith(PREFIX) and entry not in complete)
     return complete, ignored
 
 
 def verify_checkpoint(path: Path, *, checksums: bool = True) -> CheckpointInfo:
-    """Read the marker and check every file it lists (present, same size, same SHA-256)."""
+    """Read the manifest and check every file it lists (present, same size, same SHA-256)."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: {MANIFEST} is missing (a save that never committed "
+            f"leaves a .tmp- folder, so this folder was damaged after its commit)"
+        )
     try:
-        marker = json.loads((path / MARKER).read_text())
-        files: dict[str, dict[str, Any]] = marker["files"]
-        info = CheckpointInfo(path, int(marker["step"]), int(marker["consumed_samples"]),
-                              marker["plan"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint {path} has an unreadable {MARKER} marker ({exc})") from None
-    for name, expected in files.items():
+        data = json.loads(manifest.read_text())
+        files: dict[str, dict[str, Any]] = data["files"]
+        info = CheckpointInfo(path, int(data["step"]), int(data["consumed_samples"]),
+                              dict(data["plan"]), data.get("fingerprint"))
+        records = [(str(name), int(rec["bytes"]), str(rec["sha256"])) for name, rec in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"checkpoint {path} has an unreadable {MANIFEST} ({exc})") from None
+    for name, size_bytes, sha in records:
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} is corrupted: file {name} is missing")
         size = file.stat().st_size
-        if size != expected["bytes"]:
+        if size != size_bytes:
             raise CheckpointError(
-                f"checkpoint {path} is corrupted: file {name} has {size} bytes, the marker says "
-                f"{expected['bytes']}"
+                f"checkpoint {path} is corrupted: file {name} has {size} bytes, the manifest says "
+                f"{size_bytes}"
             )
-        if checksums and _sha256(file) != expected["sha256"]:
+        if checksums and sha256_of(file) != sha:
             raise CheckpointError(
                 f"checkpoint {path} is corrupted: file {name} does not match its SHA-256"
             )
@@ -107,45 +137,60 @@ def _warn(message: str) -> None:
 
 def latest_checkpoint(ckpt_dir: Path, *, checksums: bool = True,
                       warn: Callable[[str], None] = _warn) -> CheckpointInfo | None:
-    """The newest committed checkpoint, verified; None if there is none. Warns about ignored
-    folders; a corrupted newest checkpoint raises and names the previous one."""
-    complete, ignored = scan_checkpoints(ckpt_dir)
+    """The newest ``step-N`` checkpoint, verified; None if there is none. Warns about folders of
+    interrupted saves; a damaged newest checkpoint raises and names the one before it."""
+    committed = step_folders(ckpt_dir)
+    _, ignored = scan_checkpoints(ckpt_dir)
     for path in ignored:
-        warn(f"ignoring {path}: no {MARKER} marker (left by an interrupted save)")
-    if not complete:
+        if path not in committed:
+            warn(f"ignoring {path}: not a committed checkpoint (left by an interrupted save)")
+    if not committed:
         return None
     try:
-        return verify_checkpoint(complete[-1], checksums=checksums)
+        return verify_checkpoint(committed[-1], checksums=checksums)
     except CheckpointError as exc:
-        if len(complete) > 1:
-            hint = (f"; the previous checkpoint is {complete[-2]}: move {complete[-1].name} out of "
-                    f"{ckpt_dir} (for example rename it to {complete[-1].name}.bad) and resume again")
+        if len(committed) > 1:
+            hint = (f"; the previous checkpoint is {committed[-2]}: move {committed[-1].name} out of "
+                    f"{ckpt_dir} (for example rename it to {committed[-1].name}.bad) and resume again")
         else:
-            hint = "; no earlier checkpoint exists: move it aside and start without --resume"
+            hint = ("; no earlier checkpoint exists: start without --resume in a new folder (--out), "
+                    "or move this one aside")
         raise CheckpointError(f"{exc}{hint}") from None
 
 
-def commit_checkpoint(tmp: Path, final: Path, *, step: int, consumed_samples: int,
-                      plan: dict[str, Any]) -> None:
-    """Write the marker into ``tmp`` (listing every file in it) and rename it to ``final``."""
-    files = {
-        str(file.relative_to(tmp)): {"bytes": file.stat().st_size, "sha256": _sha256(file)}
-        for file in sorted(tmp.rglob("*")) if file.is_file()
-    }
-    marker = {"step": step, "consumed_samples": consumed_samples, "plan": plan, "files": files}
-    staging = tmp / f"{MARKER}.partial"
+def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    """Write ``manifest.json`` into ``folder`` atomically: temp name, fsync, rename, fsync."""
+    staging = folder / f"{MANIFEST}.partial"
     with staging.open("w") as handle:
-        json.dump(marker, handle, indent=1)
+        json.dump(manifest, handle, indent=1)
         handle.flush()
         os.fsync(handle.fileno())
-    staging.rename(tmp / MARKER)
+    staging.rename(folder / MANIFEST)
+    fsync_dir(folder)
+
+
+def commit_checkpoint(tmp: Path, final: Path, *, step: int, consumed_samples: int,
+                      plan: dict[str, Any], files: dict[str, dict[str, Any]] | None = None,
+                      fingerprint: dict[str, Any] | None = None) -> None:
+    """Write the manifest into ``tmp`` and rename it to ``final``. ``files`` are the records the
+    ranks reported for the files they wrote; any other file in ``tmp`` is hashed here."""
+    reported = dict(files or {})
+    present = {str(file.relative_to(tmp)): file for file in sorted(tmp.rglob("*")) if file.is_file()}
+    missing = sorted(set(reported) - set(present))
+    if missing:
+        raise CheckpointError(f"a rank reported {', '.join(missing)} in {tmp}, but it is not there")
+    listed = {name: reported.get(name) or file_record(file) for name, file in present.items()}
+    _write_manifest(tmp, {"step": step, "consumed_samples": consumed_samples, "plan": plan,
+                          "fingerprint": fingerprint, "files": listed})
     if final.exists():  # a resumed run saves a step again: swap, then drop the old folder
         old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
         final.rename(old)
         tmp.rename(final)
+        fsync_dir(final.parent)
         shutil.rmtree(old)
     else:
         tmp.rename(final)
+        fsync_dir(final.parent)
 
 
 def prune_checkpoints(ckpt_dir: Path, keep: int) -> list[Path]:
@@ -220,31 +265,83 @@ def _from_rank0(value: Any) -> Any:
     return value
 
 
+def _gather_to_rank0(value: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    if not _distributed():
+        return [value]
+    rank, world = _rank_world()
+    out: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(value, out, dst=0)
+    return out or []
+
+
+def own_files(folder: Path, rank: int) -> list[Path]:
+    """The files one rank wrote into a checkpoint folder: its DCP shards (``__<rank>_*``), its
+    ``extra-rank<rank>.pt``, and on rank 0 the DCP ``.metadata``."""
+    names = [f"__{rank}_", f"extra-rank{rank}.pt"] + ([".metadata"] if rank == 0 else [])
+    return [file for file in sorted(folder.iterdir()) if file.is_file()
+            and any(file.name == n or (n.endswith("_") and file.name.startswith(n)) for n in names)]
+
+
 def save_checkpoint(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int,
-                    plan: dict[str, Any], keep: int) -> Path:
+                    plan: dict[str, Any], keep: int,
+                    fingerprint: dict[str, Any] | None = None) -> Path:
     """Save on every rank (collective); returns the committed ``step-N`` folder."""
     import torch
     import torch.distributed.checkpoint as dcp
 
     rank, _ = _rank_world()
-    tmp = ckpt_dir / f"{PREFIX}{step}.tmp-{_from_rank0(uuid.uuid4().hex[:12])}"
+    tmp = ckpt_dir / f"{PREFIX}{step}{TMP_INFIX}{_from_rank0(uuid.uuid4().hex[:12])}"
     if rank == 0:
         tmp.mkdir(parents=True)
     _barrier()
     dcp.save(_engine_state(engine), checkpoint_id=str(tmp), no_dist=not _distributed())
-    torch.save(_extra_state(engine), tmp / f"extra-rank{rank}.pt")
-    _barrier()  # every rank's files are on disk
+    extra = tmp / f"extra-rank{rank}.pt"
+    torch.save(_extra_state(engine), extra)
+    with extra.open("rb") as handle:
+        os.fsync(handle.fileno())
+    _barrier()  # every rank's files are on disk (rank 0's .metadata last of all)
+    mine = {file.name: file_record(file) for file in own_files(tmp, rank)}  # each rank hashes its own
+    reports = _gather_to_rank0(mine)
     final = ckpt_dir / f"{PREFIX}{step}"
     if rank == 0:
-        commit_checkpoint(tmp, final, step=step, consumed_samples=consumed_samples, plan=plan)
-        prune_checkpoints(ckpt_dir, keep)
+        files = {name: record for report in reports for name, record in report.items()}
+        commit_checkpoint(tmp, final, step=step, consumed_samples=consumed_samples, plan=plan,
+                          files=files, fingerprint=fingerprint)
+        prune_checkpoints(ckpt_dir, keep)  # only once the new one is committed
     _barrier()  # nobody runs ahead (or exits) before the commit
     return final
 
 
+TIED_HEAD = "head.out.weight"
+TIED_EMBEDDING = "embed.tok.weight"
+
+
+def _saved_keys(path: Path) -> set[str]:
+    import torch.distributed.checkpoint as dcp
+
+    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def tied_aliases(section: str, keys: list[str], saved: set[str]) -> dict[str, str]:
+    """Keys of ``section`` to read under another name: a pipeline head's own copy of a tied
+    embedding (``head.out.weight``) that a checkpoint saved without pipeline parallelism holds
+    only as the embedding (``embed.tok.weight``), which is what it was tied to."""
+    aliases = {}
+    for key in keys:
+        if TIED_HEAD not in key or f"{section}.{key}" in saved:
+            continue
+        other = key.replace(TIED_HEAD, TIED_EMBEDDING)
+        if f"{section}.{other}" in saved and other not in keys:
+            aliases[key] = other
+    return aliases
+
+
 def load_checkpoint(engine: Any, info: CheckpointInfo) -> None:
     """Load model, optimizer, LR scheduler and (same world size only) RNG states (collective).
-    The Plan may differ from the one that saved: DCP reshards."""
+    The Plan may differ from the one that saved: DCP reshards, and a pipeline head's copy of a
+    tied embedding is read from the embedding a checkpoint without pipeline parallelism holds."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -255,7 +352,14 @@ def load_checkpoint(engine: Any, info: CheckpointInfo) -> None:
 
     rank, world = _rank_world()
     state = _engine_state(engine)
-    dcp.load(state, checkpoint_id=str(info.path), no_dist=not _distributed())
+    saved = _saved_keys(info.path)
+    renamed = {section: tied_aliases(section, list(values), saved)
+               for section, values in state.items()}
+    request = {section: {renamed[section].get(key, key): value for key, value in values.items()}
+               for section, values in state.items()}
+    dcp.load(request, checkpoint_id=str(info.path), no_dist=not _distributed())
+    state = {section: {key: request[section][renamed[section].get(key, key)] for key in values}
+             for section, values in state.items()}
     for part, optimizer in zip(engine.model_parts, engine.optimizers, strict=True):
         set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
         set_optimizer_state_dict(part, optimizer, state["optim"],

@@ -10,7 +10,7 @@ def _run(args: argparse.Namespace) -> int:
     from meshmorph.run.launch import run_job
 
     return run_job(args.config, nproc=args.nproc, plan_arg=args.plan, resume=args.resume,
-                   out=args.out)
+                   out=args.out, reshard=args.reshard)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -30,7 +30,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--plan", default=None, metavar="FILE|auto",
                      help="plan JSON, or 'auto' to search one; default: pure data parallelism")
     run.add_argument("--resume", action="store_true",
-                     help="continue from the newest complete checkpoint of the run folder")
+                     help="continue from the newest checkpoint of the run folder (refused if it "
+                          "was saved by another model, data or plan)")
+    run.add_argument("--reshard", action="store_true",
+                     help="with --resume: load a checkpoint saved under another plan into this "
+                          "one (DCP reshards on load)")
     run.add_argument("--out", type=Path, default=None,
                      help="run folder (default: [run] out_dir of the job file)")
     run.set_defaults(func=_run)

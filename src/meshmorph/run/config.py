@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -29,15 +30,29 @@ class OptimConfig:
     """Clip the global gradient norm to this value (0 disables clipping)."""
 
     def __post_init__(self) -> None:
+        for name in ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"[optim] {name} must be a finite number, got {value}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr {self.lr}, min_lr {self.min_lr}")
+            raise ValueError(f"[optim] needs 0 <= min_lr <= lr and lr > 0, got lr {self.lr}, "
+                             f"min_lr {self.min_lr}")
         if self.warmup_steps < 0 or self.decay_steps < 1:
-            raise ValueError("warmup_steps must be >= 0 and decay_steps >= 1")
+            raise ValueError(f"[optim] warmup_steps must be >= 0 and decay_steps >= 1, got "
+                             f"{self.warmup_steps} and {self.decay_steps}")
+        if self.grad_clip < 0:
+            raise ValueError(f"[optim] grad_clip must be >= 0 (0 disables clipping), got "
+                             f"{self.grad_clip}")
+        if self.weight_decay < 0:
+            raise ValueError(f"[optim] weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"[optim] {name} must lie in [0, 1), got {getattr(self, name)}")
+        if self.eps <= 0:
+            raise ValueError(f"[optim] eps must be positive, got {self.eps}")
 
     def lr_at(self, step: int) -> float:
         """Learning rate for 0-based ``step`` (warm-up, then cosine to min_lr, then flat)."""
-        import math
-
         if self.warmup_steps and step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
         progress = min(1.0, (step - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps))

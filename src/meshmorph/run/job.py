@@ -6,6 +6,7 @@ relative to the working directory, ``[checkpoint] dir`` relative to ``out_dir``.
 
 from __future__ import annotations
 
+import math
 import tomllib
 import types
 import typing
@@ -101,6 +102,18 @@ class RunSection:
 
     out_dir: str = "runs/job"
     """Run folder (metrics.jsonl, loss.png, plan.json, checkpoints/)."""
+    collective_timeout_s: float = 120.0
+    """Longest a rank waits in one collective (a barrier, a gradient reduction) before it stops
+    with an error naming itself, instead of hanging when another rank died."""
+
+    def __post_init__(self) -> None:
+        if not self.out_dir:
+            raise ValueError("[run] out_dir must name a folder, got an empty string")
+        if not math.isfinite(self.collective_timeout_s) or self.collective_timeout_s <= 0:
+            raise ValueError(
+                f"[run] collective_timeout_s must be a positive number of seconds, got "
+                f"{self.collective_timeout_s}"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -202,9 +215,13 @@ def load_job(path: str | Path) -> JobConfig:
     """Read and check a job file; every error names the file and the key."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"job file {path} does not exist")
+        raise FileNotFoundError(f"job file {path} does not exist; pass the path of a job TOML "
+                                "(examples/jobs/ holds some to start from)")
     try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path}: not valid TOML: {exc}") from None
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid TOML: {exc}; fix the file (examples/jobs/ holds "
+                         "valid job files)") from None
+    except OSError as exc:
+        raise ValueError(f"job file {path} cannot be read ({exc.strerror})") from None
     return parse_job(data, source=str(path), base_dir=path.parent)

@@ -1,29 +1,39 @@
 """``meshmorph run``: check a job completely, then start torchrun and watch it.
 
-Everything that can be refused is refused before any process starts: the job file, the data, the
-plan against the model and the number of processes, and the checkpoint to resume from. Then the
-plan is written into the run folder and ``torch.distributed.run`` starts the ranks in a session of
-its own; Ctrl-C (or SIGTERM) is forwarded to it once, and escalated if the ranks do not stop.
+Everything that can be refused is refused before any process starts or any file is written: the
+job file, the data, the plan against the model and the number of processes, a run folder that
+holds another run's checkpoints (without ``--resume``), and the checkpoint to resume from (its
+files, and its model, data and plan fingerprint; another plan only with ``--reshard``). Then the
+run folder is locked for the run's lifetime, the plan is written into it, and torchrun
+(``run/agent.py``) starts the ranks in a session of its own. The first Ctrl-C (or SIGTERM) asks
+the ranks to stop after the current step and save; the second kills them, leaving the previous
+checkpoint as it was. Afterwards the exact command to resume is printed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshmorph.run.checkpoint import CheckpointInfo
 from meshmorph.run.job import JobConfig, load_job
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan, PlanError
+from meshmorph.spec.plan_file import load_plan
 
-STOP_GRACE_S = 20.0
-"""Seconds the ranks get to stop at a step boundary after Ctrl-C before they are terminated."""
+STOP_GRACE_S = 300.0
+"""Seconds the ranks get, after the first Ctrl-C, to finish their step, save and exit before they
+are terminated (a second Ctrl-C kills them at once)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,6 +54,10 @@ class PreparedRun:
     """Run folder."""
     resume: bool
     """Continue from the newest checkpoint."""
+    resume_from: CheckpointInfo | None = None
+    """The checkpoint a resumed run continues from (None: start at step 0)."""
+    reshard: bool = False
+    """The checkpoint was saved under another plan; DCP reshards it on load."""
 
 
 def default_plan(job: JobConfig, model: ModelSpec, nproc: int) -> Plan:
@@ -106,12 +120,32 @@ def check_plan_for_job(plan: Plan, job: JobConfig, model: ModelSpec, nproc: int)
     validate_plan(model, plan, nproc)  # check_against, plus what the runtime itself needs
 
 
-def prepare_run(job_path: Path, *, nproc: int | None, plan_arg: str | None, resume: bool,
-                out: Path | None) -> PreparedRun:
-    """Every check a run needs, with no process started and nothing written."""
+def check_resume_point(job: JobConfig, model: ModelSpec, plan: Plan, out_dir: Path, *,
+                       reshard: bool) -> tuple[CheckpointInfo | None, bool]:
+    """The verified newest checkpoint of the run folder, checked to belong to this model, data
+    and (unless ``reshard``) plan; and whether loading it reshards."""
     from meshmorph.run.checkpoint import latest_checkpoint
+    from meshmorph.run.fingerprint import RunFingerprint, check_resume, run_fingerprint
+
+    info = latest_checkpoint(job.checkpoint_dir(out_dir))  # a damaged newest one is refused here
+    if info is None:
+        return None, False
+    differs = check_resume(RunFingerprint.from_dict(info.fingerprint),
+                           run_fingerprint(job, model, plan), where=str(info.path), reshard=reshard)
+    return info, differs
+
+
+def prepare_run(job_path: Path, *, nproc: int | None, plan_arg: str | None, resume: bool,
+                out: Path | None, reshard: bool = False) -> PreparedRun:
+    """Every check a run needs, with no process started and nothing written."""
+    from meshmorph.run.run_folder import check_fresh
     from meshmorph.run.trainer import make_source
 
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}; leave it out to use the "
+                         "plan's world size")
+    if reshard and not resume:
+        raise ValueError("--reshard loads a checkpoint into another plan, so it needs --resume")
     job = load_job(job_path)
     model = load_model(job.model.source, job.model.seq_len)
     make_source(job, model)  # data file present, long enough, fits the vocabulary
@@ -119,21 +153,54 @@ def prepare_run(job_path: Path, *, nproc: int | None, plan_arg: str | None, resu
         plans, _ = searched_plans(job, model, nproc or 1)
         plan = plans[0]
     elif plan_arg:
-        plan = Plan.load(plan_arg)
+        plan = load_plan(plan_arg)
         plan = plan if plan.stages else plan.with_even_stages(model)
     else:
         plan = default_plan(job, model, nproc or 1)
-    nproc = nproc or plan.world_size
+    nproc = plan.world_size if nproc is None else nproc
     check_plan_for_job(plan, job, model, nproc)
     out_dir = out or job.out_dir()
+    info, differs = None, False
     if resume:
-        latest_checkpoint(job.checkpoint_dir(out_dir))  # a corrupted newest one is refused here
+        info, differs = check_resume_point(job, model, plan, out_dir, reshard=reshard)
+    else:
+        check_fresh(out_dir, job.checkpoint_dir(out_dir))
     return PreparedRun(job_path=job_path, job=job, model=model, plan=plan, nproc=nproc,
-                       out_dir=out_dir, resume=resume)
+                       out_dir=out_dir, resume=resume, resume_from=info, reshard=differs)
 
 
-def torchrun_command(run: PreparedRun, plan_path: Path) -> list[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+def master_port_args(env: dict[str, str]) -> list[str]:
+    """torchrun's rendezvous arguments: ``--standalone`` (a free port), or the ``MASTER_PORT``
+    the environment names, refused when it is not a port or another process listens on it."""
+    text = env.get("MASTER_PORT")
+    if not text:
+        return ["--standalone"]
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise ValueError(f"MASTER_PORT {text!r} is not a port number (1-65535); unset it to let "
+                         "meshmorph pick a free port")
+    port = int(text)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            raise ValueError(
+                f"MASTER_PORT {port} is in use on this machine (another job?); unset MASTER_PORT "
+                "to let meshmorph pick a free port, or set it to a free one"
+            ) from None
+    return ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
+            "--rdzv-id", uuid.uuid4().hex]
+
+
+def resume_command(run: PreparedRun) -> str:
+    """The command that continues this run from its newest checkpoint."""
+    return shlex.join(["meshmorph", "run", "--config", str(run.job_path), "--nproc", str(run.nproc),
+                       "--plan", str(run.out_dir / "plan.json"), "--out", str(run.out_dir),
+                       "--resume"])
+
+
+def torchrun_command(run: PreparedRun, plan_path: Path,
+                     rendezvous: list[str] | None = None) -> list[str]:
+    command = [sys.executable, "-m", "meshmorph.run.agent", *(rendezvous or ["--standalone"]),
                "--nproc_per_node", str(run.nproc), "-m", "meshmorph.run.trainer",
                "--job", str(run.job_path.resolve()), "--plan", str(plan_path.resolve()),
                "--out", str(run.out_dir.resolve())]
@@ -171,59 +238,126 @@ def _signal(pids: list[int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
-def stop_ranks(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a torchrun started by ``launch``: SIGINT to every rank (each stops at its next step
-    boundary, together with the others), then SIGTERM to torchrun, then SIGKILL to whatever of
-    its process tree is left."""
-    ranks = _process_tree(proc.pid).get(proc.pid, [])  # torchrun's children are the ranks
+def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL torchrun and every process below it."""
     tree = descendants(proc.pid)
-    _signal(ranks, signal.SIGINT)
-    try:
-        proc.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # torchrun closes its ranks itself
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    _signal([pid for pid in tree if Path(f"/proc/{pid}").exists()], signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    _signal([proc.pid, *tree], signal.SIGKILL)
+    proc.wait()
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def launch(run: PreparedRun, *, quiet: bool = False) -> int:
-    """Write the plan into the run folder, run torchrun, and return its exit code
-    (130 after Ctrl-C or SIGTERM, once every rank has stopped)."""
-    run.out_dir.mkdir(parents=True, exist_ok=True)
-    plan_path = run.out_dir / "plan.json"
-    plan_path.write_text(run.plan.to_json() + "\n")
+def _newest(run: PreparedRun) -> Path | None:
+    from meshmorph.run.checkpoint import scan_checkpoints
+
+    complete, _ = scan_checkpoints(run.job.checkpoint_dir(run.out_dir))
+    return complete[-1] if complete else None
+
+
+def _say(message: str) -> None:
+    print(f"meshmorph: {message}", file=sys.stderr, flush=True)
+
+
+def _start(run: PreparedRun, plan_path: Path, rendezvous: list[str], lock_fd: int
+           ) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // run.nproc)))
-    if not quiet:
-        print(f"meshmorph: starting {run.nproc} processes: tp {run.plan.tp} x pp {run.plan.pp} x "
-              f"dp {run.plan.dp} (zero {run.plan.zero}); run folder {run.out_dir}", flush=True)
-    # Ctrl-C must reach this process even when started in the background (where SIGINT is
-    # ignored); torchrun runs in a session of its own so that only this process forwards it.
-    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        proc = subprocess.Popen(torchrun_command(run, plan_path), env=env, start_new_session=True)
+    from meshmorph.run.stop import LAUNCHER_PID_ENV
+
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
+    # torchrun inherits the lock (so it stays held while torchrun lives) and runs in a session
+    # of its own, so that a terminal's Ctrl-C reaches only this process, which asks the ranks
+    return subprocess.Popen(torchrun_command(run, plan_path, rendezvous), env=env,
+                            start_new_session=True, pass_fds=(lock_fd,))
+
+
+def _watch(run: PreparedRun, proc: subprocess.Popen[bytes]) -> tuple[int, str, float]:
+    """Wait for torchrun; (its exit code, how it ended: ``done``, ``stopped``, ``aborted``,
+    when the first Ctrl-C came)."""
+    from meshmorph.run.run_folder import request_stop
+
+    deadline: float | None = None
+    asked = time.monotonic()
+    while True:
         try:
-            return proc.wait()
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            code = proc.wait(timeout)
+            return code, "done" if deadline is None else "stopped", asked
         except KeyboardInterrupt:
-            started = time.monotonic()
-            stop_ranks(proc)
-            print(f"meshmorph: interrupted; every rank stopped within "
-                  f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
-            return 130
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            if deadline is None:
+                request_stop(run.out_dir)
+                asked = time.monotonic()
+                deadline = asked + STOP_GRACE_S
+                saving = "save a checkpoint, " if run.job.checkpoint.every else ""
+                _say(f"stopping: the ranks finish their current step, {saving}and exit; "
+                     "press Ctrl-C again to abort at once")
+                continue
+            kill_tree(proc)
+            return proc.returncode, "aborted", asked
+        except subprocess.TimeoutExpired:
+            _say(f"the ranks did not stop within {STOP_GRACE_S:.0f} s; killing them")
+            kill_tree(proc)
+            return proc.returncode, "aborted", asked
+
+
+def launch(run: PreparedRun, *, quiet: bool = False) -> int:
+    """Lock the run folder, write the plan into it, run torchrun, and return its exit code
+    (130 after Ctrl-C or SIGTERM, once every rank has stopped)."""
+    from meshmorph.run.run_folder import RunLock, check_fresh, clear_stop, make_folder
+
+    rendezvous = master_port_args(dict(os.environ))
+    make_folder(run.out_dir)
+    with RunLock(run.out_dir) as lock:
+        if not run.resume:  # checked again under the lock: another run may have saved meanwhile
+            check_fresh(run.out_dir, run.job.checkpoint_dir(run.out_dir))
+        clear_stop(run.out_dir)
+        plan_path = run.out_dir / "plan.json"
+        staging = plan_path.with_name("plan.json.partial")
+        staging.write_text(run.plan.to_json() + "\n")
+        staging.replace(plan_path)
+        if not quiet:
+            print(f"meshmorph: starting {run.nproc} processes: tp {run.plan.tp} x pp {run.plan.pp} "
+                  f"x dp {run.plan.dp} (zero {run.plan.zero}); run folder {run.out_dir}", flush=True)
+            if run.reshard and run.resume_from is not None:
+                print(f"meshmorph: resharding {run.resume_from.path} into this plan (DCP reshards "
+                      "on load)", flush=True)
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, _raise_interrupt) for sig in handled}
+        signal.pthread_sigmask(signal.SIG_BLOCK, handled)  # no Ctrl-C between start and watch
+        proc: subprocess.Popen[bytes] | None = None
+        try:
+            proc = _start(run, plan_path, rendezvous, lock.fd or -1)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
+            code, how, asked = _watch(run, proc)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            clear_stop(run.out_dir)
+    newest = _newest(run)
+    resume = (f"; resume with:\n  {resume_command(run)}" if newest else
+              "; no checkpoint was saved, so a new run starts from step 0")
+    if how == "aborted":
+        _say(f"aborted: every rank was killed {time.monotonic() - asked:.1f} s after the first Ctrl-C"
+             + (f"; the newest complete checkpoint is {newest}" if newest else "")
+             + " (a save cut short is left as a .tmp- folder and never loaded)" + resume)
+        return 130
+    if how == "stopped":
+        _say(f"interrupted; every rank stopped within {time.monotonic() - asked:.1f} s"
+             + (f"; newest checkpoint {newest}" if newest else "") + resume)
+        return 130
+    if code != 0:
+        _say(f"the job failed (exit code {code})"
+             + (f"; its newest checkpoint is {newest}" if newest else "") + resume)
+    return code
 
 
 def run_job(job_path: Path, *, nproc: int | None = None, plan_arg: str | None = None,
-            resume: bool = False, out: Path | None = None) -> int:
+            resume: bool = False, out: Path | None = None, reshard: bool = False) -> int:
     """Check, then launch; PlanError and other ValueErrors reach the caller before any process."""
-    return launch(prepare_run(job_path, nproc=nproc, plan_arg=plan_arg, resume=resume, out=out))
+    return launch(prepare_run(job_path, nproc=nproc, plan_arg=plan_arg, resume=resume, out=out,
+                              reshard=reshard))

@@ -2,24 +2,24 @@
 
 ``python -m meshmorph.run.trainer --job job.toml --plan plan.json --out RUN_DIR [--resume]``
 
-Each rank: joins the process group, builds the engine for its part of the Plan, and loops
-(its data-parallel share of the batch, one engine step, metrics on rank 0, a checkpoint every K
-steps). SIGINT/SIGTERM only raise a flag; the ranks agree on it before every step, so all of
-them stop at the same step boundary, never inside a checkpoint, leave the group cleanly and exit
-with 0 (the launcher, which sent the signal, reports the interruption).
+Each rank: joins the process group (collectives time out after ``[run] collective_timeout_s``),
+builds the engine for its part of the Plan, and loops (its data-parallel share of the batch, one
+engine step, metrics on rank 0, a checkpoint every K steps). A stop request (SIGINT/SIGTERM, the
+launcher's stop file, or a dead parent: ``run/stop.py``) only raises a flag; the ranks agree on it
+before every step, so all of them stop at the same step boundary, save a checkpoint there (when
+the job checkpoints at all) and exit with 0 (the launcher, which asked, reports the interruption).
+A collective that fails or times out ends the rank with a message naming it and exit code 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from types import FrameType
 
 import torch
 import torch.distributed as dist
@@ -31,31 +31,14 @@ from meshmorph.run.checkpoint import (
     save_checkpoint,
 )
 from meshmorph.run.data import ByteTextFile, DataShard, SampleOrder, SampleSource, SyntheticTask
+from meshmorph.run.fingerprint import run_fingerprint
 from meshmorph.run.job import JobConfig, load_job
 from meshmorph.run.metrics import MetricsLogger
+from meshmorph.run.run_folder import stop_file
+from meshmorph.run.stop import StopFlag
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
-
-
-class StopFlag:
-    """Turns SIGINT/SIGTERM into a request to stop at the next step boundary."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = True
-
-    def agreed(self) -> bool:
-        """Whether any rank was asked to stop (collective: every rank must call it)."""
-        if not dist.is_initialized():
-            return self.requested
-        flag = torch.tensor([int(self.requested)], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a CPU tensor: gloo on every backend
-        return bool(flag.item())
 
 
 def make_source(job: JobConfig, model: ModelSpec) -> SampleSource:
@@ -74,14 +57,16 @@ def make_source(job: JobConfig, model: ModelSpec) -> SampleSource:
     return source
 
 
-def init_distributed() -> torch.device:
-    """Join the process group torchrun describes; the device this rank trains on."""
+def init_distributed(timeout_s: float) -> torch.device:
+    """Join the process group torchrun describes, with every collective bounded by
+    ``timeout_s``; the device this rank trains on."""
+    timeout = timedelta(seconds=timeout_s)
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("cuda:nccl,cpu:gloo", timeout=timedelta(minutes=10))
+        dist.init_process_group("cuda:nccl,cpu:gloo", timeout=timeout)
         return torch.device("cuda", local_rank)
-    dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+    dist.init_process_group("gloo", timeout=timeout)
     return torch.device("cpu")
 
 
@@ -102,8 +87,12 @@ def find_resume_point(ckpt_dir: Path) -> CheckpointInfo | None:
 def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: StopFlag) -> int:
     from meshmorph.run.engine import build_engine
 
-    device = init_distributed()
+    device = init_distributed(job.run.collective_timeout_s)
     rank = dist.get_rank()
+    if stop.agreed():  # asked to stop while the ranks were starting
+        if rank == 0:
+            print(f"stopped by {stop.reason or 'a stop request'} before step 1", flush=True)
+        return 0
     model = load_model(job.model.source, job.model.seq_len)
     source = make_source(job, model)
     engine = build_engine(model, plan, job.optim, seed=job.train.seed, device=device)
@@ -111,6 +100,7 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
                       global_batch=plan.global_batch, dp_rank=engine.dp_rank,
                       dp_size=engine.dp_size)
     ckpt_dir = job.checkpoint_dir(out_dir)
+    fingerprint = run_fingerprint(job, model, plan).to_dict()
     step, consumed = 0, 0
     if resume:
         info = find_resume_point(ckpt_dir)
@@ -125,7 +115,7 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
                       flush=True)
     metrics = MetricsLogger(out_dir, enabled=rank == 0, total_steps=job.train.steps,
                             start_step=step, tokens_per_step=plan.global_batch * plan.seq_len)
-    interrupted = False
+    interrupted, saved_step = False, step
     try:
         while step < job.train.steps:
             if stop.agreed():
@@ -142,13 +132,23 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
                         step_time_s=step_time_s, consumed_samples=consumed)
             if job.checkpoint.every and step % job.checkpoint.every == 0:
                 save_checkpoint(engine, ckpt_dir, step=step, consumed_samples=consumed,
-                                plan=plan.to_dict(), keep=job.checkpoint.keep)
+                                plan=plan.to_dict(), keep=job.checkpoint.keep,
+                                fingerprint=fingerprint)
+                saved_step = step
+        if interrupted and job.checkpoint.every and step > saved_step:
+            save_checkpoint(engine, ckpt_dir, step=step, consumed_samples=consumed,
+                            plan=plan.to_dict(), keep=job.checkpoint.keep, fingerprint=fingerprint)
+            saved_step = step
     finally:
         chart = metrics.close()
     if rank == 0:
         state = "stopped by a signal" if interrupted else "finished"
+        saved = (f"checkpoint {ckpt_dir / f'step-{step}'}" if saved_step == step and step
+                 else "no checkpoint saved ([checkpoint] every = 0)" if interrupted
+                 and not job.checkpoint.every else "")
         print(f"{state} at step {step}; metrics in {metrics.path}"
-              + (f", loss chart in {chart}" if chart else ""), flush=True)
+              + (f", loss chart in {chart}" if chart else "") + (f"; {saved}" if saved else ""),
+              flush=True)
     return 0
 
 
@@ -163,22 +163,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def collective_failure(exc: BaseException, rank: str, timeout_s: float | None) -> str:
+    """One line for a collective that failed on this rank: timed out, or a peer went away."""
+    text = str(exc).strip()
+    first = text.splitlines()[0][:240] if text else type(exc).__name__
+    if "timeout" in text.lower() or "timed out" in text.lower():
+        what = (f"a collective waited longer than the {timeout_s:.0f} s timeout "
+                "([run] collective_timeout_s)" if timeout_s else "a collective timed out")
+    else:
+        what = "a collective failed"
+    return (f"meshmorph: error on rank {rank}: {what}: {first}; another rank stopped or died "
+            "(its message is above); continue from the newest checkpoint with --resume")
+
+
 def main(argv: list[str] | None = None) -> int:
     stop = StopFlag()
+    stop.watch_parents()
     args = parse_args(argv)
-    code = 0
+    stop.stop_path = stop_file(args.out)
+    rank = os.environ.get("RANK", "0")
+    code, timeout_s, clean = 0, None, True
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             job = load_job(args.job)
+            timeout_s = job.run.collective_timeout_s
             plan = Plan.load(args.plan)
             code = train(job, plan, args.out, resume=args.resume, stop=stop)
     except (ValueError, FileNotFoundError) as exc:
-        rank = os.environ.get("RANK", "0")
         print(f"meshmorph: error on rank {rank}: {exc}", file=sys.stderr, flush=True)
         code = 2
+    except RuntimeError as exc:  # gloo/NCCL: a peer died, or a collective waited past the timeout
+        print(collective_failure(exc, rank, timeout_s), file=sys.stderr, flush=True)
+        code, clean = 1, False
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized() and clean:
             dist.destroy_process_group()
     return code
 

@@ -22,6 +22,7 @@ price_per_gpu_hour = 2.5            # optional: USD; default: the GPU catalog's 
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import replace
 from pathlib import Path
@@ -45,9 +46,12 @@ def load_cluster_toml(path: Path | str) -> Cluster:
             f"cluster file {path} does not exist; pass a .toml file or shorthand such as 'h100:4x8'"
         )
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not valid TOML: {exc}") from None
+        raise ValueError(f"{path} is not valid TOML: {exc}; fix it (the format is in "
+                         "examples/clusters/) or pass shorthand such as 'h100:4x8'") from None
+    except OSError as exc:
+        raise ValueError(f"cluster file {path} cannot be read ({exc.strerror})") from None
     _check_keys(data, _TOP_KEYS, path, "the top level")
     groups_data = data.get("groups")
     if not isinstance(groups_data, list) or not groups_data:
@@ -82,7 +86,7 @@ def _positive_int(table: dict[str, Any], key: str, path: Path, where: str) -> in
 def _number(table: dict[str, Any], key: str, path: Path, where: str, *, allow_zero: bool) -> float:
     value = table[key]
     ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok or value < 0 or (value == 0 and not allow_zero) or value != value:  # value != value: NaN
+    if not ok or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = "a number >= 0" if allow_zero else "a positive number"
         raise ValueError(f"{path}: {key} in {where} must be {bound}, got {value!r}")
     return float(value)

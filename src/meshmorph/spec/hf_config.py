@@ -56,9 +56,12 @@ def _read(path: Path) -> dict[str, Any]:
             "a catalog name (meshmorph models) or a package.module:function factory"
         )
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+        raise ValueError(f"{path} is not valid JSON: {exc}; pass a Hugging Face config.json or "
+                         "a catalog name (meshmorph models)") from None
+    except OSError as exc:
+        raise ValueError(f"model config {path} cannot be read ({exc.strerror})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: expected a JSON object of model settings, got {type(config).__name__}")
     return config
@@ -87,6 +90,13 @@ def _require(config: dict[str, Any], keys: tuple[str, ...], path: Path, layout: 
             raise ValueError(f"{path}: {key} must be a positive integer, got {value!r}")
 
 
+def _tied(config: dict[str, Any], path: Path, default: bool) -> bool:
+    value = config.get("tie_word_embeddings", default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{path}: tie_word_embeddings must be true or false, got {value!r}")
+    return value
+
+
 def _context(config: dict[str, Any], key: str, seq_len: int | None) -> int:
     if seq_len is None:
         return int(config[key])
@@ -104,7 +114,7 @@ def _gpt_shape(config: dict[str, Any], path: Path, seq_len: int | None) -> Trans
             "learn one embedding per position); use seq_len <= n_positions"
         )
     inner = config.get("n_inner")  # None (the usual value) means 4 * n_embd
-    if inner is not None and (not isinstance(inner, int) or inner <= 0):
+    if inner is not None and (not isinstance(inner, int) or isinstance(inner, bool) or inner <= 0):
         raise ValueError(f"{path}: n_inner must be a positive integer or null, got {inner!r}")
     return TransformerShape(
         name=_name(config, path),
@@ -115,7 +125,7 @@ def _gpt_shape(config: dict[str, Any], path: Path, seq_len: int | None) -> Trans
         vocab_size=config["vocab_size"],
         seq_len=s,
         ffn_hidden_size=inner,
-        tied_embeddings=bool(config.get("tie_word_embeddings", True)),  # HF's GPT-2 default
+        tied_embeddings=_tied(config, path, True),  # HF's GPT-2 default
     )
 
 
@@ -131,7 +141,8 @@ def _llama_shape(config: dict[str, Any], path: Path, seq_len: int | None) -> Tra
         )
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads  # absent or null: no GQA
-    if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
+    if not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads <= 0 \
+            or heads % kv_heads:
         raise ValueError(
             f"{path}: num_key_value_heads {kv_heads!r} must be a positive divisor of "
             f"num_attention_heads {heads}"
@@ -146,5 +157,5 @@ def _llama_shape(config: dict[str, Any], path: Path, seq_len: int | None) -> Tra
         ffn_hidden_size=config["intermediate_size"],
         vocab_size=config["vocab_size"],
         seq_len=_context(config, "max_position_embeddings", seq_len),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),  # HF's Llama default
+        tied_embeddings=_tied(config, path, False),  # HF's Llama default
     )

@@ -1,0 +1,108 @@
+"""The run folder: refused when it holds another run, locked while a run uses it.
+
+A run without ``--resume`` never starts in a folder that holds checkpoints (it would mix two runs
+and prune one of them). While a run is going, an exclusive lock on ``.meshmorph.lock`` (held by the
+launcher and inherited by torchrun) keeps a second run out; the refusal names the holder's pid.
+The launcher asks the ranks to stop by creating ``.meshmorph.stop``: they look for it at every
+step boundary, so a request made while they are still starting is not lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+
+from meshmorph.run.checkpoint import PREFIX
+
+LOCK_FILE = ".meshmorph.lock"
+STOP_FILE = ".meshmorph.stop"
+
+
+class RunFolderError(ValueError):
+    """A run folder that cannot take this run: the message names the folder and a way out."""
+
+
+def check_fresh(out_dir: Path, ckpt_dir: Path) -> None:
+    """Refuse to start a new run (no ``--resume``) where checkpoints of a run already lie."""
+    if not ckpt_dir.is_dir():
+        return
+    found = sorted(entry.name for entry in ckpt_dir.iterdir() if entry.name.startswith(PREFIX))
+    if found:
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise RunFolderError(
+            f"run folder {out_dir} holds checkpoints of an earlier run ({shown} in {ckpt_dir}); "
+            f"continue that run with --resume, or start a new one in another folder (--out NEW); "
+            f"nothing in it was changed"
+        )
+
+
+def make_folder(out_dir: Path) -> None:
+    """Create the run folder, or say why it cannot be."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise RunFolderError(f"run folder {out_dir} is a file; choose another --out") from None
+    except OSError as exc:
+        raise RunFolderError(
+            f"cannot create run folder {out_dir} ({exc.strerror}); choose a writable --out"
+        ) from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise RunFolderError(f"run folder {out_dir} is not writable; choose a writable --out")
+
+
+class RunLock:
+    """An exclusive, non-blocking lock on the run folder for the lifetime of a run."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.path = out_dir / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise RunFolderError(
+                f"cannot create the lock file {self.path} ({exc.strerror}); choose a writable --out"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunFolderError(
+                f"run folder {self.path.parent} is in use by another meshmorph run (pid {holder}, "
+                f"lock {self.path}); wait for it to finish or stop it, or use another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def stop_file(out_dir: Path) -> Path:
+    return out_dir / STOP_FILE
+
+
+def request_stop(out_dir: Path) -> None:
+    """Ask the ranks of the run in ``out_dir`` to stop at their next step boundary."""
+    with contextlib.suppress(OSError):
+        stop_file(out_dir).touch()
+
+
+def clear_stop(out_dir: Path) -> None:
+    stop_file(out_dir).unlink(missing_ok=True)

@@ -10,7 +10,7 @@ from meshmorph.run import models
 from meshmorph.run.models import build_chunk, build_model
 from meshmorph.run.recompute import apply_recompute
 from meshmorph.spec.catalog import catalog_model
-from meshmorph.spec.model import Recompute
+from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
 
@@ -135,3 +135,87 @@ def test_recompute_leaves_parameter_names_and_gradients_unchanged() -> None:
     assert list(dict(plain.named_parameters())) == list(dict(checkpointed.named_parameters()))
     for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=name)
+
+
+def _odd_vocab(padded: int | None) -> ModelSpec:
+    return build_transformer(TransformerShape(name="odd", arch="gpt", num_layers=2, hidden_size=16,
+                                              num_heads=2, vocab_size=251, seq_len=8,
+                                              padded_vocab_size=padded))
+
+
+def test_vocabulary_is_padded_to_a_multiple_of_128_and_priced() -> None:
+    padded, plain = _odd_vocab(None), _odd_vocab(251)
+    assert (padded.vocab_size, padded.padded_vocab_size) == (251, 256)
+    assert (plain.vocab_size, plain.padded_vocab_size) == (251, 251)
+    assert padded.num_params - plain.num_params == 5 * 16  # 5 padded rows, the head tied
+    assert padded.layers[-1].fwd_flops_per_token == 2.0 * 16 * 256
+    assert catalog_model("gpt-tiny").padded_vocab_size == 256  # already a multiple: unchanged
+    assert catalog_model("gpt3-125m").padded_vocab_size == 50304
+
+
+def test_padded_vocabulary_leaves_logits_loss_and_real_gradients_unchanged() -> None:
+    from meshmorph.run.loss import token_cross_entropy
+
+    tokens = torch.randint(0, 251, (2, 9), generator=torch.Generator().manual_seed(0))
+    grads, losses = [], []
+    for spec in (_odd_vocab(None), _odd_vocab(251)):
+        model = build_model(spec, seed=4)
+        logits = model(tokens[:, :-1])
+        assert logits.shape == (2, 8, 251)  # only the real logits leave the head
+        loss = token_cross_entropy(logits, tokens[:, 1:])
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    padded, plain = grads
+    assert losses[0] == losses[1]
+    assert torch.equal(padded["embed.tok.weight"][:251], plain["embed.tok.weight"])
+    assert torch.count_nonzero(padded["embed.tok.weight"][251:]) == 0  # never indexed, never read
+    for name in plain:
+        if name != "embed.tok.weight":
+            torch.testing.assert_close(padded[name], plain[name], rtol=0, atol=0, msg=name)
+
+
+def test_padded_vocabulary_rows_start_at_zero() -> None:
+    model = build_model(_odd_vocab(None), seed=2)
+    assert model.embed.tok.weight.shape == (256, 16)
+    assert torch.count_nonzero(model.embed.tok.weight[251:]) == 0
+    assert torch.count_nonzero(model.embed.tok.weight[:251]) == 251 * 16
+
+
+def test_meta_chunk_allocates_nothing_until_materialized() -> None:
+    from meshmorph.run.materialize import materialize_
+
+    spec = catalog_model("llama-tiny")
+    chunk = build_chunk(spec, 3, spec.num_layers, seed=9, device="meta")
+    assert all(p.is_meta for p in chunk.parameters())
+    materialize_(chunk, spec, seed=9, device="cpu")
+    reference = build_chunk(spec, 3, spec.num_layers, seed=9)
+    for (name, a), b in zip(chunk.named_parameters(), reference.parameters(), strict=True):
+        assert a.device.type == "cpu", name
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="build it with build_chunk"):
+        materialize_(chunk, spec, seed=9, device="cpu")
+
+
+def test_tied_head_copy_on_a_later_chunk_starts_as_the_embedding() -> None:
+    spec = catalog_model("gpt-tiny")
+    first = build_chunk(spec, 0, 2, seed=3)
+    last = build_chunk(spec, 2, spec.num_layers, seed=3, device="meta")
+    from meshmorph.run.materialize import materialize_
+
+    materialize_(last, spec, seed=3, device="cpu")
+    assert torch.equal(last.head.out.weight, first.embed.tok.weight)
+
+
+def test_every_parameter_has_its_own_stream() -> None:
+    spec = catalog_model("llama-tiny")
+    shape = (8, 4)
+    a = models.init_value(spec, 1, "attn.wq.weight", shape, seed=0)
+    b = models.init_value(spec, 1, "attn.wk.weight", shape, seed=0)
+    c = models.init_value(spec, 2, "attn.wq.weight", shape, seed=0)
+    assert not torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(a, models.init_value(spec, 1, "attn.wq.weight", shape, seed=0))
+    residual = models.init_value(spec, 1, "attn.wo.weight", (256, 256), seed=0)
+    assert abs(float(residual.std()) - 0.02 / (2 * 4) ** 0.5) < 3e-4  # GPT-2 scaled init
+    assert torch.equal(models.init_value(spec, 1, "attn_norm.weight", (4,), seed=0),
+                       torch.ones(4))

@@ -1,9 +1,12 @@
 """The global gradient norm over every pipeline, data- and tensor-parallel shard, and clipping.
 
-Each element of the model's gradient is counted exactly once: a rank adds the squares of its
-local gradient shard only where it is the first holder of that shard (coordinate 0 on every
-mesh dim the tensor is replicated over), and one all-reduce over the whole job sums them.
-The result is the norm one device would compute, on every rank, from a single collective.
+Gradients fall into placement classes by the mesh dims they are sharded over: none (whole on
+every rank: DDP, replicated norms), ``dp`` (FSDP2 shards), ``tp`` (tensor-parallel splits) or
+both. Each rank sums the squares of its local shards per class (float64), then one all-reduce
+per mesh dim that shards anything sums the classes sharded over that dim, and one over ``pp``
+sums the stages: at most three collectives of a 4-element vector per step, however many
+parameters there are. A class replicated over a dim is not summed over it (every replica holds
+the same value), so every element is counted once and every rank gets the one-device norm.
 """
 
 from __future__ import annotations
@@ -16,43 +19,73 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from meshmorph.run.mesh import TrainMesh
 
+SHARD_DIMS = ("dp", "tp")
+"""Mesh dims a gradient can be sharded over; pipeline stages hold different layers instead."""
+CLASSES = ((), ("dp",), ("tp",), ("dp", "tp"))
+"""Placement classes: the dims a gradient is sharded over, in a fixed order on every rank."""
 
-def _owns(grad: torch.Tensor, mesh: TrainMesh | None) -> bool:
-    """Whether this rank's copy of ``grad``'s local shard is the one that counts."""
-    if mesh is None:
-        return True
-    coords = {"dp": mesh.dp_rank, "tp": mesh.tp_rank}
-    sharded_on: set[str] = set()
-    if isinstance(grad, DTensor):
-        names = grad.device_mesh.mesh_dim_names or ()
-        sharded_on = {n for n, p in zip(names, grad.placements, strict=True)
-                      if not p.is_replicate() and not p.is_partial()}  # Shard or _StridedShard
-    # replicated over every other data/tensor-parallel dim: only coordinate 0 counts
-    return all(coords[name] == 0 for name in coords if name not in sharded_on)
+
+def placement_class(grad: torch.Tensor) -> tuple[str, ...]:
+    """The mesh dims ``grad`` is sharded over (Shard or _StridedShard), in CLASSES' order."""
+    if not isinstance(grad, DTensor):
+        return ()
+    names = grad.device_mesh.mesh_dim_names or ()
+    sharded = {n for n, p in zip(names, grad.placements, strict=True)
+               if not p.is_replicate() and not p.is_partial()}
+    unknown = sharded - set(SHARD_DIMS)
+    if unknown:
+        raise ValueError(f"gradient sharded over mesh dims {sorted(unknown)}; the norm knows "
+                         f"only {SHARD_DIMS} (name the mesh dims as run.mesh does)")
+    return tuple(d for d in SHARD_DIMS if d in sharded)
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
     if not isinstance(grad, DTensor):
         return grad
     if any(isinstance(p, Partial) for p in grad.placements):
-        # pending sums must be reduced before squaring: ||a + b||^2 != ||a||^2 + ||b||^2
+        # pending sums must be reduced before squaring: ||a + b||^2 != ||a||^2 + ||b||^2; the
+        # engine aligns gradients to their parameters' placements first, so this is the rare path
         grad = grad.redistribute(
             placements=[Replicate() if isinstance(p, Partial) else p for p in grad.placements]
         )
     return grad.to_local()
 
 
+def local_sums_of_squares(grads: Iterable[torch.Tensor]) -> tuple[torch.Tensor, set[int]]:
+    """float64 [len(CLASSES)]: this rank's sum of squared local gradient elements per class, and
+    the indexes of the classes it holds any gradient of."""
+    by_class: dict[int, list[torch.Tensor]] = {}
+    device = torch.device("cpu")
+    for grad in grads:
+        local = _local(grad).detach()
+        device = local.device
+        by_class.setdefault(CLASSES.index(placement_class(grad)), []).append(local)
+    sums = torch.zeros(len(CLASSES), dtype=torch.float64, device=device)
+    for index, tensors in by_class.items():
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)  # one fused pass per class
+        sums[index] = torch.stack(norms).square().sum()
+    return sums, set(by_class)
+
+
 def global_grad_norm(grads: Iterable[torch.Tensor], mesh: TrainMesh | None) -> float:
     """L2 norm of the whole model's gradient; ``mesh`` None for one process."""
-    total = torch.zeros((), dtype=torch.float64)
-    for grad in grads:
-        local = _local(grad)  # collective for Partial grads: every rank must reach it
-        if _owns(grad, mesh):
-            total += local.detach().double().pow(2).sum().cpu()  # sum of squares
-    if mesh is not None and dist.get_world_size() > 1:
-        device = mesh.mesh.device_type
-        total = total.to(device)
-        dist.all_reduce(total)  # one sum over pp, dp and tp
+    sums, present = local_sums_of_squares(grads)
+    if mesh is None or dist.get_world_size() == 1:
+        return float(sums.sum().sqrt())
+    sums = sums.to(mesh.mesh.device_type)
+    sizes = {"dp": mesh.dp, "tp": mesh.tp}
+    for dim in SHARD_DIMS:
+        on_dim = [dim in c for c in CLASSES]
+        # the members of a dim's group hold the same layers and placements: all of them (or
+        # none) take this branch
+        if sizes[dim] > 1 and any(on_dim[i] for i in present):
+            mask = torch.tensor(on_dim, device=sums.device)
+            part = torch.where(mask, sums, torch.zeros_like(sums))
+            dist.all_reduce(part, group=mesh.group(dim))  # sum the shards over this dim
+            sums = torch.where(mask, part, sums)
+    total = sums.sum()
+    if mesh.pp > 1:
+        dist.all_reduce(total, group=mesh.group("pp"))  # each stage holds other layers
     return float(total.sqrt())
 
 
@@ -62,5 +95,8 @@ def clip_grads_(grads: Iterable[torch.Tensor], norm: float, max_norm: float) -> 
     coef = max_norm / (norm + 1e-6)
     if max_norm <= 0 or coef >= 1.0:
         return
-    for grad in grads:
-        grad.mul_(coef)
+    torch._foreach_mul_([_storage(g) for g in grads], coef)  # scaling is linear: Partial too
+
+
+def _storage(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_local() if isinstance(grad, DTensor) else grad

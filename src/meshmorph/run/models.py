@@ -236,10 +236,10 @@ def init_value(spec: ModelSpec, layer: int, name: str, shape: tuple[int, ...], *
     generator = torch.Generator().manual_seed(_param_seed(seed, layer, name))
     std = INIT_STD / math.sqrt(2 * spec.num_blocks) if owner in ("wo", "fc2", "w2") else INIT_STD
     if not vocab_table:
-        return torch.randn(shape, generator=generator) * std
+        return torch.randn(shape, generator=generator).mul_(std)  # in place: one tensor at a time
     value = torch.zeros(shape)
-    value[: spec.vocab_size] = torch.randn((spec.vocab_size, *shape[1:]), generator=generator) * std
-    return value
+    value[: spec.vocab_size] = torch.randn((spec.vocab_size, *shape[1:]), generator=generator)
+    return value.mul_(std)
 
 
 def build_chunk(spec: ModelSpec, start: int, stop: int, *, seed: int,

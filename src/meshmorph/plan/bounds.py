@@ -24,12 +24,11 @@ from dataclasses import dataclass
 from meshmorph.cost.model import CostModel, in_flight_microbatches
 from meshmorph.cost.rank_terms import least_rank_tail_s
 from meshmorph.plan.block_run import BlockRun, block_run
-from meshmorph.plan.fastest_layers import fastest_layer_times, unique_gpus
+from meshmorph.plan.fastest_layers import cluster_gpu, fastest_layer_times, unique_gpus
 from meshmorph.plan.rank_bound import FillKind, RankBound, SplitTable, least_max
 from meshmorph.plan.relaxations import filled_share
 from meshmorph.plan.space import Config
 from meshmorph.spec.gpus import GPUSpec
-from meshmorph.spec.gpus import gpu as gpu_by_name
 from meshmorph.spec.model import LayerKind, Recompute
 from meshmorph.spec.plan import Plan, Schedule
 
@@ -94,7 +93,7 @@ class ConfigBounds:
         only, for ZB)."""
         cost = self.cost
         plan = config.plan
-        gpus = unique_gpus(config.rank_gpus)
+        gpus = unique_gpus(cost, config.rank_gpus)
         sums = self._sums_of(plan, gpus)
         # tails and ZeRO-3 traffic are affine in a rank's parameters, so over the ranks they sum
         # to at least pp x their value at the average share: add that share to the average
@@ -156,7 +155,7 @@ class ConfigBounds:
         ranks = [self._rank(plan, run, k, config.rank_gpus[k]) for k in range(p)]
         least = run.least_blocks(p)
         reserve = [sum(least[k + 1:]) for k in range(p)]
-        hop = min(self.cost.p2p_time(plan, gpu_by_name(g)) for g in config.rank_gpus)
+        hop = min(self.cost.p2p_time(plan, cluster_gpu(self.cost, g)) for g in config.rank_gpus)
         bound = floor
         # rank s starts after micro-batch 0's forward reached it, then does its work and tail;
         # in 1F1B and GPipe the last backward must also go back to rank 0 (which the tail
@@ -224,6 +223,7 @@ class ConfigBounds:
                k == 0, k == p - 1, p == 1)
         rank = self._ranks.get(key)
         if rank is None:
-            rank = self._ranks[key] = RankBound(self.cost, plan, run, k, gpu_by_name(gpu_name),
+            rank = self._ranks[key] = RankBound(self.cost, plan, run, k,
+                                                cluster_gpu(self.cost, gpu_name),
                                                 self.modes)
         return rank

@@ -1,5 +1,6 @@
-"""Each layer's least per-micro-batch times over the GPU types in use: what every lower bound of
-the search starts from (a rank's work is at least the sum of its layers' fastest times)."""
+"""The GPU types a configuration uses, and each layer's least per-micro-batch times over them:
+what every lower bound of the search starts from (a rank's work is at least the sum of its
+layers' fastest times)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,22 @@ from dataclasses import dataclass
 
 from meshmorph.cost.model import CostModel
 from meshmorph.spec.gpus import GPUSpec
-from meshmorph.spec.gpus import gpu as gpu_by_name
 from meshmorph.spec.model import Recompute
 from meshmorph.spec.plan import Plan, Schedule
 
 
-def unique_gpus(names: Iterable[str]) -> list[GPUSpec]:
+def cluster_gpu(cost: CostModel, name: str) -> GPUSpec:
+    """The cluster's GPU type of that name (its memory and peaks, which a cluster may set
+    apart from the catalog's), as ``CostModel.stage_gpu`` resolves a stage's GPU."""
+    for group in cost.cluster.groups:
+        if group.gpu.name == name:
+            return group.gpu
+    raise ValueError(f"no GPU {name!r} in the cluster ({cost.cluster.describe()})")
+
+
+def unique_gpus(cost: CostModel, names: Iterable[str]) -> list[GPUSpec]:
     """The distinct GPU types among ``names``, in first-seen order."""
-    return [gpu_by_name(name) for name in dict.fromkeys(names)]
+    return [cluster_gpu(cost, name) for name in dict.fromkeys(names)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ class PartitionBounds:
         self.table = table
         self.p2p = [cost.p2p_time(plan, g) for g in solver.gpus]
         L = solver.L
-        fastest = fastest_layer_times(cost, plan, unique_gpus(g.name for g in solver.gpus))
+        fastest = fastest_layer_times(cost, plan, unique_gpus(cost, (g.name for g in solver.gpus)))
         # least_after[i]: the smallest one-layer stage among layers i.., per op kind (a stage
         # holds at least one layer), for the simulated bound of a partial partition
         self.least_after: list[tuple[float, float, float, float]] = [(0.0,) * 4] * (L + 1)

@@ -17,11 +17,11 @@ from dataclasses import dataclass, replace
 from meshmorph.cost.estimate import GIB, Estimate
 from meshmorph.cost.model import CostModel
 from meshmorph.plan.bounds import ConfigBounds
+from meshmorph.plan.fastest_layers import cluster_gpu
 from meshmorph.plan.partition_search import PartitionResult, solve_partition
 from meshmorph.plan.space import Config, SearchOptions, configurations
 from meshmorph.plan.stage_recompute import StageSolver
 from meshmorph.spec.cluster import Cluster
-from meshmorph.spec.gpus import gpu as gpu_by_name
 from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.plan import Plan, PlanError, Schedule
 
@@ -55,7 +55,7 @@ def even_estimate(cost: CostModel, config: Config, mode: Recompute) -> tuple[Pla
     """A configuration with its blocks split evenly (Megatron-style) and ``mode`` recompute."""
     plan = config.plan
     candidate = plan.with_even_stages(cost.model, mode)
-    gpus = [gpu_by_name(config.rank_gpus[c % plan.pp]) for c in range(plan.num_chunks)]
+    gpus = [cluster_gpu(cost, config.rank_gpus[c % plan.pp]) for c in range(plan.num_chunks)]
     if len(set(config.rank_gpus)) > 1:
         candidate = replace(candidate, stages=tuple(
             replace(s, gpu=g.name) for s, g in zip(candidate.stages, gpus, strict=True)))
@@ -77,7 +77,7 @@ def solve_config(cost: CostModel, config: Config, options: SearchOptions,
                 bound = estimate.step_time_s
                 best = (candidate, estimate)
         return PartitionResult(best, float("inf"))
-    gpus = [gpu_by_name(name) for name in config.rank_gpus]
+    gpus = [cluster_gpu(cost, name) for name in config.rank_gpus]
     return solve_partition(StageSolver(cost, plan, gpus, options.recompute), bound,
                            options.tolerance, options.max_nodes, bounds.split_table(config))
 

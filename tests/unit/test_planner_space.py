@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from meshmorph.plan.search import PlanDoesNotFit, search
 from meshmorph.plan.space import SearchOptions, configurations, divisors
 from meshmorph.spec import catalog_model, parse_cluster
 
@@ -36,8 +37,31 @@ def test_a_huge_global_batch_enumerates_its_configurations_at_once() -> None:
     cluster = parse_cluster("h100:1x8")
     started = time.perf_counter()
     configs = list(configurations(model, cluster, 99_999_999_999_999_999_999,
-                                  SearchOptions(max_micro_batch=16)))
+                                  SearchOptions(max_micro_batch=16,
+                                                max_microbatches=10 ** 30)))
     assert time.perf_counter() - started < 1.0
     # only dp 1 divides an odd batch on 8 GPUs: tp x pp = 8, micro-batches 1, 3, 9 and 11
     assert configs and {c.plan.dp for c in configs} == {1}
     assert {c.plan.micro_batch for c in configs} == {1, 3, 9, 11}
+
+
+def test_a_batch_needing_too_many_micro_batches_on_every_layout_is_refused_at_once() -> None:
+    model = catalog_model("gpt3-125m")
+    cluster = parse_cluster("h100:1x8")
+    started = time.perf_counter()
+    with pytest.raises(PlanDoesNotFit, match="needs more than 65536 micro-batches per step .*"
+                                             "raise max_micro_batch"):
+        search(model, cluster, global_batch=99_999_999_999_999_999_999)
+    assert time.perf_counter() - started < 1.0
+
+
+def test_layouts_beyond_the_micro_batch_cap_are_left_out() -> None:
+    model = catalog_model("gpt3-125m")
+    cluster = parse_cluster("h100:1x8")
+    options = SearchOptions(max_micro_batch=4, max_microbatches=64)
+    configs = list(configurations(model, cluster, 1024, options))
+    # 1024 sequences over dp ranks in micro-batches of b: m = 1024 / (dp b) <= 64
+    assert configs and max(c.plan.num_microbatches for c in configs) == 64
+    assert {c.plan.dp * c.plan.micro_batch for c in configs} == {16, 32}
+    with pytest.raises(ValueError, match="max_microbatches must be at least 1"):
+        SearchOptions(max_microbatches=0)

@@ -90,6 +90,12 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int,
     if global_batch < 1:
         raise PlanError(f"global_batch must be at least 1, got {global_batch}")
     cost = cost or CostModel(model, cluster)
+    world = cluster.world_size
+    if global_batch > world * options.max_micro_batch * options.max_microbatches:
+        raise PlanDoesNotFit(
+            f"global batch {global_batch} needs more than {options.max_microbatches} "
+            f"micro-batches per step on every layout of {world} GPUs (micro-batches of at most "
+            f"{options.max_micro_batch} sequences); lower the batch or raise max_micro_batch")
     configs = list(configurations(model, cluster, global_batch, options))
     if not configs:
         raise PlanDoesNotFit(

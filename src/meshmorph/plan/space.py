@@ -2,9 +2,10 @@
 
 A configuration fixes everything but the stage boundaries and per-layer recompute: tp (inside a
 node, dividing heads and FFN), pp, dp = world / (tp * pp) dividing the batch, ZeRO stage,
-sequence parallel, micro-batch size, schedule (GPipe, 1F1B, ZB-H1; interleaved with v chunks
-when the blocks split evenly into pp * v chunks) and, on mixed clusters, which GPU type each
-pipeline rank uses (groups stay contiguous; every order of the groups is tried).
+sequence parallel, micro-batch size (at most ``max_microbatches`` micro-batches per step),
+schedule (GPipe, 1F1B, ZB-H1; interleaved with v chunks when the blocks split evenly into
+pp * v chunks) and, on mixed clusters, which GPU type each pipeline rank uses (groups stay
+contiguous; every order of the groups is tried).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class SearchOptions:
     """Compute dtype of every plan (``bf16``, ``fp16`` or ``fp32``; a string is converted)."""
     max_micro_batch: int = 16
     """Largest micro-batch size tried."""
+    max_microbatches: int = 65_536
+    """Most micro-batches per step a layout may have: the cost model simulates each one, so a
+    layout beyond this is left out (and a batch that needs more on every layout is refused)."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     """ZeRO stages tried when dp > 1."""
     schedules: tuple[Schedule, ...] = tuple(Schedule)
@@ -67,6 +71,8 @@ class SearchOptions:
                              f"{self.max_nodes}")
         if self.max_micro_batch < 1:
             raise ValueError(f"max_micro_batch must be at least 1, got {self.max_micro_batch}")
+        if self.max_microbatches < 1:
+            raise ValueError(f"max_microbatches must be at least 1, got {self.max_microbatches}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +151,8 @@ def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int,
     per_rank = global_batch // dp
     for b in divisors(per_rank, up_to=options.max_micro_batch):
         m = per_rank // b
+        if m > options.max_microbatches:
+            continue
         schedules: list[tuple[Schedule, int]] = []
         if pp == 1:
             schedules.append((Schedule.ONE_F_ONE_B, 1))

@@ -60,8 +60,9 @@ class RankBound:
             params = cost.chunk_params(index, index + 1, tp)
             self.fixed_params += params
             self.biggest_fixed = max(self.biggest_fixed, params)
-        if plan.pp == 1 and run.suffix:  # the tied head and the embedding on one rank
-            self.fixed_params -= model.layers[run.suffix[0]].tied_params / tp
+        if plan.pp == 1:  # one rank holds every layer: the cost model's count of its params
+            apart = sum(cost.chunk_params(i, i + 1, tp) for i in range(model.num_layers))
+            self.fixed_params -= apart - cost.chunk_params(0, model.num_layers, tp)
         self.block_params = cost.chunk_params(run.first, run.first + 1, tp)
         block = model.layers[run.first]
         none = coster.layer(run.first, gpu, b, tp, sp, Recompute.NONE)

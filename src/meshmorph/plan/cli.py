@@ -182,7 +182,11 @@ def _estimate(args: argparse.Namespace) -> int:
     console.print(f"[bold]{model.name}[/] on {cluster.describe()} ({cluster.world_size} GPUs)")
     print_estimate(plan, estimate, console, model=model)
     if args.json:
-        _write_json(args.json, replace(plan, predicted=estimate.to_dict()).to_dict())
+        from meshmorph.cost.rank_state import predict_ranks
+
+        # per-rank state and traffic: what the run's "state" line measures against
+        predicted = {**estimate.to_dict(), "ranks": predict_ranks(model, plan)}
+        _write_json(args.json, replace(plan, predicted=predicted).to_dict())
         console.print(f"estimate written to {args.json}")
     if args.chart:
         _write_charts(plan, cost, estimate, args.chart, console)

@@ -32,10 +32,10 @@ from meshmorph.run.comm_count import CommCounter
 from meshmorph.run.config import OptimConfig
 from meshmorph.run.grad_norm import clip_grads_, global_grad_norm
 from meshmorph.run.loss import token_cross_entropy
+from meshmorph.run.loss_scale import LossScaler
 from meshmorph.run.materialize import materialize_
 from meshmorph.run.mesh import TrainMesh, build_mesh
 from meshmorph.run.models import Transformer, build_chunk
-from meshmorph.run.loss_scale import LossScaler
 from meshmorph.run.parallelize import TORCH_DTYPES, parallelize, uses_fsdp_precision
 from meshmorph.run.pipeline import build_schedule
 from meshmorph.run.zero1 import ShardedAdamW
@@ -100,8 +100,11 @@ class TrainEngine:
         self.model_parts: list[nn.Module] = list(model_parts)
         self._runners = runners  # what runs each part: a DDP wrapper or the part itself
         self.chunk_ids = chunk_ids
-        pairs = [_make_optimizer(list(part.parameters()), optim, device=device, mesh=mesh,
-                                 zero=plan.zero) for part in model_parts]
+        # the parameters as registered now: FSDP2's sharded DTensors (ZeRO-2 keeps unsharded
+        # ones registered on the modules between backward and the optimizer step)
+        self._params = [list(part.parameters()) for part in model_parts]
+        pairs = [_make_optimizer(params, optim, device=device, mesh=mesh, zero=plan.zero)
+                 for params in self._params]
         self.optimizers = [opt for opt, _ in pairs]
         self.lr_schedulers = [sched for _, sched in pairs]
         self.has_first = 0 in chunk_ids
@@ -160,8 +163,8 @@ class TrainEngine:
     def _align_grads(self) -> None:
         """Give every DTensor gradient its parameter's placements (tensor parallelism can leave a
         gradient Partial or Replicate where the parameter is sharded)."""
-        for part in self.model_parts:
-            for param in part.parameters():
+        for params in self._params:
+            for param in params:
                 grad = param.grad
                 if isinstance(grad, DTensor) and grad.placements != param.placements:
                     param.grad = grad.redistribute(param.device_mesh, param.placements)
@@ -185,7 +188,7 @@ class TrainEngine:
         if self._tied_group is not None:
             skip = {id(part.head.out.weight) for part in self.model_parts
                     if part.head is not None and part.embed is None}
-        return [p for part in self.model_parts for p in part.parameters()
+        return [p for params in self._params for p in params
                 if p.grad is not None and id(p) not in skip]
 
     # --- the step ------------------------------------------------------------------------------
@@ -253,7 +256,7 @@ class TrainEngine:
             self.captured_state = state_line.held_bytes(self)
         self._align_grads()
         self._sync_tied_grads()
-        grads = [p.grad for part in self.model_parts for p in part.parameters()
+        grads = [p.grad for params in self._params for p in params
                  if p.grad is not None]
         if self.scaler is not None:
             loss_sum /= self.scaler.scale

@@ -7,6 +7,7 @@ import resource
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -56,7 +57,7 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     if not path.is_file():
         return
     kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= last_step]
+            if line.strip() and json.loads(line).get("step", 0) <= last_step]
     path.write_text("".join(line + "\n" for line in kept))
 
 
@@ -98,6 +99,13 @@ class MetricsLogger:
         self._progress.console.print(metrics.line(self.total_steps))
         self._progress.update(self._task, completed=step)
         return metrics
+
+    def log_event(self, record: dict[str, Any]) -> None:
+        """Append one non-step record (e.g. ``{"event": "state", ...}``) to metrics.jsonl."""
+        if not self.enabled:
+            return
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
 
     def close(self, *, chart: bool = True) -> Path | None:
         """Stop the progress bar and draw ``loss.png`` from every recorded step."""

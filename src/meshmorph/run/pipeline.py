@@ -31,18 +31,28 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from meshmorph.run.mesh import TrainMesh
+from meshmorph.run.parallelize import TORCH_DTYPES, uses_fsdp_precision
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan, Schedule
 
 
-def _io_shapes(chunk_index: int, plan: Plan, spec: ModelSpec, logits_dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Meta tensors of one micro-batch's input and output of a chunk (the residual stream stays
-    fp32; logits come out of the head in the autocast dtype)."""
+def io_dtypes(plan: Plan) -> tuple[torch.dtype, torch.dtype]:
+    """(hidden state, logits) dtypes between stages: fp32 plans send fp32; under autocast the
+    residual stream stays fp32 and the head's logits come out 16-bit; under FSDP2's mixed
+    precision (zero 2/3) the whole chunk computes in the 16-bit dtype."""
+    if plan.dtype == "fp32":
+        return torch.float32, torch.float32
+    compute = TORCH_DTYPES[plan.dtype]
+    return (compute if uses_fsdp_precision(plan) else torch.float32), compute
+
+
+def _io_shapes(chunk_index: int, plan: Plan, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Meta tensors of one micro-batch's input and output of a chunk (dtypes: ``io_dtypes``)."""
     b, s, h = plan.micro_batch, plan.seq_len, spec.hidden_size
     local_s = s // plan.tp if plan.sequence_parallel else s
+    hidden_dtype, logits_dtype = io_dtypes(plan)
     # requires_grad marks the tensors whose gradients travel back between stages
-    hidden = torch.empty(b, local_s, h, dtype=torch.float32, device="meta", requires_grad=True)
+    hidden = torch.empty(b, local_s, h, dtype=hidden_dtype, device="meta", requires_grad=True)
     first, last = chunk_index == 0, chunk_index == plan.num_chunks - 1
     inputs = torch.empty(b, s, dtype=torch.long, device="meta") if first else hidden
     outputs = torch.empty(b, s, spec.vocab_size, dtype=logits_dtype, device="meta",
@@ -53,8 +63,8 @@ def _io_shapes(chunk_index: int, plan: Plan, spec: ModelSpec, logits_dtype: torc
 
 def build_schedule(chunks: list[nn.Module], chunk_ids: list[int], spec: ModelSpec, plan: Plan,
                    mesh: TrainMesh, device: torch.device,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                   logits_dtype: torch.dtype = torch.float32) -> _PipelineSchedule:
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                   ) -> _PipelineSchedule:
     """The schedule that runs this rank's ``chunks`` (model chunks ``chunk_ids``) each step.
 
     ``loss_fn`` returns a micro-batch's mean loss; the schedule divides gradients by the number of
@@ -62,7 +72,7 @@ def build_schedule(chunks: list[nn.Module], chunk_ids: list[int], spec: ModelSpe
     group = mesh.group("pp")
     stages = []
     for chunk, index in zip(chunks, chunk_ids, strict=True):
-        inputs, outputs = _io_shapes(index, plan, spec, logits_dtype)
+        inputs, outputs = _io_shapes(index, plan, spec)
         stages.append(PipelineStage(chunk, index, plan.num_chunks, device, input_args=inputs,
                                     output_args=outputs, group=group))
     m = plan.num_microbatches

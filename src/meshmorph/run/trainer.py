@@ -35,6 +35,7 @@ from meshmorph.run.fingerprint import run_fingerprint
 from meshmorph.run.job import JobConfig, load_job
 from meshmorph.run.metrics import MetricsLogger
 from meshmorph.run.run_folder import stop_file
+from meshmorph.run.state_line import write_state_line
 from meshmorph.run.stop import StopFlag
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.model import ModelSpec
@@ -130,6 +131,7 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
             consumed += plan.global_batch
             metrics.log(step=step, loss=loss, lr=lr, grad_norm=engine.grad_norm_last(),
                         step_time_s=step_time_s, consumed_samples=consumed)
+            write_state_line(engine, metrics)  # once, after the first step (run/state_line.py)
             if job.checkpoint.every and step % job.checkpoint.every == 0:
                 save_checkpoint(engine, ckpt_dir, step=step, consumed_samples=consumed,
                                 plan=plan.to_dict(), keep=job.checkpoint.keep,

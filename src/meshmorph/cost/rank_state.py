@@ -1,0 +1,219 @@
+"""What one rank of a Plan holds at the end of backward and sends in one step, in bytes: the
+prediction the run's ``state`` line puts beside its measurement (run/state_line.py).
+
+Held (end of backward, before the optimizer step), per distinct tensor the rank allocates
+(cost/tensor_shapes.py; ``r`` its tensor-parallel-local dim-0 rows, ``k`` the rest of its
+elements, ``d`` = dp, ``c`` the compute dtype's bytes; cost/state.py for the table by stage):
+
+- ZeRO 0/1 (or dp 1): parameters ``4 r k``, gradients ``4 r k`` (DDP's buckets, or FSDP2
+  ``replicate``'s reduced gradients); ZeRO-1's moments ``8 r_i k`` on the rank's own rows ``r_i``
+  (DTensor's Shard(0) rule: ``ceil(r / d)`` rows each, the last ranks fewer), ZeRO-0's ``8 r k``.
+- FSDP2 (ZeRO 2/3): sharded parameters and gradients padded to ``ceil(r / d)`` rows
+  (``4 ceil(r/d) k`` each), plus for ZeRO-2 without pipeline parallelism the unsharded copy
+  ``c ceil(r/d) d k``; moments ``8 r_i k`` (unpadded local shard).
+
+Sent per step (run/comm_count.py: each collective's input buffer on this rank; a receive sends
+nothing), ``m`` micro-batches of ``b`` sequences of ``s`` tokens:
+
+- data parallel: cost/state.py's traffic with padded shards; ZeRO-3 under pipeline parallelism
+  gathers ``m + 1`` times per step (torch keeps a block gathered from its backward to the next
+  forward, so only a forward after a forward or a backward after a forward gathers);
+- the tied embedding's gradient, summed over the first and last pipeline ranks (its local, and
+  under FSDP2 sharded, gradient);
+- tensor parallel activations per micro-batch (DTensor as run/parallelize.py lays it out):
+  without sequence parallelism, an all-reduce of ``b s h`` after the vocabulary-parallel
+  embedding and after each row-parallel layer (2 per block) in forward, one per column-parallel
+  layer's input gradient in backward (q, k, v and the first MLP projection(s)), one for the
+  head's input gradient, and the all-gather of the head's logits ``b s V/t``; with sequence
+  parallelism the row-parallel all-reduces become reduce-scatters of ``b s h`` and the block
+  inputs all-gathers of ``b s/t h`` (forward and backward), and the norms' gradients are
+  all-reduced once per step;
+- pipeline: each micro-batch's hidden state ``b s h`` (``s/t`` under sequence parallelism) to
+  the next chunk and its gradient to the previous one, plus torch's one 4-byte handshake per
+  neighbour in the first step;
+- meshmorph's own reductions: the loss and the global gradient norm (8 bytes each).
+"""
+
+from __future__ import annotations
+
+import math
+
+from meshmorph.cost.state import compute_bytes
+from meshmorph.cost.tensor_shapes import ParamTensor, layer_tensors, rank_tensors, vocab_split
+from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
+from meshmorph.spec.plan import Plan
+
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "broadcast")
+"""Kinds of collectives in ``comm_bytes`` (run/comm_count.py counts the same)."""
+MASTER, GRAD, MOMENTS = 4, 4, 8
+"""Bytes per element of fp32 parameters, fp32 gradients, and AdamW's two fp32 moments."""
+LOSS_BYTES = 8
+"""The step's loss, one float64 all-reduce over every rank."""
+NORM_CLASS_BYTES = 32
+"""run/grad_norm.py: a float64 [4] vector of per-placement-class sums, all-reduced over dp when
+the rank holds dp-sharded gradients (FSDP2) and over tp when it holds tp-split ones."""
+NORM_PP_BYTES = 8
+"""run/grad_norm.py: the float64 norm, all-reduced over pp when pp > 1."""
+HANDSHAKE_BYTES = 4
+"""torch pipelining's first-step neighbour check: one float32 per neighbouring stage."""
+
+
+def _rows_rest(tensor: ParamTensor, tp: int) -> tuple[int, int]:
+    shape = tensor.local_shape(tp)
+    return shape[0], math.prod(shape[1:])
+
+
+def _own_rows(rows: int, dp: int, dp_rank: int) -> int:
+    """Rows of dim 0 a data-parallel rank owns under DTensor's Shard(0) (torch.chunk) rule."""
+    size = math.ceil(rows / dp)
+    start = min(dp_rank * size, rows)
+    return min(start + size, rows) - start
+
+
+def _coords(plan: Plan, rank: int) -> tuple[int, int, int]:
+    """(pp_rank, dp_rank, tp_rank) of a global rank (tensor parallel innermost)."""
+    if not 0 <= rank < plan.world_size:
+        raise ValueError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
+    return rank // (plan.dp * plan.tp), rank // plan.tp % plan.dp, rank % plan.tp
+
+
+def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, object]:
+    """``params_bytes``, ``grads_bytes``, ``optimizer_bytes`` and ``comm_bytes`` (by kind) of
+    global ``rank`` of ``plan`` (the module docstring says what each counts)."""
+    pp_rank, dp_rank, _ = _coords(plan, rank)
+    chunks = [plan.stages[c] for c in plan.chunks_of(pp_rank)]
+    ranges = [(stage.start, stage.stop) for stage in chunks]
+    t, d, m = plan.tp, plan.dp, plan.num_microbatches
+    c = compute_bytes(plan.dtype)
+    reduce_b = compute_bytes(plan.reduce_dtype)
+    fsdp = d > 1 and plan.zero >= 2
+    comm = dict.fromkeys(COMM_KINDS, 0.0)
+
+    params = grads = moments = 0.0
+    whole = padded_shard = 0.0  # elements: whole local tensors, padded dim-0 shards
+    tensors = rank_tensors(model, ranges, t)
+    for tensor in tensors:
+        rows, rest = _rows_rest(tensor, t)
+        whole += rows * rest
+        padded_shard += math.ceil(rows / d) * rest
+        own = _own_rows(rows, d, dp_rank) * rest
+        if fsdp:
+            params += MASTER * math.ceil(rows / d) * rest
+            grads += GRAD * math.ceil(rows / d) * rest
+            moments += MOMENTS * own
+        else:
+            params += MASTER * rows * rest
+            grads += GRAD * rows * rest
+            moments += MOMENTS * (own if plan.zero == 1 and d > 1 else rows * rest)
+    if fsdp and plan.zero == 2 and plan.pp == 1:
+        params += c * padded_shard * d  # gathered once, kept to the end of the step
+    holds_embed = any(start == 0 for start, _ in ranges)
+    if holds_embed and vocab_split(model, t) and d == 1:
+        # torch: the vocabulary-parallel embedding's local gradient is a view into a storage
+        # twice its size (no data-parallel reduction replaces it with a fresh tensor)
+        rows, rest = _rows_rest(layer_tensors(model, 0, t)[0], t)
+        grads += GRAD * rows * rest
+
+    # --- data parallel -----------------------------------------------------------------------
+    if d > 1:
+        if plan.zero <= 1:
+            comm["all_reduce"] += reduce_b * whole
+            if plan.zero == 1:
+                comm["all_gather"] += MASTER * padded_shard
+        else:
+            gathers = 1 if plan.zero == 2 else (m + 1 if plan.pp > 1 else 2 * m)
+            scatters = 1 if plan.pp > 1 else m
+            comm["all_gather"] += gathers * c * padded_shard
+            comm["reduce_scatter"] += scatters * reduce_b * padded_shard * d
+
+    # --- the tied embedding's two copies across pipeline ranks ---------------------------------
+    holds_head = any(stop == model.num_layers for _, stop in ranges)
+    if model.tied_embeddings and plan.pp > 1 and (holds_embed or holds_head):
+        tok = layer_tensors(model, 0, t)[0]
+        rows, rest = _rows_rest(tok, t)
+        comm["all_reduce"] += GRAD * (math.ceil(rows / d) if fsdp else rows) * rest
+
+    # --- tensor parallel activations, pipeline transfers ---------------------------------------
+    for kind, nbytes in _activation_traffic(model, plan, chunks).items():
+        comm[kind] += nbytes
+    comm["all_reduce"] += LOSS_BYTES + NORM_CLASS_BYTES * ((fsdp) + (t > 1 and any(
+        tensor.tp_dim is not None for tensor in tensors))) + NORM_PP_BYTES * (plan.pp > 1)
+
+    return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": moments,
+            "comm_bytes": comm}
+
+
+def _activation_traffic(model: ModelSpec, plan: Plan, chunks: list) -> dict[str, float]:
+    """Tensor-parallel and pipeline bytes one rank sends per step for its activations."""
+    out = dict.fromkeys(COMM_KINDS, 0.0)
+    t, m, b, s, h = plan.tp, plan.num_microbatches, plan.micro_batch, plan.seq_len, \
+        model.hidden_size
+    sp = plan.sequence_parallel
+    tp_b = _tp_activation_bytes(plan)
+    hidden_b = _hidden_bytes(plan)
+    bsh = b * s * h
+    up = 1 if model.arch == "gpt" else 2  # first MLP projections: fc1, or w1 and w3
+    split = vocab_split(model, t)
+    for stage in chunks:
+        index = plan.stages.index(stage)
+        first, last = index == 0, index == plan.num_chunks - 1
+        if plan.pp > 1:
+            neighbours = (not first) + (not last)
+            local_s = s // t if sp else s
+            out["send_recv"] += HANDSHAKE_BYTES * neighbours \
+                + m * neighbours * b * local_s * h * hidden_b
+        if t == 1:
+            continue
+        for offset, layer_index in enumerate(range(stage.start, stage.stop)):
+            layer = model.layers[layer_index]
+            if layer.kind == LayerKind.EMBEDDING:
+                if split:
+                    out["all_reduce"] += m * bsh * hidden_b  # the embedding's output
+                if sp:
+                    out["all_gather"] += m * bsh // t * hidden_b  # its gradient, gathered
+            elif layer.kind == LayerKind.BLOCK:
+                replays = 2 if stage.recompute[offset] == Recompute.FULL else 1
+                if sp:  # inputs gathered (forward, replays), output gradients gathered
+                    out["all_gather"] += replays * 2 * m * bsh // t * hidden_b \
+                        + 2 * m * bsh // t * tp_b
+                    out["reduce_scatter"] += replays * 2 * m * bsh * tp_b
+                else:  # row-parallel outputs, in the compute dtype
+                    out["all_reduce"] += replays * 2 * m * bsh * tp_b
+                # column-parallel input gradients, in the dtype of the input
+                out["all_reduce"] += (3 + up) * m * bsh * hidden_b
+            else:  # head
+                if split:
+                    out["all_gather"] += m * b * s * model.padded_vocab_size // t * tp_b
+                    if sp:
+                        out["all_gather"] += m * bsh // t * hidden_b
+                        out["reduce_scatter"] += m * bsh * hidden_b
+                    else:
+                        out["all_reduce"] += m * bsh * hidden_b
+        if sp:  # norm gradients are partial sums over the sequence shards: one all-reduce
+            norms = sum(tensor.local_numel(t) for layer_index in range(stage.start, stage.stop)
+                        for tensor in layer_tensors(model, layer_index, t)
+                        if "norm" in tensor.name)
+            out["all_reduce"] += GRAD * norms
+    return out
+
+
+def _tp_activation_bytes(plan: Plan) -> float:
+    """Bytes per element of a linear layer's output (row-parallel outputs, the logits): the
+    compute dtype, under autocast and FSDP2's mixed precision alike."""
+    return compute_bytes(plan.dtype)
+
+
+def _hidden_bytes(plan: Plan) -> float:
+    """Bytes per element of the residual stream (the hidden state between pipeline stages,
+    run/pipeline.py, and the inputs of tensor-parallel regions): fp32 under autocast, the
+    compute dtype under FSDP2's mixed precision."""
+    if plan.dtype == "fp32":
+        return 4.0
+    return compute_bytes(plan.dtype) if plan.dp > 1 and plan.zero >= 2 else 4.0
+
+
+def predict_ranks(model: ModelSpec, plan: Plan) -> list[dict[str, object]]:
+    """``predict_rank_state`` of every rank, in rank order (``estimate --json``'s ``ranks``)."""
+    model = model.with_seq_len(plan.seq_len)
+    return [{"rank": rank, **predict_rank_state(model, plan, rank)}
+            for rank in range(plan.world_size)]

@@ -1,0 +1,123 @@
+"""ZeRO-1: AdamW whose moments live on this rank's dim-0 shard of every parameter.
+
+Parameters and gradients stay whole on every data-parallel rank (ZeRO-0's gradient all-reduce
+made them so); each rank updates only its dim-0 shard of every parameter — a view of the local
+parameter tensor, whose gradient is the matching view of the all-reduced gradient (no copy) —
+with torch's own AdamW arithmetic (``torch.optim.adamw.adamw``), then every updated shard is
+all-gathered back into the whole parameter through DTensor (``Shard(0)`` -> ``full_tensor``).
+
+Shards follow DTensor's ``Shard(0)`` rule (``torch.chunk``): ``ceil(n / d)`` rows per rank, the
+last ranks hold fewer or none. The optimizer's ``param_groups`` hold the model's own parameters,
+so ``torch.distributed.checkpoint``'s optimizer state dict names them as usual; the moments are
+DTensors over the data-parallel (and tensor-parallel) mesh with the parameter's global shape,
+placed as FSDP2 places its sharded parameters (``_StridedShard`` where tensor parallelism
+already splits dim 0), so a checkpoint reshards to any layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.optim.adamw import adamw
+
+
+def shard_bounds(rows: int, dp: int, dp_rank: int) -> tuple[int, int]:
+    """Rows [start, stop) of dim 0 that rank ``dp_rank`` of ``dp`` owns (DTensor's Shard(0))."""
+    size = math.ceil(rows / dp) if rows else 0
+    start = min(dp_rank * size, rows)
+    return start, min(start + size, rows)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # type: ignore[attr-defined]
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """AdamW over dim-0 shards of whole parameters, all-gathered after every step (ZeRO-1)."""
+
+    def __init__(self, params: list[nn.Parameter], *, dp_mesh: DeviceMesh,
+                 dp_tp_mesh: DeviceMesh | None, lr: float, betas: tuple[float, float],
+                 eps: float, weight_decay: float, foreach: bool, fused: bool) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
+                                  "weight_decay": weight_decay})
+        self.dp_mesh = dp_mesh
+        self.dp_tp_mesh = dp_tp_mesh
+        self.dp, self.dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+        self.foreach, self.fused = foreach, fused
+
+    # --- the moments: DTensors with the parameter's global shape --------------------------------
+    def _moment_spec(self, param: torch.Tensor) -> tuple[DeviceMesh, list[Placement]]:
+        """Mesh and placements of a moment: the parameter's, with dim 0 split over dp."""
+        if not isinstance(param, DTensor):
+            return self.dp_mesh, [Shard(0)]
+        names = param.device_mesh.mesh_dim_names or ()
+        if "dp" in names:  # FSDP2 replicate made it a (dp, tp) DTensor, Replicate on dp
+            mesh, placements, dp_dim = param.device_mesh, list(param.placements), names.index("dp")
+        else:  # tensor parallel only: add the dp dim in front
+            if self.dp_tp_mesh is None:
+                raise ValueError("ShardedAdamW needs dp_tp_mesh for DTensor parameters on the tp mesh")
+            mesh, placements, dp_dim = self.dp_tp_mesh, [Shard(0), *param.placements], 0
+        # tensor parallelism that also splits dim 0 is interleaved inside each dp shard
+        split = 1
+        for j in range(dp_dim + 1, mesh.ndim):
+            if isinstance(placements[j], Shard | _StridedShard) and placements[j].dim == 0:
+                split *= mesh.size(j)
+        placements[dp_dim] = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+        return mesh, placements
+
+    def _init_state(self, param: torch.Tensor, shard: torch.Tensor) -> dict[str, Any]:
+        mesh, placements = self._moment_spec(param)
+
+        def moment() -> DTensor:
+            return DTensor.from_local(torch.zeros_like(shard), mesh, placements,
+                                      shape=param.shape, stride=param.stride(), run_check=False)
+
+        return {"step": torch.tensor(0.0), "exp_avg": moment(), "exp_avg_sq": moment()}
+
+    def _shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        local = _local(tensor)
+        start, stop = shard_bounds(local.shape[0], self.dp, self.dp_rank)
+        return local[start:stop]  # a view: the update lands in the parameter itself
+
+    # --- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            owners, params, grads, avgs, sqs, steps = [], [], [], [], [], []
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                shard = self._shard(param)
+                state = self.state[param]
+                if not state:
+                    state.update(self._init_state(param, shard))
+                owners.append(param)
+                params.append(shard)
+                grads.append(self._shard(param.grad))
+                avgs.append(_local(state["exp_avg"]))
+                sqs.append(_local(state["exp_avg_sq"]))
+                steps.append(state["step"])
+            if not owners:
+                continue
+            beta1, beta2 = group["betas"]
+            adamw(params, grads, avgs, sqs, [], steps, foreach=self.foreach and not self.fused,
+                  fused=self.fused or None, amsgrad=False, beta1=beta1, beta2=beta2,
+                  lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                  maximize=False)
+            for param, shard in zip(owners, params, strict=True):
+                self._gather_(param, shard)
+        return loss
+
+    def _gather_(self, param: torch.Tensor, shard: torch.Tensor) -> None:
+        """All-gather the updated dim-0 shards over dp into the whole local parameter."""
+        local = _local(param)
+        spread = DTensor.from_local(shard, self.dp_mesh, [Shard(0)], shape=local.shape,
+                                    stride=local.stride(), run_check=False)
+        local.copy_(spread.full_tensor())

@@ -1,0 +1,157 @@
+"""Each rank holds and sends what the cost model says, and the ZeRO stages differ as defined.
+
+One spawned 4-process gloo job runs every layout (each rank rebuilds its engine per layout),
+takes one step, and writes the ``state`` line through ``write_state_line`` into a metrics file
+per layout; each test then reads one layout's line and checks every rank's measured figures
+against the prediction beside it (within 2%), or the stages against each other.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshmorph.run.config import OptimConfig
+from meshmorph.spec.catalog import catalog_model
+from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import Plan
+
+WORLD = 4
+SEQ = 16
+SEED = 5
+TOLERANCE = 0.02
+OPTIM = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=1, decay_steps=10, grad_clip=1.0)
+
+
+def _model() -> ModelSpec:
+    return catalog_model("gpt-tiny", seq_len=SEQ)
+
+
+def _plan(**kw: object) -> Plan:
+    fields: dict[str, object] = {"dtype": "fp32", "num_microbatches": 2, **kw}
+    dp = int(fields.get("dp", 1))  # type: ignore[call-overload]
+    fields.setdefault("global_batch", dp * int(fields["num_microbatches"]))  # type: ignore[call-overload]
+    return Plan(model="gpt-tiny", seq_len=SEQ, **fields).with_even_stages(_model())  # type: ignore[arg-type]
+
+
+LAYOUTS: dict[str, Plan] = {
+    "dp4_zero0": _plan(dp=4, zero=0),
+    "dp4_zero1": _plan(dp=4, zero=1),
+    "dp4_zero2": _plan(dp=4, zero=2),
+    "dp4_zero3": _plan(dp=4, zero=3),
+    "tp2_dp2_zero1": _plan(tp=2, dp=2, zero=1),
+    "pp2_dp2_zero1": _plan(pp=2, dp=2, zero=1, num_microbatches=4),
+    "tp2_pp2": _plan(tp=2, pp=2, num_microbatches=4),
+    "dp4_zero2_bf16": _plan(dp=4, zero=2, dtype="bf16"),
+    "tp2_pp2_bf16": _plan(tp=2, pp=2, num_microbatches=4, dtype="bf16"),
+}
+
+
+def _run_layouts(rank: int, world_size: int, out_dir: str) -> None:
+    from meshmorph.run.engine import build_engine
+    from meshmorph.run.metrics import MetricsLogger
+    from meshmorph.run.state_line import write_state_line
+
+    model = _model()
+    for name, plan in LAYOUTS.items():
+        try:
+            engine = build_engine(model, plan, OPTIM, seed=SEED, device=torch.device("cpu"))
+            generator = torch.Generator().manual_seed(rank)
+            tokens = torch.randint(0, model.vocab_size, (plan.global_batch // plan.dp, SEQ + 1),
+                                   generator=generator)
+            engine.step(tokens)
+            metrics = MetricsLogger(Path(out_dir) / name, enabled=rank == 0, total_steps=1,
+                                    start_step=0, tokens_per_step=1)
+            write_state_line(engine, metrics)
+            write_state_line(engine, metrics)  # a second call writes nothing
+            metrics.close(chart=False)
+        except Exception:
+            (Path(out_dir) / f"{name}.rank{rank}.error").write_text(traceback.format_exc())
+            raise
+        del engine
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def state_lines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    from spawn import spawn
+
+    out = tmp_path_factory.mktemp("state")
+    spawn(_run_layouts, WORLD, (str(out),), timeout_s=400)
+    lines = {}
+    for name in LAYOUTS:
+        records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text()
+                   .splitlines() if line.strip()]
+        assert len(records) == 1, f"{name}: expected one state line, got {len(records)}"
+        lines[name] = records[0]["ranks"]
+    return lines
+
+
+def _pairs(record: dict) -> list[tuple[str, float, float]]:
+    """(field, measured, predicted) of every figure of one rank's record."""
+    measured, predicted = record["measured"], record["predicted"]
+    pairs = [(key, measured[key], predicted[key])
+             for key in ("params_bytes", "grads_bytes", "optimizer_bytes")]
+    for kind in set(measured["comm_bytes"]) | set(predicted["comm_bytes"]):
+        pairs.append((f"comm_bytes.{kind}", measured["comm_bytes"].get(kind, 0),
+                      predicted["comm_bytes"].get(kind, 0)))
+    return pairs
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_rank_holds_and_sends_what_the_cost_model_predicts(
+        state_lines: dict[str, list[dict]], layout: str) -> None:
+    ranks = state_lines[layout]
+    assert [r["rank"] for r in ranks] == list(range(WORLD))
+    misses = []
+    for record in ranks:
+        for field, measured, predicted in _pairs(record):
+            if abs(measured - predicted) > TOLERANCE * max(abs(predicted), 1.0):
+                misses.append(f"rank {record['rank']} {field}: measured {measured:,.0f}, "
+                              f"predicted {predicted:,.0f}")
+    assert not misses, f"{layout}:\n" + "\n".join(misses)
+
+
+def _rank0(state_lines: dict[str, list[dict]], layout: str) -> dict:
+    return state_lines[layout][0]["measured"]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_zero_stages_hold_what_their_definitions_say_at_dp4(
+        state_lines: dict[str, list[dict]]) -> None:
+    z0, z1, z2, z3 = (_rank0(state_lines, f"dp4_zero{k}") for k in range(4))
+    whole = z0["params_bytes"]
+    # ZeRO-1: whole parameters and gradients, a quarter of the optimizer state
+    assert z1["params_bytes"] == whole and z1["grads_bytes"] == whole
+    assert z1["optimizer_bytes"] * 4 == z0["optimizer_bytes"] == 2 * whole
+    # ZeRO-2: gradients sharded (4x fewer than ZeRO-1's), unsharded fp32 copies kept to the end
+    assert z1["grads_bytes"] == 4 * z2["grads_bytes"]
+    assert z2["params_bytes"] == whole + whole // 4
+    # ZeRO-3: everything sharded
+    assert z2["params_bytes"] > z3["params_bytes"] == whole // 4
+    # traffic: ZeRO 0/1 all-reduce the gradients, ZeRO-1 all-gathers its updated quarter;
+    # ZeRO-2 gathers once per step and ZeRO-3 twice per micro-batch (m = 2)
+    assert z0["comm_bytes"]["all_gather"] == 0
+    assert z1["comm_bytes"]["all_gather"] == whole // 4
+    assert z2["comm_bytes"]["all_gather"] == whole // 4
+    assert z3["comm_bytes"]["all_gather"] == 4 * (whole // 4)
+    assert z2["comm_bytes"]["reduce_scatter"] == z3["comm_bytes"]["reduce_scatter"] == 2 * whole
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_bf16_zero2_keeps_16_bit_gathered_copies_and_reduces_in_fp32(
+        state_lines: dict[str, list[dict]]) -> None:
+    fp32, bf16 = _rank0(state_lines, "dp4_zero2"), _rank0(state_lines, "dp4_zero2_bf16")
+    shard = fp32["grads_bytes"]  # a quarter of the fp32 parameters
+    assert bf16["params_bytes"] == shard + 2 * shard  # fp32 shard + bf16 whole copy (4 shards / 2)
+    assert bf16["comm_bytes"]["all_gather"] * 2 == fp32["comm_bytes"]["all_gather"]
+    assert bf16["comm_bytes"]["reduce_scatter"] == fp32["comm_bytes"]["reduce_scatter"]

@@ -15,9 +15,7 @@ elements, ``d`` = dp, ``c`` the compute dtype's bytes; cost/state.py for the tab
 Sent per step (run/comm_count.py: each collective's input buffer on this rank; a receive sends
 nothing), ``m`` micro-batches of ``b`` sequences of ``s`` tokens:
 
-- data parallel: cost/state.py's traffic with padded shards; ZeRO-3 under pipeline parallelism
-  gathers ``m + 1`` times per step (torch keeps a block gathered from its backward to the next
-  forward, so only a forward after a forward or a backward after a forward gathers);
+- data parallel: cost/state.py's traffic (``data_parallel_traffic``) applied to padded shards;
 - the tied embedding's gradient, summed over the first and last pipeline ranks (its local, and
   under FSDP2 sharded, gradient);
 - tensor parallel activations per micro-batch (DTensor as run/parallelize.py lays it out):
@@ -38,7 +36,7 @@ from __future__ import annotations
 
 import math
 
-from meshmorph.cost.state import compute_bytes
+from meshmorph.cost.state import compute_bytes, data_parallel_traffic
 from meshmorph.cost.tensor_shapes import ParamTensor, layer_tensors, rank_tensors, vocab_split
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
 from meshmorph.spec.plan import Plan
@@ -85,7 +83,6 @@ def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, obj
     ranges = [(stage.start, stage.stop) for stage in chunks]
     t, d, m = plan.tp, plan.dp, plan.num_microbatches
     c = compute_bytes(plan.dtype)
-    reduce_b = compute_bytes(plan.reduce_dtype)
     fsdp = d > 1 and plan.zero >= 2
     comm = dict.fromkeys(COMM_KINDS, 0.0)
 
@@ -115,16 +112,15 @@ def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, obj
         grads += GRAD * rows * rest
 
     # --- data parallel -----------------------------------------------------------------------
-    if d > 1:
-        if plan.zero <= 1:
-            comm["all_reduce"] += reduce_b * whole
-            if plan.zero == 1:
-                comm["all_gather"] += MASTER * padded_shard
-        else:
-            gathers = 1 if plan.zero == 2 else (m + 1 if plan.pp > 1 else 2 * m)
-            scatters = 1 if plan.pp > 1 else m
-            comm["all_gather"] += gathers * c * padded_shard
-            comm["reduce_scatter"] += scatters * reduce_b * padded_shard * d
+    # cost/state.py's multiples (bytes per parameter, all-gathers of 1/d shards), applied to the
+    # padded shards torch moves: an all-gather sends a padded shard, a reduce-scatter d of them
+    dp_traffic = data_parallel_traffic(zero=plan.zero, dp=d, pp=plan.pp, dtype=plan.dtype,
+                                       reduce_dtype=plan.reduce_dtype)
+    comm["all_reduce"] += dp_traffic.all_reduce_per_step * whole
+    comm["all_gather"] += (dp_traffic.all_gather_per_step
+                           + m * dp_traffic.all_gather_per_microbatch) * d * padded_shard
+    comm["reduce_scatter"] += (dp_traffic.reduce_scatter_per_step
+                               + m * dp_traffic.reduce_scatter_per_microbatch) * d * padded_shard
 
     # --- the tied embedding's two copies across pipeline ranks ---------------------------------
     holds_head = any(stop == model.num_layers for _, stop in ranges)

@@ -18,7 +18,11 @@ optimizer step; d = dp, c = bytes of the compute dtype). Under pipeline parallel
 pipelining runs every FSDP2 chunk without gradient sync between micro-batches and without
 resharding after backward, then reduce-scatters once (``perform_reduce_grad``): ZeRO-2 and 3 then
 hold unsharded parameters and whole fp32 gradients at their peak and reduce once per step, and
-their end-of-backward state is ZeRO-3's.
+their end-of-backward state is ZeRO-3's. ZeRO-3 then gathers m + 1 times per step, not 2m (a
+block gathered for a backward stays gathered into the next forward).
+
+Measured per rank against cost/rank_state.py (which adds dim-0 padding, tensor-parallel and
+pipeline activations) by ``tests/dist/test_state_line.py``; docs/cost-model.md, "State and traffic".
 """
 
 from __future__ import annotations
@@ -113,7 +117,11 @@ def data_parallel_traffic(*, zero: int, dp: int, pp: int, dtype: str,
         if zero == 2:
             return DataParallelTraffic(all_gather_per_step=c / dp,
                                        reduce_scatter_per_step=GRAD_BYTES)
-        return DataParallelTraffic(all_gather_per_microbatch=2 * c / dp,
+        # measured: a block stays gathered from its backward to the next forward (torch's
+        # pipelining turns off resharding after backward), so only a forward that follows a
+        # forward and a backward that follows a forward gather: m + 1 gathers per step under
+        # GPipe and 1F1B (one gather per micro-batch plus the first)
+        return DataParallelTraffic(all_gather_per_step=c / dp, all_gather_per_microbatch=c / dp,
                                    reduce_scatter_per_step=GRAD_BYTES)
     if zero == 2:
         return DataParallelTraffic(all_gather_per_step=c / dp,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from meshmorph.cost import comm
-from meshmorph.cost.model import CostModel, in_flight_microbatches
+from meshmorph.cost.model import CostModel
+from meshmorph.cost.rank_terms import in_flight_microbatches
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.gpus import gpu
 from meshmorph.spec.model import Recompute

@@ -16,9 +16,12 @@ from meshmorph.cost.estimate import Estimate, StageMemory
 from meshmorph.cost.layer_cost import LayerCoster
 from meshmorph.cost.pipeline import Timeline, simulate
 from meshmorph.cost.profile import Profile
+from meshmorph.cost.rank_terms import (
+    rank_memory_terms,
+    tail_overlap_window_s,
+)
 from meshmorph.cost.state import (
     HeldBytes,
-    compute_bytes,
     data_parallel_traffic,
     held_bytes_per_param,
 )
@@ -50,22 +53,6 @@ class ChunkTime:
     """Exposed per-micro-batch ZeRO gathers and reduce-scatters (ZeRO-3; ZeRO-2's scatters)."""
     params: float
     """Parameters of the chunk on one tensor-parallel rank (before ZeRO sharding)."""
-
-
-def in_flight_microbatches(schedule: Schedule, pp: int, pp_rank: int, m: int, vpp: int) -> float:
-    """Micro-batches of activations a pipeline rank holds at its peak (Korthikanti et al. 2022)."""
-    if pp == 1:
-        return 1.0  # gradient accumulation frees each micro-batch after its backward
-    if schedule == Schedule.GPIPE:
-        return float(m)  # all forwards before any backward
-    if schedule == Schedule.INTERLEAVED:
-        # Megatron's warm-up (p - k - 1)*2 + (v - 1)*p chunk-forwards, +1 in steady state, in units
-        # of one chunk (1/v of the rank's layers): rank 0 -> p + (p - 1)/v
-        units = min(m * vpp, (pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1)
-        return units / vpp
-    if schedule == Schedule.ZERO_BUBBLE:
-        return float(min(m, pp))  # ZB-H1 keeps the peak of 1F1B's first stage on every rank
-    return float(min(m, pp - pp_rank))  # 1F1B: stage k holds p - k
 
 
 class CostModel:
@@ -173,40 +160,33 @@ class CostModel:
 
     def rank_memory(self, plan: Plan, pp_rank: int, chunks: Sequence[tuple[int, int, Sequence[Recompute]]],
                     gpu: GPUSpec) -> StageMemory:
-        """Peak memory of one rank of pipeline rank ``pp_rank`` holding ``chunks``."""
+        """Peak memory of one rank of pipeline rank ``pp_rank`` holding ``chunks``, added up from
+        ``rank_memory_terms`` (cost/rank_terms.py), the terms the planner's bounds read."""
         coster = self.coster(plan.dtype)
         held = self.held(plan)
-        params = act = work = biggest = 0.0
+        terms = rank_memory_terms(self, plan, pp_rank, gpu)
+        params = stored = working = biggest = 0.0
         holds_embed = holds_head = False
         for start, stop, recompute in chunks:
             params += self.chunk_params(start, stop, plan.tp)
             holds_embed |= start == 0
             holds_head |= stop == self.model.num_layers
-            chunk_act = 0.0
             for offset, index in enumerate(range(start, stop)):
                 cost = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
                                     recompute[offset])
-                chunk_act += cost.activation_bytes
-                work = max(work, cost.working_bytes)
-                layer = self.model.layers[index]
-                biggest = max(biggest, layer.tp_split_params / plan.tp + layer.params - layer.tp_split_params)
-            act += chunk_act
+                stored += cost.activation_bytes
+                working = max(working, cost.working_bytes)
+                biggest = max(biggest, self.chunk_params(index, index + 1, plan.tp))
         if holds_embed and holds_head and len(chunks) > 1:
-            params -= self.model.layers[-1].tied_params / plan.tp
-        # ZeRO as the runtime realises it (cost/state.py): fp32 masters, gradients and moments
-        weights, grads, optim = params * held.params, params * held.grads, params * held.optimizer
-        in_flight = in_flight_microbatches(plan.schedule, plan.pp, pp_rank, plan.num_microbatches,
-                                           plan.vpp)
-        # act sums the rank's chunks; in_flight counts micro-batches of the whole rank's layers
-        activations = in_flight * act + work
-        # ZeRO-3 gathers one layer's full weights at a time, plus one prefetched; transient
-        # unsharded copies and whole gradients between micro-batches (held.peak_extra)
-        gathering = plan.zero == 3 and plan.dp > 1 and plan.pp == 1
-        buffers = (2 * biggest * compute_bytes(plan.dtype) if gathering else 0.0) \
-            + params * held.peak_extra
-        reserved = self.coef.context_bytes + self.coef.memory_reserve_fraction * gpu.memory_bytes
-        return StageMemory(params=weights, grads=grads, optimizer=optim, activations=activations,
-                           buffers=buffers, reserved=reserved, in_flight_microbatches=in_flight)
+            params -= self.model.layers[-1].tied_params / plan.tp  # one tied copy on this rank
+        # ZeRO as the runtime realises it (cost/state.py): fp32 masters, gradients and moments;
+        # ZeRO-3 gathers its largest layer plus a prefetch; transient unsharded copies and whole
+        # gradients between micro-batches (held.peak_extra)
+        return StageMemory(params=params * held.params, grads=params * held.grads,
+                           optimizer=params * held.optimizer,
+                           activations=terms.activation_bytes(stored, working),
+                           buffers=biggest * terms.gather_bytes_per_param + params * held.peak_extra,
+                           reserved=terms.reserved_bytes, in_flight_microbatches=terms.in_flight)
 
     def rank_tail(self, plan: Plan, params: float, last_bwd_s: float, gpu: GPUSpec) -> tuple[float, float]:
         """(exposed data-parallel gradient sync, optimizer step) after a rank's last backward."""
@@ -267,7 +247,7 @@ class CostModel:
             params = sum(times[c].params for c in chunk_ids)
             # the overlap window is the last backward's compute, recompute excluded, so that more
             # recompute never shortens the step (the planner's per-stage choice relies on it)
-            sync, opt = self.rank_tail(plan, params, times[chunk_ids[0]].compute_s * 2 / 3, gpu)
+            sync, opt = self.rank_tail(plan, params, tail_overlap_window_s(times[chunk_ids[0]]), gpu)
             tails.append((sync, opt))
             ends.append(timeline.rank_end_s[k] + sync + opt)
         step = max(ends)

@@ -11,20 +11,38 @@ while they recompute, is affine in what the rank holds:
 
 and its tail after the last backward is ``CostModel.rank_tail`` with the overlap window
 ``CostModel.assemble`` gives it (two thirds of the chunk's compute: its backward without
-recompute). The planner's bounds and stage search build on these functions, never on their own
-copy of the arithmetic; ``tests/unit/test_rank_terms_bounds.py`` proves that they reassemble
-``rank_memory`` and ``assemble``'s tail exactly, so a change to the cost model that they miss
-fails there.
+recompute). ``CostModel.rank_memory`` and ``CostModel.assemble`` are computed through these
+functions, and the planner's bounds and stage search build on the same ones, never on their own
+copy of the arithmetic (``tests/unit/test_rank_terms_bounds.py`` checks they reassemble).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from meshmorph.cost.model import ChunkTime, CostModel, in_flight_microbatches
 from meshmorph.cost.state import compute_bytes
 from meshmorph.spec.gpus import GPUSpec
-from meshmorph.spec.plan import Plan
+from meshmorph.spec.plan import Plan, Schedule
+
+if TYPE_CHECKING:  # CostModel builds on these terms: no import cycle at run time
+    from meshmorph.cost.model import ChunkTime, CostModel
+
+
+def in_flight_microbatches(schedule: Schedule, pp: int, pp_rank: int, m: int, vpp: int) -> float:
+    """Micro-batches of activations a pipeline rank holds at its peak (Korthikanti et al. 2022)."""
+    if pp == 1:
+        return 1.0  # gradient accumulation frees each micro-batch after its backward
+    if schedule == Schedule.GPIPE:
+        return float(m)  # all forwards before any backward
+    if schedule == Schedule.INTERLEAVED:
+        # Megatron's warm-up (p - k - 1)*2 + (v - 1)*p chunk-forwards, +1 in steady state, in units
+        # of one chunk (1/v of the rank's layers): rank 0 -> p + (p - 1)/v
+        units = min(m * vpp, (pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1)
+        return units / vpp
+    if schedule == Schedule.ZERO_BUBBLE:
+        return float(min(m, pp))  # ZB-H1 keeps the peak of 1F1B's first stage on every rank
+    return float(min(m, pp - pp_rank))  # 1F1B: stage k holds p - k
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshmorph.cost.model import CostModel, in_flight_microbatches
-from meshmorph.cost.rank_terms import least_rank_tail_s
+from meshmorph.cost.model import CostModel
+from meshmorph.cost.rank_terms import in_flight_microbatches, least_rank_tail_s
 from meshmorph.plan.block_run import BlockRun, block_run
 from meshmorph.plan.fastest_layers import cluster_gpu, fastest_layer_times, unique_gpus
 from meshmorph.plan.rank_bound import FillKind, RankBound, SplitTable, least_max

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from meshmorph.cost.model import ChunkTime, CostModel, in_flight_microbatches
-from meshmorph.cost.rank_terms import rank_memory_terms, rank_tail_s
+from meshmorph.cost.model import ChunkTime, CostModel
+from meshmorph.cost.rank_terms import in_flight_microbatches, rank_memory_terms, rank_tail_s
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import Recompute
 from meshmorph.spec.plan import Plan, Schedule

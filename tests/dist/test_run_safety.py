@@ -188,12 +188,35 @@ def test_sigkill_of_one_rank_stops_the_job_naming_it_and_the_run_resumes(tmp_pat
     assert code == 1, output
     assert stop_s < 60, f"the job took {stop_s:.1f} s to stop\n{output}"
     assert f"meshmorph: rank 1 (pid {victim}) was killed by SIGKILL" in output, output
-    assert "resume with:" in output, output
+    assert "resume with:" in output and "Traceback" not in output, output
     newest = verify_checkpoint(scan_checkpoints(ckpt)[0][-1]).step
     resumed = start([*base, "--resume"], tmp_path / "log2")
     assert finish(resumed, tmp_path / "log2", 150) == 0, (tmp_path / "log2").read_text()
     assert f"(step {newest}," in (tmp_path / "log2").read_text()
     assert steps_done(run_dir) == 12
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(200)
+def test_a_frozen_rank_ends_the_job_after_the_collective_timeout_naming_the_waiting_rank(
+        tmp_path: Path) -> None:
+    job = job_file(tmp_path, steps=100000, every=0)
+    job.write_text(job.read_text() + "[run]\ncollective_timeout_s = 5\n")
+    run_dir, log = tmp_path / "run", tmp_path / "log"
+    proc = start(["run", "--config", str(job), "--nproc", "2", "--out", str(run_dir)], log)
+    wait_for(lambda: steps_done(run_dir) >= 2, proc, log)
+    ranks = ranks_of(proc)
+    frozen = time.monotonic()
+    os.kill(ranks[1], signal.SIGSTOP)  # alive but silent: its peer must not wait forever
+    code = finish(proc, log, 90)
+    took = time.monotonic() - frozen
+    output = log.read_text()
+    assert code == 1, output
+    assert "meshmorph: error on rank 0: a collective waited longer than the 5 s timeout" in output
+    assert "meshmorph: rank 0 (pid" in output and "exited with code 1" in output, output
+    assert took < 60, f"{took:.1f} s\n{output}"
+    gone_within(list(ranks.values()), 10)
+    assert "Traceback" not in output, output
 
 
 @pytest.mark.dist

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -194,6 +195,24 @@ def test_sigkill_of_one_rank_stops_the_job_naming_it_and_the_run_resumes(tmp_pat
     assert finish(resumed, tmp_path / "log2", 150) == 0, (tmp_path / "log2").read_text()
     assert f"(step {newest}," in (tmp_path / "log2").read_text()
     assert steps_done(run_dir) == 12
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(150)
+def test_a_free_master_port_from_the_environment_is_the_rendezvous_port(tmp_path: Path) -> None:
+    job, run_dir, log = job_file(tmp_path, steps=2, every=0), tmp_path / "run", tmp_path / "log"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "meshmorph.cli", "run", "--config", str(job),
+                             "--nproc", "2", "--out", str(run_dir)], text=True,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env={**os.environ, "MASTER_PORT": str(port)})
+    wait_for(lambda: any("meshmorph.run.agent" in _cmdline(pid)
+                         for pid in descendants(proc.pid)), proc, log, 60)
+    assert f"--rdzv-endpoint localhost:{port}" in _cmdline(agent_of(proc))
+    assert finish(proc, log, 120) == 0, log.read_text()
+    assert steps_done(run_dir) == 2
 
 
 @pytest.mark.dist

@@ -221,3 +221,22 @@ def test_a_master_port_that_is_no_port_is_refused(tmp_path: Path, capsys: pytest
     job, run_dir = fake_run(tmp_path)
     monkeypatch.setenv("MASTER_PORT", "http")
     refused(capsys, run_dir, resume(job, run_dir), "MASTER_PORT 'http' is not a port number")
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--nproc", "0"], "meshmorph demo needs --nproc >= 1 and --steps >= 1, got --nproc 0"),
+    (["--steps", "-3"], "got --nproc 4, --steps -3"),
+])
+def test_bad_demo_arguments_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                        args: list[str], needle: str) -> None:
+    refused(capsys, tmp_path / "demo", ["demo", "--out", str(tmp_path / "demo"), *args], needle)
+
+
+def test_a_demo_into_a_folder_in_use_leaves_its_job_file_alone(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run_dir = tmp_path / "demo"
+    run_dir.mkdir()
+    (run_dir / "job.toml").write_text("# the running demo's job\n")
+    with RunLock(run_dir):
+        refused(capsys, run_dir, ["demo", "--out", str(run_dir)], "is in use by another meshmorph run")
+    assert (run_dir / "job.toml").read_text() == "# the running demo's job\n"

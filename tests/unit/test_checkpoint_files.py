@@ -62,6 +62,17 @@ def test_latest_ignores_interrupted_saves_and_warns(tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path / "none") is None
 
 
+def test_a_save_cut_short_after_its_manifest_but_before_its_rename_is_never_loaded(
+        tmp_path: Path) -> None:
+    _fake_save(tmp_path, 4)
+    cut = _fake_save(tmp_path, 6).rename(tmp_path / "step-6.tmp-abc6")  # manifest inside, not renamed
+    assert (cut / MANIFEST).is_file()
+    warned: list[str] = []
+    info = latest_checkpoint(tmp_path, warn=warned.append)
+    assert info is not None and info.step == 4
+    assert warned == [f"ignoring {cut}: not a committed checkpoint (left by an interrupted save)"]
+
+
 def test_newest_checkpoint_without_manifest_is_refused_naming_the_previous_one(
         tmp_path: Path) -> None:
     _fake_save(tmp_path, 4)

@@ -77,10 +77,16 @@ def show_plans(plans: list[Plan], console: Console) -> None:
 def run_demo(*, nproc: int = 4, steps: int | None = None, out: Path | None = None) -> int:
     """Plan, show, train; returns the launcher's exit code."""
     from meshmorph.plan.report import report_console
+    from meshmorph.run.run_folder import RunLock, check_fresh, make_folder
 
+    if nproc < 1 or (steps is not None and steps < 1):
+        raise ValueError(f"meshmorph demo needs --nproc >= 1 and --steps >= 1, got --nproc {nproc}"
+                         + (f", --steps {steps}" if steps is not None else ""))
     console = report_console()
     out_dir = out or Path("runs") / "demo"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(out_dir)
+    check_fresh(out_dir, out_dir / "checkpoints")  # before job.toml is written over
+    RunLock(out_dir).acquire().release()  # another demo running here is refused, not overwritten
     job_path = out_dir / "job.toml"
     job_path.write_text(_JOB.format(model=DEMO_MODEL, seq_len=DEMO_SEQ_LEN,
                                     steps=steps or DEMO_STEPS, global_batch=DEMO_GLOBAL_BATCH,

@@ -165,6 +165,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+_PEER_SIGNS = ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer")
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether an error came from the communication layer (a dead or silent peer)."""
+    return isinstance(exc, dist.DistError) or any(sign in str(exc).lower() for sign in _PEER_SIGNS)
+
+
 def collective_failure(exc: BaseException, rank: str, timeout_s: float | None) -> str:
     """One line for a collective that failed on this rank: timed out, or a peer went away."""
     text = str(exc).strip()
@@ -196,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshmorph: error on rank {rank}: {exc}", file=sys.stderr, flush=True)
         code = 2
     except RuntimeError as exc:  # gloo/NCCL: a peer died, or a collective waited past the timeout
+        if not is_collective_failure(exc):
+            raise  # a bug, not a failed peer: its traceback is the useful message
         print(collective_failure(exc, rank, timeout_s), file=sys.stderr, flush=True)
         code, clean = 1, False
     finally:

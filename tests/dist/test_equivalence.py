@@ -14,18 +14,21 @@ every final parameter tensor (norm-relative, ``||a - b|| / scale``, see ``refere
 a tolerance of ``K x max(baseline, FLOOR)``, where the baseline is that same figure measured
 for one device: for fp32 layouts the largest deviation from fp64 of three fp32 one-device runs
 (micro-batch 1, the plan's, and the whole global batch: three summation orders), for bf16
-layouts the deviation of the bf16 one-device run from fp64. So each layout is held to a
+layouts the deviation of the bf16 one-device run from fp64. A parameter tensor's baseline is
+never taken below the median tensor's: its own is one sample of its rounding noise, and one
+that came out small says little about the next summation order. So each layout is held to a
 multiple of the noise its own precision shows on one device, tensor by tensor.
 
-Why these K. Measured on this matrix (4 gloo processes on CPU; a layout's ratio is its
-deviation over ``max(baseline, FLOOR)``, figure by figure), in two runs: over the fp32 layouts
-the largest ratio was 2.7 for a parameter tensor (pp2_tp2, an MLP bias; 2.6 in the other run),
-1.8 for gradient norms (tp4_sp) and 0.7 for losses. ``K_FP32 = 8`` leaves three times that
-headroom, and is still tight enough to refuse a 1% error in the learning rate
-(``test_a_one_percent_higher_learning_rate_...``). Over the bf16 layouts the largest ratio was
-2.4 (bf16_zero3_dp4, a bias: FSDP2's MixedPrecisionPolicy casts the parameters to bf16 where the
-one-device run's autocast casts only matmul inputs), 1.05 for gradient norms, 0.4 for losses;
-``K_BF16 = 8`` leaves the same headroom.
+Why K = 10. Measured on this matrix (4 gloo processes on CPU), a layout's ratio is its
+deviation over the baseline as above, figure by figure. With the runtime as it stands the
+largest fp32 ratios were 3.6 for a parameter tensor (zero3_tp2_dp2 and tp2_dp2_sp_zero2, the
+position embedding), 1.2 for gradient norms (gpipe_pp2_dp2) and 0.4 for losses; the largest
+bf16 ratios 3.0 for a tensor, 3.2 for gradient norms and 0.3 for losses (all bf16_zero3_dp4:
+FSDP2's MixedPrecisionPolicy casts the parameters to bf16, where the one-device run's autocast
+casts only the matmul inputs). Reruns of one runtime give the same numbers bit for bit; a change
+of summation order in the runtime (fused AdamW, another init) moved the largest ratio by about
+2x. K = 10 leaves about 3x over the largest ratio seen, and still refuses a 1% error in the
+learning rate (``test_a_one_percent_higher_learning_rate_...``) by two orders of magnitude.
 """
 
 from __future__ import annotations
@@ -57,11 +60,11 @@ SEQ = 16
 OPTIM = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=1, decay_steps=10, weight_decay=0.1,
                     eps=1e-6, grad_clip=0.5)
 
-K_FP32 = 8.0
+K_FP32 = 10.0
 """An fp32 layout may deviate from fp64 by this many times one fp32 device's deviation."""
 FLOOR_FP32 = 1e-7
 """The fp32 baseline is never taken below this (about one fp32 rounding, 2**-24 = 6e-8)."""
-K_BF16 = 8.0
+K_BF16 = 10.0
 """A bf16 layout may deviate from the bf16 one-device run by this many times that run's own
 deviation from fp64."""
 FLOOR_BF16 = 1e-4
@@ -277,11 +280,18 @@ class Expectation:
     k: float
     """Tolerance = k x max(baseline, floor), figure by figure."""
     floor: float
-    """Smallest baseline used."""
+    """Smallest baseline used for losses and gradient norms."""
 
-    def tolerance(self, baseline: float) -> float:
+    @property
+    def param_floor(self) -> float:
+        """Smallest baseline used for a parameter tensor: ``floor``, or the median tensor's
+        one-device deviation if larger. A tensor's own one-device deviation is one sample of its
+        rounding noise; one whose sample came out small is held to the model's typical tensor."""
+        return max(self.floor, statistics.median(self.baseline.param_rel.values()))
+
+    def tolerance(self, baseline: float, floor: float | None = None) -> float:
         """The tolerance of one figure whose one-device deviation is ``baseline``."""
-        return self.k * max(baseline, self.floor)
+        return self.k * max(baseline, self.floor if floor is None else floor)
 
 
 def expectation(layout: Layout) -> Expectation:
@@ -313,11 +323,12 @@ def violations(run: ReferenceRun, exp: Expectation) -> list[str]:
         found.append(f"  losses {list(run.losses)} vs {list(exp.truth.losses)}; grad norms "
                      f"{list(run.grad_norms)} vs {list(exp.truth.grad_norms)}")
     for name in sorted(dev.param_rel, key=dev.param_rel.__getitem__, reverse=True):
-        tol = exp.tolerance(base.param_rel[name])
+        tol = exp.tolerance(base.param_rel[name], exp.param_floor)
         if dev.param_rel[name] > tol:
             found.append(f"param {name}: ||a-b||/scale {dev.param_rel[name]:.3g} (max abs diff "
-                         f"{dev.param_max_abs[name]:.3g}) > tolerance {tol:.3g} = {rule}, "
-                         f"baseline {base.param_rel[name]:.3g}")
+                         f"{dev.param_max_abs[name]:.3g}) > tolerance {tol:.3g} = {exp.k:g} x "
+                         f"max(one-device baseline {base.param_rel[name]:.3g}, median tensor's "
+                         f"or floor {exp.param_floor:.3g})")
     return found
 
 

@@ -44,8 +44,12 @@ class ShardedAdamW(torch.optim.Optimizer):
     def __init__(self, params: list[nn.Parameter], *, dp_mesh: DeviceMesh,
                  dp_tp_mesh: DeviceMesh | None, lr: float, betas: tuple[float, float],
                  eps: float, weight_decay: float, foreach: bool, fused: bool) -> None:
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
-                                  "weight_decay": weight_decay})
+        # torch's AdamW param-group keys (amsgrad, maximize, ...), so checkpoints of either
+        # optimizer load into the other
+        defaults = torch.optim.AdamW([torch.zeros(1)], lr=lr, betas=betas, eps=eps,
+                                     weight_decay=weight_decay, foreach=foreach and not fused,
+                                     fused=fused or None).defaults
+        super().__init__(params, dict(defaults))
         self.dp_mesh = dp_mesh
         self.dp_tp_mesh = dp_tp_mesh
         self.dp, self.dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()

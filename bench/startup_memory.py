@@ -79,6 +79,8 @@ def job(rank: int, world_size: int, mode: str, out: str) -> None:
     Path(out, f"{mode}{rank}.json").write_text(json.dumps({
         "peak_rss_bytes": peak_rss_bytes(), "local_param_bytes": local_bytes,
         "state_bytes": spec.num_params * 4}))
+    # no rank leaves (rank 0 holds the store) while another is still joining a mesh sub-group
+    torch.distributed.barrier()
 
 
 def main() -> None:

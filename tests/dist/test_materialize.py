@@ -6,7 +6,10 @@ unpadded, odd FFN width, so FSDP2 pads its dim-0 shards) under 1-D tensor parall
 pp 2), 1-D FSDP2 (dp 2 with pp 2, and dp 4), 2-D dp 2 x tp 2 and DDP (dp 4, zero 0). Each rank
 compares every local shard with the slice of ``build_model``'s tensor at the positions the
 DTensor says it holds, and (without pp) one forward against the reference logits, which proves
-FSDP2 and DDP run the materialised values.
+FSDP2 and DDP run the materialised values. Every case runs twice: with the real initialisation
+block (1 MiB: every tensor of these small models is one block) and with 384-byte blocks (three
+rows of width 32), so shard bounds fall inside and across blocks, for row shards, FSDP2's padded
+shards and the column split of row-parallel weights.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ def _llama() -> ModelSpec:
                                               ffn_hidden_size=90, vocab_size=251,
                                               padded_vocab_size=251, seq_len=SEQ))
 
+
+BLOCK_BYTES = {"1mib": 2**20, "384b": 384}
+"""Initialisation block sizes each case runs under (``models.INIT_BLOCK_BYTES``)."""
 
 CASES = {  # name -> (model, plan degrees)
     "gpt_pp2_tp2": (_gpt, {"pp": 2, "tp": 2}),
@@ -96,10 +102,14 @@ def _check_case(name: str, rank: int) -> dict[str, object]:
 def job(rank: int, world_size: int, out: str) -> None:
     import gc
 
-    results = {}
-    for name in CASES:
-        results[name] = _check_case(name, rank)
-        gc.collect()
+    from meshmorph.run import models
+
+    results: dict[str, dict[str, object]] = {}
+    for blocks, block_bytes in BLOCK_BYTES.items():
+        models.INIT_BLOCK_BYTES = block_bytes  # the reference and the shards alike
+        for name in CASES:
+            results[f"{name}/{blocks}"] = _check_case(name, rank)
+            gc.collect()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -114,10 +124,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict]]:
 
 @pytest.mark.dist
 @pytest.mark.timeout(360)
+@pytest.mark.parametrize("blocks", list(BLOCK_BYTES))
 @pytest.mark.parametrize("case", list(CASES))
 def test_materialized_shards_equal_the_one_device_models_slices(
-        results: list[dict[str, dict]], case: str) -> None:
-    per_rank = [r[case] for r in results]
+        results: list[dict[str, dict]], case: str, blocks: str) -> None:
+    per_rank = [r[f"{case}/{blocks}"] for r in results]
     for rank, res in enumerate(per_rank):
         assert res["checked"] > 0
         assert res["mismatched"] == [], f"rank {rank}: {res['mismatched']}"
@@ -138,5 +149,6 @@ def test_padded_vocabulary_rows_start_at_zero_on_the_ranks_that_hold_them(
         results: list[dict[str, dict]]) -> None:
     # gpt: vocab 251 padded to 256; dp 2 x tp 2 splits the 256 rows into four blocks of 64, and
     # the last block (rows 192..255) holds the 5 padded rows
-    held = [r["gpt_dp2_tp2_zero3"]["padded_rows"] for r in results]
-    assert sorted(held) == [0, 0, 0, 5]
+    for blocks in BLOCK_BYTES:
+        held = [r[f"gpt_dp2_tp2_zero3/{blocks}"]["padded_rows"] for r in results]
+        assert sorted(held) == [0, 0, 0, 5], blocks

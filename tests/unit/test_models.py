@@ -219,3 +219,64 @@ def test_every_parameter_has_its_own_stream() -> None:
     assert abs(float(residual.std()) - 0.02 / (2 * 4) ** 0.5) < 3e-4  # GPT-2 scaled init
     assert torch.equal(models.init_value(spec, 1, "attn_norm.weight", (4,), seed=0),
                        torch.ones(4))
+
+
+def test_init_rows_per_block_is_fixed_by_the_shape_at_one_mib() -> None:
+    assert models.init_rows_per_block((4096, 1024)) == 256  # 256 rows x 4 KiB = 1 MiB
+    assert models.init_rows_per_block((1024, 4096)) == 64
+    assert models.init_rows_per_block((3, 2**20)) == 1  # a row over 1 MiB is its own block
+    assert models.init_rows_per_block((1_000_000,)) == 2**18  # a vector: 2^18 fp32 per block
+
+
+def test_init_boxes_drawn_alone_equal_the_same_boxes_of_the_whole_value() -> None:
+    spec = catalog_model("gpt-tiny")
+    shape = (600, 1024)  # blocks of 256 rows: [0, 256), [256, 512), [512, 600)
+    whole = models.init_value(spec, 1, "mlp.fc2.weight", shape, seed=7)
+    assert abs(float(whole.std()) - 0.02 / (2 * 4) ** 0.5) < 3e-5  # residual scaling kept
+    blocks = [models.init_value(spec, 1, "mlp.fc2.weight", shape, seed=7, box=(rows, slice(None)))
+              for rows in (slice(0, 256), slice(256, 512), slice(512, 600))]
+    assert torch.equal(torch.cat(blocks), whole)
+    for box in [(slice(250, 520), slice(None)),  # rows across two block bounds (a dim-0 shard)
+                (slice(None), slice(100, 612)),  # a column split (row-parallel weight)
+                (slice(255, 257), slice(1000, 1024)),  # a 2x24 box across one bound
+                (slice(599, 600), slice(None)), (slice(600, 600), slice(None))]:  # last, empty
+        part = models.init_value(spec, 1, "mlp.fc2.weight", shape, seed=7, box=box)
+        assert torch.equal(part, whole[box]), box
+        out = torch.full(whole[box].shape, float("nan"))
+        models.fill_init_value_(out, spec, 1, "mlp.fc2.weight", shape, seed=7, box=box)
+        assert torch.equal(out, whole[box]), box
+    assert not torch.equal(whole[:256], whole[256:512])  # every block its own generator
+
+
+def test_init_draws_only_the_blocks_a_box_overlaps_one_at_a_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = catalog_model("gpt-tiny")
+    drawn: list[int] = []
+    randn = torch.randn
+
+    def counting_randn(*args: object, **kwargs: object) -> torch.Tensor:
+        value = randn(*args, **kwargs)  # type: ignore[call-overload]
+        drawn.append(value.numel())
+        return value
+
+    monkeypatch.setattr(models.torch, "randn", counting_randn)
+    models.init_value(spec, 1, "mlp.fc1.weight", (4096, 1024), seed=0, box=(slice(300, 310),
+                                                                             slice(None)))
+    assert drawn == [256 * 1024]  # the one block holding rows 300..309
+    drawn.clear()
+    models.init_value(spec, 1, "mlp.fc2.weight", (1024, 4096), seed=0, box=(slice(None),
+                                                                            slice(0, 2048)))
+    assert drawn == [64 * 4096] * 16  # a column split: every block, 1 MiB each, one at a time
+
+
+def test_vocabulary_blocks_draw_only_real_rows_so_padding_keeps_the_real_values() -> None:
+    padded, plain = _odd_vocab(None), _odd_vocab(251)  # vocabulary 251, padded to 256 or not
+    shape = (256, 2048)  # blocks of 128 rows: the second holds rows 128..250 and 5 padded rows
+    whole = models.init_value(padded, 0, "tok.weight", shape, seed=1)
+    assert torch.count_nonzero(whole[251:]) == 0
+    assert torch.count_nonzero(whole[:251]) == 251 * 2048
+    assert torch.equal(whole[:251], models.init_value(plain, 0, "tok.weight", (251, 2048), seed=1))
+    head = padded.num_layers - 1  # the tied head's copy
+    tail = models.init_value(padded, head, "out.weight", shape, seed=1,
+                             box=(slice(200, 256), slice(0, 64)))
+    assert torch.equal(tail, whole[200:, :64])

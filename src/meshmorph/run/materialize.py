@@ -8,10 +8,12 @@ filled with the slice of the one-device model's value at the positions this rank
 which positions those are (``compute_local_shape_and_global_offset``, the rule DCP uses), so no
 sharding rule is repeated here.
 
-One parameter's full value is drawn at a time and dropped once its slice is copied, so the host
-peak is about this rank's share plus one largest tensor. Every parameter has its own generator
-(``models.init_value``), so no rank draws a value it does not keep, and every layout, including
-the one-device reference ``build_model``, starts from bitwise the same weights.
+Initialisation is block-stable (``models.init_value``): a parameter's value is drawn in row
+blocks of at most ``INIT_BLOCK_BYTES`` (1 MiB), each from its own generator, with block bounds
+fixed by the parameter's shape alone. Each rank draws only the blocks that overlap its shard's
+rows, one at a time, and writes each block's part (its rows, and its columns for a column split)
+straight into its local storage, so the host peak is this rank's share plus one block, and every
+layout, including the one-device reference ``build_model``, starts from bitwise the same weights.
 
 DistributedDataParallel needs real tensors: wrap a chunk in DDP only after ``materialize_``.
 """
@@ -23,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from meshmorph.run.models import init_value, layer_of
+from meshmorph.run.models import fill_init_value_, layer_of
 from meshmorph.spec.model import ModelSpec
 
 
@@ -56,16 +58,6 @@ def _local_box(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | 
     return tensor._local_tensor, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
-def fill_from_reference_(tensor: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy into ``tensor`` (plain, or this rank's shard of a DTensor) its slice of ``full``."""
-    local, box = _local_box(tensor)
-    part = full if box is None else full[box]
-    if tuple(part.shape) != tuple(local.shape):
-        raise ValueError(f"local shard of shape {list(local.shape)} does not match its box "
-                         f"{box} of the global shape {list(full.shape)}")
-    local.copy_(part)
-
-
 def materialize_(chunk: nn.Module, spec: ModelSpec, *, seed: int,
                  device: torch.device | str) -> None:
     """Allocate this rank's local storage of every parameter of ``chunk`` on ``device`` and fill
@@ -87,6 +79,6 @@ def materialize_(chunk: nn.Module, spec: ModelSpec, *, seed: int,
     with torch.no_grad():
         for name, tensor in chunk.named_parameters():
             layer, local_name = layer_of(spec, name)
-            full = init_value(spec, layer, local_name, tuple(tensor.shape), seed=seed)
-            fill_from_reference_(tensor, full)
-            del full  # one whole tensor at a time
+            local, box = _local_box(tensor)  # the positions this rank holds, filled in place
+            fill_init_value_(local, spec, layer, local_name, tuple(tensor.shape), seed=seed,
+                             box=box)

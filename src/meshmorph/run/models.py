@@ -2,10 +2,10 @@
 
 The module tree mirrors ``ModelSpec.layers``: ``embed`` is layer 0, ``blocks[str(i)]`` is layer
 ``i + 1`` and ``head`` is the last layer, so a StagePlan's layer range names the modules a pipeline
-chunk keeps. Every parameter draws its initial value from its own generator seeded by
-``(seed, layer index, parameter name)`` (``init_value``): a chunk built alone, or one rank's
-shard of it materialised from the meta device, holds bitwise the same weights as the same
-positions of the whole model, on every rank and under every plan. The embedding and head hold
+chunk keeps. Every parameter draws its initial value in row blocks, each from its own generator
+seeded by ``(seed, layer index, parameter name, block index)`` (``init_value``): a chunk built
+alone, or one rank's shard of it materialised from the meta device, holds bitwise the same
+weights as the same positions of the whole model, on every rank and under every plan. The embedding and head hold
 ``padded_vocab_size`` rows; the head hands back only the first ``vocab_size`` logits. The model
 code holds no parallelism.
 """
@@ -208,38 +208,98 @@ def layer_of(spec: ModelSpec, name: str) -> tuple[int, str]:
                      "only chunks built by build_chunk (before any DDP wrapper renames them)")
 
 
-def _param_seed(seed: int, layer: int, name: str) -> int:
-    """A generator seed of its own for every (seed, layer, parameter): any rank can draw any
-    parameter's value without drawing the others."""
-    digest = hashlib.blake2b(f"{seed}/{layer}/{name}".encode(), digest_size=8).digest()
+INIT_BLOCK_BYTES = 2**20
+"""Most fp32 bytes of one initialisation block: a parameter's value is drawn in blocks of whole
+rows along dim 0, each block from its own generator, so a rank draws only the blocks its shard
+overlaps and never holds more than one block beyond its shard."""
+
+
+def init_rows_per_block(shape: tuple[int, ...]) -> int:
+    """Rows (along dim 0) of one initialisation block of a parameter of global ``shape``: as many
+    as fit in ``INIT_BLOCK_BYTES`` of fp32, at least one. Fixed by the shape, never by a layout."""
+    row_numel = math.prod(shape[1:])  # 1 for a vector
+    return max(1, INIT_BLOCK_BYTES // (4 * row_numel))
+
+
+def _block_seed(seed: int, layer: int, name: str, block: int) -> int:
+    """A generator seed of its own for every (seed, layer, parameter, row block): any rank can
+    draw any block of any parameter without drawing the others."""
+    digest = hashlib.blake2b(f"{seed}/{layer}/{name}/{block}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def init_value(spec: ModelSpec, layer: int, name: str, shape: tuple[int, ...], *,
-               seed: int) -> torch.Tensor:
-    """The fp32 value the whole model built from ``seed`` holds in parameter ``name`` of layer
-    ``layer`` (global shape ``shape``), on the host.
+def _bounded_box(box: tuple[slice, ...] | None, shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """``box`` with explicit, in-range bounds (None: the whole of ``shape``)."""
+    if box is None:
+        return tuple(slice(0, n) for n in shape)
+    if len(box) != len(shape) or any(s.step not in (None, 1) for s in box):
+        raise ValueError(f"box {box} is not one unit-step slice per dim of the shape {list(shape)}")
+    bounded = [s.indices(n)[:2] for s, n in zip(box, shape, strict=True)]
+    return tuple(slice(start, max(start, stop)) for start, stop in bounded)
 
-    Normal(0, 0.02) weights and embeddings, zero biases, unit norm scales; the residual output
-    projections (wo, fc2/w2) scaled by 1/sqrt(2 L) as in GPT-2. The padded vocabulary rows
-    (embedding rows and head columns V..V_padded) are zero: never indexed, never read, so their
-    gradient and their AdamW update stay zero. A tied head holds the embedding's value."""
+
+def fill_init_value_(out: torch.Tensor, spec: ModelSpec, layer: int, name: str,
+                     shape: tuple[int, ...], *, seed: int,
+                     box: tuple[slice, ...] | None = None) -> torch.Tensor:
+    """Write into ``out`` the box ``box`` (one slice per dim, unit steps; None: the whole tensor)
+    of the fp32 value ``init_value`` gives parameter ``name`` of layer ``layer``.
+
+    Only the row blocks that overlap ``box`` are drawn, one at a time, and each is cut to the box
+    (rows and columns) before the next one is drawn: beyond ``out`` at most one block is alive."""
+    box = _bounded_box(box, shape)
+    if tuple(out.shape) != tuple(s.stop - s.start for s in box):
+        raise ValueError(f"out of shape {list(out.shape)} does not hold the box {box} of the "
+                         f"global shape {list(shape)}")
     owner = name.rpartition(".")[0].rpartition(".")[2]  # the module holding it: "wq", "attn_norm"
     if name.endswith("bias"):
-        return torch.zeros(shape)
+        return out.zero_()
     if owner.endswith("norm"):  # attn_norm, mlp_norm, the head's norm: LayerNorm or RMSNorm
-        return torch.ones(shape)
+        return out.fill_(1.0)
     vocab_table = (layer == 0 and name == "tok.weight") or (
         layer == spec.num_layers - 1 and name == "out.weight")
     if vocab_table and spec.tied_embeddings:
         layer, name = 0, "tok.weight"  # one matrix, wherever the head is
-    generator = torch.Generator().manual_seed(_param_seed(seed, layer, name))
     std = INIT_STD / math.sqrt(2 * spec.num_blocks) if owner in ("wo", "fc2", "w2") else INIT_STD
-    if not vocab_table:
-        return torch.randn(shape, generator=generator).mul_(std)  # in place: one tensor at a time
-    value = torch.zeros(shape)
-    value[: spec.vocab_size] = torch.randn((spec.vocab_size, *shape[1:]), generator=generator)
-    return value.mul_(std)
+    # rows >= real are the padded vocabulary rows: zero, drawn by no generator
+    real = spec.vocab_size if vocab_table else shape[0]
+    rows, per_block = box[0], init_rows_per_block(shape)
+    for block in range(rows.start // per_block, -(-rows.stop // per_block)):
+        first, stop = block * per_block, min((block + 1) * per_block, shape[0])  # block's rows
+        lo, hi = max(first, rows.start), min(stop, rows.stop)  # its rows inside the box
+        if lo >= hi:
+            continue
+        target = out[lo - rows.start: hi - rows.start]
+        drawn = max(0, min(stop, real) - first)  # the block's rows that hold real values
+        if drawn == 0:
+            target.zero_()
+            continue
+        generator = torch.Generator().manual_seed(_block_seed(seed, layer, name, block))
+        value = torch.randn((drawn, *shape[1:]), generator=generator)
+        value.mul_(std)
+        real_hi = min(hi, first + drawn)  # rows of the box this block drew
+        if real_hi > lo:
+            target[: real_hi - lo].copy_(value[(slice(lo - first, real_hi - first), *box[1:])])
+        target[max(0, real_hi - lo):].zero_()
+        del value  # one block at a time
+    return out
+
+
+def init_value(spec: ModelSpec, layer: int, name: str, shape: tuple[int, ...], *,
+               seed: int, box: tuple[slice, ...] | None = None) -> torch.Tensor:
+    """The fp32 value the whole model built from ``seed`` holds in parameter ``name`` of layer
+    ``layer`` (global shape ``shape``), on the host; only its box ``box`` when given.
+
+    Normal(0, 0.02) weights and embeddings, zero biases, unit norm scales; the residual output
+    projections (wo, fc2/w2) scaled by 1/sqrt(2 L) as in GPT-2. The padded vocabulary rows
+    (embedding rows and head columns V..V_padded) are zero: never indexed, never read, so their
+    gradient and their AdamW update stay zero. A tied head holds the embedding's value.
+
+    Block-stable: the value is drawn in row blocks of ``init_rows_per_block(shape)`` rows, each
+    from its own generator seeded by (seed, layer, name, block index), so any box of it drawn
+    alone equals the same box of the whole, whatever layout asks for it."""
+    box = _bounded_box(box, shape)
+    out = torch.empty(tuple(s.stop - s.start for s in box))
+    return fill_init_value_(out, spec, layer, name, shape, seed=seed, box=box)
 
 
 def build_chunk(spec: ModelSpec, start: int, stop: int, *, seed: int,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshmorph.cost.rank_state import predict_rank_state, predict_ranks
+from meshmorph.cost.rank_state import predict_peak_bytes, predict_rank_state, predict_ranks
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
@@ -105,3 +105,17 @@ def test_estimate_ranks_list_every_rank_in_order(gpt: ModelSpec) -> None:
 def test_a_rank_outside_the_plan_is_refused(gpt: ModelSpec) -> None:
     with pytest.raises(ValueError, match="rank 4 is outside the plan's 4 ranks"):
         predict_rank_state(gpt, _plan(gpt, dp=4), 4)
+
+
+def test_predicted_peak_is_the_rank_memory_without_the_reserve(gpt: ModelSpec) -> None:
+    from meshmorph.cost.model import CostModel
+    from meshmorph.spec.cluster import parse_cluster
+
+    plan = _plan(gpt, dp=4, zero=3)
+    cost = CostModel(gpt, parse_cluster("h100:1x4"))
+    memory = cost.rank_memory(plan, 0, [(0, gpt.num_layers, plan.stages[0].recompute)],
+                              cost.default_gpu())
+    peak = predict_peak_bytes(gpt, plan, 0, "h100")
+    assert peak == memory.total - memory.reserved
+    # ZeRO-3 state (4 + 4 + 8 bytes over 4 ranks) is part of it
+    assert peak > 4 * WHOLE

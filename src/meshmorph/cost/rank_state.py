@@ -213,3 +213,19 @@ def predict_ranks(model: ModelSpec, plan: Plan) -> list[dict[str, object]]:
     model = model.with_seq_len(plan.seq_len)
     return [{"rank": rank, **predict_rank_state(model, plan, rank)}
             for rank in range(plan.world_size)]
+
+
+def predict_peak_bytes(model: ModelSpec, plan: Plan, rank: int, gpu: str) -> float:
+    """The cost model's peak allocation of ``rank`` on catalog GPU ``gpu``: its StageMemory
+    without the CUDA context and allocator reserve (what ``torch.cuda.max_memory_allocated``
+    can see)."""
+    from meshmorph.cost.model import CostModel
+    from meshmorph.spec.cluster import parse_cluster
+
+    model = model.with_seq_len(plan.seq_len)
+    pp_rank = _coords(plan, rank)[0]
+    cost = CostModel(model, parse_cluster(f"{gpu}:1x{plan.world_size}"))
+    chunks = [(plan.stages[c].start, plan.stages[c].stop, plan.stages[c].recompute)
+              for c in plan.chunks_of(pp_rank)]
+    memory = cost.rank_memory(plan, pp_rank, chunks, cost.default_gpu())
+    return memory.total - memory.reserved

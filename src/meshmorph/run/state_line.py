@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from meshmorph.cost.rank_state import predict_rank_state
+from meshmorph.cost.rank_state import predict_peak_bytes, predict_rank_state
+from meshmorph.spec.gpus import GPU_CATALOG
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
 
@@ -95,11 +96,29 @@ def measured_state(engine: TrainEngine) -> dict[str, object]:
     return measured
 
 
-def state_records(model: ModelSpec, plan: Plan, measured: list[dict[str, object]]
-                  ) -> list[dict[str, object]]:
-    """One record per rank: its measured figures beside the cost model's."""
-    return [{"rank": rank, "measured": m, "predicted": predict_rank_state(model, plan, rank)}
-            for rank, m in enumerate(measured)]
+def catalog_gpu(device: torch.device) -> str | None:
+    """The GPU catalog's name for a CUDA device (by part name, then memory size), or None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    memory_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    matches = [key for key in GPU_CATALOG if key.split("-")[0] in name and key != "cpu"]
+    if not matches:
+        return None
+    return min(matches, key=lambda key: abs(GPU_CATALOG[key].memory_gib - memory_gib))
+
+
+def state_records(model: ModelSpec, plan: Plan, measured: list[dict[str, object]], *,
+                  gpu: str | None = None) -> list[dict[str, object]]:
+    """One record per rank: its measured figures beside the cost model's (and, on a catalog
+    ``gpu``, the predicted peak allocation beside the measured one)."""
+    records = []
+    for rank, m in enumerate(measured):
+        predicted = predict_rank_state(model, plan, rank)
+        if gpu is not None and "peak_allocated_bytes" in m:
+            predicted["peak_allocated_bytes"] = predict_peak_bytes(model, plan, rank, gpu)
+        records.append({"rank": rank, "measured": m, "predicted": predicted})
+    return records
 
 
 def write_state_line(engine: TrainEngine, metrics: MetricsLogger) -> None:
@@ -112,4 +131,5 @@ def write_state_line(engine: TrainEngine, metrics: MetricsLogger) -> None:
     engine.state_written = True
     if dist.get_rank() == 0:
         metrics.log_event({"event": "state",
-                           "ranks": state_records(engine.spec, engine.plan, gathered)})
+                           "ranks": state_records(engine.spec, engine.plan, gathered,
+                                                  gpu=catalog_gpu(engine.device))})

@@ -49,6 +49,8 @@ LAYOUTS: dict[str, Plan] = {
     "tp2_pp2": _plan(tp=2, pp=2, num_microbatches=4),
     "dp4_zero2_bf16": _plan(dp=4, zero=2, dtype="bf16"),
     "tp2_pp2_bf16": _plan(tp=2, pp=2, num_microbatches=4, dtype="bf16"),
+    "tp2_dp2_sp_zero1": _plan(tp=2, dp=2, zero=1, sequence_parallel=True),
+    "pp2_dp2_zero3_bf16": _plan(pp=2, dp=2, zero=3, num_microbatches=4, dtype="bf16"),
 }
 
 

@@ -120,7 +120,7 @@ def data_parallel_traffic(*, zero: int, dp: int, pp: int, dtype: str,
         # measured: a block stays gathered from its backward to the next forward (torch's
         # pipelining turns off resharding after backward), so only a forward that follows a
         # forward and a backward that follows a forward gather: m + 1 gathers per step under
-        # GPipe and 1F1B (one gather per micro-batch plus the first)
+        # GPipe, 1F1B and interleaved (one gather per micro-batch plus the first, per chunk)
         return DataParallelTraffic(all_gather_per_step=c / dp, all_gather_per_microbatch=c / dp,
                                    reduce_scatter_per_step=GRAD_BYTES)
     if zero == 2:

@@ -58,6 +58,13 @@ def validate_plan(model: ModelSpec, plan: Plan, world_size: int) -> None:
         )
     if plan.pp == 1 and plan.num_chunks > 1:
         raise PlanError(f"vpp {plan.vpp} needs pp > 1; set vpp 1 or raise pp")
+    if plan.schedule == Schedule.ZERO_BUBBLE and plan.pp > 1 and plan.dp > 1 and plan.zero == 3:
+        # measured with torch 2.13: the last stage's sharded parameters end the step without
+        # gradients (its deferred weight-gradient pass and FSDP2's per-block resharding)
+        raise PlanError(
+            "the zero-bubble schedule with ZeRO-3 loses the last stage's weight gradients in "
+            "torch's pipelining; use zero 2 (or 0/1) with zb, or schedule 1f1b with zero 3"
+        )
     if plan.schedule == Schedule.ZERO_BUBBLE and plan.pp > 1:
         rounds = max(1, plan.num_microbatches // plan.pp)
         if plan.num_microbatches % rounds:

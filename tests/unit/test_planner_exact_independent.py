@@ -141,6 +141,8 @@ def _shapes(model: ModelSpec, cluster: Cluster, batch: int,
                             if sp and model.seq_len % tp:
                                 continue
                             for schedule, v in schedules:
+                                if schedule == Schedule.ZERO_BUBBLE and zero == 3:
+                                    continue  # the runtime refuses it (torch loses gradients)
                                 yield Plan(model=model.name, seq_len=model.seq_len,
                                            global_batch=batch, tp=tp, pp=pp, dp=dp, zero=zero,
                                            micro_batch=b, num_microbatches=m, schedule=schedule,

@@ -170,6 +170,8 @@ def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int,
                 if sp and model.seq_len % tp:
                     continue
                 for schedule, vpp in schedules:
+                    if schedule == Schedule.ZERO_BUBBLE and zero == 3:
+                        continue  # torch's zero-bubble pipelining loses ZeRO-3's gradients
                     plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=global_batch,
                                 tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=b, num_microbatches=m,
                                 schedule=schedule, vpp=vpp, sequence_parallel=sp,

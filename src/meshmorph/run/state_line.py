@@ -121,6 +121,27 @@ def state_records(model: ModelSpec, plan: Plan, measured: list[dict[str, object]
     return records
 
 
+def state_summary(records: list[dict[str, Any]]) -> str:
+    """One line for the console: the largest gap between measured and predicted, over every
+    rank and every figure (held bytes and each kind of bytes sent)."""
+    worst, where = 0.0, ""
+    for record in records:
+        measured, predicted = record["measured"], record["predicted"]
+        pairs = [(key, measured[key], predicted.get(key, 0))
+                 for key in measured if key != "comm_bytes"]
+        pairs += [(f"{kind} bytes", sent, predicted["comm_bytes"].get(kind, 0))
+                  for kind, sent in measured["comm_bytes"].items()]
+        for key, got, want in pairs:
+            gap = abs(got - want) / max(abs(want), 1)
+            if gap > worst:
+                worst, where = gap, f" (rank {record['rank']}, {key}: measured {got:,} vs {want:,.0f})"
+    held = sum(r["measured"]["params_bytes"] + r["measured"]["grads_bytes"]
+               + r["measured"]["optimizer_bytes"] for r in records)
+    return (f"state after step 1: {len(records)} ranks hold {held / 2**20:,.1f} MiB of parameters, "
+            f"gradients and optimizer state; measured vs predicted: largest gap "
+            f"{worst:.2%}{where} (metrics.jsonl \"state\" line)")
+
+
 def write_state_line(engine: TrainEngine, metrics: MetricsLogger) -> None:
     """Gather every rank's measured state on rank 0 and write the ``state`` line, once
     (collective: every rank calls it after the same step; later calls do nothing)."""
@@ -130,6 +151,6 @@ def write_state_line(engine: TrainEngine, metrics: MetricsLogger) -> None:
     dist.gather_object(measured_state(engine), gathered if dist.get_rank() == 0 else None, dst=0)
     engine.state_written = True
     if dist.get_rank() == 0:
-        metrics.log_event({"event": "state",
-                           "ranks": state_records(engine.spec, engine.plan, gathered,
-                                                  gpu=catalog_gpu(engine.device))})
+        records = state_records(engine.spec, engine.plan, gathered, gpu=catalog_gpu(engine.device))
+        metrics.log_event({"event": "state", "ranks": records})
+        print(state_summary(records), flush=True)

@@ -43,18 +43,14 @@ def _accumulate(model: nn.Module, tokens: torch.Tensor, m: int,
     return total
 
 
-def ddp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:
-    """DistributedDataParallel over every rank."""
-    from contextlib import nullcontext
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = DistributedDataParallel(build_model(spec, seed=seed))
+def _data_parallel_step(model: nn.Module, optim: OptimConfig, m: int,
+                        no_sync: Callable[[int], Any]) -> Step:
+    """Accumulate, clip with torch's clip_grad_norm_, step, and return the global mean loss."""
     opt, sched = _optimizer(model.parameters(), optim)
 
     def step(tokens: torch.Tensor) -> float:
         opt.zero_grad(set_to_none=True)
-        total = _accumulate(model, tokens, m, lambda i: model.no_sync() if i < m - 1 else nullcontext())
+        total = _accumulate(model, tokens, m, no_sync)
         torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
         opt.step()
         sched.step()
@@ -62,6 +58,17 @@ def ddp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:
         return float(total) / (m * dist.get_world_size())
 
     return step
+
+
+def ddp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:
+    """DistributedDataParallel over every rank."""
+    from contextlib import nullcontext
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(build_model(spec, seed=seed))
+    return _data_parallel_step(model, optim, m,
+                               lambda i: model.no_sync() if i < m - 1 else nullcontext())
 
 
 def fsdp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:
@@ -74,18 +81,7 @@ def fsdp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:
     for block in model.blocks.values():
         fully_shard(block)
     fully_shard(model)
-    opt, sched = _optimizer(model.parameters(), optim)
-
-    def step(tokens: torch.Tensor) -> float:
-        opt.zero_grad(set_to_none=True)
-        total = _accumulate(model, tokens, m, lambda i: nullcontext())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
-        opt.step()
-        sched.step()
-        dist.all_reduce(total)
-        return float(total) / (m * dist.get_world_size())
-
-    return step
+    return _data_parallel_step(model, optim, m, lambda i: nullcontext())
 
 
 def tp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:

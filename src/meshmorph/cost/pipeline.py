@@ -127,6 +127,11 @@ def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: 
 
 _KIND = {"F": 0, "B": 1, "W": 2}
 
+Run = tuple[int, tuple[tuple[int, int, int, int], ...], tuple[tuple[str, int, int], ...]]
+"""(pp_rank, ops, names) of consecutive ops one rank runs. op = (dependency slot in the end
+times, or -1 for a W op; transfer index, or -1 for none; duration index; own end-time slot);
+name = (kind, chunk, micro-batch) of the same op."""
+
 
 @lru_cache(maxsize=256)
 def _orders(schedule: Schedule, p: int, m: int, v: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
@@ -136,69 +141,117 @@ def _orders(schedule: Schedule, p: int, m: int, v: int) -> tuple[tuple[tuple[int
                  for order in schedule_ops(schedule, p, m, v))
 
 
+@lru_cache(maxsize=256)
+def _program(schedule: Schedule, p: int, m: int, v: int) -> tuple[Run, ...]:
+    """The order in which the ranks are swept, as runs of ops, cached per shape.
+
+    Whether an op can start depends only on which dependencies have run, never on the times,
+    so the sweep (every rank in turn runs its ops until one waits on an op not yet run) is the
+    same for every set of stage times: it is found once here and replayed by
+    ``_simulate_fixed``. End times live in one flat list: F(c, j) at ``c * m + j``, B(c, j) at
+    ``(chunks + c) * m + j``, and a last slot that stays 0.0 (the first chunk's forwards are
+    ready at 0.0). Durations are indexed in fwd + bwd + wgrad."""
+    chunks = p * v
+    last = chunks - 1
+    zero = 2 * chunks * m
+    orders = _orders(schedule, p, m, v)
+    done_f = [[False] * m for _ in range(chunks)]
+    done_b = [[False] * m for _ in range(chunks)]
+    pos = [0] * p
+    lengths = [len(order) for order in orders]
+    remaining = sum(lengths)
+    runs: list[Run] = []
+    names = "FBW"
+    while remaining:
+        progressed = False
+        for k in range(p):
+            order, n, i = orders[k], lengths[k], pos[k]
+            run = []
+            named = []
+            while i < n:
+                kind, c, j = order[i]
+                if kind == 0:
+                    if c == 0:
+                        dep, transfer = zero, -1
+                    else:
+                        if not done_f[c - 1][j]:
+                            break
+                        dep, transfer = (c - 1) * m + j, c - 1
+                    done_f[c][j] = True
+                    run.append((dep, transfer, c, c * m + j))
+                elif kind == 1:
+                    if c == last:
+                        if not done_f[c][j]:
+                            break
+                        dep, transfer = c * m + j, -1
+                    else:
+                        if not done_b[c + 1][j]:
+                            break
+                        dep, transfer = (chunks + c + 1) * m + j, c
+                    done_b[c][j] = True
+                    run.append((dep, transfer, chunks + c, (chunks + c) * m + j))
+                else:
+                    run.append((-1, -1, 2 * chunks + c, -1))
+                named.append((names[kind], c, j))
+                i += 1
+            if run:
+                runs.append((k, tuple(run), tuple(named)))
+                remaining -= len(run)
+                pos[k] = i
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {schedule} deadlocks for p={p}, m={m}, v={v}")
+    return tuple(runs)
+
+
 def _simulate_fixed(schedule: Schedule, p: int, m: int, v: int, fwd: list[float],
                     bwd: list[float], wgrad: list[float], comm: list[float],
                     keep_ops: bool) -> Timeline:
     """Every rank runs its ops in order; an op starts when the rank is free and its dependency
     has finished (plus the transfer). Start times depend only on finished dependencies, so the
-    ranks are swept in turn until every op has run."""
-    chunks = p * v
-    last = chunks - 1
-    orders = _orders(schedule, p, m, v)
-    end_f = [[-1.0] * m for _ in range(chunks)]
-    end_b = [[-1.0] * m for _ in range(chunks)]
+    ranks are swept in turn until every op has run; the sweep order is fixed per shape
+    (``_program``), so this replays it with the same float operations in the same order:
+    ready = end of the dependency (+ transfer), start = max(free, ready), end = start + d."""
+    program = _program(schedule, p, m, v)
+    durations = fwd + bwd + wgrad
+    end = [0.0] * (2 * p * v * m + 1)
     free = [0.0] * p
     busy = [0.0] * p
-    pos = [0] * p
-    lengths = [len(order) for order in orders]
-    remaining = sum(lengths)
     records: list[tuple[int, str, int, int, float, float]] = []
-    names = "FBW"
-    while remaining:
-        progressed = False
-        for k in range(p):
-            order, n, i, t = orders[k], lengths[k], pos[k], free[k]
-            while i < n:
-                kind, c, j = order[i]
-                if kind == 0:
-                    if c == 0:
-                        ready = 0.0
-                    else:
-                        ready = end_f[c - 1][j]
-                        if ready < 0:
-                            break
-                        ready += comm[c - 1]
-                    d = fwd[c]
-                    start = t if t > ready else ready
-                    t = start + d
-                    end_f[c][j] = t
-                elif kind == 1:
-                    if c == last:
-                        ready = end_f[c][j]
-                    else:
-                        ready = end_b[c + 1][j]
-                        if ready >= 0:
-                            ready += comm[c]
-                    if ready < 0:
-                        break
-                    d = bwd[c]
-                    start = t if t > ready else ready
-                    t = start + d
-                    end_b[c][j] = t
-                else:  # the weight gradient follows its own B, earlier on this rank
-                    d = wgrad[c]
+    if keep_ops:
+        append = records.append
+        for k, ops, named in program:
+            t = free[k]
+            b = busy[k]
+            for (dep, transfer, di, out), (name, c, j) in zip(ops, named, strict=True):
+                d = durations[di]
+                if dep < 0:  # the weight gradient follows its own B, earlier on this rank
                     start = t
                     t += d
-                if keep_ops:
-                    records.append((k, names[kind], c, j, start, t))
-                busy[k] += d
-                i += 1
-            if i != pos[k]:
-                remaining -= i - pos[k]
-                pos[k], free[k] = i, t
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"schedule {schedule} deadlocks for p={p}, m={m}, v={v}")
+                else:
+                    ready = end[dep] if transfer < 0 else end[dep] + comm[transfer]
+                    start = t if t > ready else ready
+                    t = start + d
+                    end[out] = t
+                append((k, name, c, j, start, t))
+                b += d
+            free[k] = t
+            busy[k] = b
+    else:
+        for k, ops, _ in program:
+            t = free[k]
+            b = busy[k]
+            for dep, transfer, di, out in ops:
+                d = durations[di]
+                if dep < 0:
+                    t += d
+                else:
+                    ready = end[dep] if transfer < 0 else end[dep] + comm[transfer]
+                    t = (t if t > ready else ready) + d
+                    end[out] = t
+                b += d
+            free[k] = t
+            busy[k] = b
     return Timeline(max(free), tuple(free), tuple(busy), tuple(records))
 
 

@@ -33,7 +33,6 @@ from meshmorph.run.config import OptimConfig
 from meshmorph.run.grad_norm import clip_grads_, global_grad_norm
 from meshmorph.run.loss import token_cross_entropy
 from meshmorph.run.loss_scale import LossScaler
-from meshmorph.run.materialize import materialize_
 from meshmorph.run.mesh import TrainMesh, build_mesh
 from meshmorph.run.models import Transformer, build_chunk
 from meshmorph.run.parallelize import TORCH_DTYPES, parallelize, uses_fsdp_precision
@@ -307,13 +306,9 @@ def build_engine(model: ModelSpec, plan: Plan, optim: OptimConfig, *, seed: int,
     parts, runners = [], []
     for index in chunk_ids:
         stage = plan.stages[index]
-        # built on the meta device; each rank then allocates and fills only its own shards
+        # built on the meta device; parallelize allocates and fills only this rank's shards
         chunk = build_chunk(model, stage.start, stage.stop, seed=seed, device="meta")
-        if plan.dp > 1 and plan.zero <= 1 and plan.tp == 1:  # DDP (zero 0/1) needs real tensors
-            materialize_(chunk, model, seed=seed, device=device)
-        runners.append(parallelize(chunk, model, plan, stage, mesh))
-        if any(p.is_meta for p in chunk.parameters()):  # after TP and FSDP2 sharding
-            materialize_(chunk, model, seed=seed, device=device)
+        runners.append(parallelize(chunk, model, plan, stage, mesh, seed=seed, device=device))
         parts.append(chunk)
     return TrainEngine(spec=model, plan=plan, optim=optim, mesh=mesh, model_parts=parts,
                        runners=runners, chunk_ids=chunk_ids, device=device)

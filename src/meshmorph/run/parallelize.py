@@ -29,6 +29,7 @@ the same 2-D (dp, tp) mesh.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -50,6 +51,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from meshmorph.run.materialize import materialize_
 from meshmorph.run.mesh import TrainMesh
 from meshmorph.run.models import Transformer
 from meshmorph.run.recompute import apply_recompute
@@ -158,15 +160,17 @@ _COMPRESS_HOOKS = {"bf16": _bf16_compress, "fp16": default_hooks.fp16_compress_h
 """DDP comm hooks that reduce fp32 gradients in a 16-bit dtype (torch's default hooks)."""
 
 
-def apply_dp(chunk: Transformer, dp_mesh: DeviceMesh, plan: Plan, *, allow_ddp: bool = True
-             ) -> nn.Module:
+def apply_dp(chunk: Transformer, dp_mesh: DeviceMesh, plan: Plan, *, allow_ddp: bool = True,
+             materialize: Callable[[], None] = lambda: None) -> nn.Module:
     """Data parallelism over ``dp_mesh`` by ZeRO stage (see the module docstring); returns the
     module that runs the chunk (a DDP wrapper, or the chunk itself). ``allow_ddp`` False keeps
     zero 0/1 on ``replicate`` (a zero-bubble schedule computes weight gradients apart from the
-    backward that DDP's reducer hooks into, and DDP then misses them)."""
+    backward that DDP's reducer hooks into, and DDP then misses them). ``materialize`` gives a
+    chunk built on the meta device its storage; it runs before DDP, which needs real tensors."""
     reduce_dtype = TORCH_DTYPES[plan.reduce_dtype]
     if plan.zero <= 1:  # zero 1 shards only the optimizer (run/zero1.py)
         if allow_ddp and not any(isinstance(p, DTensor) for p in chunk.parameters()):
+            materialize()
             # every rank built the same weights: no initial broadcast needed; gradients are views
             # into DDP's buckets (one fp32 copy of the gradients, not two)
             ddp = DistributedDataParallel(chunk, process_group=dp_mesh.get_group(),
@@ -190,13 +194,22 @@ def apply_dp(chunk: Transformer, dp_mesh: DeviceMesh, plan: Plan, *, allow_ddp: 
 
 
 def parallelize(chunk: Transformer, spec: ModelSpec, plan: Plan, stage: StagePlan,
-                mesh: TrainMesh) -> nn.Module:
-    """Apply ``plan`` to ``chunk`` (the layers of ``stage``) in place: TP/SP, recompute, DP.
-    Returns the module that runs the chunk (a DDP wrapper for zero 0 without TP, else the chunk)."""
+                mesh: TrainMesh, *, seed: int, device: torch.device) -> nn.Module:
+    """Apply ``plan`` to ``chunk`` (the layers of ``stage``) in place: TP/SP, recompute, DP, and
+    give a chunk built on the meta device this rank's shards (``materialize_``: after TP and
+    FSDP2 sharding, so only the local shards are allocated; before DDP, which needs real tensors).
+    Returns the module that runs the chunk (a DDP wrapper for zero 0/1 without TP, else the chunk)."""
+    def materialize() -> None:
+        if any(p.is_meta for p in chunk.parameters()):
+            materialize_(chunk, spec, seed=seed, device=device)
+
     if plan.tp > 1:
         apply_tp(chunk, spec, mesh.sub("tp"), plan.sequence_parallel)
     apply_recompute(chunk, stage.start, stage.recompute)
+    runner: nn.Module = chunk
     if plan.dp > 1:
         split_backward = plan.pp > 1 and plan.schedule == Schedule.ZERO_BUBBLE
-        return apply_dp(chunk, mesh.sub("dp"), plan, allow_ddp=not split_backward)
-    return chunk
+        runner = apply_dp(chunk, mesh.sub("dp"), plan, allow_ddp=not split_backward,
+                          materialize=materialize)
+    materialize()
+    return runner

@@ -7,6 +7,7 @@ values have the wrong types would otherwise surface as a TypeError or KeyError f
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,7 @@ _INTEGERS = ("seq_len", "global_batch", "tp", "pp", "dp", "zero", "micro_batch",
              "num_microbatches", "vpp", "world_size")
 
 _WAY_OUT = ("write it with 'meshmorph plan --json' or 'meshmorph estimate --json', or fix it by "
-            "hand (keys: model, seq_len, global_batch, tp, pp, dp, zero, micro_batch, "
-            "num_microbatches, schedule, vpp, sequence_parallel, dtype, stages)")
+            f"hand (keys: {', '.join(f.name for f in fields(Plan) if f.name != 'predicted')})")
 
 
 def _plan_data(path: Path) -> dict[str, Any]:

@@ -15,6 +15,10 @@ import sys
 _COMMAND_MODULES = (
     "meshmorph.plan.cli",  # plan, estimate, models, gpus
     "meshmorph.run.cli",  # run, demo
+    "meshmorph.elastic.cli",  # reshape
+    "meshmorph.schedule.cli",  # timeline
+    "meshmorph.streams.cli",  # streams
+    "meshmorph.predict.cli",  # simulate, advise
 )
 
 

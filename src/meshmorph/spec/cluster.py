@@ -52,6 +52,9 @@ class Cluster:
     """Link between nodes (the slowest NIC path governs collectives that span nodes)."""
     name: str = ""
     """How the user named the cluster."""
+    provider: str = ""
+    """Cloud offering its transient nodes come from (``gcp-preemptible``, ``aws-spot``: a
+    provider of the cloud catalog, meshmorph.predict); empty: not stated."""
 
     def __post_init__(self) -> None:
         if not self.groups:

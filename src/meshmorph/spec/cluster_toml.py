@@ -18,6 +18,10 @@ intra_node_link = "nvlink4"         # optional; default: the GPU's own
 transient = false                   # optional: spot/preemptible nodes
 price_per_gpu_hour = 2.5            # optional: USD; default: the GPU catalog's figure
 ```
+
+Optional extras: ``provider = "gcp-preemptible"`` (the cloud offering of the transient groups, a
+provider of meshmorph's cloud catalog), and ``[gpus.NAME]`` / ``[links.NAME]`` tables that add or
+change GPUs and links for this file only (same keys as ``meshmorph gpus --gpus FILE``).
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from meshmorph.spec.cluster import Cluster, NodeGroup
-from meshmorph.spec.gpus import GPU_CATALOG, LINKS, LinkSpec, gpu
+from meshmorph.spec.gpus import GPU_CATALOG, GPUSpec, LinkSpec, gpus_from_toml
 
-_TOP_KEYS = ("name", "inter_node_link", "inter_node", "groups")
+_TOP_KEYS = ("name", "inter_node_link", "inter_node", "groups", "provider", "gpus", "links")
 _INTER_KEYS = ("bandwidth_gbps", "latency_us")
 _GROUP_KEYS = ("gpu", "nodes", "gpus_per_node", "intra_node_link", "intra_node_bandwidth_gbps",
                "intra_node_latency_us", "transient", "price_per_gpu_hour")
@@ -58,11 +62,17 @@ def load_cluster_toml(path: Path | str) -> Cluster:
         raise ValueError(
             f"{path}: needs at least one [[groups]] table with keys {', '.join(_GROUP_REQUIRED)}"
         )
-    groups = tuple(_group(entry, index, path) for index, entry in enumerate(groups_data))
+    own_gpus, links = gpus_from_toml(data, str(path))
+    catalog = {**GPU_CATALOG, **own_gpus}
+    groups = tuple(_group(entry, index, path, catalog, links)
+                   for index, entry in enumerate(groups_data))
     name = data.get("name", path.stem)
-    if not isinstance(name, str):
-        raise ValueError(f"{path}: name must be a string, got {name!r}")
-    return Cluster(groups=groups, inter_link=_inter_link(data, groups, path), name=name)
+    provider = data.get("provider", "")
+    for key, value in (("name", name), ("provider", provider)):
+        if not isinstance(value, str):
+            raise ValueError(f"{path}: {key} must be a string, got {value!r}")
+    return Cluster(groups=groups, inter_link=_inter_link(data, groups, path, links), name=name,
+                   provider=provider)
 
 
 def _check_keys(table: Any, valid: tuple[str, ...], path: Path, where: str) -> None:
@@ -92,10 +102,11 @@ def _number(table: dict[str, Any], key: str, path: Path, where: str, *, allow_ze
     return float(value)
 
 
-def _named_link(name: Any, key: str, path: Path, where: str) -> LinkSpec:
-    if not isinstance(name, str) or name not in LINKS:
-        raise ValueError(f"{path}: unknown {key} {name!r} in {where}; valid links: {', '.join(LINKS)}")
-    return LINKS[name]
+def _named_link(name: Any, key: str, path: Path, where: str,
+                links: dict[str, LinkSpec]) -> LinkSpec:
+    if not isinstance(name, str) or name not in links:
+        raise ValueError(f"{path}: unknown {key} {name!r} in {where}; valid links: {', '.join(links)}")
+    return links[name]
 
 
 def _with_figures(base: LinkSpec, table: dict[str, Any], bandwidth_key: str, latency_key: str,
@@ -109,7 +120,8 @@ def _with_figures(base: LinkSpec, table: dict[str, Any], bandwidth_key: str, lat
     return replace(base, name=f"{base.name}-custom", **changes) if changes else base
 
 
-def _group(entry: Any, index: int, path: Path) -> NodeGroup:
+def _group(entry: Any, index: int, path: Path, catalog: dict[str, GPUSpec],
+           links: dict[str, LinkSpec]) -> NodeGroup:
     where = f"[[groups]] #{index + 1}"
     _check_keys(entry, _GROUP_KEYS, path, where)
     missing = [key for key in _GROUP_REQUIRED if key not in entry]
@@ -117,10 +129,12 @@ def _group(entry: Any, index: int, path: Path) -> NodeGroup:
         raise ValueError(f"{path}: {where} is missing {', '.join(missing)} "
                          f"(every group needs {', '.join(_GROUP_REQUIRED)})")
     name = entry["gpu"]
-    if not isinstance(name, str) or name.lower() not in GPU_CATALOG:
-        raise ValueError(f"{path}: unknown gpu {name!r} in {where}; valid GPUs: {', '.join(GPU_CATALOG)}")
-    spec = gpu(name)
-    base = _named_link(entry.get("intra_node_link", spec.intra_node_link), "intra_node_link", path, where)
+    if not isinstance(name, str) or name.lower() not in catalog:
+        raise ValueError(f"{path}: unknown gpu {name!r} in {where}; valid GPUs: {', '.join(catalog)} "
+                         "(or define it in a [gpus.NAME] table)")
+    spec = catalog[name.lower()]
+    base = _named_link(entry.get("intra_node_link", spec.intra_node_link), "intra_node_link", path,
+                       where, links)
     intra = _with_figures(base, entry, "intra_node_bandwidth_gbps", "intra_node_latency_us", path, where)
     transient = entry.get("transient", False)
     if not isinstance(transient, bool):
@@ -138,12 +152,13 @@ def _group(entry: Any, index: int, path: Path) -> NodeGroup:
     )
 
 
-def _inter_link(data: dict[str, Any], groups: tuple[NodeGroup, ...], path: Path) -> LinkSpec:
+def _inter_link(data: dict[str, Any], groups: tuple[NodeGroup, ...], path: Path,
+                links: dict[str, LinkSpec]) -> LinkSpec:
     if "inter_node_link" in data:
-        base = _named_link(data["inter_node_link"], "inter_node_link", path, "the top level")
+        base = _named_link(data["inter_node_link"], "inter_node_link", path, "the top level", links)
     else:
         # between nodes, the slowest default NIC of the groups (as the shorthand does)
-        base = min((LINKS[g.gpu.inter_node_link] for g in groups), key=lambda lk: lk.bandwidth_gbps)
+        base = min((links[g.gpu.inter_node_link] for g in groups), key=lambda lk: lk.bandwidth_gbps)
     if "inter_node" not in data:
         return base
     _check_keys(data["inter_node"], _INTER_KEYS, path, "[inter_node]")

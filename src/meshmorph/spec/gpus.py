@@ -8,7 +8,11 @@ so that the demo can plan for them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,6 +68,12 @@ class GPUSpec:
     """Default link between nodes (a LINKS key)."""
     price_per_hour: float | None = None
     """Typical on-demand cloud price per GPU-hour, USD (None: not rented)."""
+    spot_price_per_hour: float | None = None
+    """Spot/preemptible price per GPU-hour, USD (None: no dated figure in the catalog)."""
+    price_date: str | None = None
+    """When the prices were read (``2017-12``); None: an undated typical list price."""
+    price_source: str = ""
+    """Where the prices come from."""
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for a training dtype; falls back to the next wider dtype."""
@@ -82,10 +92,14 @@ GPU_CATALOG: dict[str, GPUSpec] = {
     for gpu in (
         GPUSpec(name="k80", description="NVIDIA Tesla K80 (one GK210 of two)", memory_gib=12,
                 hbm_gbps=240, peak_tflops={"fp32": 4.37, "fp16": 4.37},
-                intra_node_link="pcie3", inter_node_link="eth-25g", price_per_hour=0.45),
+                intra_node_link="pcie3", inter_node_link="eth-25g", price_per_hour=0.44,
+                spot_price_per_hour=0.22, price_date="2017-12",
+                price_source="GCP launch list price of an attached GPU (transient-cloud reference)"),
         GPUSpec(name="p100", description="NVIDIA Tesla P100 SXM2 16GB", memory_gib=16, hbm_gbps=732,
                 peak_tflops={"fp32": 10.6, "fp16": 21.2}, intra_node_link="nvlink1",
-                inter_node_link="ib-edr", price_per_hour=1.46),
+                inter_node_link="ib-edr", price_per_hour=1.46, spot_price_per_hour=0.73,
+                price_date="2017-12",
+                price_source="GCP launch list price of an attached GPU (transient-cloud reference)"),
         GPUSpec(name="v100-16g", description="NVIDIA Tesla V100 SXM2 16GB", memory_gib=16,
                 hbm_gbps=900, peak_tflops={"fp32": 15.7, "fp16": 125.0},
                 intra_node_link="nvlink2", inter_node_link="ib-edr", price_per_hour=2.48),
@@ -137,3 +151,101 @@ def link(name: str) -> LinkSpec:
         return LINKS[name]
     except KeyError:
         raise ValueError(f"unknown link {name!r}; known: {', '.join(LINKS)}") from None
+
+
+# --- user GPUs and links in TOML -----------------------------------------------------------------
+# [links.roce-200g]            # a new link class (or new figures for a known one)
+# bandwidth_gbps = 25
+# latency_us = 6
+# [gpus.h100]                  # a known GPU: only the keys given change (here: dated prices)
+# price_per_hour = 6.98
+# spot_price_per_hour = 2.5
+# price_date = "2026-11"
+# [gpus.my-accel]              # a new GPU: memory_gib, hbm_gbps and peak_tflops are required
+# memory_gib = 96
+# hbm_gbps = 4000
+# peak_tflops = { bf16 = 800, fp32 = 60 }
+_GPU_KEYS = tuple(f.name for f in fields(GPUSpec) if f.name != "name")
+_NEW_GPU_REQUIRED = ("memory_gib", "hbm_gbps", "peak_tflops")
+
+
+def _toml_number(value: Any, key: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or value < 0:
+        raise ValueError(f"{where}: {key} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def _toml_gpu(name: str, entry: Any, base: GPUSpec | None, links: dict[str, LinkSpec],
+              where: str) -> GPUSpec:
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: [gpus.{name}] must be a table, got {entry!r}")
+    unknown = [k for k in entry if k not in _GPU_KEYS]
+    if unknown:
+        raise ValueError(f"{where}: unknown key {', '.join(map(repr, unknown))} in [gpus.{name}]; "
+                         f"valid keys: {', '.join(_GPU_KEYS)}")
+    if base is None:
+        missing = [k for k in _NEW_GPU_REQUIRED if k not in entry]
+        if missing:
+            raise ValueError(f"{where}: new GPU {name!r} needs {', '.join(missing)} (or name a "
+                             f"catalog GPU to change: {', '.join(GPU_CATALOG)})")
+    changes: dict[str, Any] = {}
+    for key, value in entry.items():
+        if key in ("description", "price_date", "price_source", "intra_node_link",
+                   "inter_node_link"):
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: {key} in [gpus.{name}] must be a string, got {value!r}")
+            if key.endswith("_link") and value not in links:
+                raise ValueError(f"{where}: unknown {key} {value!r} in [gpus.{name}]; valid links: "
+                                 f"{', '.join(links)} (or define it under [links.NAME])")
+            changes[key] = value
+        elif key == "peak_tflops":
+            if not isinstance(value, dict) or not value:
+                raise ValueError(f"{where}: peak_tflops in [gpus.{name}] must be a table such as "
+                                 "{ bf16 = 989.4, fp32 = 67 }")
+            changes[key] = {d: _toml_number(v, f"peak_tflops.{d}", where) for d, v in value.items()}
+        else:
+            changes[key] = _toml_number(value, key, where)
+    if base is None:
+        return GPUSpec(name=name, description=changes.pop("description", name), **changes)
+    return replace(base, **changes)
+
+
+def gpus_from_toml(data: dict[str, Any], where: str) -> tuple[dict[str, GPUSpec], dict[str, LinkSpec]]:
+    """The GPUs and links a TOML document's ``[gpus.*]`` and ``[links.*]`` tables define, each
+    merged over the catalog entry of the same name (format in the comment above)."""
+    links = dict(LINKS)
+    for name, entry in (data.get("links") or {}).items():
+        if not isinstance(entry, dict) or set(entry) - {"bandwidth_gbps", "latency_us"}:
+            raise ValueError(f"{where}: [links.{name}] takes bandwidth_gbps and latency_us only")
+        base = LINKS.get(name)
+        if base is None and set(entry) != {"bandwidth_gbps", "latency_us"}:
+            raise ValueError(f"{where}: new link {name!r} needs bandwidth_gbps and latency_us")
+        figures = {k: _toml_number(v, k, where) for k, v in entry.items()}
+        links[name] = replace(base, **figures) if base else LinkSpec(name=name, **figures)
+    gpus = {}
+    for name, entry in (data.get("gpus") or {}).items():
+        key = name.lower()
+        gpus[key] = _toml_gpu(key, entry, GPU_CATALOG.get(key), links, where)
+    return gpus, links
+
+
+def load_gpus_toml(path: Path | str) -> dict[str, GPUSpec]:
+    """Add or override catalog GPUs (and links) from a TOML file, for this process; returns the
+    entries the file defined."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"GPU file {path} does not exist; pass a .toml file with "
+                                "[gpus.NAME] tables") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid TOML: {exc}") from None
+    unknown = [k for k in data if k not in ("gpus", "links")]
+    if unknown:
+        raise ValueError(f"{path}: unknown table {', '.join(map(repr, unknown))}; a GPU file holds "
+                         "[gpus.NAME] and [links.NAME] tables")
+    gpus, links = gpus_from_toml(data, str(path))
+    LINKS.update(links)
+    GPU_CATALOG.update(gpus)
+    return gpus

@@ -1,0 +1,96 @@
+"""Run an assignment on CPU: one queue per stream, interleaved, waiting on cross-stream events.
+
+The scheduler visits the streams round-robin and runs the head of a queue once every event it
+waits on has been recorded, one operator per stream per round, so streams really interleave. It
+writes the same trace a CUDA run would order by (wait, start, end, record), which ``race.py``
+checks. ``StreamExecutor`` runs a traced module's operators this way through ``torch.fx``; each
+operator is the same call as in eager mode, so outputs are bit-for-bit eager's.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+
+from meshmorph.streams.assign import StreamAssignment
+from meshmorph.streams.op_graph import OP_KINDS, OpGraph
+from meshmorph.streams.race import TraceEvent
+
+
+class ScheduleError(RuntimeError):
+    """The assignment cannot run: a deadlock, or an operator whose input is not computed yet."""
+
+
+def run_schedule(assignment: StreamAssignment, run_op: Callable[[str], None]) -> list[TraceEvent]:
+    """Call ``run_op`` for every operator in stream order, interleaving streams; return the trace."""
+    waits: dict[str, list[str]] = {}
+    for u, v in assignment.syncs:
+        waits.setdefault(v, []).append(u)
+    signals = {u for u, _ in assignment.syncs}
+    queues = [deque(ops) for ops in assignment.streams]
+    recorded: set[str] = set()
+    trace: list[TraceEvent] = []
+    while any(queues):
+        progressed = False
+        for s, queue in enumerate(queues):
+            if not queue or not all(u in recorded for u in waits.get(queue[0], ())):
+                continue
+            op = queue.popleft()
+            trace.extend(TraceEvent("wait", s, u) for u in waits.get(op, ()))
+            trace.append(TraceEvent("start", s, op))
+            run_op(op)
+            trace.append(TraceEvent("end", s, op))
+            if op in signals:
+                trace.append(TraceEvent("record", s, op))
+                recorded.add(op)
+            progressed = True
+        if not progressed:
+            heads = {s: q[0] for s, q in enumerate(queues) if q}
+            raise ScheduleError(f"deadlock: every stream waits on an event not yet recorded "
+                                f"(stream heads {heads}); syncs must follow the streams' order")
+    return trace
+
+
+class StreamExecutor:
+    """Calls a traced module's operators in the order an assignment gives, on CPU tensors."""
+
+    def __init__(self, op_graph: OpGraph, assignment: StreamAssignment) -> None:
+        if set(assignment.order) != set(op_graph.dag):
+            raise ValueError("the assignment was made for another operator graph; assign "
+                             "op_graph.dag first")
+        self.op_graph = op_graph
+        self.assignment = assignment
+        self.last_trace: list[TraceEvent] = []
+        self._nodes = {n.name: n for n in op_graph.module.graph.nodes}
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        gm = self.op_graph.module
+        interp = torch.fx.Interpreter(gm, garbage_collect_values=False)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(inputs):
+            raise ValueError(f"the module takes {len(placeholders)} inputs, {len(inputs)} given")
+        interp.env = dict(zip(placeholders, inputs, strict=True))
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":
+                interp.env[node] = interp.run_node(node)
+
+        def run_op(name: str) -> None:
+            node = self._nodes[name]
+            missing = [p.name for p in node.all_input_nodes if p not in interp.env]
+            if missing:
+                raise ScheduleError(f"{name} started before its inputs {missing} were computed: "
+                                    "the assignment lacks a sync; use assign_streams' syncs")
+            interp.env[node] = interp.run_node(node)
+
+        self.last_trace = run_schedule(self.assignment, run_op)
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        return interp.run_node(output)
+
+
+def operator_nodes(gm: torch.fx.GraphModule) -> list[str]:
+    """Names of the operator nodes of ``gm`` in program order."""
+    return [n.name for n in gm.graph.nodes if n.op in OP_KINDS]

@@ -1,0 +1,207 @@
+"""Small multi-branch image nets for stream assignment: a name -> factory catalog.
+
+``inception-stack`` (Inception-style blocks: 1x1, 1x1->3x3, 1x1->5x5 and pool->1x1 branches
+concatenated), ``nasnet-stack`` (NASNet-style cells: five pairwise-combined branches over the two
+previous cell outputs) and ``resnet-stack`` (ResNet-style basic blocks, a projection shortcut where
+the shape changes). Each module carries ``example_input_shape`` (one sample, no batch dimension);
+a user factory ``package.module:function`` may set the same attribute or the CLI's
+``--input-shape`` gives it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class NetConfig:
+    """Size of a catalog net: small enough that CPU tests run in seconds."""
+
+    channels: int = 16
+    """Channels of the stem and of every block's output."""
+    blocks: int = 3
+    """Blocks (or cells) stacked after the stem."""
+    image_size: int = 32
+    """Height and width of the default input image."""
+    classes: int = 10
+    """Outputs of the final linear layer."""
+
+    def __post_init__(self) -> None:
+        if min(self.channels, self.blocks, self.image_size, self.classes) <= 0:
+            raise ValueError(f"every NetConfig field must be positive, got {self}")
+        if self.channels % 4:
+            raise ValueError(f"channels={self.channels} must be divisible by 4 (the Inception "
+                             "branches split them four ways); try 16 or 32")
+
+
+def _conv(cin: int, cout: int, k: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2, bias=False),
+                         nn.BatchNorm2d(cout), nn.ReLU())
+
+
+class InceptionBlock(nn.Module):
+    """Four parallel branches over one input, concatenated along channels."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        c = cout // 4
+        self.b1 = _conv(cin, c, 1)
+        self.b3 = nn.Sequential(_conv(cin, c, 1), _conv(c, c, 3))
+        self.b5 = nn.Sequential(_conv(cin, c, 1), _conv(c, c, 5))
+        self.pool = nn.Sequential(nn.MaxPool2d(3, stride=1, padding=1), _conv(cin, c, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.b1(x), self.b3(x), self.b5(x), self.pool(x)], dim=1)
+
+
+class SepConv(nn.Module):
+    """Depthwise then pointwise convolution, as in NASNet's separable branches."""
+
+    def __init__(self, c: int, k: int) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(c, c, k, padding=k // 2, groups=c, bias=False)
+        self.pointwise = nn.Conv2d(c, c, 1, bias=False)
+        self.bn = nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.pointwise(self.depthwise(torch.relu(x))))
+
+
+class NasNetCell(nn.Module):
+    """Five pairwise combinations of the previous two cell outputs, concatenated and projected."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.sep3_cur, self.sep5_cur = SepConv(c, 3), SepConv(c, 5)
+        self.sep3_prev, self.sep5_prev = SepConv(c, 3), SepConv(c, 5)
+        self.sep3_prev_b = SepConv(c, 3)
+        self.avg = nn.AvgPool2d(3, stride=1, padding=1)
+        self.project = _conv(5 * c, c, 1)
+
+    def forward(self, prev: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
+        b0 = self.sep3_cur(cur) + cur
+        b1 = self.sep3_prev(prev) + self.sep5_cur(cur)
+        b2 = self.avg(cur) + prev
+        b3 = self.avg(prev) + self.avg(cur)
+        b4 = self.sep5_prev(prev) + self.sep3_prev_b(prev)
+        return self.project(torch.cat([b0, b1, b2, b3, b4], dim=1))
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions plus a shortcut (a 1x1 projection when the shape changes)."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
+                                          nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+class _Head(nn.Module):
+    def __init__(self, c: int, classes: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+class InceptionStack(nn.Module):
+    """Stem convolution, ``blocks`` Inception blocks, pooled linear head."""
+
+    def __init__(self, cfg: NetConfig) -> None:
+        super().__init__()
+        self.example_input_shape = (3, cfg.image_size, cfg.image_size)
+        self.stem = _conv(3, cfg.channels, 3)
+        self.blocks = nn.Sequential(*[InceptionBlock(cfg.channels, cfg.channels)
+                                      for _ in range(cfg.blocks)])
+        self.head = _Head(cfg.channels, cfg.classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)))
+
+
+class NasNetStack(nn.Module):
+    """Stem convolution, ``blocks`` NASNet cells each fed the two previous outputs, head."""
+
+    def __init__(self, cfg: NetConfig) -> None:
+        super().__init__()
+        self.example_input_shape = (3, cfg.image_size, cfg.image_size)
+        self.stem = _conv(3, cfg.channels, 3)
+        self.cells = nn.ModuleList([NasNetCell(cfg.channels) for _ in range(cfg.blocks)])
+        self.head = _Head(cfg.channels, cfg.classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        prev = cur = self.stem(x)
+        for cell in self.cells:
+            prev, cur = cur, cell(prev, cur)
+        return self.head(cur)
+
+
+class ResNetStack(nn.Module):
+    """Stem convolution, ``blocks`` basic blocks (every other one halves the image), head."""
+
+    def __init__(self, cfg: NetConfig) -> None:
+        super().__init__()
+        self.example_input_shape = (3, cfg.image_size, cfg.image_size)
+        self.stem = _conv(3, cfg.channels, 3)
+        layers, cin = [], cfg.channels
+        for i in range(cfg.blocks):
+            cout = cfg.channels * (2 if i % 2 else 1)
+            layers.append(BasicBlock(cin, cout, stride=2 if i % 2 else 1))
+            cin = cout
+        self.blocks = nn.Sequential(*layers)
+        self.head = _Head(cin, cfg.classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)))
+
+
+NETS: dict[str, Callable[[], nn.Module]] = {
+    "inception-stack": lambda: InceptionStack(NetConfig()),
+    "nasnet-stack": lambda: NasNetStack(NetConfig()),
+    "resnet-stack": lambda: ResNetStack(NetConfig()),
+}
+"""Catalog name -> factory with the default NetConfig."""
+
+
+def build_net(name: str) -> nn.Module:
+    """A catalog net by name, or the module a ``package.module:function`` factory returns."""
+    if name in NETS:
+        return NETS[name]()
+    if ":" not in name:
+        raise ValueError(f"unknown net {name!r}; choose one of {', '.join(NETS)} "
+                         "or pass package.module:function returning an nn.Module")
+    from meshmorph.spec.trace import _resolve
+
+    model = _resolve(name)()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model factory {name!r} returned {type(model).__name__}, "
+                         "not an nn.Module")
+    return model
+
+
+def example_input(model: nn.Module, batch: int,
+                  input_shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A seeded random input of ``(batch, *shape)``; the shape from the module unless given."""
+    shape = input_shape or getattr(model, "example_input_shape", None)
+    if shape is None:
+        raise ValueError(f"{type(model).__name__} has no example_input_shape attribute; "
+                         "pass --input-shape C,H,W (one sample, no batch dimension)")
+    if batch <= 0:
+        raise ValueError(f"batch must be positive, got {batch}")
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn((batch, *shape), generator=generator)

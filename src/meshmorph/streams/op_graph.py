@@ -1,0 +1,134 @@
+"""The operator DAG of a module's forward, with an estimated or measured time for each operator.
+
+``torch.fx.symbolic_trace`` turns the module into a flat graph of leaf modules (Conv2d, ReLU, ...),
+functions (``torch.cat``, ``operator.add``) and methods. Every such call is one node of a
+``networkx.DiGraph`` named as fx names it; an edge u -> v means v reads u's output. Placeholders
+(the inputs), ``get_attr`` constants and the output node are not operators: they are ready before
+the first operator runs and are left out of the DAG.
+
+Times: ``estimate`` runs each operator once under ``torch.utils.flop_counter.FlopCounterMode`` and
+prices it as ``launch_s + max(flops / peak_flops, bytes_out / bytes_per_s)``; ``profile`` runs it
+``repeats`` times on the inputs' device and keeps the median wall time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import networkx as nx
+import torch
+import torch.fx
+from torch.utils.flop_counter import FlopCounterMode
+
+OP_KINDS = ("call_module", "call_function", "call_method")
+"""fx node kinds that are operators (nodes of the DAG)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TimeModel:
+    """Roofline price of one operator when times are estimated rather than measured."""
+
+    peak_flops: float = 2e13
+    """Achieved floating-point operations per second (default: a mid-range GPU in fp32)."""
+    bytes_per_s: float = 1e12
+    """Memory bandwidth for writing the operator's outputs, bytes per second."""
+    launch_s: float = 5e-6
+    """Fixed cost of issuing one operator (kernel launch and framework dispatch), seconds."""
+
+    def __post_init__(self) -> None:
+        if self.peak_flops <= 0 or self.bytes_per_s <= 0 or self.launch_s < 0:
+            raise ValueError(f"TimeModel needs peak_flops > 0, bytes_per_s > 0, launch_s >= 0; got {self}")
+
+
+@dataclass(slots=True)
+class OpGraph:
+    """A traced module and the DAG of its operators."""
+
+    module: torch.fx.GraphModule
+    """The traced module; its nodes carry the names used in ``dag``."""
+    dag: nx.DiGraph
+    """Operators (fx node names) with ``time_s``, ``flops`` and ``target`` attributes."""
+    order: list[str] = field(default_factory=list)
+    """The operators in fx program order, a topological order of ``dag``."""
+
+    def node(self, name: str) -> torch.fx.Node:
+        """The fx node called ``name``."""
+        return self._nodes()[name]
+
+    def _nodes(self) -> dict[str, torch.fx.Node]:
+        return {n.name: n for n in self.module.graph.nodes}
+
+
+def _target_name(node: torch.fx.Node) -> str:
+    if node.op == "call_module":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _bytes_of(value: Any) -> int:
+    tensors = [value] if isinstance(value, torch.Tensor) else [
+        v for v in (value if isinstance(value, tuple | list) else []) if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _median_time_s(interp: torch.fx.Interpreter, node: torch.fx.Node, repeats: int) -> float:
+    cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in interp.env.values())
+    samples = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        interp.run_node(node)
+        if cuda:
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def build_op_graph(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], *,
+                   timing: Literal["estimate", "profile"] = "estimate",
+                   time_model: TimeModel | None = None, repeats: int = 5) -> OpGraph:
+    """Trace ``module`` with fx and time each operator on ``inputs`` (one forward under no_grad)."""
+    if timing not in ("estimate", "profile"):
+        raise ValueError(f"timing must be 'estimate' or 'profile', got {timing!r}")
+    try:
+        gm = torch.fx.symbolic_trace(module)
+    except Exception as exc:  # fx cannot trace data-dependent control flow
+        raise ValueError(f"torch.fx cannot trace {type(module).__name__} ({exc}); streams need a "
+                         "module without data-dependent Python control flow") from None
+    prices = time_model or TimeModel()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        raise ValueError(f"{type(module).__name__}.forward takes {len(placeholders)} inputs, "
+                         f"{len(inputs)} given")
+    interp = torch.fx.Interpreter(gm, garbage_collect_values=False)
+    interp.env = dict(zip(placeholders, inputs, strict=True))
+    dag: nx.DiGraph = nx.DiGraph()
+    order: list[str] = []
+    with torch.no_grad():
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op not in OP_KINDS:
+                if node.op == "get_attr":
+                    interp.env[node] = interp.run_node(node)
+                continue
+            counter = FlopCounterMode(display=False)
+            with counter:
+                value = interp.run_node(node)
+            interp.env[node] = value
+            flops = counter.get_total_flops()
+            if timing == "profile":
+                time_s = _median_time_s(interp, node, repeats)
+            else:  # roofline: compute- or bandwidth-bound, plus the launch
+                time_s = prices.launch_s + max(flops / prices.peak_flops,
+                                               _bytes_of(value) / prices.bytes_per_s)
+            dag.add_node(node.name, time_s=time_s, flops=flops, target=_target_name(node))
+            order.append(node.name)
+            for parent in node.all_input_nodes:
+                if parent.op in OP_KINDS:
+                    dag.add_edge(parent.name, node.name)
+    return OpGraph(module=gm, dag=dag, order=order)

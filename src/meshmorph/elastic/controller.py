@@ -1,0 +1,195 @@
+"""Reshape a running job in memory: from an engine of Plan A on some processes to an engine of
+Plan B on others, moving only what the MovePlan says.
+
+Every process that takes part calls ``reshape_in_memory`` with the same arguments (its own
+``me`` and engine aside). The steps:
+
+1. Layouts A and B and the MovePlan (pure, the same on every process); a planned leave names the
+   processes that stay, and the placement is the best one among them (``linear_sum_assignment``
+   on the receive matrix restricted to those devices);
+2. this process's pieces out of its old engine (views, ``local_state.extract_state``);
+3. one process group over every process that sends or receives (``regroup``): the small state
+   (step, LR schedule, data position) from the first survivor, then the transfers
+   (``execute.execute_transfers``);
+4. the process group of Plan B, ranks in placement order, the new engine built on the meta
+   device and filled from the pieces kept and received (``local_state.install_state``).
+
+The old engine is only read until step 4 succeeds: a failure before it leaves its state whole
+(its pieces can be installed again into a rebuilt Plan A engine). Process groups are formed over
+a ``FileStore`` in ``store_dir``, one file per step of the move.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshmorph.elastic.execute import ExecutionReport, execute_transfers, merge_pieces
+from meshmorph.elastic.layout import Layout, layout_of
+from meshmorph.elastic.local_state import (
+    LocalState,
+    ReshapeError,
+    SmallState,
+    extract_state,
+    install_state,
+)
+from meshmorph.elastic.move_plan import DEFAULT_STAGING_BYTES, MovePlan, plan_move
+from meshmorph.elastic.placement import best_placement, device_holdings, receive_matrix
+from meshmorph.run.config import OptimConfig
+from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import Plan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReshapeRequest:
+    """A change from Plan A on some processes to Plan B (the same on every process)."""
+
+    model: ModelSpec
+    """The model being trained."""
+    optim: OptimConfig
+    """Its optimizer settings (the new engine's AdamW and LR schedule)."""
+    plan_a: Plan
+    """The plan running now."""
+    processes_a: tuple[int, ...]
+    """Process of each rank of Plan A (index = rank)."""
+    plan_b: Plan
+    """The plan to run next."""
+    staying: tuple[int, ...] | None = None
+    """Processes that may host Plan B's ranks (a planned leave names the rest); None: any
+    process of ``processes_a`` or ``joining``."""
+    joining: tuple[int, ...] = ()
+    """Processes that hold nothing and may take Plan B's ranks (a join)."""
+    seed: int = 0
+    """Initialisation seed of the engines (overwritten by the state moved in)."""
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    """Most bytes one device receives per round of transfers."""
+    verify: bool = True
+    """Checksum every transfer (``content_hash``) and refuse a mismatch."""
+
+
+@dataclass(slots=True)
+class ReshapeReport:
+    """What a move cost: the MovePlan's figures and this process's measurements."""
+
+    move: MovePlan
+    """The plan that was executed (devices: Plan A's ranks, joiners after them)."""
+    processes_b: tuple[int, ...]
+    """Process of each rank of Plan B."""
+    execution: ExecutionReport | None = None
+    """This process's part of the transfers (None: it took no part)."""
+    times_s: dict[str, float] = field(default_factory=dict)
+    """Wall time of each step of the move on this process (plan, extract, transfer, build...)."""
+
+    def figures(self) -> dict[str, Any]:
+        """The keys of a ``{"event": "reshape"}`` line (sizes in bytes, times in seconds)."""
+        move = self.move
+        return {"bytes_moved": move.bytes_moved, "lower_bound_bytes": move.lower_bound_bytes,
+                "naive_bytes": move.naive_bytes,
+                "busiest_device_bytes": move.busiest_device_bytes, "messages": move.messages,
+                "from_checkpoint_bytes": move.checkpoint_bytes,
+                "measured_time_s": sum(self.times_s.values())}
+
+
+def regroup(store_dir: Path, tag: str, me: int, members: Sequence[int],
+            timeout_s: float = 120.0) -> bool:
+    """Leave the current default process group and, if ``me`` is in ``members``, join a new one
+    whose rank ``i`` is process ``members[i]``; whether ``me`` joined."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if me not in members:
+        return False
+    store = dist.FileStore(str(store_dir / f"store-{tag}"), len(members))
+    dist.init_process_group("gloo", store=store, rank=list(members).index(me),
+                            world_size=len(members), timeout=timedelta(seconds=timeout_s))
+    return True
+
+
+def plan_the_move(request: ReshapeRequest) -> tuple[MovePlan, Layout, Layout, dict[int, int]]:
+    """The MovePlan, both layouts, and device id -> process (devices: Plan A's ranks, then the
+    joining processes in order)."""
+    layout_a = layout_of(request.model, request.plan_a)
+    layout_b = layout_of(request.model, request.plan_b)
+    world_a = request.plan_a.world_size
+    process_of = dict(enumerate(request.processes_a))
+    joiners = list(range(world_a, world_a + len(request.joining)))
+    process_of.update(zip(joiners, request.joining, strict=True))
+    survivors = list(range(world_a))
+    placement = None
+    if request.staying is not None:  # the best placement on the devices that stay
+        allowed = [d for d, p in sorted(process_of.items()) if p in request.staying]
+        holdings = device_holdings(layout_a, allowed, [d for d in allowed if d < world_a])
+        placement = best_placement(receive_matrix(layout_a, layout_b, holdings), allowed)
+    move = plan_move(layout_a, layout_b, survivors, joiners, staging_bytes=request.staging_bytes,
+                     placement=placement)
+    return move, layout_a, layout_b, process_of
+
+
+def _share_small(small: SmallState | None, root: int) -> SmallState:
+    box: list[Any] = [small]
+    dist.broadcast_object_list(box, src=root)
+    if box[0] is None:
+        raise ReshapeError("the first survivor has no small state to share")
+    return box[0]
+
+
+def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed_samples: int,
+                      store_dir: Path, tag: str, device: torch.device | None = None
+                      ) -> tuple[Any, ReshapeReport]:
+    """Move this process's part of the job from ``engine`` (None on a joining process) to an
+    engine of Plan B; returns it (None where this process hosts no rank of Plan B) and the
+    report. Collective over every process of the request."""
+    from meshmorph.run.engine import build_engine
+
+    times: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        times[name] = now - clock
+        clock = now
+
+    move, layout_a, _, process_of = plan_the_move(request)
+    processes_b = tuple(process_of[move.placement[r]] for r in range(request.plan_b.world_size))
+    report = ReshapeReport(move, processes_b, times_s=times)
+    lap("plan")
+    state: LocalState | None = None
+    if engine is not None:
+        state = extract_state(engine, consumed_samples=consumed_samples, checksums=False)
+    lap("extract")
+    if move.from_checkpoint:
+        raise ReshapeError(f"{len(move.from_checkpoint)} pieces have no live holder; an in-memory"
+                           " move needs every piece alive (read them from the checkpoint)")
+    members = sorted(set(request.processes_a) | set(processes_b))
+    device_of = {p: d for d, p in process_of.items()}
+    held = state.pieces if state is not None else {}
+    received: list = []
+    small: SmallState | None = None
+    regroup(store_dir, f"{tag}-move", me, members)
+    if me in members:
+        root = members.index(request.processes_a[0])
+        small = _share_small(state.small if state is not None else None, root)
+        if state is not None:
+            small.rng = state.small.rng
+        shapes = {k: t.shape for k, t in layout_a.tensors.items()}
+        received, report.execution = execute_transfers(
+            move.transfers, device_of[me], held, shapes,
+            rank_of_device={d: members.index(p) for d, p in process_of.items() if p in members},
+            staging_bytes=request.staging_bytes, verify=request.verify)
+        dist.barrier()  # every transfer arrived and was checked before anything changes
+    lap("transfer")
+    new_engine = None
+    if regroup(store_dir, f"{tag}-run", me, processes_b) and small is not None:
+        new_engine = build_engine(request.model, request.plan_b, request.optim, seed=request.seed,
+                                  device=device or torch.device("cpu"))
+        lap("build")
+        install_state(new_engine, merge_pieces(held, received), small)
+        lap("install")
+    return new_engine, report

@@ -41,8 +41,10 @@ from meshmorph.elastic.local_state import (
     install_state,
 )
 from meshmorph.elastic.move_plan import DEFAULT_STAGING_BYTES, MovePlan, plan_move
+from meshmorph.elastic.move_time import predict_move_time_s
 from meshmorph.elastic.placement import best_placement, device_holdings, receive_matrix
 from meshmorph.run.config import OptimConfig
+from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
 
@@ -72,6 +74,8 @@ class ReshapeRequest:
     """Most bytes one device receives per round of transfers."""
     verify: bool = True
     """Checksum every transfer (``content_hash``) and refuse a mismatch."""
+    cluster: str | None = None
+    """Cluster shorthand the move time is predicted on (None: ``cpu:1x<devices>``)."""
 
 
 @dataclass(slots=True)
@@ -86,6 +90,8 @@ class ReshapeReport:
     """This process's part of the transfers (None: it took no part)."""
     times_s: dict[str, float] = field(default_factory=dict)
     """Wall time of each step of the move on this process (plan, extract, transfer, build...)."""
+    predicted_time_s: float = 0.0
+    """The cost model's time for the transfers (``move_time.predict_move_time_s``)."""
 
     def figures(self) -> dict[str, Any]:
         """The keys of a ``{"event": "reshape"}`` line (sizes in bytes, times in seconds)."""
@@ -94,7 +100,9 @@ class ReshapeReport:
                 "naive_bytes": move.naive_bytes,
                 "busiest_device_bytes": move.busiest_device_bytes, "messages": move.messages,
                 "from_checkpoint_bytes": move.checkpoint_bytes,
-                "measured_time_s": sum(self.times_s.values())}
+                "predicted_time_s": self.predicted_time_s,
+                "measured_time_s": sum(self.times_s.values()),
+                "measured_transfer_s": self.times_s.get("transfer", 0.0)}
 
 
 def regroup(store_dir: Path, tag: str, me: int, members: Sequence[int],
@@ -158,7 +166,9 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
 
     move, layout_a, _, process_of = plan_the_move(request)
     processes_b = tuple(process_of[move.placement[r]] for r in range(request.plan_b.world_size))
-    report = ReshapeReport(move, processes_b, times_s=times)
+    cluster = parse_cluster(request.cluster or f"cpu:1x{len(move.devices)}")
+    report = ReshapeReport(move, processes_b, times_s=times,
+                           predicted_time_s=predict_move_time_s(move, cluster))
     lap("plan")
     state: LocalState | None = None
     if engine is not None:

@@ -1,0 +1,111 @@
+"""Per-rank action lists of the pipelines the asynchronous executor runs (pure Python, no torch).
+
+An action is ``F`` (forward of a micro-batch: receive the input from the previous stage, compute,
+send the output on), ``B`` (its backward: receive the output gradient, back-propagate, send the
+input gradient back) or ``U`` (this stage's optimizer step). Three orders, for ``p`` stages:
+
+- ``async_1f1b``: PipeDream's 1F1B without flush. Stage ``k`` runs ``w = p - 1 - k`` warm-up
+  forwards, then alternates F(i), B(i - w) for ever, and steps after every backward (each
+  micro-batch is one optimizer step). Stage ``k``'s forward of micro-batch ``j`` therefore sees
+  the weights after ``j - w`` updates: ``w`` steps stale (0 on the last stage).
+- ``two_bw``: the same order, stepping after every ``m``-th backward (PipeDream-2BW: the
+  gradient of ``m`` micro-batches per update, the forwards never wait for it).
+- ``sync_1f1b``: 1F1B with a flush: per step, ``m`` micro-batches go through warm-up, steady
+  state and cool-down, and every stage steps once at the end (synchronous, bubble included).
+
+``staleness`` reads from a list how many of the stage's own updates fall between each forward
+and its backward: the ``s`` weight prediction extrapolates over.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Action(NamedTuple):
+    """One thing a stage does; ``micro_batch`` is the update's index for ``U``."""
+
+    kind: str
+    """``F``, ``B`` or ``U``."""
+    micro_batch: int
+    """Micro-batch of ``F``/``B`` (global index over the run); update number for ``U``."""
+
+
+def _check(p: int, k: int, n: int) -> None:
+    if p < 1 or not 0 <= k < p:
+        raise ValueError(f"stage {k} of {p} stages: need 0 <= stage < stages")
+    if n < 0:
+        raise ValueError(f"{n} micro-batches: need at least 0")
+
+
+def _one_f_one_b(p: int, k: int, first: int, n: int, every: int, updates: int) -> list[Action]:
+    """Micro-batches ``first .. first + n - 1`` in 1F1B order; ``U`` after every ``every``-th
+    backward (counted from ``first``); ``updates`` numbers the first ``U``."""
+    warmup = min(p - 1 - k, n)
+    out = [Action("F", first + i) for i in range(warmup)]
+
+    def backward(i: int) -> None:
+        nonlocal updates
+        out.append(Action("B", first + i))
+        if (i + 1) % every == 0:
+            out.append(Action("U", updates))
+            updates += 1
+
+    for i in range(warmup, n):
+        out.append(Action("F", first + i))
+        backward(i - warmup)
+    for i in range(n - warmup, n):
+        backward(i)
+    return out
+
+
+def async_1f1b(p: int, k: int, n: int) -> list[Action]:
+    """Stage ``k`` of ``p``: 1F1B without flush over ``n`` micro-batches, a step after each B."""
+    _check(p, k, n)
+    return _one_f_one_b(p, k, 0, n, 1, 0)
+
+
+def two_bw(p: int, k: int, n: int, m: int) -> list[Action]:
+    """PipeDream-2BW: 1F1B without flush, a step after every ``m`` backwards (``n % m == 0``)."""
+    _check(p, k, n)
+    if m < 1 or n % m:
+        raise ValueError(f"2BW steps every {m} micro-batches: {n} micro-batches must be a "
+                         f"multiple of it; change the step count or num_microbatches")
+    return _one_f_one_b(p, k, 0, n, m, 0)
+
+
+def sync_1f1b(p: int, k: int, steps: int, m: int, *, first: int = 0,
+              first_update: int = 0) -> list[Action]:
+    """Synchronous 1F1B: ``steps`` steps of ``m`` micro-batches each, flushed, one ``U`` per step
+    (micro-batches numbered from ``first``, updates from ``first_update``)."""
+    _check(p, k, steps)
+    if m < 1:
+        raise ValueError(f"num_microbatches must be at least 1, got {m}")
+    out: list[Action] = []
+    for step in range(steps):
+        out += _one_f_one_b(p, k, first + step * m, m, m, first_update + step)
+    return out
+
+
+def staleness(actions: list[Action]) -> dict[int, int]:
+    """Micro-batch -> how many ``U`` of this stage run between its ``F`` and its ``B``."""
+    updates = 0
+    at_forward: dict[int, int] = {}
+    out: dict[int, int] = {}
+    for action in actions:
+        if action.kind == "F":
+            at_forward[action.micro_batch] = updates
+        elif action.kind == "B":
+            out[action.micro_batch] = updates - at_forward.pop(action.micro_batch)
+        elif action.kind == "U":
+            updates += 1
+    if at_forward:
+        raise ValueError(f"micro-batches {sorted(at_forward)} go forward but never backward")
+    return out
+
+
+def drain_point(p: int, j: int) -> int:
+    """After every stage's B(j) in ``async_1f1b``, stage 0 has forwarded micro-batches up to
+    ``j + p - 1``: a switch to flushing there finishes exactly those (the async stream ends with
+    micro-batch ``j + p - 1``); returns how many micro-batches the async stream then holds."""
+    return j + p

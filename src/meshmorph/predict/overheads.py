@@ -16,12 +16,14 @@ A figure set on the dataclass replaces the measured draw (hand-checked cases, wh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
 from meshmorph.predict.measurements import measurements
 
 
+@cache
 def checkpoint_fit() -> tuple[float, float]:
     """(seconds, seconds per MB) of CM-DARE's checkpoint time (save + upload) by size."""
     sizes, times = np.array(measurements()["checkpoint_mb_s"]).T

@@ -75,6 +75,7 @@ class _Run:
         self.held_node_s = 0.0
         self.changed = self.env.event()
         self.trainer: simpy.Process | None = None
+        self.running: dict[int, float] = {}  # node -> when it started running
         self.result = RunResult(0.0, 0.0, 0, 0.0)
         self.fixed = sorted(config.revocations_s or ())
 
@@ -110,14 +111,16 @@ class _Run:
         while True:
             yield self.env.timeout(delay)
             started = self.env.now  # billed from the moment it runs
+            self.running[index] = started
             self.up += 1
             self.signal()
             life = self.lifetime_s(index)
             done = self.env.event() if math.isinf(life) else self.env.timeout(life)
             yield done | self.finished
-            self.held_node_s += self.env.now - started
             if self.finished.triggered:
                 return
+            self.held_node_s += self.env.now - started
+            del self.running[index]
             self.up -= 1
             self.result.revocations += 1
             if self.trainer is not None and self.trainer.is_alive:
@@ -136,6 +139,8 @@ class _Run:
         phase, start, step, nodes = "wait", 0.0, 1.0, 0
         while done < job.total_steps:
             try:
+                if reshape and not need_start and self.up != nodes:
+                    need_start = True  # nodes came back while the job wrote or recovered: grow
                 nodes = self.up if reshape else job.nodes
                 enough = self.up >= (1 if reshape else job.nodes)
                 step = job.step_time_s(nodes) if enough else None
@@ -191,7 +196,7 @@ class _Run:
             self.env.process(self.node(index, start_s))
         self.trainer = self.env.process(self.train())
         self.env.run(until=self.finished)
-        self.env.run(until=self.env.now + 1e-9)  # let the nodes close their bills
+        self.held_node_s += sum(self.env.now - started for started in self.running.values())
         self.result.cost_usd = self.held_node_s * self.job.node_price_per_s
         return self.result
 

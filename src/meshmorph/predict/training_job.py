@@ -10,11 +10,13 @@ from meshmorph.cost.state import compute_bytes
 from meshmorph.plan.search import PlanDoesNotFit, search
 from meshmorph.plan.space import SearchOptions
 from meshmorph.spec.cluster import Cluster
-from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import Plan, PlanError
+from meshmorph.spec.model import ModelSpec, Recompute
+from meshmorph.spec.plan import Plan, PlanError, Schedule
 
 OPTIMIZER_BYTES_PER_PARAM = 12.0
 """fp32 master weights and Adam's two fp32 moments, saved beside the compute-dtype weights."""
+_PLANS: dict[tuple[object, ...], Plan | None] = {}
+"""Planner results by (model, cluster, batch, dtype): the simulator asks for the same sizes often."""
 DEFAULT_TOKENS_PER_STEP = 2**21
 """Global batch of about 2 M tokens (Llama 2's 4 M halved for smaller jobs) unless given."""
 
@@ -35,7 +37,7 @@ class TrainingJob:
     """USD per GPU-hour of the chosen pricing (spot or on-demand)."""
     dtype: str = "bf16"
     """Compute dtype."""
-    _plans: dict[int, Plan | None] = field(default_factory=dict)
+    _step_s: dict[int, float | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.cluster.homogeneous:
@@ -58,19 +60,26 @@ class TrainingJob:
 
     def plan(self, nodes: int) -> Plan | None:
         """The planner's fastest plan on ``nodes`` nodes; None when no plan fits them."""
-        if nodes not in self._plans:
-            options = SearchOptions(top_k=1, dtype=self.dtype, tolerance=0.02, max_nodes=100)
+        cluster = self.sub_cluster(nodes)
+        key = (self.model.name, self.model.seq_len, self.model.num_params, repr(cluster.groups),
+               repr(cluster.inter_link), self.global_batch, self.dtype)
+        if key not in _PLANS:
+            # a 2% optimality gap and a small branch-and-bound budget: seconds per cluster size
+            options = SearchOptions(top_k=1, dtype=self.dtype, tolerance=0.02, max_nodes=50,
+                                    schedules=(Schedule.ONE_F_ONE_B,), max_micro_batch=4,
+                                    recompute=(Recompute.NONE, Recompute.FULL))
             try:
-                result = search(self.model, self.sub_cluster(nodes), global_batch=self.global_batch,
-                                options=options)
-                self._plans[nodes] = result.plans[0]
+                result = search(self.model, cluster, global_batch=self.global_batch, options=options)
+                _PLANS[key] = result.plans[0]
             except (PlanDoesNotFit, PlanError):
-                self._plans[nodes] = None
-        return self._plans[nodes]
+                _PLANS[key] = None
+        return _PLANS[key]
 
     def step_time_s(self, nodes: int) -> float | None:
-        plan = self.plan(nodes)
-        return None if plan is None else float(plan.predicted["step_time_s"])
+        if nodes not in self._step_s:
+            plan = self.plan(nodes)
+            self._step_s[nodes] = None if plan is None else float(plan.predicted["step_time_s"])
+        return self._step_s[nodes]
 
     @property
     def checkpoint_bytes(self) -> float:

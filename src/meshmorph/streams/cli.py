@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meshmorph.streams.nets import NETS
+CATALOG_NETS = ("inception-stack", "nasnet-stack", "resnet-stack")
+"""Names in streams.nets.NETS, listed here so that the console script starts without torch."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "streams with the fewest syncs, check the assignment on CPU and print it.",
     )
     parser.add_argument("--model", default="inception-stack", metavar="NAME|module:fn",
-                        help=f"catalog net ({', '.join(NETS)}) or a factory returning an "
+                        help=f"catalog net ({', '.join(CATALOG_NETS)}) or a factory returning an "
                              "nn.Module (default inception-stack)")
     parser.add_argument("--batch", type=int, default=1, help="batch size of the example input")
     parser.add_argument("--input-shape", default=None, metavar="C,H,W",
@@ -95,8 +96,9 @@ def _print(report: dict[str, Any]) -> None:
     console = Console()
     console.print(f"[bold]{report['model']}[/] batch {report['batch']}: {len(report['nodes'])} ops, "
                   f"{report['dag_edges']} edges ({len(report['edges'])} in the transitive "
-                  f"reduction); width {report['width']}; {report['num_streams']} streams "
-                  f"({report['method']}); {len(report['syncs'])} syncs")
+                  f"reduction)", soft_wrap=True)
+    console.print(f"width {report['width']}; {report['num_streams']} streams ({report['method']}); "
+                  f"{len(report['syncs'])} syncs", soft_wrap=True)
     times = report["time_s"]
     table = Table(title="streams")
     for col in ("stream", "ops", "est. time (us)", "first op", "last op"):
@@ -111,9 +113,9 @@ def _print(report: dict[str, Any]) -> None:
         syncs.add_row(u, str(report["assignment"][u]), v, str(report["assignment"][v]))
     console.print(syncs)
     console.print(f"estimated time: {report['serial_time_s'] * 1e6:.1f} us on one stream, "
-                  f"{report['makespan_s'] * 1e6:.1f} us on {report['num_streams']} streams")
+                  f"{report['makespan_s'] * 1e6:.1f} us on {report['num_streams']} streams", soft_wrap=True)
     console.print(f"CPU stream executor: output equals eager {report['executor_equals_eager']}; "
-                  f"races found {report['races']}")
+                  f"races found {report['races']}", soft_wrap=True)
 
 
 def _streams(args: argparse.Namespace) -> int:

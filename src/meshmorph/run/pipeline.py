@@ -17,7 +17,10 @@ sequence parallelism); the last chunk returns logits [b, s, V].
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +31,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
-from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.pipelining.schedules import _PipelineSchedule, _PipelineScheduleRuntime
 
 from meshmorph.run.mesh import TrainMesh
 from meshmorph.run.parallelize import TORCH_DTYPES, uses_fsdp_precision
@@ -61,6 +64,74 @@ def _io_shapes(chunk_index: int, plan: Plan, spec: ModelSpec) -> tuple[torch.Ten
     return inputs, outputs
 
 
+TRACE_ENV = "MESHMORPH_TRACE_STEPS"
+"""Set by ``meshmorph run --trace N``: the ranks time every pipeline action of N steps."""
+
+
+class ActionRecorder:
+    """Times every action this rank's pipeline stages run: forward (F), full backward (B),
+    input-gradient backward (I) and weight gradient (W), as (kind, stage, micro-batch, start_s,
+    end_s) from ``start()`` (call it right after a barrier so that the ranks' clocks agree)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, int, int, float, float]] = []
+        self.origin_s: float | None = None
+
+    def start(self) -> None:
+        self.records, self.origin_s = [], time.perf_counter()
+
+    def stop(self) -> list[tuple[str, int, int, float, float]]:
+        self.origin_s = None
+        return self.records
+
+    def wrap(self, stage: PipelineStage) -> None:
+        """Time ``stage``'s forward_one_chunk, backward_one_chunk, backward_weight_one_chunk."""
+        index = stage.stage_index
+
+        def timed(method: Callable[..., Any], kind_of: Callable[[dict[str, Any]], str]
+                  ) -> Callable[..., Any]:
+            def run(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+                if self.origin_s is None:
+                    return method(chunk_id, *args, **kwargs)
+                start = time.perf_counter()
+                out = method(chunk_id, *args, **kwargs)
+                end = time.perf_counter()
+                self.records.append((kind_of(kwargs), index, int(chunk_id),
+                                     start - self.origin_s, end - self.origin_s))
+                return out
+            return run
+
+        stage.forward_one_chunk = timed(stage.forward_one_chunk, lambda kw: "F")
+        stage.backward_one_chunk = timed(stage.backward_one_chunk,
+                                         lambda kw: "B" if kw.get("full_backward", True) else "I")
+        stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk, lambda kw: "W")
+
+
+def action_list_schedule(stages: list[PipelineStage], name: str, m: int,
+                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                         ) -> _PipelineSchedule:
+    """Run meshmorph's own action lists (``meshmorph.schedule``, looped placement) through torch
+    pipelining's runtime for action lists (sends and receives added by torch)."""
+    from torch.distributed.pipelining.schedules import (
+        BACKWARD_INPUT,
+        BACKWARD_WEIGHT,
+        FORWARD,
+        FULL_BACKWARD,
+        _Action,
+    )
+
+    from meshmorph.schedule import schedule_actions
+
+    kinds = {"F": FORWARD, "B": FULL_BACKWARD, "I": BACKWARD_INPUT, "W": BACKWARD_WEIGHT}
+    p = stages[0].group_size
+    orders = schedule_actions(name, p, m, len(stages))
+    runtime = _PipelineScheduleRuntime(stages, m, loss_fn=loss_fn)
+    runtime._prepare_schedule_with_comms(
+        {r: [_Action(a.stage, kinds[str(a.kind)], a.microbatch) for a in order]
+         for r, order in enumerate(orders)})
+    return runtime
+
+
 def build_schedule(chunks: list[nn.Module], chunk_ids: list[int], spec: ModelSpec, plan: Plan,
                    mesh: TrainMesh, device: torch.device,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -76,6 +147,18 @@ def build_schedule(chunks: list[nn.Module], chunk_ids: list[int], spec: ModelSpe
         stages.append(PipelineStage(chunk, index, plan.num_chunks, device, input_args=inputs,
                                     output_args=outputs, group=group))
     m = plan.num_microbatches
+    schedule = _torch_schedule(stages, plan, m, loss_fn)
+    if os.environ.get(TRACE_ENV):  # meshmorph run --trace: time every action
+        recorder = ActionRecorder()
+        for stage in stages:
+            recorder.wrap(stage)
+        schedule.meshmorph_recorder = recorder  # type: ignore[attr-defined]
+    return schedule
+
+
+def _torch_schedule(stages: list[PipelineStage], plan: Plan, m: int,
+                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                    ) -> _PipelineSchedule:
     if plan.schedule == Schedule.GPIPE:
         return ScheduleGPipe(stages[0], m, loss_fn=loss_fn)
     if plan.schedule == Schedule.ONE_F_ONE_B:

@@ -151,6 +151,11 @@ def _reshape(args: argparse.Namespace) -> int:
     model = load_model(plan_a.model, plan_a.seq_len)
     plan_a = plan_a if plan_a.stages else plan_a.with_even_stages(model)
     plan_b = plan_b if plan_b.stages else plan_b.with_even_stages(model)
+    if args.cluster:  # refused before anything is planned or moved
+        estimate = CostModel(model, parse_cluster(args.cluster)).estimate(plan_b)
+        line = does_not_fit_line(plan_b, estimate)
+        if line is not None:
+            raise ReshapeError(f"the target plan does not fit memory, nothing would move: {line}")
     layout_a, layout_b = layout_of(model, plan_a), layout_of(model, plan_b)
     survivors = args.survivors if args.survivors is not None else list(range(plan_a.world_size))
     best = plan_move(layout_a, layout_b, survivors, args.new_devices,
@@ -162,11 +167,6 @@ def _reshape(args: argparse.Namespace) -> int:
         raise ReshapeError(f"the move uses device {max(best.devices)} but cluster "
                            f"{cluster.describe()} has {cluster.world_size} devices; give a "
                            "larger --cluster")
-    if args.cluster:
-        estimate = CostModel(model, cluster).estimate(plan_b)
-        line = does_not_fit_line(plan_b, estimate)
-        if line is not None:
-            raise ReshapeError(f"the target plan does not fit memory, nothing would move: {line}")
     best_s, naive_s = predict_move_time_s(best, cluster), predict_move_time_s(naive, cluster)
     headline = (f"reshape on {cluster.describe()}, survivors {','.join(map(str, best.survivors))}"
                 f"\n  from: {plan_headline(plan_a, model)}\n  to:   {plan_headline(plan_b, model)}")

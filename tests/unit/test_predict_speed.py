@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from meshmorph.predict.speed_model import SpeedModel, cluster_points, fit, fit_report, single_worker_points
+from meshmorph.predict.speed_model import (
+    SpeedModel,
+    cluster_points,
+    fit,
+    fit_report,
+    single_worker_points,
+)
 
 
 def test_cmdare_speeds_are_reproduced_with_leave_one_out_mape_under_12_percent() -> None:

@@ -3,8 +3,11 @@
 Parameters and gradients stay whole on every data-parallel rank (ZeRO-0's gradient all-reduce
 made them so); each rank updates only its dim-0 shard of every parameter — a view of the local
 parameter tensor, whose gradient is the matching view of the all-reduced gradient (no copy) —
-with torch's own AdamW arithmetic (``torch.optim.adamw.adamw``), then every updated shard is
-all-gathered back into the whole parameter through DTensor (``Shard(0)`` -> ``full_tensor``).
+with torch's own AdamW arithmetic (``torch.optim.adamw.adamw``), then the updated shards are
+all-gathered back into the whole parameters in buckets: each rank packs its padded shards of a
+bucket's parameters into one flat buffer and one ``all_gather_into_tensor`` per bucket brings
+everyone's (Megatron's distributed optimizer gathers its parameter buckets the same way). The
+bytes moved are the padded shards', as with one gather per parameter; the messages are few.
 
 Shards follow DTensor's ``Shard(0)`` rule (``torch.chunk``): ``ceil(n / d)`` rows per rank, the
 last ranks hold fewer or none. The optimizer's ``param_groups`` hold the model's own parameters,
@@ -20,6 +23,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -32,6 +36,10 @@ def shard_bounds(rows: int, dp: int, dp_rank: int) -> tuple[int, int]:
     size = math.ceil(rows / dp) if rows else 0
     start = min(dp_rank * size, rows)
     return start, min(start + size, rows)
+
+
+BUCKET_NUMEL = 16 * 2**20
+"""Elements of padded shards packed into one all-gather (64 MiB of fp32 sent by each rank)."""
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -115,13 +123,47 @@ class ShardedAdamW(torch.optim.Optimizer):
                   fused=self.fused or None, amsgrad=False, beta1=beta1, beta2=beta2,
                   lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                   maximize=False)
-            for param, shard in zip(owners, params, strict=True):
-                self._gather_(param, shard)
+            self._gather_all_([_local(param) for param in owners])
         return loss
 
-    def _gather_(self, param: torch.Tensor, shard: torch.Tensor) -> None:
-        """All-gather the updated dim-0 shards over dp into the whole local parameter."""
-        local = _local(param)
-        spread = DTensor.from_local(shard, self.dp_mesh, [Shard(0)], shape=local.shape,
-                                    stride=local.stride(), run_check=False)
-        local.copy_(spread.full_tensor())
+    def _gather_all_(self, locals_: list[torch.Tensor]) -> None:
+        """All-gather every rank's updated dim-0 shards into the whole local parameters, one
+        collective per bucket of about ``BUCKET_NUMEL`` elements of one dtype."""
+        if self.dp == 1:
+            return
+        bucket: list[torch.Tensor] = []
+        filled = 0
+        for local in locals_:
+            size = self._padded_shard_numel(local)
+            if bucket and (filled + size > BUCKET_NUMEL or local.dtype != bucket[0].dtype):
+                self._gather_bucket_(bucket)
+                bucket, filled = [], 0
+            bucket.append(local)
+            filled += size
+        if bucket:
+            self._gather_bucket_(bucket)
+
+    def _padded_shard_numel(self, local: torch.Tensor) -> int:
+        rows = local.shape[0] if local.dim() else 1
+        return math.ceil(rows / self.dp) * (local.numel() // max(rows, 1))
+
+    def _gather_bucket_(self, bucket: list[torch.Tensor]) -> None:
+        sizes = [self._padded_shard_numel(local) for local in bucket]
+        total = sum(sizes)
+        mine = torch.zeros(total, dtype=bucket[0].dtype, device=bucket[0].device)
+        offset = 0
+        for local, size in zip(bucket, sizes, strict=True):
+            rows = local.view(local.shape[0] if local.dim() else 1, -1)
+            start, stop = shard_bounds(rows.shape[0], self.dp, self.dp_rank)
+            mine[offset:offset + (stop - start) * rows.shape[1]] = rows[start:stop].reshape(-1)
+            offset += size
+        everyone = torch.empty(self.dp * total, dtype=mine.dtype, device=mine.device)
+        dist.all_gather_into_tensor(everyone, mine, group=self.dp_mesh.get_group())
+        for rank in range(self.dp):
+            offset = rank * total
+            for local, size in zip(bucket, sizes, strict=True):
+                rows = local.view(local.shape[0] if local.dim() else 1, -1)
+                start, stop = shard_bounds(rows.shape[0], self.dp, rank)
+                count = (stop - start) * rows.shape[1]
+                rows[start:stop] = everyone[offset:offset + count].view(stop - start, -1)
+                offset += size

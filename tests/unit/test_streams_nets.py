@@ -105,3 +105,26 @@ def test_syncs_against_stream_order_deadlock_with_a_clear_error() -> None:
     assert any("cycle" in r.reason for r in schedule_races(dag, crossed))
     with pytest.raises(ScheduleError, match="deadlock"):
         run_schedule(crossed, lambda op: None)
+
+
+def test_stream_executor_in_training_matches_eager_outputs_exactly_and_gradients_to_rounding(
+        traced) -> None:
+    """Gradients: autograd adds the gradients of a tensor read by several operators in the order
+    those operators ran, so a stream order reassociates those sums; nothing else may differ."""
+    for name in ("inception-stack", "nasnet-stack"):
+        model, x, graph = traced[name]
+        model.train()  # batch statistics: outputs and gradients depend only on the batch
+        try:
+            executor = StreamExecutor(graph, assign_streams(graph.dag, graph.order))
+            out = executor(x)
+            assert torch.equal(out, model(x))
+            out.square().sum().backward()
+            ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
+            model(x).square().sum().backward()
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(ours[n], p.grad, rtol=1e-5, atol=1e-7)
+            assert max(g.abs().max().item() for g in ours.values()) > 1e-3
+        finally:
+            model.eval()
+            model.zero_grad(set_to_none=True)

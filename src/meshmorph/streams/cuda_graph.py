@@ -102,6 +102,9 @@ class StreamGraph:
             if self.static_grad_output is None:
                 self.static_grad_output = torch.ones_like(out)
             out.backward(self.static_grad_output)
+            current = torch.cuda.current_stream()
+            for stream in self.runner.streams:  # backward ran on the forward's streams: join them
+                current.wait_stream(stream)
             return out
 
         _warm_up(step, WARMUP_STEPS)

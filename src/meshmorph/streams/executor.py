@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from meshmorph.streams.assign import StreamAssignment
-from meshmorph.streams.op_graph import OP_KINDS, OpGraph
+from meshmorph.streams.op_graph import OpGraph
 from meshmorph.streams.race import TraceEvent
 
 
@@ -90,7 +90,3 @@ class StreamExecutor:
         output = next(n for n in gm.graph.nodes if n.op == "output")
         return interp.run_node(output)
 
-
-def operator_nodes(gm: torch.fx.GraphModule) -> list[str]:
-    """Names of the operator nodes of ``gm`` in program order."""
-    return [n.name for n in gm.graph.nodes if n.op in OP_KINDS]

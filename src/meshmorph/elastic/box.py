@@ -47,21 +47,35 @@ class Box:
         """The box as one slice per dimension (for numpy and torch indexing)."""
         return tuple(slice(o, o + n) for o, n in zip(self.offset, self.length, strict=True))
 
+    @classmethod
+    def _trusted(cls, offset: tuple[int, ...], length: tuple[int, ...]) -> Box:
+        """A box from bounds already known to be valid (no checks: the planner's hot path)."""
+        box = object.__new__(cls)
+        object.__setattr__(box, "offset", offset)
+        object.__setattr__(box, "length", length)
+        return box
+
     def contains(self, other: Box) -> bool:
         """Whether every element of ``other`` lies in this box."""
-        return other.numel == 0 or all(
-            a <= b and b + m <= a + n
-            for a, n, b, m in zip(self.offset, self.length, other.offset, other.length, strict=True))
+        if other.numel == 0:
+            return True
+        for a, n, b, m in zip(self.offset, self.length, other.offset, other.length, strict=True):
+            if b < a or b + m > a + n:
+                return False
+        return True
 
     def intersect(self, other: Box) -> Box | None:
         """The common part of two boxes of the same tensor, None where they do not overlap."""
-        if self.ndim != other.ndim:
+        if len(self.offset) != len(other.offset):
             raise ValueError(f"boxes of different rank cannot intersect: {self} and {other}")
-        lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset, strict=True))
-        hi = tuple(min(a, b) for a, b in zip(self.stop, other.stop, strict=True))
-        if any(b <= a for a, b in zip(lo, hi, strict=True)):
-            return None
-        return Box(lo, tuple(b - a for a, b in zip(lo, hi, strict=True)))
+        lo, length = [], []
+        for a, n, b, m in zip(self.offset, self.length, other.offset, other.length, strict=True):
+            start, stop = max(a, b), min(a + n, b + m)
+            if stop <= start:
+                return None
+            lo.append(start)
+            length.append(stop - start)
+        return Box._trusted(tuple(lo), tuple(length))
 
     def minus(self, other: Box | None) -> list[Box]:
         """This box without ``other``: at most ``2 * ndim`` disjoint boxes (slab by slab: below and

@@ -49,7 +49,10 @@ def merge_cells(cells: list[tuple[Box, frozenset[int]]]) -> list[tuple[Box, froz
 
 def cover(needed: Box, sources: Sequence[tuple[int, Box]]) -> list[tuple[Box, frozenset[int]]]:
     """``needed`` as disjoint boxes, each with the devices (from ``sources``: (device, box held))
-    that hold all of it; an empty set means no live device holds it."""
+    that hold all of it; an empty set means no live device holds it.
+
+    The cut points of every dim make a grid; per dim and grid interval a bitmask says which
+    sources span that interval, and a cell's senders are the AND of its intervals' masks."""
     if needed.numel == 0:
         return []
     inside = [(device, common) for device, box in sources
@@ -57,10 +60,20 @@ def cover(needed: Box, sources: Sequence[tuple[int, Box]]) -> list[tuple[Box, fr
     if needed.ndim == 0:
         return [(needed, frozenset(device for device, _ in inside))]
     boxes = [box for _, box in inside]
-    grids = [_cuts(needed, boxes, dim) for dim in range(needed.ndim)]
+    axes = []  # per dim: [(start, stop, mask of the sources spanning it)]
+    for dim in range(needed.ndim):
+        cuts = _cuts(needed, boxes, dim)
+        axes.append([(lo, hi, sum(1 << i for i, box in enumerate(boxes)
+                                  if box.offset[dim] <= lo and hi <= box.offset[dim] + box.length[dim]))
+                     for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)])
+    names: dict[int, frozenset[int]] = {}
     cells = []
-    for corner in itertools.product(*(zip(g[:-1], g[1:], strict=True) for g in grids)):
-        cell = Box(tuple(lo for lo, _ in corner), tuple(hi - lo for lo, hi in corner))
-        who = frozenset(device for device, box in inside if box.contains(cell))
-        cells.append((cell, who))
+    for corner in itertools.product(*axes):
+        mask = -1
+        for _, _, bits in corner:
+            mask &= bits
+        if mask not in names:
+            names[mask] = frozenset(inside[i][0] for i in range(len(inside)) if mask >> i & 1)
+        cells.append((Box._trusted(tuple(lo for lo, _, _ in corner),
+                                   tuple(hi - lo for lo, hi, _ in corner)), names[mask]))
     return merge_cells(cells)

@@ -258,6 +258,7 @@ def plan_move(layout_a: Layout, layout_b: Layout, survivors: Sequence[int],
         for key, box in held.items():
             sources[key].append((device, box))
     local, checkpoint, fresh = [], [], set()
+    covers: dict[tuple[str, Box], list[tuple[Box, frozenset[int]]]] = {}
     groups: dict[frozenset[int], list[tuple[int, str, Box, int]]] = defaultdict(list)
     held_by = dict(zip(devices, holdings, strict=True))
     for rank, dst in sorted(chosen.items()):
@@ -270,9 +271,11 @@ def plan_move(layout_a: Layout, layout_b: Layout, survivors: Sequence[int],
             common = piece.box.intersect(own) if own is not None else None
             if common is not None:
                 local.append(Transfer(dst, dst, piece.key, common, common.numel * size))
-            others = [(d, b) for d, b in sources[piece.key] if d != dst]
             for needed in piece.box.minus(own):
-                for cell, who in cover(needed, others):
+                # ``needed`` misses ``dst``'s own box, so every holder's cover is the same
+                if (piece.key, needed) not in covers:
+                    covers[piece.key, needed] = cover(needed, sources[piece.key])
+                for cell, who in covers[piece.key, needed]:
                     if who:
                         groups[who].append((dst, piece.key, cell, size))
                     else:

@@ -50,21 +50,41 @@ def moved_keys(layout_a: Layout, layout_b: Layout) -> set[str]:
     return {key for key in layout_b.tensors if key in layout_a.tensors}
 
 
+def _boxes(pairs: list[tuple[int, Box]], ndim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(indices, offsets [n, ndim], stops [n, ndim]) of (index, box) pairs, as arrays."""
+    index = np.array([i for i, _ in pairs], dtype=np.int64)
+    offsets = np.array([b.offset for _, b in pairs], dtype=np.int64).reshape(len(pairs), ndim)
+    lengths = np.array([b.length for _, b in pairs], dtype=np.int64).reshape(len(pairs), ndim)
+    return index, offsets, offsets + lengths
+
+
 def receive_matrix(layout_a: Layout, layout_b: Layout,
                    holdings: Sequence[Mapping[str, Box]]) -> np.ndarray:
-    """``[new rank, device]`` bytes the rank would have to receive on that device."""
+    """``[new rank, device]`` bytes the rank would have to receive on that device: all its bytes,
+    less per tensor the overlap of its box with the device's (vectorised over ranks x devices)."""
     keys = moved_keys(layout_a, layout_b)
     matrix = np.zeros((layout_b.world_size, len(holdings)), dtype=np.int64)
+    wanted: dict[str, list[tuple[int, Box]]] = {}
     for rank in range(layout_b.world_size):
-        pieces = [(p.key, p.box, DTYPE_BYTES[layout_b.tensors[p.key].dtype])
-                  for p in layout_b.held[rank] if p.key in keys]
-        for j, held in enumerate(holdings):
-            total = 0
-            for key, box, size in pieces:
-                own = held.get(key)
-                common = box.intersect(own) if own is not None else None
-                total += (box.numel - (common.numel if common is not None else 0)) * size
-            matrix[rank, j] = total
+        for piece in layout_b.held[rank]:
+            if piece.key in keys:
+                size = DTYPE_BYTES[layout_b.tensors[piece.key].dtype]
+                matrix[rank, :] += piece.box.numel * size
+                wanted.setdefault(piece.key, []).append((rank, piece.box))
+    have: dict[str, list[tuple[int, Box]]] = {}
+    for column, held in enumerate(holdings):
+        for key, box in held.items():
+            if key in wanted:
+                have.setdefault(key, []).append((column, box))
+    for key, pairs in have.items():
+        ndim = len(layout_b.tensors[key].shape)
+        ranks, lo_b, hi_b = _boxes(wanted[key], ndim)
+        columns, lo_a, hi_a = _boxes(pairs, ndim)
+        # overlap[i, j] = prod over dims of max(0, min(stops) - max(offsets))
+        extent = np.minimum(hi_b[:, None, :], hi_a[None, :, :]) - \
+            np.maximum(lo_b[:, None, :], lo_a[None, :, :])
+        overlap = np.clip(extent, 0, None).prod(axis=2) * DTYPE_BYTES[layout_b.tensors[key].dtype]
+        np.subtract.at(matrix, (ranks[:, None], columns[None, :]), overlap)
     return matrix
 
 

@@ -2,7 +2,7 @@
 one spawned 4-process gloo job builds the engine, and each rank compares Layout's pieces with
 its live local shards — the key set, every parameter's box (shape, global offset from the
 DTensor placements, and the values its initialisation gives that box) and, after one step,
-every AdamW moment's box — and the small state (step counter, LR schedule, RNG stream)."""
+every AdamW moment's box and again every parameter's — and the small state (step counter, LR schedule, RNG stream)."""
 
 from __future__ import annotations
 
@@ -87,6 +87,10 @@ def check_rank(layout: Any, rank: int) -> dict[str, Any]:
                 values.add(f"param/{fqn}")
     share = plan.global_batch // plan.dp
     engine.step(batches(spec, plan)[0][engine.dp_rank * share:(engine.dp_rank + 1) * share])
+    for part in engine.model_parts:  # still the same boxes at the step boundary (ZeRO-2 resharded)
+        for name, param in part.named_parameters(remove_duplicate=False):
+            if compare(f"param/{params[id(param)]}", param) is None:
+                found["mismatch"].append(f"{name}: another box after the step")
     for optimizer in engine.optimizers:
         for group in optimizer.param_groups:
             for param in group["params"]:

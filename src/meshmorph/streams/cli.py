@@ -35,6 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "nimble: Nimble's matching on the transitive reduction")
     parser.add_argument("--timing", choices=("estimate", "profile"), default="estimate",
                         help="operator times from FLOPs and bytes (default) or measured here")
+    parser.add_argument("--training", action="store_true",
+                        help="the aten-level training step (forward and backward) instead of "
+                             "the forward")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the result")
     parser.add_argument("--png", type=Path, default=None, metavar="OUT", help="draw the streams")
     parser.set_defaults(func=_streams)
@@ -67,17 +70,21 @@ def streams_report(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--max-streams must be at least 1, got {args.max_streams}")
     model = build_net(args.model).eval()
     x = example_input(model, args.batch, _shape(args.input_shape))
-    graph = build_op_graph(model, (x,), timing=args.timing)
+    graph = build_op_graph(model, (x,), timing=args.timing, training=args.training)
     assignment = assign_streams(graph.dag, graph.order, method=args.method,
                                 max_streams=args.max_streams)
     executor = StreamExecutor(graph, assignment)
-    with torch.no_grad():
-        equal = bool(torch.equal(executor(x), model(x)))
+    with torch.no_grad():  # a training graph computes its gradients itself
+        ours = executor(x)
+        eager = graph.module(*graph.leading_inputs, x) if args.training else model(x)
+    pairs = zip(ours, eager, strict=True) if args.training else [(ours, eager)]
+    equal = all(torch.equal(a, b) for a, b in pairs)
     races = schedule_races(graph.dag, assignment) + trace_races(graph.dag, assignment,
                                                                 executor.last_trace)
     order, streams = list(assignment.order), [list(s) for s in assignment.streams]
     return {
         "model": args.model, "batch": args.batch, "method": assignment.method,
+        "graph": "training step (aten, forward and backward)" if args.training else "forward (fx)",
         "nodes": order, "edges": [list(e) for e in assignment.reduced_edges],
         "assignment": assignment.stream_of, "streams": streams,
         "syncs": [list(e) for e in assignment.syncs], "width": assignment.width,
@@ -94,7 +101,8 @@ def _print(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console()
-    console.print(f"[bold]{report['model']}[/] batch {report['batch']}: {len(report['nodes'])} ops, "
+    console.print(f"[bold]{report['model']}[/] batch {report['batch']}, {report['graph']}: "
+                  f"{len(report['nodes'])} ops, "
                   f"{report['dag_edges']} edges ({len(report['edges'])} in the transitive "
                   f"reduction)", soft_wrap=True)
     console.print(f"width {report['width']}; {report['num_streams']} streams ({report['method']}); "
@@ -114,7 +122,8 @@ def _print(report: dict[str, Any]) -> None:
     console.print(syncs)
     console.print(f"estimated time: {report['serial_time_s'] * 1e6:.1f} us on one stream, "
                   f"{report['makespan_s'] * 1e6:.1f} us on {report['num_streams']} streams", soft_wrap=True)
-    console.print(f"CPU stream executor: output equals eager {report['executor_equals_eager']}; "
+    what = "the graph run in program order" if report["graph"].startswith("training") else "eager"
+    console.print(f"CPU stream executor: output equals {what} {report['executor_equals_eager']}; "
                   f"races found {report['races']}", soft_wrap=True)
 
 

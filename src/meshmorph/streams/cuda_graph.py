@@ -49,7 +49,7 @@ class CudaStreamRunner:
         gm = self.op_graph.module
         interp = torch.fx.Interpreter(gm, garbage_collect_values=False)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        interp.env = dict(zip(placeholders, inputs, strict=True))
+        interp.env = dict(zip(placeholders, (*self.op_graph.leading_inputs, *inputs), strict=True))
         for node in gm.graph.nodes:
             if node.op == "get_attr":
                 interp.env[node] = interp.run_node(node)
@@ -88,6 +88,9 @@ class StreamGraph:
 
     def __init__(self, op_graph: OpGraph, assignment: StreamAssignment,
                  example_inputs: tuple[torch.Tensor, ...], *, backward: bool = False) -> None:
+        if backward and op_graph.training:
+            raise ValueError("this graph is already a training step (forward and backward); "
+                             "capture it with backward=False")
         self.runner = CudaStreamRunner(op_graph, assignment)
         self.static_inputs = tuple(x.detach().clone() for x in example_inputs)
         self.backward = backward

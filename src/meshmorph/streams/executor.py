@@ -71,8 +71,10 @@ class StreamExecutor:
         gm = self.op_graph.module
         interp = torch.fx.Interpreter(gm, garbage_collect_values=False)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        inputs = (*self.op_graph.leading_inputs, *inputs)
         if len(placeholders) != len(inputs):
-            raise ValueError(f"the module takes {len(placeholders)} inputs, {len(inputs)} given")
+            raise ValueError(f"the graph takes {len(placeholders)} inputs, {len(inputs)} given "
+                             f"({len(self.op_graph.leading_inputs)} of them parameters/buffers)")
         interp.env = dict(zip(placeholders, inputs, strict=True))
         for node in gm.graph.nodes:
             if node.op == "get_attr":

@@ -6,6 +6,9 @@ functions (``torch.cat``, ``operator.add``) and methods. Every such call is one 
 (the inputs), ``get_attr`` constants and the output node are not operators: they are ready before
 the first operator runs and are left out of the DAG.
 
+With ``training=True`` the graph is the aten-level training step instead (forward and backward,
+see training_graph.py); its nodes are aten operators and the parameters lead its inputs.
+
 Times: ``estimate`` runs each operator once under ``torch.utils.flop_counter.FlopCounterMode`` and
 prices it as ``launch_s + max(flops / peak_flops, bytes_out / bytes_per_s)``; ``profile`` runs it
 ``repeats`` times on the inputs' device and keeps the median wall time.
@@ -53,6 +56,14 @@ class OpGraph:
     """Operators (fx node names) with ``time_s``, ``flops`` and ``target`` attributes."""
     order: list[str] = field(default_factory=list)
     """The operators in fx program order, a topological order of ``dag``."""
+    leading_inputs: tuple[torch.Tensor, ...] = ()
+    """Tensors the graph takes before the user's inputs (a training step's live parameters and
+    buffers); the executors pass them."""
+    training: bool = False
+    """True for a forward-backward training-step graph (see training_graph.py)."""
+    loss_index: int | None = None
+    """Training graphs: position of the loss among the outputs (updated buffers come first, then
+    the loss, then one gradient per parameter in ``named_parameters`` order)."""
 
     def node(self, name: str) -> torch.fx.Node:
         """The fx node called ``name``."""
@@ -90,22 +101,33 @@ def _median_time_s(interp: torch.fx.Interpreter, node: torch.fx.Node, repeats: i
 
 def build_op_graph(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], *,
                    timing: Literal["estimate", "profile"] = "estimate",
-                   time_model: TimeModel | None = None, repeats: int = 5) -> OpGraph:
-    """Trace ``module`` with fx and time each operator on ``inputs`` (one forward under no_grad)."""
+                   time_model: TimeModel | None = None, repeats: int = 5,
+                   training: bool = False) -> OpGraph:
+    """Trace ``module`` (its forward with fx; with ``training`` the aten-level forward-backward
+    step) and time each operator on ``inputs``, running the graph once under no_grad."""
     if timing not in ("estimate", "profile"):
         raise ValueError(f"timing must be 'estimate' or 'profile', got {timing!r}")
-    try:
-        gm = torch.fx.symbolic_trace(module)
-    except Exception as exc:  # fx cannot trace data-dependent control flow
-        raise ValueError(f"torch.fx cannot trace {type(module).__name__} ({exc}); streams need a "
-                         "module without data-dependent Python control flow") from None
+    leading: tuple[torch.Tensor, ...] = ()
+    loss_index = None
+    if training:
+        from meshmorph.streams.training_graph import leading_inputs, trace_training_step
+
+        step = trace_training_step(module, inputs)
+        gm, leading = step.module, leading_inputs(step, module)
+        loss_index = step.mutated_buffers
+    else:
+        try:
+            gm = torch.fx.symbolic_trace(module)
+        except Exception as exc:  # fx cannot trace data-dependent control flow
+            raise ValueError(f"torch.fx cannot trace {type(module).__name__} ({exc}); streams "
+                             "need a module without data-dependent Python control flow") from None
     prices = time_model or TimeModel()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(inputs):
-        raise ValueError(f"{type(module).__name__}.forward takes {len(placeholders)} inputs, "
-                         f"{len(inputs)} given")
+    if len(placeholders) != len(leading) + len(inputs):
+        raise ValueError(f"{type(module).__name__}.forward takes {len(placeholders) - len(leading)} "
+                         f"inputs, {len(inputs)} given")
     interp = torch.fx.Interpreter(gm, garbage_collect_values=False)
-    interp.env = dict(zip(placeholders, inputs, strict=True))
+    interp.env = dict(zip(placeholders, (*leading, *inputs), strict=True))
     dag: nx.DiGraph = nx.DiGraph()
     order: list[str] = []
     with torch.no_grad():
@@ -131,4 +153,5 @@ def build_op_graph(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], *,
             for parent in node.all_input_nodes:
                 if parent.op in OP_KINDS:
                     dag.add_edge(parent.name, node.name)
-    return OpGraph(module=gm, dag=dag, order=order)
+    return OpGraph(module=gm, dag=dag, order=order, leading_inputs=leading,
+                   training=training, loss_index=loss_index)

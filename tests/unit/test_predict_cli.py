@@ -29,8 +29,9 @@ def test_simulate_reports_p50_p90_per_strategy_and_draws_the_timeline(tmp_path: 
     assert set(data["strategies"]) == {"restart", "reshape", "on-demand"}
     on_demand, restart = data["strategies"]["on-demand"], data["strategies"]["restart"]
     assert on_demand["revocations_mean"] == 0.0
-    # without revocations only the measured start-up draws vary (VM start 66-95 s, restart 72-91 s)
-    assert 0 <= on_demand["time_h_p90"] - on_demand["time_h_p50"] < 60 / 3600
+    # without revocations only the measured start-up draws vary (VM start 62-142 s on-demand,
+    # cold restart 74-91 s): P50 and P90 differ by less than two minutes
+    assert 0 <= on_demand["time_h_p90"] - on_demand["time_h_p50"] < 120 / 3600
     assert on_demand["price_per_gpu_hour"] == 6.98  # catalog on-demand H100
     assert restart["price_per_gpu_hour"] == 2.792  # the cloud catalog's 8-GPU spot instance
     assert restart["time_h_p50"] > on_demand["time_h_p50"]

@@ -1,10 +1,10 @@
 """What starting, restarting, reshaping and checkpointing cost, from CM-DARE's measurements.
 
-- VM start-up (request to RUNNING): the measured new-VM totals (preemptible 81-92 s, on-demand
-  69-76 s means), drawn at random per start.
+- VM start-up (request to RUNNING): the measured new-VM totals (means 87 s preemptible, 74 s
+  on-demand), drawn at random per start.
 - Replacement request delay (reshape): the published mean and standard deviation of the time to
   obtain a requested server (66-78 s), a normal draw, per GPU where measured.
-- Training restart: cold (TensorFlow from nothing, 76-91 s) after a restart, warm (15-31 s) after
+- Training restart: cold (TensorFlow from nothing, 74-91 s) after a restart, warm (14-31 s) after
   a reshape, drawn from the measured samples; then loading the state at the storage bandwidth
   (restart) or moving the lost node's share (reshape) at the inter-node bandwidth.
 - Checkpoint write: a fixed cost plus bytes over the storage bandwidth of all nodes writing their

@@ -115,9 +115,18 @@ def fit_worker(points: list[SpeedPoint]) -> np.ndarray:
 
 def fit_server(model: SpeedModel, points: list[SpeedPoint]) -> np.ndarray:
     """Parameter-server coefficients and blend exponent minimising squared log error."""
-    def residuals(theta: np.ndarray) -> list[float]:
-        trial = SpeedModel(worker=model.worker, server=theta)
-        return [float(np.log(trial.steps_per_s(p) / p.steps_per_s)) for p in points]
+    # the formula of SpeedModel.steps_per_s over all points at once
+    step = np.array([model.step_time_s(p) for p in points])
+    workers = np.array([p.workers for p in points], dtype=float)
+    servers = np.array([p.parameter_servers for p in points], dtype=float)
+    net = np.array([8 * p.params / NETWORK_BYTES_PER_S for p in points])
+    tensors = np.array([p.tensors for p in points], dtype=float)
+    measured = np.log([p.steps_per_s for p in points])
+
+    def residuals(theta: np.ndarray) -> np.ndarray:
+        a0, a1, a2, power = theta
+        load = workers * (a0 + a1 * net + a2 * tensors) / servers
+        return np.log(workers) - np.log(step**power + load**power) / power - measured
 
     start = np.array([1e-3, 1.0, 1e-4, 4.0])
     return least_squares(residuals, start, bounds=([0, 0, 0, 1], np.inf)).x

@@ -169,4 +169,8 @@ def revocation_report() -> dict[str, Any]:
             entry["ks_k80_128_lifetimes"] = ks_distance(hazard, lifetimes)
         report["gpus"][name] = entry
     report["any"] = {"rates_per_h": list(hazards["any"].rates_per_h)}
+    # descriptive only (see the module docstring for why clock hour is not modelled)
+    by_hour = data["revocations_by_hour_of_day"]
+    report["hour_of_day_share_09_17"] = {
+        gpu: sum(counts[9:17]) / sum(counts) for gpu, counts in by_hour.items()}
     return report

@@ -55,6 +55,9 @@ class AsyncPipelineConfig:
             raise ValueError(f"weight_prediction {self.weight_prediction!r} predicts the "
                              f"{self.weight_prediction} update but the optimizer is "
                              f"{self.optimizer!r}; use optimizer {self.weight_prediction!r}")
+        if self.weight_prediction == "sgd" and not 0 < self.momentum < 1:
+            raise ValueError(f"sgd weight prediction extrapolates the momentum buffer: momentum "
+                             f"must lie in (0, 1), got {self.momentum}")
         if self.num_microbatches < 1 or self.guard_every < 1:
             raise ValueError("num_microbatches and guard_every must be at least 1")
         if not (math.isfinite(self.lr) and self.lr > 0):

@@ -34,7 +34,7 @@ from torch import nn
 from torch.func import functional_call
 
 from meshmorph.run.async_config import AsyncPipelineConfig
-from meshmorph.run.async_prediction import PredictionGuard, predict
+from meshmorph.run.async_prediction import PredictionGuard
 from meshmorph.run.async_schedule import (
     async_1f1b,
     drain_point,
@@ -42,6 +42,7 @@ from meshmorph.run.async_schedule import (
     sync_1f1b,
     two_bw,
 )
+from meshmorph.run.async_weights import WeightSource
 
 log = logging.getLogger("meshmorph.async")
 
@@ -89,9 +90,8 @@ class AsyncPipeline:
         guarded = config.predicts and config.guard_threshold is not None
         self.guard = PredictionGuard(threshold=config.guard_threshold or 0.0) if guarded else None
         self.guard_group = dist.new_group(backend="gloo") if guarded else None
+        self.weights = WeightSource(self.params, self.optimizer)
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
-        self._version = 0
-        self._snapshot: tuple[int, list[torch.Tensor]] | None = None
 
     # --- transport ---------------------------------------------------------------------------
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
@@ -109,28 +109,17 @@ class AsyncPipeline:
             work.wait()
         self._pending.clear()
 
-    # --- weights -----------------------------------------------------------------------------
-    def _leaves(self, mode: str, steps: int) -> list[torch.Tensor]:
-        """The tensors a forward computes with (see the module notes)."""
-        if mode == "alias":
-            return [p.data.requires_grad_() for p in self.params]
-        if mode == "2bw":
-            if self._snapshot is None or self._snapshot[0] != self._version:
-                self._snapshot = (self._version, [p.detach().clone() for p in self.params])
-            return [t.requires_grad_() for t in self._snapshot[1]]
-        if mode in ("sgd", "adam"):
-            return [t.requires_grad_() for t in predict(self.params, self.optimizer, mode, steps)]
-        return [p.detach().clone().requires_grad_() for p in self.params]  # stash
-
     # --- the loop ----------------------------------------------------------------------------
     def train(self, batches: Batches, num_batches: int, batch_size: int) -> AsyncResult:
         """Train on batches ``0 .. num_batches - 1`` of ``batch_size`` samples each."""
         cfg, p, k = self.config, self.p, self.k
         per = cfg.per_batch
-        if batch_size % per:
+        cuts = cfg.num_microbatches if per > 1 or self.guard is not None else 1  # flushed steps
+        if batch_size % cuts:
             raise ValueError(f"batch_size {batch_size} must be a multiple of num_microbatches "
-                             f"{per}; change one of them")
-        self.micro = batch_size // per
+                             f"{cuts} (a flushed step cuts each batch into that many); change "
+                             f"one of them")
+        self.batch_size = batch_size
         if cfg.synchronous:
             actions = sync_1f1b(p, k, num_batches, per)
         elif cfg.weight_prediction == "2bw":
@@ -153,9 +142,7 @@ class AsyncPipeline:
             if kind == "F":
                 self._forward(j, mode, stale.get(j, 0))
             elif kind == "U":
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=False)
-                self._version += 1
+                self.weights.step()
             else:
                 self._backward(j, result)
                 if k == p - 1 and (j + 1) % self._segment(j)[2] == 0:
@@ -183,7 +170,8 @@ class AsyncPipeline:
         batch = first_batch + (j - first_mb) // per
         if self._batch_cache is None or self._batch_cache[0] != batch:
             self._batch_cache = (batch, self._batches(batch))
-        piece = slice((j - first_mb) % per * self.micro, ((j - first_mb) % per + 1) * self.micro)
+        micro = self.batch_size // per
+        piece = slice((j - first_mb) % per * micro, ((j - first_mb) % per + 1) * micro)
         x, y = self._batch_cache[1]
         return x[piece], y[piece]
 
@@ -192,8 +180,8 @@ class AsyncPipeline:
         sync = self._segment(j)[3]
         x, y = self._micro_batch(j)
         if k > 0:
-            x = self._recv((self.micro, *self.feature_shapes[k]), k - 1).requires_grad_()
-        leaves = self._leaves("alias" if sync or mode == "none" else mode, steps)
+            x = self._recv((len(y), *self.feature_shapes[k]), k - 1).requires_grad_()
+        leaves = self.weights.for_forward("alias" if sync or mode == "none" else mode, steps)
         out = functional_call(self.stage, dict(zip(self.names, leaves, strict=True)), (x,))
         if k == p - 1:
             out = self.loss_fn(out, y) / self._segment(j)[2]
@@ -216,15 +204,9 @@ class AsyncPipeline:
             self._send(x.grad, k - 1)
         if forward_weights is not None and self.guard is not None:
             self.guard.observe([t.detach() for t in leaves], forward_weights, self.params)
-        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+        grads = self.weights.add_grads(leaves)
         if len(result.grads) < self.config.record_grads:
             result.grads.append([g.detach().clone() for g in grads])
-        for param, grad, leaf in zip(self.params, grads, leaves, strict=True):
-            if param.grad is None:
-                param.grad = grad.detach().clone()
-            else:
-                param.grad.add_(grad)
-            leaf.grad = None
 
     def _check_due(self, j: int, num_batches: int, result: AsyncResult) -> bool:
         """At a guard point (every rank reaches it after its B(j)): agree on the worst window

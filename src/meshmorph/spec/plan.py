@@ -22,6 +22,10 @@ class Schedule(StrEnum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
     ZERO_BUBBLE = "zb"  # ZB-H1 (Qi et al. 2023): backward split into input- and weight-gradient
+    # zbv and dualpipev (V shape: rank r holds chunks r and 2pp - 1 - r) are generated and priced
+    # by meshmorph.schedule (`meshmorph timeline --schedule zbv`) but are not Plan schedules: a
+    # Plan puts chunk c on rank c % pp (chunks_of, memory per rank, layouts and the runtime's
+    # stages all follow it), so the planner does not offer them until placement can be a V.
 
 
 class DType(StrEnum):

@@ -12,6 +12,11 @@ from pathlib import Path
 from meshmorph.streams.assign import StreamAssignment
 from meshmorph.viz.figure import save_figure
 
+MAX_INCHES = (24.0, 40.0)
+"""Largest figure (width, height) in inches; one stream column and one op row scale down past it."""
+MAX_LABELLED_OPS = 150
+"""Operators beyond which names are left off (they would overlap)."""
+
 
 def write_streams_chart(assignment: StreamAssignment, out_png: Path, *, title: str = "",
                         labels: bool = True) -> Path:
@@ -26,7 +31,10 @@ def write_streams_chart(assignment: StreamAssignment, out_png: Path, *, title: s
     count = len(assignment.streams)
     xy = {op: (float(stream_of[op]), -float(position[op])) for op in assignment.order}
     colours = plt.get_cmap("tab10" if count <= 10 else "tab20")
-    fig, ax = plt.subplots(figsize=(2.0 + 1.6 * count, 1.5 + 0.16 * len(assignment.order)))
+    # big graphs (a training step): bounded canvas, no per-operator labels
+    fig, ax = plt.subplots(figsize=(min(2.0 + 1.6 * count, MAX_INCHES[0]),
+                                    min(1.5 + 0.16 * len(assignment.order), MAX_INCHES[1])))
+    labels = labels and len(assignment.order) <= MAX_LABELLED_OPS
     syncs = set(assignment.syncs)
     for u, v in assignment.reduced_edges:
         (x0, y0), (x1, y1) = xy[u], xy[v]
@@ -43,7 +51,7 @@ def write_streams_chart(assignment: StreamAssignment, out_png: Path, *, title: s
         if labels:
             for op in ops:
                 ax.text(xy[op][0] + 0.08, xy[op][1], op, fontsize=6, va="center")
-    ax.set_xticks(range(count), [f"stream {s}" for s in range(count)])
+    ax.set_xticks(range(count), [f"stream {s}" if count <= 12 else str(s) for s in range(count)])
     ax.set_xlim(-0.5, count - 0.1)
     ax.set_yticks([])
     ax.set_ylabel("issue order (top first)")

@@ -2,7 +2,8 @@
 the step rate of every layout of the equivalence matrix.
 
 Section 1 (2 gloo processes on CPU): a small GPT trained by ``build_engine`` and by the
-hand-written torch loop of the same family (bench/torch_baselines.py: DDP; FSDP2 ZeRO-3;
+hand-written torch loop of the same family (bench/torch_baselines.py: DDP; DDP with torch's
+ZeroRedundancyOptimizer against meshmorph's ZeRO-1; FSDP2 ZeRO-3;
 tensor parallelism with DTensor; a 1F1B pipeline with torch.distributed.pipelining) on the same
 model, data and arithmetic. Steps alternate between the two so drift hits both alike; each
 figure is the ratio of median step times after warm-up (target <= 1.05 per family), beside the
@@ -38,7 +39,7 @@ MICROBATCHES = 2
 """Micro-batches per step in section 1."""
 WARMUP = 3
 """Untimed steps before measuring."""
-FAMILIES = ("ddp", "fsdp_zero3", "tp", "pp")
+FAMILIES = ("ddp", "zero1", "fsdp_zero3", "tp", "pp")
 """The families of section 1, each on 2 ranks."""
 
 
@@ -46,7 +47,7 @@ def _family_plan(family: str, spec, world_size: int):  # type: ignore[no-untyped
     from meshmorph.spec.plan import Plan, Schedule
 
     dp = 1 if family in ("tp", "pp") else world_size
-    kw = {"ddp": {}, "fsdp_zero3": {"zero": 3}, "tp": {"tp": world_size},
+    kw = {"ddp": {}, "zero1": {"zero": 1}, "fsdp_zero3": {"zero": 3}, "tp": {"tp": world_size},
           "pp": {"pp": world_size, "schedule": Schedule.ONE_F_ONE_B}}[family]
     return Plan(model=spec.name, seq_len=spec.seq_len, global_batch=GLOBAL_BATCH, dp=dp,
                 micro_batch=GLOBAL_BATCH // dp // MICROBATCHES, num_microbatches=MICROBATCHES,
@@ -73,7 +74,8 @@ def overhead_job(rank: int, world_size: int, steps: int, out: str) -> None:
         if family == "pp":
             torch_step = torch_baselines.pp_step(spec, optim, MICROBATCHES, 0, plan.micro_batch)
         else:
-            torch_step = getattr(torch_baselines, {"ddp": "ddp_step", "fsdp_zero3": "fsdp_step",
+            torch_step = getattr(torch_baselines, {"ddp": "ddp_step", "zero1": "zero1_step",
+                                                   "fsdp_zero3": "fsdp_step",
                                                    "tp": "tp_step"}[family])(spec, optim,
                                                                             MICROBATCHES, 0)
         gen = torch.Generator().manual_seed(0)

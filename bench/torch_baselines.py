@@ -44,9 +44,18 @@ def _accumulate(model: nn.Module, tokens: torch.Tensor, m: int,
 
 
 def _data_parallel_step(model: nn.Module, optim: OptimConfig, m: int,
-                        no_sync: Callable[[int], Any]) -> Step:
-    """Accumulate, clip with torch's clip_grad_norm_, step, and return the global mean loss."""
-    opt, sched = _optimizer(model.parameters(), optim)
+                        no_sync: Callable[[int], Any], *, zero1: bool = False) -> Step:
+    """Accumulate, clip with torch's clip_grad_norm_, step, and return the global mean loss;
+    ``zero1``: torch's ZeroRedundancyOptimizer around AdamW (optimizer state sharded)."""
+    if zero1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                      lr=optim.lr, betas=(optim.beta1, optim.beta2),
+                                      eps=optim.eps, weight_decay=optim.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: optim.lr_at(s) / optim.lr)
+    else:
+        opt, sched = _optimizer(model.parameters(), optim)
 
     def step(tokens: torch.Tensor) -> float:
         opt.zero_grad(set_to_none=True)
@@ -60,15 +69,22 @@ def _data_parallel_step(model: nn.Module, optim: OptimConfig, m: int,
     return step
 
 
-def ddp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:
-    """DistributedDataParallel over every rank."""
+def ddp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int, *,
+             zero1: bool = False) -> Step:
+    """DistributedDataParallel over every rank (``zero1``: with ZeroRedundancyOptimizer)."""
     from contextlib import nullcontext
 
     from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(build_model(spec, seed=seed))
     return _data_parallel_step(model, optim, m,
-                               lambda i: model.no_sync() if i < m - 1 else nullcontext())
+                               lambda i: model.no_sync() if i < m - 1 else nullcontext(),
+                               zero1=zero1)
+
+
+def zero1_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:
+    """ZeRO-1 as torch offers it: DDP plus ZeroRedundancyOptimizer."""
+    return ddp_step(spec, optim, m, seed, zero1=True)
 
 
 def fsdp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 
 def _run(args: argparse.Namespace) -> int:
     from meshmorph.run.launch import run_job
 
+    if args.trace:  # the ranks (started by torchrun) inherit it: run/pipeline.py's RunTrace
+        from meshmorph.run.pipeline import TRACE_ENV
+
+        os.environ[TRACE_ENV] = str(args.trace)
     return run_job(args.config, nproc=args.nproc, plan_arg=args.plan, resume=args.resume,
                    out=args.out, reshard=args.reshard)
 
@@ -37,6 +42,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "one (DCP reshards on load)")
     run.add_argument("--out", type=Path, default=None,
                      help="run folder (default: [run] out_dir of the job file)")
+    run.add_argument("--trace", type=int, nargs="?", const=3, default=0, metavar="STEPS",
+                     help="time every pipeline action of STEPS steps (default 3, after a warm-up "
+                          "step) and write RUN_DIR/trace.json (Chrome/Perfetto); compare it with "
+                          "'meshmorph timeline --compare RUN_DIR'")
     run.set_defaults(func=_run)
 
     demo = subparsers.add_parser(

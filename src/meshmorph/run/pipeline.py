@@ -5,6 +5,7 @@ Schedules:
 
 - ``gpipe``: ScheduleGPipe; ``1f1b``: Schedule1F1B (needs m >= pp);
 - ``interleaved``: ScheduleInterleaved1F1B over the ``vpp`` chunks each rank holds;
+- ``async`` is refused here: it runs in ``run/async_pipeline.py`` (no flush, own executor);
 - ``zb``: ScheduleInterleavedZeroBubble (ZB-H1, Qi et al. 2023) with one chunk per rank. It splits
   each backward into the input-gradient part (B), which the previous stage waits for, and the
   weight-gradient part (W), which fills the bubble. ZBVZeroBubble is not used: it needs two
@@ -20,9 +21,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -36,7 +39,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule, _PipelineS
 from meshmorph.run.mesh import TrainMesh
 from meshmorph.run.parallelize import TORCH_DTYPES, uses_fsdp_precision
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import Plan, Schedule
+from meshmorph.spec.plan import Plan, PlanError, Schedule
 
 
 def io_dtypes(plan: Plan) -> tuple[torch.dtype, torch.dtype]:
@@ -107,6 +110,65 @@ class ActionRecorder:
         stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk, lambda kw: "W")
 
 
+class RunTrace:
+    """``meshmorph run --trace N``: times every pipeline action of the run's steps 2 to N + 1
+    (step 1 warms up) on every rank and writes ``RUN_DIR/trace.json`` from rank 0, in the format
+    of ``meshmorph timeline --trace`` (``meshmorph.schedule.trace``), one row per pipeline rank."""
+
+    def __init__(self, recorder: ActionRecorder, plan: Plan, path: Path, steps: int,
+                 steps_left: int) -> None:
+        self.recorder, self.plan, self.path = recorder, plan, path
+        self.first = 2 if steps_left >= 2 else 1
+        self.last = min(steps_left, self.first + steps - 1)
+        self.done = 0
+
+    @classmethod
+    def from_env(cls, schedule: object, plan: Plan, out_dir: Path, steps_left: int
+                 ) -> RunTrace | None:
+        """The trace the environment asks for, or None (no --trace, or no pipeline to time)."""
+        steps = int(os.environ.get(TRACE_ENV) or 0)
+        recorder = getattr(schedule, "meshmorph_recorder", None)
+        if steps < 1 or steps_left < 1:
+            return None
+        if recorder is None:
+            if dist.get_rank() == 0:
+                print("--trace: this plan has no pipeline (pp 1), so there is no pipeline "
+                      "timeline to record", flush=True)
+            return None
+        return cls(recorder, plan, out_dir / "trace.json", steps, steps_left)
+
+    def before_step(self) -> None:
+        if self.done + 1 == self.first:
+            dist.barrier()  # the ranks' clocks start together
+            self.recorder.start()
+
+    def after_step(self) -> None:
+        self.done += 1
+        if self.done != self.last:
+            return
+        records = self.recorder.stop()
+        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+        dist.gather_object(records, gathered if dist.get_rank() == 0 else None, dst=0)
+        if dist.get_rank() != 0:
+            return
+        from meshmorph.schedule.trace import timeline_events, write_trace
+
+        ops, seen = [], set()
+        for records_of_rank in gathered:  # the lowest global rank of each pipeline rank
+            pp_ranks = {stage % self.plan.pp for _, stage, *_ in records_of_rank}
+            if not records_of_rank or pp_ranks & seen:
+                continue
+            seen |= pp_ranks
+            ops += [(stage % self.plan.pp, kind, stage, mb, start, end)
+                    for kind, stage, mb, start, end in records_of_rank]
+        steps = self.last - self.first + 1
+        write_trace(self.path, timeline_events(sorted(ops, key=lambda op: op[4])),
+                    schedule=str(self.plan.schedule), pp=self.plan.pp,
+                    microbatches=self.plan.num_microbatches, vpp=self.plan.vpp, steps=steps)
+        print(f"trace of steps {self.first}-{self.last}: {self.path} ({len(ops)} actions); "
+              f"compare it with 'meshmorph timeline --compare {self.path.parent}'", flush=True)
+
+
 def action_list_schedule(stages: list[PipelineStage], name: str, m: int,
                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                          ) -> _PipelineSchedule:
@@ -140,6 +202,11 @@ def build_schedule(chunks: list[nn.Module], chunk_ids: list[int], spec: ModelSpe
 
     ``loss_fn`` returns a micro-batch's mean loss; the schedule divides gradients by the number of
     micro-batches, so the accumulated gradient is that of the mean over the step's micro-batches."""
+    if plan.schedule == Schedule.ASYNC:
+        raise PlanError(
+            "schedule 'async' (1F1B without flush, stale or predicted weights) does not run "
+            "through torch's pipelining: it runs in meshmorph.run.async_pipeline.AsyncPipeline "
+            "(see examples/async_pipeline.py); for `meshmorph run` use schedule 1f1b or zb")
     group = mesh.group("pp")
     stages = []
     for chunk, index in zip(chunks, chunk_ids, strict=True):

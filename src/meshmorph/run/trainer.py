@@ -87,6 +87,7 @@ def find_resume_point(ckpt_dir: Path) -> CheckpointInfo | None:
 
 def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: StopFlag) -> int:
     from meshmorph.run.engine import build_engine
+    from meshmorph.run.pipeline import RunTrace
 
     device = init_distributed(job.run.collective_timeout_s)
     rank = dist.get_rank()
@@ -117,6 +118,8 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
     metrics = MetricsLogger(out_dir, enabled=rank == 0, total_steps=job.train.steps,
                             start_step=step, tokens_per_step=plan.global_batch * plan.seq_len)
     interrupted, saved_step = False, step
+    trace = RunTrace.from_env(getattr(engine, "schedule", None), plan, out_dir,
+                              job.train.steps - step)
     try:
         while step < job.train.steps:
             if stop.agreed():
@@ -124,9 +127,13 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
                 break
             tokens = shard.batch(consumed).to(device)
             lr = float(engine.optimizers[0].param_groups[0]["lr"])  # the LR this step uses
+            if trace:  # meshmorph run --trace: time every pipeline action of a few steps
+                trace.before_step()
             start = time.perf_counter()
             loss = engine.step(tokens)
             step_time_s = time.perf_counter() - start
+            if trace:
+                trace.after_step()
             step += 1
             consumed += plan.global_batch
             metrics.log(step=step, loss=loss, lr=lr, grad_norm=engine.grad_norm_last(),

@@ -97,7 +97,7 @@ def draw_timelines(lanes: Sequence[Lane], out_png: Path) -> Path:
         bubble = sum(lane_end - b for b in busy) / (lane_end * p) if lane_end > 0 else 0.0
         ax.set_ylim(p - 0.5, -0.5)
         ax.set_yticks(range(p), [f"rank {k}" for k in range(p)])
-        ax.set_title(f"{lane.title} — step {lane_end * scale:.3g} {unit}, bubble {bubble:.1%}",
+        ax.set_title(f"{lane.title} — {lane_end * scale:.3g} {unit}, bubble {bubble:.1%}",
                      fontsize=9, loc="left")
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlim(0, end_s * scale)

@@ -157,3 +157,16 @@ def test_training_step_graph_on_streams_equals_its_program_order_run_and_eager_a
             torch.testing.assert_close(grad, params[name].grad, rtol=1e-5, atol=1e-7)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_operator_times_estimated_from_flops_or_measured_are_positive(traced) -> None:
+    model, x, graph = traced["resnet-stack"]
+    conv = graph.dag.nodes["stem_0"]
+    # stem: 3 -> 16 channels, 3x3, 32x32 image, batch 2: 2 * (2*16*32*32) * (3*3*3) FLOPs
+    assert conv["flops"] == 2 * (2 * 16 * 32 * 32) * 27
+    assert conv["time_s"] > 5e-6  # the launch plus the roofline term
+    measured = build_op_graph(model, (x,), timing="profile", repeats=1)
+    assert set(measured.dag) == set(graph.dag)
+    assert all(measured.dag.nodes[op]["time_s"] > 0 for op in measured.dag)
+    with pytest.raises(ValueError, match="timing must be"):
+        build_op_graph(model, (x,), timing="guess")  # type: ignore[arg-type]

@@ -31,6 +31,16 @@ from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.plan import Plan, Schedule, StagePlan
 
 
+def steady_state(fwd_s: Sequence[float], bwd_s: Sequence[float], m: int) -> Timeline:
+    """Asynchronous 1F1B (no flush) priced in its steady state: the slowest stage paces every
+    micro-batch, ``m * max_k (f_k + b_k)`` per step on every rank, no fill or drain bubble
+    (transfers overlap compute in the steady state)."""
+    period = max(f + b for f, b in zip(fwd_s, bwd_s, strict=True))
+    busy = tuple(m * (f + b) for f, b in zip(fwd_s, bwd_s, strict=True))
+    return Timeline(makespan_s=m * period, rank_end_s=(m * period,) * len(busy),
+                    rank_busy_s=busy, ops=())
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkTime:
     """Per-micro-batch times of one model chunk on one rank."""
@@ -84,7 +94,8 @@ class CostModel:
     def coster(self, dtype: str) -> LayerCoster:
         if dtype not in self._costers:
             self._costers[dtype] = LayerCoster(self.model, self.coef, dtype=dtype,
-                                               efficiency=self.efficiency, tp_link=self.intra)
+                                               efficiency=self.efficiency, tp_link=self.intra,
+                                               profile=self.profile)
         return self._costers[dtype]
 
     # --- placement --------------------------------------------------------------------------
@@ -201,6 +212,8 @@ class CostModel:
         exposed = comm.exposed(reduce, last_bwd_s, self.coef.dp_overlap) + gather
         shard = plan.dp if plan.zero >= 1 else 1
         optimizer = params / shard * self.coef.optimizer_bytes_per_param / (gpu.hbm_gbps * 1e9)
+        if self.profile.optimizer_s_per_param > 0:  # measured: fixed + per-parameter tail
+            optimizer = self.profile.optimizer_fixed_s + params / shard * self.profile.optimizer_s_per_param
         return exposed, optimizer
 
     def p2p_time(self, plan: Plan, gpu: GPUSpec) -> float:
@@ -236,7 +249,8 @@ class CostModel:
             if len(self._timelines) > 50_000:
                 self._timelines.clear()
             timeline = self._timelines[key] = simulate(plan.schedule, p, m, fwd, bwd, v=v,
-                                                       wgrad_s=wgrad, p2p_s=p2p)
+                                                       wgrad_s=wgrad, p2p_s=p2p) \
+                if plan.schedule != Schedule.ASYNC else steady_state(fwd, bwd, m)
         memory, ends, tails = [], [], []
         for k in range(p):
             chunk_ids = plan.chunks_of(k)

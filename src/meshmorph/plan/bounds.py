@@ -101,7 +101,7 @@ class ConfigBounds:
         m = plan.num_microbatches
         share = cost.chunk_params(0, cost.model.num_layers, plan.tp) / plan.pp
         bound = max(m * sums.total / plan.pp + min(least_rank_tail_s(cost, plan, share, g) for g in gpus),
-                    sums.chain)
+                    0.0 if plan.schedule == Schedule.ASYNC else sums.chain)  # async: no fill
         if plan.pp > 1 and plan.schedule in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE):
             # every rank s needs sum_{r<s} w_r + m w_s (micro-batch 0's chain to it and back,
             # plus its own work; w = f + B). Over any split of the total W, the largest of these

@@ -95,7 +95,8 @@ def _plan(args: argparse.Namespace) -> int:
     model = load_model(args.model, args.seq_len)
     cluster = parse_cluster(args.cluster)
     options = SearchOptions(top_k=args.top, dtype=args.dtype, max_micro_batch=args.max_micro_batch,
-                            tolerance=args.tolerance, max_nodes=args.max_nodes or None)
+                            tolerance=args.tolerance, max_nodes=args.max_nodes or None,
+                            allow_async=args.allow_async)
     cost = CostModel(model, cluster)
     result = search(model, cluster, global_batch=args.global_batch, options=options, cost=cost)
     console = report_console()
@@ -339,6 +340,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--max-nodes", type=int, default=300,
                       help="branch-and-bound nodes per configuration before the rest is left "
                            "with its bound (the proven gap is printed); 0 = no limit")
+    plan.add_argument("--allow-async", action="store_true",
+                      help="also consider schedule async (1F1B without flush, stale weights: "
+                           "not the same math as one device; priced without the flush bubble)")
     plan.add_argument("--json", type=Path, default=None, help="write the plans to this JSON file")
     plan.add_argument("--chart", type=Path, default=None,
                       help="write the best plan's pipeline timeline to this PNG (and its memory "

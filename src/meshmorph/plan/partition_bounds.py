@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from meshmorph.cost.model import ChunkTime
+from meshmorph.cost.model import ChunkTime, steady_state
 from meshmorph.cost.pipeline import simulate
 from meshmorph.plan.fastest_layers import fastest_layer_times, unique_gpus
 from meshmorph.plan.relaxations import filled_share
@@ -77,6 +77,8 @@ class PartitionBounds:
         ranks after k). After rank k's last backward, its tail and the backward chain to rank 0
         run side by side; in zero-bubble the rank's W ops may also run after its last B."""
         m, p = self.m, self.p
+        if self.schedule == Schedule.ASYNC:  # no fill or drain: its own steady-state work
+            return m * (t.fwd_s + t.bwd_s) + tail
         if self.zb:
             return max(prefix_f + m * (t.fwd_s + t.bwd_s) + tail,
                        prefix_f + m * (t.fwd_s + t.bgrad_s) + prefix_b)
@@ -112,6 +114,8 @@ class PartitionBounds:
         spread = self.suffix_chain[stop] / filled_share(m, left)
         rest = max(prefix_f + t.fwd_s + m * heaviest + upstream,
                    prefix_f + prefix_b + t.fwd_s + step_b + max(self.suffix_chain[stop], spread))
+        if self.schedule == Schedule.ASYNC:  # no fill: only the heaviest later rank's work
+            rest = m * heaviest
         if self.table is not None:
             rest = max(rest, self.table.rest[k + 1][self.table.blocks_from(stop)])
         return rest
@@ -125,6 +129,8 @@ class PartitionBounds:
         fwd = [t.fwd_s for t in times] + [f_min] * left
         bwd = [self.step_b(t) for t in times] + [bg_min if self.zb else b_min] * left
         wgrad = [t.wgrad_s for t in times] + [w_min] * left if self.zb else None
+        if self.schedule == Schedule.ASYNC:
+            return steady_state(fwd, bwd, self.m).makespan_s
         return simulate(self.schedule, self.p, self.m, fwd, bwd, wgrad_s=wgrad,
                         p2p_s=self.p2p).makespan_s
 

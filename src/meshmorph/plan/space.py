@@ -4,8 +4,8 @@ A configuration fixes everything but the stage boundaries and per-layer recomput
 node, dividing heads and FFN), pp, dp = world / (tp * pp) dividing the batch, ZeRO stage,
 sequence parallel, micro-batch size (at most ``max_microbatches`` micro-batches per step),
 schedule (GPipe, 1F1B, ZB-H1; interleaved with v chunks when the blocks split evenly into
-pp * v chunks) and, on mixed clusters, which GPU type each pipeline rank uses (groups stay
-contiguous; every order of the groups is tried).
+pp * v chunks; asynchronous 1F1B only when asked) and, on mixed clusters, which GPU type each
+pipeline rank uses (groups stay contiguous; every order of the groups is tried).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ class SearchOptions:
     layout beyond this is left out (and a batch that needs more on every layout is refused)."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     """ZeRO stages tried when dp > 1."""
-    schedules: tuple[Schedule, ...] = tuple(Schedule)
-    """Pipeline schedules tried when pp > 1."""
+    schedules: tuple[Schedule, ...] = tuple(s for s in Schedule if s != Schedule.ASYNC)
+    """Pipeline schedules tried when pp > 1 (``async`` only when listed here or with
+    ``allow_async``)."""
     max_vpp: int = 4
     """Most virtual stages per pipeline rank for the interleaved schedule."""
     sequence_parallel: tuple[bool, ...] = (False, True)
@@ -54,6 +55,9 @@ class SearchOptions:
     """Only these tensor-parallel degrees (None: all that fit a node and divide the model)."""
     pp_degrees: tuple[int, ...] | None = None
     """Only these pipeline degrees (None: all)."""
+    allow_async: bool = False
+    """Also offer schedule ``async`` (1F1B without flush, PipeDream: no flush bubble, stale
+    weights, so not the same math as one device) though ``schedules`` does not list it."""
 
     def __post_init__(self) -> None:
         if self.dtype not in tuple(DType):
@@ -71,6 +75,8 @@ class SearchOptions:
                              f"{self.max_nodes}")
         if self.max_micro_batch < 1:
             raise ValueError(f"max_micro_batch must be at least 1, got {self.max_micro_batch}")
+        if self.allow_async and Schedule.ASYNC not in self.schedules:
+            object.__setattr__(self, "schedules", (*self.schedules, Schedule.ASYNC))
         if self.max_microbatches < 1:
             raise ValueError(f"max_microbatches must be at least 1, got {self.max_microbatches}")
 
@@ -159,7 +165,7 @@ def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int,
         else:
             for schedule in options.schedules:
                 one_chunk = (Schedule.GPIPE,) if m < pp else (
-                    Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE)
+                    Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.ASYNC)
                 if schedule in one_chunk:
                     schedules.append((schedule, 1))
                 elif schedule == Schedule.INTERLEAVED and m >= pp and m % pp == 0:

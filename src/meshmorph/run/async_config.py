@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-WEIGHT_PREDICTIONS = ("none", "stash", "2bw", "sgd", "adam")
-"""How a stage picks the weights of a forward and of its backward (see ``AsyncPipelineConfig``)."""
+from meshmorph.spec.plan import WEIGHT_PREDICTIONS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -26,6 +26,11 @@ class Schedule(StrEnum):
     # by meshmorph.schedule (`meshmorph timeline --schedule zbv`) but are not Plan schedules: a
     # Plan puts chunk c on rank c % pp (chunks_of, memory per rank, layouts and the runtime's
     # stages all follow it), so the planner does not offer them until placement can be a V.
+    ASYNC = "async"  # 1F1B without flush, a step per micro-batch (PipeDream); run/async_pipeline.py
+
+
+WEIGHT_PREDICTIONS = ("none", "stash", "2bw", "sgd", "adam")
+"""Values of ``Plan.weight_prediction``."""
 
 
 class DType(StrEnum):
@@ -119,6 +124,10 @@ class Plan:
     ``reduce_dtype``), or a 16-bit one as Megatron-LM 2021 reduced fp16 gradients."""
     stages: tuple[StagePlan, ...] = ()
     """``pp * vpp`` model chunks in order."""
+    weight_prediction: str = "none"
+    """Weights under ``schedule = "async"``: ``none`` (stale), ``stash`` (the backward uses the
+    forward's weights), ``2bw`` (PipeDream-2BW), ``sgd`` (SpecTrain's momentum-SGD prediction) or
+    ``adam`` (Adam's update direction extrapolated); must stay ``none`` with other schedules."""
     predicted: dict[str, Any] | None = field(default=None, compare=False)
     """Predicted figures (step_time_s, tokens_per_s, ...) from the cost model, if any."""
 
@@ -138,6 +147,13 @@ class Plan:
                 f" x num_microbatches {self.num_microbatches}"
                 f" = {self.dp * self.micro_batch * self.num_microbatches}"
             )
+        if self.weight_prediction not in WEIGHT_PREDICTIONS:
+            raise PlanError(f"weight_prediction must be one of {', '.join(WEIGHT_PREDICTIONS)}, "
+                            f"got {self.weight_prediction!r}")
+        if self.weight_prediction != "none" and self.schedule != Schedule.ASYNC:
+            raise PlanError(f"weight_prediction {self.weight_prediction!r} applies only to "
+                            f"schedule 'async', not '{self.schedule}'; set schedule 'async' or "
+                            f"weight_prediction 'none'")
         if self.vpp > 1 and self.schedule != Schedule.INTERLEAVED:
             raise PlanError(f"vpp {self.vpp} > 1 needs schedule 'interleaved', not '{self.schedule}'")
         if self.sequence_parallel and self.tp == 1:

@@ -1,8 +1,9 @@
 """Layout agrees with what the runtime really holds: for every layout of the equivalence matrix,
-one spawned 4-process gloo job builds the engine, and each rank compares Layout's pieces with
-its live local shards — the key set, every parameter's box (shape, global offset from the
-DTensor placements, and the values its initialisation gives that box) and, after one step,
-every AdamW moment's box and again every parameter's — and the small state (step counter, LR schedule, RNG stream)."""
+plus two whose rows dp does not divide, one spawned 4-process gloo job builds the engine, and
+each rank compares Layout's pieces with its live local shards — the key set, every parameter's
+box (shape, global offset from the DTensor placements, the values its initialisation gives that
+box, and under FSDP2 the padded rows it allocates) and, after one step, every AdamW moment's box
+and again every parameter's — and the small state (step counter, LR schedule, RNG stream)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,56 @@ from typing import Any
 
 import pytest
 import torch
-from test_equivalence import OPTIM, SEED, batches, layouts
+from test_equivalence import OPTIM, SEED, layouts
 
 from meshmorph.elastic.layout import MOMENTS, RNG_STATE_BYTES, layout_of, param_fqn
+from meshmorph.spec.plan import Plan
+from meshmorph.spec.transformer import TransformerShape, build_transformer
 
 WORLD = 4
-NAMES = [layout.name for layout in layouts()]
+
+
+def _uneven_model(seq_len: int) -> Any:
+    return build_transformer(TransformerShape(name=f"gpt-uneven-{seq_len}", arch="gpt",
+                                              num_layers=2, hidden_size=20, num_heads=4,
+                                              vocab_size=61, seq_len=seq_len, padded_vocab_size=61))
+
+
+def uneven_layouts() -> list[Any]:
+    """Layouts whose dim-0 shards are uneven: 5 position rows over dp 4 are 2, 2, 1, 0 rows
+    (FSDP2 pads each to 2), 7 are 2, 2, 2, 1; 61 vocabulary rows, which tp 2 does not divide,
+    stay whole on both tp ranks and split 31, 30 over dp 2. ZeRO-1 with a rank holding zero rows
+    (``uneven_zero1_dp4_empty_shard``) fails in the runtime's bucketed all-gather (``run/zero1.py``
+    views a 0-row shard as ``(0, -1)``), so that case is an expected failure until it is fixed."""
+    kind = type(layouts()[0])
+
+    def plan(model: Any, **kw: Any) -> Plan:
+        return Plan(model=model.name, seq_len=model.seq_len, dtype="fp32", global_batch=4,
+                    **kw).with_even_stages(model)
+    five, seven = _uneven_model(5), _uneven_model(7)
+    return [kind("uneven_zero3_dp4", five, plan(five, dp=4, zero=3)),
+            kind("uneven_zero1_dp4", seven, plan(seven, dp=4, zero=1)),
+            kind("uneven_zero2_tp2_dp2", five, plan(five, tp=2, dp=2, zero=2, micro_batch=2)),
+            kind("uneven_zero1_dp4_empty_shard", five, plan(five, dp=4, zero=1))]
+
+
+RUNTIME_BUGS = {"uneven_zero1_dp4_empty_shard": "run/zero1.py: _gather_bucket_ views a rank's "
+                "0-row shard as (0, -1), which torch refuses"}
+"""Layouts the runtime cannot run yet, with the reason (an expected failure each)."""
+
+
+def all_layouts() -> list[Any]:
+    return layouts() + uneven_layouts()
+
+
+NAMES = [layout.name for layout in all_layouts()]
+
+
+def first_batch(layout: Any) -> torch.Tensor:
+    """One global batch of tokens, LongTensor[global_batch, s + 1]."""
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randint(0, layout.model.vocab_size,
+                         (layout.plan.global_batch, layout.model.seq_len + 1), generator=gen)
 
 
 def _box_of(tensor: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
@@ -51,6 +96,7 @@ def check_rank(layout: Any, rank: int) -> dict[str, Any]:
     found: dict[str, Any] = {"rank": rank, "mismatch": []}
     boxes: set[str] = set()
     values: set[str] = set()
+    padded: set[str] = set()
     mesh = engine.train_mesh
     if plan.rank_of(mesh.pp_rank, mesh.dp_rank, mesh.tp_rank) != dist.get_rank():
         found["mismatch"].append("the mesh coordinates do not give this rank under Plan.rank_of")
@@ -67,6 +113,14 @@ def check_rank(layout: Any, rank: int) -> dict[str, Any]:
             found["mismatch"].append(f"{key}: live offset {offset} shape {shape}, Layout "
                                      f"{list(piece.box.offset)} {list(piece.box.length)}")
             return None
+        if key.startswith("param/") and plan.zero >= 2 and plan.dp > 1:  # FSDP2's padded shard
+            rows = piece.box.length[0] + piece.pad_rows
+            held = local.untyped_storage().nbytes() // local.element_size()
+            if held != rows * piece.box.row_numel():
+                found["mismatch"].append(f"{key}: FSDP2 allocates {held} elements, Layout says "
+                                         f"{rows} rows of {piece.box.row_numel()}")
+                return None
+            padded.add(key)
         boxes.add(key)
         return local
 
@@ -86,7 +140,7 @@ def check_rank(layout: Any, rank: int) -> dict[str, Any]:
             else:
                 values.add(f"param/{fqn}")
     share = plan.global_batch // plan.dp
-    engine.step(batches(spec, plan)[0][engine.dp_rank * share:(engine.dp_rank + 1) * share])
+    engine.step(first_batch(layout)[engine.dp_rank * share:(engine.dp_rank + 1) * share])
     for part in engine.model_parts:  # still the same boxes at the step boundary (ZeRO-2 resharded)
         for name, param in part.named_parameters(remove_duplicate=False):
             if compare(f"param/{params[id(param)]}", param) is None:
@@ -107,7 +161,7 @@ def check_rank(layout: Any, rank: int) -> dict[str, Any]:
     live.add("data")  # the data position lives in the trainer's loader, not in the engine
     found["only_live"] = sorted(live - set(pieces))
     found["only_layout"] = sorted(set(pieces) - live)
-    found["boxes"], found["values"] = sorted(boxes), sorted(values)
+    found["boxes"], found["values"], found["padded"] = sorted(boxes), sorted(values), sorted(padded)
     found["seconds"] = time.perf_counter() - start
     return found
 
@@ -115,7 +169,7 @@ def check_rank(layout: Any, rank: int) -> dict[str, Any]:
 def job(rank: int, world_size: int, result_dir: str) -> None:
     import torch.distributed as dist
 
-    for layout in layouts():
+    for layout in all_layouts():
         try:
             found = check_rank(layout, rank)
         except Exception:
@@ -136,9 +190,11 @@ def live_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(reason=RUNTIME_BUGS[n], strict=True))
+    if n in RUNTIME_BUGS else n for n in NAMES])
 def test_layout_boxes_equal_the_live_shards_of_every_rank(name: str, live_results: Path) -> None:
-    layout = next(layout for layout in layouts() if layout.name == name)
+    layout = next(layout for layout in all_layouts() if layout.name == name)
     expected = layout_of(layout.model, layout.plan)
     for rank in range(WORLD):
         found = json.loads((live_results / f"{name}-rank{rank}.json").read_text())
@@ -147,4 +203,7 @@ def test_layout_boxes_equal_the_live_shards_of_every_rank(name: str, live_result
         assert (found["only_live"], found["only_layout"]) == ([], []), f"rank {rank}"
         tensors = {p.key for p in expected.held[rank] if "/" in p.key and not p.key.startswith("rng/")}
         assert set(found["boxes"]) == tensors, f"rank {rank}: boxes not compared"
-        assert set(found["values"]) == {k for k in tensors if k.startswith("param/")}
+        params = {k for k in tensors if k.startswith("param/")}
+        assert set(found["values"]) == params
+        fsdp = layout.plan.zero >= 2 and layout.plan.dp > 1
+        assert set(found["padded"]) == (params if fsdp else set())

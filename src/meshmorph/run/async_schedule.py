@@ -1,25 +1,32 @@
-"""Per-rank action lists of the pipelines the asynchronous executor runs (pure Python, no torch).
+"""One rank's action list for the asynchronous executor, from meshmorph.schedule's generators.
 
 An action is ``F`` (forward of a micro-batch: receive the input from the previous stage, compute,
 send the output on), ``B`` (its backward: receive the output gradient, back-propagate, send the
 input gradient back) or ``U`` (this stage's optimizer step). Three orders, for ``p`` stages:
 
-- ``async_1f1b``: PipeDream's 1F1B without flush. Stage ``k`` runs ``w = p - 1 - k`` warm-up
-  forwards, then alternates F(i), B(i - w) for ever, and steps after every backward (each
-  micro-batch is one optimizer step). Stage ``k``'s forward of micro-batch ``j`` therefore sees
-  the weights after ``j - w`` updates: ``w`` steps stale (0 on the last stage).
+- ``async_1f1b``: PipeDream's 1F1B without flush (``schedule.async_1f1b.async_one_f_one_b``).
+  Stage ``k`` runs ``w = p - 1 - k`` warm-up forwards, then alternates F(i), B(i - w), and steps
+  after every backward (each micro-batch is one optimizer step). Stage ``k``'s forward of
+  micro-batch ``j`` therefore sees the weights after ``j - w`` updates: ``w`` steps stale.
 - ``two_bw``: the same order, stepping after every ``m``-th backward (PipeDream-2BW: the
   gradient of ``m`` micro-batches per update, the forwards never wait for it).
-- ``sync_1f1b``: 1F1B with a flush: per step, ``m`` micro-batches go through warm-up, steady
-  state and cool-down, and every stage steps once at the end (synchronous, bubble included).
+- ``sync_1f1b``: 1F1B with a flush (``schedule.one_f_one_b.one_f_one_b`` per step): ``m``
+  micro-batches go through warm-up, steady state and cool-down, then every stage steps once.
 
 ``staleness`` reads from a list how many of the stage's own updates fall between each forward
-and its backward: the ``s`` weight prediction extrapolates over.
+and its backward: the ``s`` weight prediction extrapolates over (per micro-batch: the warm-up
+ones are less stale than the stage's worst case that ``schedule.async_1f1b.staleness`` gives).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
+
+from meshmorph.schedule.action import Action as ScheduleAction
+from meshmorph.schedule.action import Kind
+from meshmorph.schedule.async_1f1b import async_one_f_one_b
+from meshmorph.schedule.one_f_one_b import one_f_one_b
 
 
 class Action(NamedTuple):
@@ -38,31 +45,22 @@ def _check(p: int, k: int, n: int) -> None:
         raise ValueError(f"{n} micro-batches: need at least 0")
 
 
-def _one_f_one_b(p: int, k: int, first: int, n: int, every: int, updates: int) -> list[Action]:
-    """Micro-batches ``first .. first + n - 1`` in 1F1B order; ``U`` after every ``every``-th
-    backward (counted from ``first``); ``updates`` numbers the first ``U``."""
-    warmup = min(p - 1 - k, n)
-    out = [Action("F", first + i) for i in range(warmup)]
-
-    def backward(i: int) -> None:
-        nonlocal updates
-        out.append(Action("B", first + i))
-        if (i + 1) % every == 0:
+def _rank_list(order: Sequence[ScheduleAction], first: int = 0, updates: int = 0) -> list[Action]:
+    """A rank's schedule actions with micro-batches shifted by ``first`` and STEPs numbered."""
+    out = []
+    for action in order:
+        if action.kind == Kind.STEP:
             out.append(Action("U", updates))
             updates += 1
-
-    for i in range(warmup, n):
-        out.append(Action("F", first + i))
-        backward(i - warmup)
-    for i in range(n - warmup, n):
-        backward(i)
+        else:
+            out.append(Action(str(action.kind), first + action.microbatch))
     return out
 
 
 def async_1f1b(p: int, k: int, n: int) -> list[Action]:
     """Stage ``k`` of ``p``: 1F1B without flush over ``n`` micro-batches, a step after each B."""
     _check(p, k, n)
-    return _one_f_one_b(p, k, 0, n, 1, 0)
+    return _rank_list(async_one_f_one_b(p, n)[k]) if n else []
 
 
 def two_bw(p: int, k: int, n: int, m: int) -> list[Action]:
@@ -71,7 +69,7 @@ def two_bw(p: int, k: int, n: int, m: int) -> list[Action]:
     if m < 1 or n % m:
         raise ValueError(f"2BW steps every {m} micro-batches: {n} micro-batches must be a "
                          f"multiple of it; change the step count or num_microbatches")
-    return _one_f_one_b(p, k, 0, n, m, 0)
+    return _rank_list(async_one_f_one_b(p, n, microbatches_per_step=m)[k]) if n else []
 
 
 def sync_1f1b(p: int, k: int, steps: int, m: int, *, first: int = 0,
@@ -81,9 +79,10 @@ def sync_1f1b(p: int, k: int, steps: int, m: int, *, first: int = 0,
     _check(p, k, steps)
     if m < 1:
         raise ValueError(f"num_microbatches must be at least 1, got {m}")
+    one_step = [*one_f_one_b(p, m)[k], ScheduleAction(Kind.STEP, k, m - 1)]
     out: list[Action] = []
     for step in range(steps):
-        out += _one_f_one_b(p, k, first + step * m, m, m, first_update + step)
+        out += _rank_list(one_step, first + step * m, first_update + step)
     return out
 
 

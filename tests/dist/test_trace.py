@@ -1,0 +1,76 @@
+"""``meshmorph run --trace`` on 4 real gloo processes: the recorded per-rank timeline is exactly
+meshmorph's action list for the schedule (torch's runtime runs it in that order), the actions of
+a rank never overlap, and ``meshmorph timeline --compare`` reads it back.
+
+One spawned job trains gpt-tiny with pp 4 under 1F1B and under ZB-H1 (input- and weight-gradient
+backwards timed apart), tracing steps 2 and 3 of each through ``run.pipeline.RunTrace``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from spawn import spawn  # noqa: E402
+
+from meshmorph.cli import main  # noqa: E402
+from meshmorph.schedule import schedule_actions  # noqa: E402
+from meshmorph.schedule.trace import read_trace_ops  # noqa: E402
+
+PP, M, STEPS = 4, 4, 3
+SCHEDULES = ("1f1b", "zb")
+
+
+def _job(rank: int, world: int, out: str) -> None:
+    import os
+
+    import torch
+
+    from meshmorph.run.config import OptimConfig
+    from meshmorph.run.engine import build_engine
+    from meshmorph.run.pipeline import TRACE_ENV, RunTrace
+    from meshmorph.spec import catalog_model
+    from meshmorph.spec.plan import Plan
+
+    os.environ[TRACE_ENV] = "2"
+    spec = catalog_model("gpt-tiny").with_seq_len(16)
+    for name in SCHEDULES:
+        plan = Plan(model=spec.name, seq_len=16, dtype="fp32", micro_batch=1, num_microbatches=M,
+                    global_batch=M, pp=PP, schedule=name).with_even_stages(spec)
+        engine = build_engine(spec, plan, OptimConfig(), seed=0, device=torch.device("cpu"))
+        folder = Path(out) / name
+        trace = RunTrace.from_env(engine.schedule, plan, folder, STEPS)
+        assert trace is not None
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(STEPS):
+            tokens = torch.randint(0, spec.vocab_size, (M, 17), generator=gen)
+            trace.before_step()
+            engine.step(tokens)
+            trace.after_step()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_run_trace_records_meshmorphs_action_order_per_rank_and_compare_reads_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spawn(_job, PP, (str(tmp_path),), timeout_s=110, collective_timeout_s=60)
+    for name in SCHEDULES:
+        path = tmp_path / name / "trace.json"
+        meta = json.loads(path.read_text())
+        assert (meta["schedule"], meta["pp"], meta["microbatches"], meta["steps"]) == \
+            (name, PP, M, 2)
+        ops = read_trace_ops(path)
+        expected = [[str(a) for a in order] for order in schedule_actions(name, PP, M)]
+        per_step = sum(len(order) for order in expected)
+        assert len(ops) == 2 * per_step  # steps 2 and 3: every action of every rank, once
+        for rank in range(PP):
+            mine = sorted((op for op in ops if op[0] == rank), key=lambda op: op[4])
+            assert [f"{s}{k}{j}" for _, k, s, j, _, _ in mine] == expected[rank] * 2, (name, rank)
+            assert all(a[5] <= b[4] for a, b in zip(mine, mine[1:], strict=False)), (name, rank)
+        assert main(["timeline", "--compare", str(tmp_path / name)]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("simulated ") and " ms per step, measured " in out

@@ -1,7 +1,8 @@
 """The pipeline timeline of a plan: one row per pipeline rank, one box per F/B/W op.
 
 The ops come from simulating the plan's schedule on its per-chunk times
-(``cost.pipeline.simulate(..., keep_ops=True)``), exactly as the cost model times the step.
+(``cost.pipeline.simulate(..., keep_ops=True)``), exactly as the cost model times the step; the
+drawing is ``viz.timeline_chart``'s, the one ``meshmorph timeline`` uses.
 """
 
 from __future__ import annotations
@@ -11,11 +12,7 @@ from pathlib import Path
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.pipeline import Timeline, simulate
 from meshmorph.spec.plan import Plan, Schedule
-from meshmorph.viz.figure import save_figure
-
-OP_COLOURS = {"F": "#4c78a8", "B": "#59a14f", "W": "#f28e2b"}
-"""Forward, backward (input gradient only under zero-bubble), weight gradient."""
-OP_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
+from meshmorph.viz.timeline_chart import Lane, draw_timelines
 
 
 def plan_timeline(plan: Plan, cost: CostModel) -> Timeline:
@@ -35,42 +32,15 @@ def plan_timeline(plan: Plan, cost: CostModel) -> Timeline:
 
 
 def write_pipeline_chart(timeline: Timeline, out_png: Path, *, pp: int, vpp: int = 1,
-                         title: str = "pipeline timeline") -> Path:
-    """Draw ``timeline`` (simulated with ``keep_ops``) into ``out_png``: rank 0 on top, time in
-    ms; with virtual stages, a rank's later chunks are drawn lighter."""
+                         title: str = "pipeline timeline", split_backward: bool = False) -> Path:
+    """Draw ``timeline`` (simulated with ``keep_ops``) into ``out_png`` with
+    ``viz.timeline_chart`` (rank 0 on top, bubbles hatched); under a zero-bubble schedule
+    (``split_backward``) the B boxes are input-gradient backwards and are drawn as such."""
     if not timeline.ops:
         raise ValueError("the timeline holds no ops; simulate it with keep_ops=True")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    scale = 1e3 if timeline.makespan_s < 10 else 1.0
-    unit = "ms" if scale == 1e3 else "s"
-    fig, ax = plt.subplots(figsize=(12, 0.55 * pp + 1.6))
-    per_rank = len(timeline.ops) / pp
-    labelled = per_rank <= 100  # micro-batch numbers only where the boxes are wide enough
-    edge = 0.4 if per_rank <= 300 else 0.0  # white separators would hide thin boxes
-    for rank, kind, chunk, micro_batch, start, end in timeline.ops:
-        local_chunk = chunk // pp
-        alpha = 1.0 - 0.4 * local_chunk / max(vpp - 1, 1) if vpp > 1 else 1.0
-        ax.broken_barh([(start * scale, (end - start) * scale)], (rank - 0.4, 0.8),
-                       facecolors=OP_COLOURS[kind], alpha=alpha, edgecolor="white",
-                       linewidth=edge)
-        if labelled:
-            ax.text((start + end) / 2 * scale, rank, str(micro_batch), ha="center", va="center",
-                    fontsize=6, color="white")
-    ax.set_ylim(pp - 0.5, -0.5)
-    ax.set_yticks(range(pp), [f"rank {k}" for k in range(pp)])
-    ax.set_xlim(0, timeline.makespan_s * scale)
-    ax.set_xlabel(f"time ({unit})")
-    ax.set_title(f"{title} — bubble {timeline.bubble_fraction:.1%}")
-    kinds = sorted({op[1] for op in timeline.ops}, key="FBW".index)
-    ax.legend(handles=[Patch(color=OP_COLOURS[k], label=OP_NAMES[k]) for k in kinds],
-              loc="upper right", fontsize=8, ncol=len(kinds))
-    ax.grid(axis="x", alpha=0.3)
-    return save_figure(fig, out_png)
+    ops = [(k, "I" if split_backward and kind == "B" else kind, c, j, start, end)
+           for k, kind, c, j, start, end in timeline.ops]
+    return draw_timelines([Lane(title, ops)], out_png)
 
 
 def write_plan_pipeline_chart(plan: Plan, cost: CostModel, out_png: Path) -> Path:
@@ -79,4 +49,4 @@ def write_plan_pipeline_chart(plan: Plan, cost: CostModel, out_png: Path) -> Pat
              f"{f' v{plan.vpp}' if plan.vpp > 1 else ''}, {plan.micro_batch} x "
              f"{plan.num_microbatches} micro-batches")
     return write_pipeline_chart(plan_timeline(plan, cost), out_png, pp=plan.pp, vpp=plan.vpp,
-                                title=title)
+                                title=title, split_backward=plan.schedule == Schedule.ZERO_BUBBLE)

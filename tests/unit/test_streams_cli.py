@@ -48,12 +48,12 @@ def test_streams_cli_writes_json_and_png_for_resnet_stack(tmp_path: Path, capsys
                  "--png", str(out_png)])
     printed = capsys.readouterr().out
     assert code == 0
-    assert "32 ops" in printed and "width 2" in printed and "6 syncs" in printed
+    assert "30 ops" in printed and "width 2" in printed and "4 syncs" in printed
     report = json.loads(out_json.read_text())
     assert {"nodes", "edges", "assignment", "syncs", "width"} <= set(report)
-    assert (len(report["nodes"]), report["width"], report["num_streams"]) == (32, 2, 2)
+    assert (len(report["nodes"]), report["width"], report["num_streams"]) == (30, 2, 2)
     assert set(report["assignment"]) == set(report["nodes"])
-    assert len(report["syncs"]) == 6
+    assert len(report["syncs"]) == 4
     assert all(report["assignment"][u] != report["assignment"][v] for u, v in report["syncs"])
     assert all([u, v] in report["edges"] for u, v in report["syncs"])
     assert (report["executor_equals_eager"], report["races"]) == (True, 0)

@@ -68,7 +68,7 @@ def streams_report(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.max_streams is not None and args.max_streams < 1:
         raise ValueError(f"--max-streams must be at least 1, got {args.max_streams}")
-    model = build_net(args.model).eval()
+    model = build_net(args.model).train(args.training)
     x = example_input(model, args.batch, _shape(args.input_shape))
     graph = build_op_graph(model, (x,), timing=args.timing, training=args.training)
     assignment = assign_streams(graph.dag, graph.order, method=args.method,
@@ -87,6 +87,7 @@ def streams_report(args: argparse.Namespace) -> dict[str, Any]:
         "graph": "training step (aten, forward and backward)" if args.training else "forward (fx)",
         "nodes": order, "edges": [list(e) for e in assignment.reduced_edges],
         "assignment": assignment.stream_of, "streams": streams,
+        "members": {op: list(m) for op, m in graph.members.items() if len(m) > 1},
         "syncs": [list(e) for e in assignment.syncs], "width": assignment.width,
         "num_streams": len(streams), "dag_edges": graph.dag.number_of_edges(),
         "time_s": {op: graph.dag.nodes[op]["time_s"] for op in order},

@@ -62,8 +62,9 @@ class CudaStreamRunner:
             with torch.cuda.stream(stream):
                 for parent in self.waits.get(op, ()):
                     stream.wait_event(self.events[parent])
-                node = self.nodes[op]
-                interp.env[node] = interp.run_node(node)
+                for member in self.op_graph.members.get(op, (op,)):
+                    node = self.nodes[member]
+                    interp.env[node] = interp.run_node(node)
                 if op in self.events:
                     self.events[op].record(stream)
         for stream, join in zip(self.streams, self.joins, strict=True):

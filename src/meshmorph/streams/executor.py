@@ -85,16 +85,18 @@ class StreamExecutor:
         readers_left = {n: len(n.users) for n in gm.graph.nodes}
 
         def run_op(name: str) -> None:
-            node = self._nodes[name]
-            missing = [p.name for p in node.all_input_nodes if p not in interp.env]
-            if missing:
-                raise ScheduleError(f"{name} started before its inputs {missing} were computed: "
-                                    "the assignment lacks a sync; use assign_streams' syncs")
-            interp.env[node] = interp.run_node(node)
-            for parent in node.all_input_nodes:
-                readers_left[parent] -= 1
-                if readers_left[parent] == 0:
-                    del interp.env[parent]
+            for member in self.op_graph.members.get(name, (name,)):
+                node = self._nodes[member]
+                missing = [p.name for p in node.all_input_nodes if p not in interp.env]
+                if missing:
+                    raise ScheduleError(f"{name} started before its inputs {missing} were "
+                                        "computed: the assignment lacks a sync; use "
+                                        "assign_streams' syncs")
+                interp.env[node] = interp.run_node(node)
+                for parent in node.all_input_nodes:
+                    readers_left[parent] -= 1
+                    if readers_left[parent] == 0:
+                        del interp.env[parent]
 
         self.last_trace = run_schedule(self.assignment, run_op)
         output = next(n for n in gm.graph.nodes if n.op == "output")

@@ -16,6 +16,7 @@ prices it as ``launch_s + max(flops / peak_flops, bytes_out / bytes_per_s)``; ``
 
 from __future__ import annotations
 
+import operator
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ import networkx as nx
 import torch
 import torch.fx
 from torch.utils.flop_counter import FlopCounterMode
+
+from meshmorph.streams.fold import add_write_edges, fold_free_ops
 
 OP_KINDS = ("call_module", "call_function", "call_method")
 """fx node kinds that are operators (nodes of the DAG)."""
@@ -56,6 +59,9 @@ class OpGraph:
     """Operators (fx node names) with ``time_s``, ``flops`` and ``target`` attributes."""
     order: list[str] = field(default_factory=list)
     """The operators in fx program order, a topological order of ``dag``."""
+    members: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """For each operator of ``dag``, the fx nodes it runs in order: itself, plus the free
+    operators (views, getitems) folded into it (see fold.py)."""
     leading_inputs: tuple[torch.Tensor, ...] = ()
     """Tensors the graph takes before the user's inputs (a training step's live parameters and
     buffers); the executors pass them."""
@@ -77,6 +83,14 @@ def _target_name(node: torch.fx.Node) -> str:
     if node.op == "call_module":
         return str(node.target)
     return getattr(node.target, "__name__", str(node.target))
+
+
+def _aliases(value: Any, inputs: dict[Any, torch.Tensor]) -> bool:
+    """True when ``value`` is a tensor sharing storage with one of ``inputs`` (a view)."""
+    if not isinstance(value, torch.Tensor) or value.untyped_storage().data_ptr() == 0:
+        return False
+    ptr = value.untyped_storage().data_ptr()
+    return any(t.untyped_storage().data_ptr() == ptr for t in inputs.values())
 
 
 def _bytes_of(value: Any) -> int:
@@ -102,9 +116,10 @@ def _median_time_s(interp: torch.fx.Interpreter, node: torch.fx.Node, repeats: i
 def build_op_graph(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], *,
                    timing: Literal["estimate", "profile"] = "estimate",
                    time_model: TimeModel | None = None, repeats: int = 5,
-                   training: bool = False) -> OpGraph:
+                   training: bool = False, fold: bool = True) -> OpGraph:
     """Trace ``module`` (its forward with fx; with ``training`` the aten-level forward-backward
-    step) and time each operator on ``inputs``, running the graph once under no_grad."""
+    step) and time each operator on ``inputs``, running the graph once under no_grad. With
+    ``fold``, views and getitems join a neighbour's group (fold.py)."""
     if timing not in ("estimate", "profile"):
         raise ValueError(f"timing must be 'estimate' or 'profile', got {timing!r}")
     leading: tuple[torch.Tensor, ...] = ()
@@ -130,6 +145,8 @@ def build_op_graph(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], *,
     interp.env = dict(zip(placeholders, (*leading, *inputs), strict=True))
     dag: nx.DiGraph = nx.DiGraph()
     order: list[str] = []
+    free: set[str] = set()
+    writes: dict[str, list[list[str]]] = {}
     with torch.no_grad():
         for node in gm.graph.nodes:
             if node.op == "placeholder":
@@ -138,20 +155,33 @@ def build_op_graph(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], *,
                 if node.op == "get_attr":
                     interp.env[node] = interp.run_node(node)
                 continue
+            tensors_in = {p: interp.env[p] for p in node.all_input_nodes
+                          if isinstance(interp.env.get(p), torch.Tensor)}
+            versions = {p: t._version for p, t in tensors_in.items()}
             counter = FlopCounterMode(display=False)
             with counter:
                 value = interp.run_node(node)
             interp.env[node] = value
             flops = counter.get_total_flops()
+            written = [p for p, t in tensors_in.items() if t._version != versions[p]]
+            if written:  # an in-place operator: order it against the other readers
+                writes[node.name] = [[u.name for u in p.users] for p in written]
+            elif flops == 0 and (node.target is operator.getitem or _aliases(value, tensors_in)):
+                free.add(node.name)
             if timing == "profile":
                 time_s = _median_time_s(interp, node, repeats)
             else:  # roofline: compute- or bandwidth-bound, plus the launch
                 time_s = prices.launch_s + max(flops / prices.peak_flops,
                                                _bytes_of(value) / prices.bytes_per_s)
-            dag.add_node(node.name, time_s=time_s, flops=flops, target=_target_name(node))
+            dag.add_node(node.name, time_s=0.0 if node.name in free else time_s, flops=flops,
+                         target=_target_name(node))
             order.append(node.name)
             for parent in node.all_input_nodes:
                 if parent.op in OP_KINDS:
                     dag.add_edge(parent.name, node.name)
-    return OpGraph(module=gm, dag=dag, order=order, leading_inputs=leading,
+    add_write_edges(dag, order, writes)
+    members = {op: (op,) for op in order}
+    if fold:
+        order, members = fold_free_ops(dag, order, free)
+    return OpGraph(module=gm, dag=dag, order=order, members=members, leading_inputs=leading,
                    training=training, loss_index=loss_index)

@@ -50,7 +50,11 @@ def plan_timeline(plan: Plan, cost: CostModel, schedule: str | None = None) -> T
     v = plan.vpp if name == "interleaved" else 2 if len(times.fwd_s) == 2 * plan.pp else 1
     p2p = local_transfers_zeroed(name, plan.pp, v, times.p2p_s or [])
     times = StageTimes(times.fwd_s, times.bwd_s, times.igrad_s, times.wgrad_s, p2p)
-    stage_to_rank(name, plan.pp, v)  # refuses a schedule the plan's chunks do not fit
+    needed = len(stage_to_rank(name, plan.pp, v))
+    if needed != len(times.fwd_s):
+        raise ValueError(f"schedule {name} runs {needed} chunks on pp {plan.pp}, the plan has "
+                         f"{len(times.fwd_s)}; draw it with a plan of {needed // plan.pp} chunks "
+                         f"per rank, or use --schedule NAME --pp P --microbatches M")
     return simulate_schedule(name, plan.pp, plan.num_microbatches, times, v=v)
 
 

@@ -4,6 +4,8 @@ and the steady state of asynchronous 1F1B. Times are small whole numbers: every 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshmorph.schedule import StageTimes, schedule_actions, simulate_actions
 from meshmorph.schedule.async_1f1b import steady_state_s_per_microbatch
@@ -97,3 +99,39 @@ def test_async_steady_state_has_no_bubble(p: int) -> None:
     assert len(steps) == m
     assert steady_state_s_per_microbatch(steps) == 3.0  # F + B per micro-batch: no flush
     assert t.makespan_s == (m + p - 1) * 3.0  # the fill is paid once per run, not per step
+
+
+def test_a_deadlocking_list_is_refused_by_the_simulator_naming_each_waiting_rank() -> None:
+    from meshmorph.schedule import Action, Kind
+    from meshmorph.schedule.validate import DeadlockError
+
+    orders = [[Action(Kind.F, 0, 0), Action(Kind.B, 0, 0), Action(Kind.F, 0, 1),
+               Action(Kind.B, 0, 1)],
+              [Action(Kind.F, 1, 1), Action(Kind.B, 1, 1), Action(Kind.F, 1, 0),
+               Action(Kind.B, 1, 0)]]
+    with pytest.raises(DeadlockError, match=r"\{0: '0B0', 1: '1F1'\}"):
+        simulate_actions(orders, uniform(2, 1.0, 2.0))
+
+
+@settings(max_examples=150, deadline=None)
+@given(name=st.sampled_from(["zbv", "dualpipev", "async", "interleaved"]), p=st.integers(1, 4),
+       rounds=st.integers(2, 4), data=st.data())
+def test_step_time_never_falls_when_one_stage_gets_slower(name: str, p: int, rounds: int,
+                                                          data: st.DataObject) -> None:
+    v = 1 if name == "async" else 2
+    m = p * rounds
+    stages = p * v
+    times = st.lists(st.integers(1, 9).map(float), min_size=stages, max_size=stages)
+    fwd, bwd, igrad, wgrad = (data.draw(times) for _ in range(4))
+    p2p = data.draw(st.lists(st.integers(0, 3).map(float), min_size=stages, max_size=stages))
+    which, delta = data.draw(st.integers(0, stages - 1)), float(data.draw(st.integers(1, 9)))
+    field = data.draw(st.sampled_from(["fwd", "bwd", "igrad", "wgrad", "p2p"]))
+    base = {"fwd": fwd, "bwd": bwd, "igrad": igrad, "wgrad": wgrad, "p2p": p2p}
+    slower = {k: list(x) for k, x in base.items()}
+    slower[field][which] += delta
+
+    def step(t: dict[str, list[float]]) -> float:
+        return simulate_schedule(name, p, m, StageTimes(t["fwd"], t["bwd"], t["igrad"], t["wgrad"],
+                                                        t["p2p"]), v=v, keep_ops=False).makespan_s
+
+    assert step(slower) >= step(base)

@@ -52,11 +52,13 @@ def schedule_actions(name: str, p: int, m: int, v: int = 1, *, steps: bool = Fal
                      ) -> list[list[Action]]:
     """Per-rank action lists of schedule ``name`` for ``p`` ranks and ``m`` micro-batches
     (compute actions; with ``steps``, each stage's optimizer STEP too)."""
-    return [list(order) for order in _cached(name, p, m, v, steps)]
+    return [list(order) for order in frozen_actions(name, p, m, v, steps)]
 
 
 @lru_cache(maxsize=512)
-def _cached(name: str, p: int, m: int, v: int, steps: bool) -> tuple[tuple[Action, ...], ...]:
+def frozen_actions(name: str, p: int, m: int, v: int, steps: bool
+                   ) -> tuple[tuple[Action, ...], ...]:
+    """``schedule_actions`` as tuples, cached per shape (the simulator compiles them once)."""
     if p < 1 or m < 1:
         raise ScheduleShapeError(f"need pp >= 1 and micro-batches >= 1, got pp {p}, m {m}")
     chunks = chunks_per_rank(name, v)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from meshmorph.schedule.action import Action, Kind
-from meshmorph.schedule.registry import _cached, stage_to_rank
+from meshmorph.schedule.registry import frozen_actions, stage_to_rank
 from meshmorph.schedule.validate import DeadlockError, peak_activations
 
 _BLOCK = {Kind.F: 0, Kind.B: 1, Kind.W: 2, Kind.I: 3, Kind.STEP: 4}
@@ -153,7 +153,7 @@ def compile_program(orders: Sequence[Sequence[Action]], m: int, *, steps: bool =
 @lru_cache(maxsize=256)
 def schedule_program(name: str, p: int, m: int, v: int = 1, steps: bool = False) -> Program:
     """The compiled program of a named schedule, cached per shape."""
-    return compile_program(_cached(name, p, m, v, steps), m, steps=steps or name == "async")
+    return compile_program(frozen_actions(name, p, m, v, steps), m, steps=steps or name == "async")
 
 
 def replay(program: Program, durations: list[float], comm: Sequence[float],

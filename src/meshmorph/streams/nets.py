@@ -178,10 +178,13 @@ NETS: dict[str, Callable[[], nn.Module]] = {
 """Catalog name -> factory with the default NetConfig."""
 
 
-def build_net(name: str) -> nn.Module:
-    """A catalog net by name, or the module a ``package.module:function`` factory returns."""
+def build_net(name: str, seed: int = 0) -> nn.Module:
+    """A catalog net by name (weights drawn from ``seed``, the global RNG left as it was), or the
+    module a ``package.module:function`` factory returns."""
     if name in NETS:
-        return NETS[name]()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return NETS[name]()
     if ":" not in name:
         raise ValueError(f"unknown net {name!r}; choose one of {', '.join(NETS)} "
                          "or pass package.module:function returning an nn.Module")

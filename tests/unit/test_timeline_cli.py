@@ -92,3 +92,17 @@ def test_compare_simulates_the_run_from_its_own_action_times(
     assert png.read_bytes()[:4] == b"\x89PNG"
     back = read_trace_ops(tmp_path / "trace.json")
     assert len(back) == len(measured.ops) == 3 * 6 * 2
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--schedule", "dualpipev", "--pp", "4", "--microbatches", "4"],
+     "dualpipev needs at least 2 x pp = 8 micro-batches, got 4"),
+    (["--schedule", "interleaved", "--pp", "4", "--microbatches", "9", "--vpp", "2"],
+     "split into 2 equal rounds"),
+    (["--compare", "no-such-run-folder"], "write one with 'meshmorph run --trace'"),
+])
+def test_bad_timeline_arguments_get_one_line_errors(args: list[str], message: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["timeline", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -3,6 +3,8 @@ hand (no process group)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from meshmorph.run.async_schedule import (
     two_bw,
 )
 from meshmorph.run.async_weights import WeightSource
+from meshmorph.spec.plan import Plan, PlanError, Schedule
 
 
 def constant_gradient_steps(param: torch.Tensor, opt: torch.optim.Optimizer, grad: torch.Tensor,
@@ -150,3 +153,33 @@ def test_config_refuses_a_prediction_rule_that_does_not_match_the_optimizer() ->
         AsyncPipelineConfig(weight_prediction="sgd", momentum=0.0)
     assert AsyncPipelineConfig(synchronous=True, num_microbatches=4).per_batch == 4
     assert AsyncPipelineConfig(weight_prediction="stash").per_batch == 1
+
+
+def test_cost_model_prices_async_as_1f1b_without_the_flush_bubble() -> None:
+    from meshmorph.cost.model import CostModel, steady_state
+    from meshmorph.spec.catalog import catalog_model
+    from meshmorph.spec.cluster import parse_cluster
+
+    timeline = steady_state([1.0, 2.0, 1.0, 1.0], [2.0, 4.0, 2.0, 2.0], 8)
+    assert timeline.makespan_s == 48.0  # 8 micro-batches x the slowest stage's f + b
+    assert timeline.rank_busy_s == (24.0, 48.0, 24.0, 24.0)
+    model = catalog_model("gpt-small")
+    cost = CostModel(model, parse_cluster("h100:1x4"))
+    base = Plan(model=model.name, seq_len=model.seq_len, global_batch=8, pp=4,
+                micro_batch=1, num_microbatches=8).with_even_stages(model)
+    sync = cost.estimate(base)
+    asyn = cost.estimate(replace(base, schedule=Schedule.ASYNC, weight_prediction="sgd"))
+    assert asyn.step_time_s < sync.step_time_s
+    # the critical rank is the slowest stage: it idles in 1F1B's fill and drain, never in async
+    assert asyn.breakdown_s["pp_bubble"] == 0.0 < sync.breakdown_s["pp_bubble"]
+
+
+def test_plan_takes_weight_prediction_only_with_the_async_schedule() -> None:
+    plan = Plan(model="gpt-small", seq_len=128, global_batch=4, pp=2, num_microbatches=4,
+                schedule=Schedule("async"), weight_prediction="adam")
+    assert Plan.from_json(plan.to_json()) == plan
+    with pytest.raises(PlanError, match="applies only to schedule 'async'"):
+        Plan(model="gpt-small", seq_len=128, global_batch=4, num_microbatches=4,
+             weight_prediction="stash")
+    with pytest.raises(PlanError, match="weight_prediction must be one of"):
+        replace(plan, weight_prediction="momentum")

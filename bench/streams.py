@@ -38,19 +38,24 @@ from meshmorph.streams.op_graph import build_op_graph
 RESULTS = Path(__file__).parent / "results" / "streams.json"
 
 
-def median_s(fn: Callable[[], Any], warmup: int, repeats: int, cuda: bool) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
+def median_s(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int,
+             cuda: bool) -> dict[str, float]:
+    """Median seconds of each function, timed in turn within every repeat (a busy machine's slow
+    spells then hit all of them alike)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {label: [] for label in fns}
     for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        for label, fn in fns.items():
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            samples[label].append(time.perf_counter() - start)
+    return {label: statistics.median(values) for label, values in samples.items()}
 
 
 def cpu_case(name: str, batch: int, warmup: int, repeats: int) -> dict[str, Any]:
@@ -61,11 +66,11 @@ def cpu_case(name: str, batch: int, warmup: int, repeats: int) -> dict[str, Any]
     executor = StreamExecutor(graph, assignment)
     with torch.no_grad():
         equal = torch.equal(executor(x), model(x))
-        eager = median_s(lambda: model(x), warmup, repeats, cuda=False)
-        streams = median_s(lambda: executor(x), warmup, repeats, cuda=False)
+        times = median_s({"eager_s": lambda: model(x), "stream_executor_s": lambda: executor(x)},
+                         warmup, repeats, cuda=False)
     return {"net": name, "batch": batch, "ops": len(assignment.order), "width": assignment.width,
-            "streams": len(assignment.streams), "syncs": len(assignment.syncs),
-            "eager_s": eager, "stream_executor_s": streams, "executor_equals_eager": equal}
+            "streams": len(assignment.streams), "syncs": len(assignment.syncs), **times,
+            "executor_equals_eager": equal}
 
 
 def cuda_case(name: str, batch: int, warmup: int, repeats: int, trace_dir: Path) -> dict[str, Any]:
@@ -90,7 +95,9 @@ def cuda_case(name: str, batch: int, warmup: int, repeats: int, trace_dir: Path)
         for label, fn in runs.items():
             out = fn()
             record[f"{label}_max_abs_diff"] = float((out - reference).abs().max())
-            record[f"{label}_s"] = median_s(fn, warmup, repeats, cuda=True)
+        times = median_s({f"{label}_s": fn for label, fn in runs.items()}, warmup, repeats,
+                         cuda=True)
+        record.update(times)
         record["speedup_vs_reduce_overhead"] = (record["compile_reduce_overhead_s"]
                                                 / record["cuda_graph_multi_stream_s"])
         trace = trace_dir / f"streams-{name}-b{batch}.json"

@@ -85,7 +85,7 @@ SP_TREES = st.recursive(
 
 @settings(max_examples=60, deadline=None)
 @given(SP_TREES)
-def test_streams_equal_width_on_random_series_parallel_graphs(tree: object) -> None:
+def test_streams_equal_width_with_fewest_syncs_on_random_series_parallel_graphs(tree: object) -> None:
     dag: nx.DiGraph = nx.DiGraph()
     series_parallel(tree, dag)
     assignment = assign_streams(dag)
@@ -93,6 +93,8 @@ def test_streams_equal_width_on_random_series_parallel_graphs(tree: object) -> N
     assert assignment.width == width(dag) == expected
     assert len(assignment.streams) == expected
     assert sorted(op for s in assignment.streams for op in s) == sorted(dag)
+    # and the fewest syncs of any width-stream assignment (brute force, see below)
+    assert len(assignment.syncs) == fewest_syncs_by_stream_count(dag)[expected]
 
 
 @settings(max_examples=60, deadline=None)

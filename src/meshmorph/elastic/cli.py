@@ -37,7 +37,9 @@ def summary(move: MovePlan, seconds: float) -> dict[str, Any]:
             "bytes_moved": move.bytes_moved, "network_bytes": move.network_bytes,
             "checkpoint_bytes": move.checkpoint_bytes,
             "busiest_device_bytes": move.busiest_device_bytes, "messages": move.messages,
-            "predicted_time_s": seconds}
+            "predicted_time_s": seconds,
+            "sent_bytes": {str(d): n for d, n in move.sent_bytes().items()},
+            "received_bytes": {str(d): n for d, n in move.received_bytes().items()}}
 
 
 def report(best: MovePlan, naive: MovePlan, best_s: float, naive_s: float) -> dict[str, Any]:
@@ -71,14 +73,18 @@ def _print(best: MovePlan, naive: MovePlan, best_s: float, naive_s: float, headl
     console = report_console()
     console.print(headline)
     owner = {d: r for r, d in best.placement.items()}
-    devices = Table(title="bytes per device (best placement)", title_justify="left")
-    for column in ("device", "new rank", "sends", "receives", "from checkpoint"):
+    devices = Table(title="bytes per device, best placement and rank order", title_justify="left")
+    for column in ("device", "new rank", "sends", "receives", "from checkpoint",
+                   "rank order: new rank", "sends", "receives"):
         devices.add_column(column, justify="right")
     sent, received = best.sent_bytes(), best.received_bytes()
+    naive_owner = {d: r for r, d in naive.placement.items()}
+    naive_sent, naive_received = naive.sent_bytes(), naive.received_bytes()
     reads = {d: sum(t.nbytes for t in best.from_checkpoint if t.dst_device == d) for d in best.devices}
     for d in best.devices:
         devices.add_row(str(d), str(owner.get(d, "-")), _mib(sent[d]), _mib(received[d]),
-                        _mib(reads[d]))
+                        _mib(reads[d]), str(naive_owner.get(d, "-")), _mib(naive_sent[d]),
+                        _mib(naive_received[d]))
     console.print(devices)
     links = Table(title="bytes per link (best placement)", title_justify="left")
     for column in ("source", "destination", "bytes", "messages"):

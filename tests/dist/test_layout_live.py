@@ -34,9 +34,9 @@ def _uneven_model(seq_len: int) -> Any:
 def uneven_layouts() -> list[Any]:
     """Layouts whose dim-0 shards are uneven: 5 position rows over dp 4 are 2, 2, 1, 0 rows
     (FSDP2 pads each to 2), 7 are 2, 2, 2, 1; 61 vocabulary rows, which tp 2 does not divide,
-    stay whole on both tp ranks and split 31, 30 over dp 2. ZeRO-1 with a rank holding zero rows
-    (``uneven_zero1_dp4_empty_shard``) fails in the runtime's bucketed all-gather (``run/zero1.py``
-    views a 0-row shard as ``(0, -1)``), so that case is an expected failure until it is fixed."""
+    stay whole on both tp ranks and split 31, 30 over dp 2; ZeRO-1 over dp 4 with 5 rows leaves
+    one rank an empty shard (``uneven_zero1_dp4_empty_shard``), which its bucketed all-gather
+    must carry."""
     kind = type(layouts()[0])
 
     def plan(model: Any, **kw: Any) -> Plan:
@@ -49,8 +49,7 @@ def uneven_layouts() -> list[Any]:
             kind("uneven_zero1_dp4_empty_shard", five, plan(five, dp=4, zero=1))]
 
 
-RUNTIME_BUGS = {"uneven_zero1_dp4_empty_shard": "run/zero1.py: _gather_bucket_ views a rank's "
-                "0-row shard as (0, -1), which torch refuses"}
+RUNTIME_BUGS: dict[str, str] = {}
 """Layouts the runtime cannot run yet, with the reason (an expected failure each)."""
 
 

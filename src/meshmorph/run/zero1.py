@@ -165,5 +165,5 @@ class ShardedAdamW(torch.optim.Optimizer):
                 rows = local.view(local.shape[0] if local.dim() else 1, -1)
                 start, stop = shard_bounds(rows.shape[0], self.dp, rank)
                 count = (stop - start) * rows.shape[1]
-                rows[start:stop] = everyone[offset:offset + count].view(stop - start, -1)
+                rows[start:stop] = everyone[offset:offset + count].view(stop - start, rows.shape[1])
                 offset += size

@@ -19,6 +19,7 @@ _COMMAND_MODULES = (
     "meshmorph.schedule.cli",  # timeline
     "meshmorph.streams.cli",  # streams
     "meshmorph.predict.cli",  # simulate, advise
+    "meshmorph.profile.cli",  # profile, validate
 )
 
 

@@ -11,6 +11,7 @@ from functools import lru_cache
 
 from meshmorph.cost import comm
 from meshmorph.cost.coefficients import CostCoefficients
+from meshmorph.cost.profile import Profile
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import LayerSpec, ModelSpec, Recompute
 
@@ -73,7 +74,8 @@ class LayerCoster:
     """Per-layer costs for one model, cached by (layer class, GPU, shape, parallelism)."""
 
     def __init__(self, model: ModelSpec, coef: CostCoefficients, *, dtype: str,
-                 efficiency: dict[str, float], tp_link: dict[str, comm.Link]):
+                 efficiency: dict[str, float], tp_link: dict[str, comm.Link],
+                 profile: Profile | None = None):
         self.model = model
         self.coef = coef
         self.dtype = dtype
@@ -81,6 +83,7 @@ class LayerCoster:
         self.efficiency = efficiency  # GPU name -> ceiling
         self.tp_link = tp_link  # GPU name -> intra-node link
         self.classes = layer_classes(model)
+        self.profile = profile  # measured layer times replace FLOPs / (peak x efficiency)
         self.gpus: dict[str, GPUSpec] = {}
         self.cost = lru_cache(maxsize=None)(self._cost)
 
@@ -101,6 +104,15 @@ class LayerCoster:
         re_flops = layer.recompute_flops_per_token.get(recompute, 0.0) * tokens / tp
         fwd_c = fwd_flops / (peak * eff)
         re_c = re_flops / (peak * eff)
+        wgrad_c = fwd_c  # backward = 2x forward FLOPs: input gradient ~ forward, weight ~ forward
+        measured = self.profile.layer_time(self.model.name, self.model.seq_len, micro_batch,
+                                           self.dtype, index) if self.profile else None
+        if measured is not None:
+            # measured at tp = 1: tensor parallelism splits every GEMM of the layer tp ways;
+            # recompute repeats the share of the forward its FLOPs say
+            fwd_c = measured.fwd_s / tp
+            re_c = fwd_c * re_flops / fwd_flops if fwd_flops else 0.0
+            wgrad_c = measured.bwd_s / tp / 2
         # TP: each forward all-reduce (or reduce-scatter + all-gather with SP, the same volume)
         # moves the b*s*h hidden state; backward has as many; full recompute repeats the forward's
         if tp > 1:
@@ -111,9 +123,8 @@ class LayerCoster:
         n_fwd = layer.tp_allreduces_fwd
         n_re = n_fwd if recompute == Recompute.FULL else 0
         fwd_comm, bwd_comm = n_fwd * one, (n_fwd + n_re) * one
-        # backward = 2x forward FLOPs: input gradient ~ forward, weight gradient ~ forward
-        bgrad = fwd_c + re_c + bwd_comm
-        wgrad = fwd_c
+        bgrad = wgrad_c + re_c + bwd_comm
+        wgrad = wgrad_c
         act = layer.activation[recompute].per_rank(tp, sp) * tokens * self.act_scale
         full = layer.activation[Recompute.NONE].per_rank(tp, sp) * tokens * self.act_scale
         return LayerCost(
@@ -121,7 +132,7 @@ class LayerCoster:
             bwd_s=bgrad + wgrad,
             bgrad_s=bgrad,
             wgrad_s=wgrad,
-            compute_s=3 * fwd_c,
+            compute_s=fwd_c + 2 * wgrad_c,
             recompute_s=re_c,
             tp_comm_s=fwd_comm + bwd_comm,
             activation_bytes=act,

@@ -1,10 +1,34 @@
-"""Profile: measured figures that replace the catalog's guesses (made by profile/ on real GPUs)."""
+"""Profile: measured figures that replace the catalog's guesses (made by ``meshmorph profile``).
+
+Everything is optional: the cost model uses a measured figure where one exists for what it prices
+and the catalog's defaults otherwise. Layer times are keyed by model, sequence length, micro-batch
+size, dtype and layer index (``layer_key``) and were measured on one tensor-parallel rank with
+``processes`` processes running the same work at once on ``cores`` cores, so that processes
+beyond the core count share cores in the figures themselves (contention is measured, not assumed).
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+
+
+def layer_key(model: str, seq_len: int, micro_batch: int, dtype: str, index: int) -> str:
+    """The key of one layer's measured times: ``gpt-small/s64/b2/fp32/L3``."""
+    return f"{model}/s{seq_len}/b{micro_batch}/{dtype}/L{index}"
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTime:
+    """Measured forward and backward time of one layer for one micro-batch shape."""
+
+    fwd_s: float
+    """Median forward seconds (one tensor-parallel rank, tp = 1)."""
+    bwd_s: float
+    """Median backward seconds (input and weight gradients)."""
+    spread: float
+    """Relative half-width of the repeats' inter-quartile range, (q75 - q25) / 2 / median."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -19,15 +43,59 @@ class Profile:
     """Link name -> measured small-message latency, microseconds."""
     source: str = ""
     """Where and when the profile was measured."""
+    gemm_flops_per_s: dict[str, float] = field(default_factory=dict)
+    """``dtype:MxNxK`` -> achieved FLOP/s of that GEMM (2 M N K FLOPs per call)."""
+    collectives: dict[str, dict[str, float]] = field(default_factory=dict)
+    """``kind/group_size`` (all_reduce, all_gather, reduce_scatter, send_recv) -> the fitted
+    ``alpha_s`` (seconds per call), ``beta_s_per_byte`` and ``r2`` of time = alpha + beta * bytes."""
+    layer_times: dict[str, dict[str, float]] = field(default_factory=dict)
+    """``layer_key(...)`` -> ``fwd_s``, ``bwd_s``, ``spread`` (see LayerTime)."""
+    optimizer_s_per_param: float = 0.0
+    """Seconds per parameter of the step's tail (gradient norm, clip, AdamW, zero_grad); 0: use
+    the catalog's HBM-bandwidth estimate."""
+    optimizer_fixed_s: float = 0.0
+    """Seconds per step of the tail that do not grow with the parameter count (Python and
+    per-tensor overhead), fitted beside ``optimizer_s_per_param``."""
+    processes: int = 1
+    """Processes that ran the measurements at the same time (the contention they include)."""
+    cores: int = 0
+    """CPU cores of the machine that measured (0: unknown)."""
+    load_avg: float = 0.0
+    """The 1-minute load average when the measurements ended."""
+
+    def layer_time(self, model: str, seq_len: int, micro_batch: int, dtype: str,
+                   index: int) -> LayerTime | None:
+        """The measured time of a layer, or None where this shape was not profiled."""
+        row = self.layer_times.get(layer_key(model, seq_len, micro_batch, dtype, index))
+        if row is None:
+            return None
+        return LayerTime(row["fwd_s"], row["bwd_s"], row.get("spread", 0.0))
+
+    def covers(self, model: str, seq_len: int, micro_batch: int, dtype: str,
+               num_layers: int) -> bool:
+        """Whether every layer of this model and micro-batch shape was profiled."""
+        return all(self.layer_time(model, seq_len, micro_batch, dtype, i) is not None
+                   for i in range(num_layers))
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object], where: str = "profile") -> Profile:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"{where} has unknown keys {sorted(unknown)}; known: {sorted(known)} "
+                             "(re-run meshmorph profile with this version)")
+        return cls(**data)  # type: ignore[arg-type]
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"profile file {path} does not exist")
-        data = json.loads(path.read_text())
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"profile {path} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**data)
+            raise FileNotFoundError(f"profile file {path} does not exist; make one with "
+                                    "meshmorph profile --out FILE")
+        return cls.from_dict(json.loads(path.read_text()), f"profile {path}")

@@ -1,0 +1,56 @@
+"""Accuracy of predictions against measurements: MAPE, Kendall's tau and the chart."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from scipy import stats
+
+
+def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Mean absolute percentage error, in percent: 100/n * sum |p - m| / m."""
+    if len(predicted) != len(measured) or not measured:
+        raise ValueError(f"MAPE needs as many predictions as measurements (>= 1); got "
+                         f"{len(predicted)} and {len(measured)}")
+    if min(measured) <= 0:
+        raise ValueError("MAPE needs positive measurements; a step took no time?")
+    return 100.0 * sum(abs(p - m) / m for p, m in zip(predicted, measured, strict=True)) / len(measured)
+
+
+def kendall_tau(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Kendall's tau-b of the two orderings (scipy.stats.kendalltau): 1 = same order of plans.
+    Needs two plans at least; NaN where either side is constant."""
+    if len(predicted) < 2:
+        raise ValueError("Kendall tau needs two plans at least; run validate with --plans 2 or more")
+    return float(stats.kendalltau(predicted, measured).statistic)
+
+
+def chart(rows: Sequence[dict[str, object]], path: Path, title: str) -> None:
+    """Predicted (with its range) against measured step time, one point per plan, y = x line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    meas = [float(r["measured_step_s"]) for r in rows]  # type: ignore[arg-type]
+    pred = [float(r["predicted_step_s"]) for r in rows]  # type: ignore[arg-type]
+    low = [p - float(r["predicted_low_s"]) for p, r in zip(pred, rows, strict=True)]  # type: ignore[arg-type]
+    high = [float(r["predicted_high_s"]) - p for p, r in zip(pred, rows, strict=True)]  # type: ignore[arg-type]
+    fig, ax = plt.subplots(figsize=(6.4, 5.2))
+    ax.errorbar(meas, pred, yerr=[low, high], fmt="o", capsize=3, label="plans")
+    top = max(meas + pred) * 1.1
+    ax.plot([0, top], [0, top], "k--", lw=0.8, label="predicted = measured")
+    ax.plot([0, top], [0, top * 1.1], ":", color="grey", lw=0.8, label="±10%")
+    ax.plot([0, top], [0, top * 0.9], ":", color="grey", lw=0.8)
+    for r, x, y in zip(rows, meas, pred, strict=True):
+        ax.annotate(str(r["name"]), (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("measured step time (s)")
+    ax.set_ylabel("predicted step time (s)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,261 @@
+"""``meshmorph validate``: run several plans on local processes, measure their step time and
+state bytes, and compare with the cost model fed by a Profile taken just before.
+
+The plans are not used to fit anything: the prediction reads only the Profile (layer times with
+every process busy at once, the collectives' alpha-beta fits, the optimizer tail) and the cost
+model's physics. All plans run inside ONE spawned job (one process group; each rank rebuilds its
+engine per plan). Step time is the median of ``repeats`` steps after ``warmup`` steps; the load
+average is recorded before and after each plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from meshmorph.cost import CostModel, Profile
+from meshmorph.predict.accuracy import chart, kendall_tau, mape
+from meshmorph.spec.catalog import catalog_model
+from meshmorph.spec.cluster import parse_cluster
+from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import Plan, PlanError, Schedule
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ValidateConfig:
+    """What ``meshmorph validate`` runs."""
+
+    num_plans: int = 8
+    """Plans to run and predict."""
+    nproc: int = 2
+    """Local processes (gloo on CPU; one GPU each where there are GPUs)."""
+    model: str = "gpt-small"
+    """Catalog model trained by every plan."""
+    seq_len: int = 64
+    """Sequence length of every plan."""
+    global_batch: int = 8
+    """Sequences per step of every plan."""
+    repeats: int = 5
+    """Timed steps per plan; the median is the measured step time."""
+    warmup: int = 2
+    """Untimed steps before the timed ones."""
+    profile_path: Path | None = None
+    """A Profile to predict with; None: run ``meshmorph profile`` (quick=False) first."""
+    quick_profile: bool = False
+    """Profile with the quick settings (tests)."""
+
+    def __post_init__(self) -> None:
+        if self.num_plans < 2:
+            raise ValueError(f"validate needs 2 plans at least for Kendall tau, got {self.num_plans}")
+
+
+def candidate_plans(model: ModelSpec, nproc: int, global_batch: int) -> list[Plan]:
+    """Every fp32 plan of ``model`` on ``nproc`` processes with micro-batch 1, 2 or 4 that the
+    runtime accepts, in a fixed shuffled order that mixes layouts."""
+    from meshmorph.run.engine import validate_plan
+
+    plans = []
+    for tp in (1, 2, 4):
+        for pp in (1, 2, 4):
+            if nproc % (tp * pp):
+                continue
+            dp = nproc // (tp * pp)
+            for mb in (1, 2, 4):
+                if global_batch % (dp * mb):
+                    continue
+                m = global_batch // (dp * mb)
+                zeros = (0, 1, 2, 3) if dp > 1 else (0,)
+                schedules = (Schedule.ONE_F_ONE_B, Schedule.GPIPE) if pp > 1 else (Schedule.ONE_F_ONE_B,)
+                for zero in zeros:
+                    for schedule in schedules:
+                        try:
+                            plan = Plan(model=model.name, seq_len=model.seq_len,
+                                        global_batch=global_batch, tp=tp, pp=pp, dp=dp, zero=zero,
+                                        micro_batch=mb, num_microbatches=m, schedule=schedule,
+                                        dtype="fp32").with_even_stages(model)
+                            validate_plan(model, plan, nproc)
+                        except (PlanError, ValueError):
+                            continue
+                        plans.append(plan)
+    random.Random(0).shuffle(plans)
+    # round-robin over (tp, pp) so that the first plans cover every layout
+    groups: dict[tuple[int, int], list[Plan]] = {}
+    for plan in plans:
+        groups.setdefault((plan.tp, plan.pp), []).append(plan)
+    ordered: list[Plan] = []
+    while any(groups.values()):
+        for key in sorted(groups):
+            if groups[key]:
+                ordered.append(groups[key].pop(0))
+    return ordered
+
+
+def plan_name(plan: Plan) -> str:
+    sched = f"-{plan.schedule}" if plan.pp > 1 else ""
+    return f"tp{plan.tp}pp{plan.pp}dp{plan.dp}z{plan.zero}-mb{plan.micro_batch}x{plan.num_microbatches}{sched}"
+
+
+def _rank_job(rank: int, world: int, model_name: str, seq_len: int, plans_json: list[str],
+              warmup: int, repeats: int, out_dir: str) -> None:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from meshmorph.run.config import OptimConfig
+    from meshmorph.run.engine import build_engine
+
+    model = catalog_model(model_name, seq_len)
+    optim = OptimConfig(lr=1e-4, min_lr=1e-5, warmup_steps=1, decay_steps=100)
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    rows = []
+    for text in plans_json:
+        plan = Plan.from_json(text)
+        load_before = os.getloadavg()[0]
+        engine = build_engine(model, plan, optim, seed=0, device=device)
+        gen = torch.Generator().manual_seed(1)
+        share = plan.global_batch // plan.dp
+        times = []
+        for i in range(warmup + repeats):
+            batch = torch.randint(0, model.vocab_size, (plan.global_batch, seq_len + 1), generator=gen)
+            dist.barrier()
+            start = time.perf_counter()
+            engine.step(batch[engine.dp_rank * share:(engine.dp_rank + 1) * share])
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        state = engine.captured_state or {}
+        state_bytes = float(state.get("params_bytes", 0)) + float(state.get("grads_bytes", 0)) + \
+            float(state.get("optimizer_bytes", 0))
+        # the slowest rank sets the step time; every rank's median is gathered
+        med = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        all_meds = [torch.zeros_like(med) for _ in range(world)]
+        dist.all_gather(all_meds, med)
+        rows.append({"measured_step_s": max(float(t) for t in all_meds),
+                     "measured_times_s": times, "state_bytes_rank0": state_bytes,
+                     "pp_rank0": engine.train_mesh.pp_rank,
+                     "load_before": load_before, "load_after": os.getloadavg()[0]})
+        del engine
+        gc.collect()
+        if rank == 0:
+            (Path(out_dir) / "progress").write_text(str(len(rows)))
+    if rank == 0:
+        (Path(out_dir) / "measured.json").write_text(json.dumps(rows))
+
+
+def predict(model: ModelSpec, plan: Plan, nproc: int, profile: Profile) -> dict[str, object]:
+    """Predicted step time with its range (the profile's layer spreads applied all one way, then
+    all the other) and whether the plan lies outside what was profiled."""
+    cluster = parse_cluster(f"cpu:1x{nproc}")
+    est = CostModel(model, cluster, profile=profile).estimate(plan)
+    bounds = []
+    for sign in (-1.0, 1.0):
+        rows = {k: {**v, "fwd_s": v["fwd_s"] * (1 + sign * v.get("spread", 0.0)),
+                    "bwd_s": v["bwd_s"] * (1 + sign * v.get("spread", 0.0))}
+                for k, v in profile.layer_times.items()}
+        bounds.append(CostModel(model, cluster, profile=replace(profile, layer_times=rows))
+                      .estimate(plan).step_time_s)
+    outside = []
+    if not profile.covers(model.name, model.seq_len, plan.micro_batch, plan.dtype, model.num_layers):
+        outside.append(f"micro-batch {plan.micro_batch} x seq {model.seq_len} {plan.dtype} not "
+                       "profiled: layer times from the catalog's FLOP/s")
+    if profile.processes != nproc:
+        outside.append(f"profiled with {profile.processes} processes, run with {nproc}")
+    mem = est.memory[0]
+    return {"predicted_step_s": est.step_time_s, "predicted_low_s": min(bounds),
+            "predicted_high_s": max(bounds), "breakdown_s": est.breakdown_s,
+            "predicted_state_bytes_rank0": mem.params + mem.grads + mem.optimizer,
+            "outside_profile": outside}
+
+
+def run_validate(config: ValidateConfig) -> dict[str, object]:
+    """Profile (unless given), run the plans, predict them; the result dict ``report`` writes."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from meshmorph.profile.job import ProfileConfig, quick_config, run_profile
+    from meshmorph.profile.spawn import spawn
+
+    model = catalog_model(config.model, config.seq_len)
+    plans = candidate_plans(model, config.nproc, config.global_batch)[:config.num_plans]
+    if len(plans) < config.num_plans:
+        raise ValueError(f"only {len(plans)} runnable plans of {config.model} on {config.nproc} "
+                         f"processes with global batch {config.global_batch}; ask for fewer plans")
+    console = Console(stderr=True)
+    if config.profile_path is not None:
+        profile = Profile.load(config.profile_path)
+    else:
+        mbs = tuple(sorted({p.micro_batch for p in plans}))
+        pconf = quick_config(config.nproc, (config.model,), config.seq_len) if config.quick_profile \
+            else ProfileConfig(nproc=config.nproc, models=(config.model,), seq_len=config.seq_len)
+        pconf = replace(pconf, micro_batches=mbs)
+        with Progress(console=console) as bar:
+            task = bar.add_task("profiling", total=pconf.steps())
+            profile = run_profile(pconf, on_progress=lambda d: bar.update(task, completed=d))
+    with tempfile.TemporaryDirectory(prefix="meshmorph-validate-") as tmp:
+        progress = Path(tmp) / "progress"
+        with Progress(console=console) as bar:
+            task = bar.add_task("running plans", total=len(plans))
+
+            def poll() -> None:
+                if progress.exists() and progress.read_text():
+                    bar.update(task, completed=int(progress.read_text()))
+
+            spawn(_rank_job, config.nproc, (config.model, config.seq_len,
+                                            [p.to_json() for p in plans], config.warmup,
+                                            config.repeats, tmp),
+                  Path(tmp), timeout_s=600.0, poll=poll)
+        measured = json.loads((Path(tmp) / "measured.json").read_text())
+    rows = []
+    for plan, meas in zip(plans, measured, strict=True):
+        rows.append({"name": plan_name(plan), "plan": json.loads(plan.to_json()),
+                     **predict(model, plan, config.nproc, profile), **meas})
+    pred = [float(r["predicted_step_s"]) for r in rows]
+    meas_s = [float(r["measured_step_s"]) for r in rows]
+    return {"model": config.model, "seq_len": config.seq_len, "nproc": config.nproc,
+            "mape": mape(pred, meas_s), "kendall_tau": kendall_tau(pred, meas_s),
+            "in_range": sum(r["predicted_low_s"] <= r["measured_step_s"] <= r["predicted_high_s"]
+                            for r in rows),
+            "load_avg_profile": profile.load_avg, "cores": os.cpu_count(),
+            "profile": profile.to_dict(), "plans": rows,
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def report(result: dict[str, object], *, json_path: Path | None, png_path: Path | None) -> None:
+    """Print the prediction-vs-measurement table; write the JSON and the chart if asked."""
+    from rich.console import Console
+    from rich.table import Table
+
+    rows: list[dict[str, object]] = result["plans"]  # type: ignore[assignment]
+    table = Table(title=f"{result['model']} seq {result['seq_len']} on {result['nproc']} processes")
+    for col in ("plan", "measured s", "predicted s", "range s", "error", "state MiB meas/pred", "note"):
+        table.add_column(col)
+    for r in rows:
+        meas, pred = float(r["measured_step_s"]), float(r["predicted_step_s"])  # type: ignore[arg-type]
+        table.add_row(str(r["name"]), f"{meas:.4f}", f"{pred:.4f}",
+                      f"{float(r['predicted_low_s']):.4f}-{float(r['predicted_high_s']):.4f}",  # type: ignore[arg-type]
+                      f"{100 * (pred - meas) / meas:+.1f}%",
+                      f"{float(r['state_bytes_rank0']) / 2**20:.1f}/"  # type: ignore[arg-type]
+                      f"{float(r['predicted_state_bytes_rank0']) / 2**20:.1f}",  # type: ignore[arg-type]
+                      "; ".join(r["outside_profile"]) or "")  # type: ignore[arg-type]
+    console = Console()
+    console.print(table)
+    console.print(f"MAPE {float(result['mape']):.1f}%  Kendall tau {float(result['kendall_tau']):.3f}  "  # type: ignore[arg-type]
+                  f"measured inside the predicted range: {result['in_range']}/{len(rows)}  "
+                  f"load average at profile {float(result['load_avg_profile']):.2f} "  # type: ignore[arg-type]
+                  f"on {result['cores']} cores")
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=1) + "\n")
+        console.print(f"wrote {json_path}")
+    if png_path is not None:
+        chart(rows, png_path, f"validate: MAPE {float(result['mape']):.1f}%, "  # type: ignore[arg-type]
+              f"tau {float(result['kendall_tau']):.2f}")  # type: ignore[arg-type]
+        console.print(f"wrote {png_path}")

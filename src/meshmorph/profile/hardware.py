@@ -1,0 +1,82 @@
+"""GEMM throughput and collective timings on the local devices (every rank at once)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshmorph.profile.alpha_beta import fit_alpha_beta
+from meshmorph.profile.timing import median_spread, timed
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+def gemm_flops(shapes: list[tuple[int, int, int]], dtypes: list[str], device: torch.device, *,
+               repeats: int) -> dict[str, float]:
+    """``dtype:MxNxK`` -> achieved FLOP/s (2 M N K per call, median of ``repeats``)."""
+    out: dict[str, float] = {}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for dtype in dtypes:
+        for m, n, k in shapes:
+            a = torch.randn(m, k, device=device).to(DTYPES[dtype])
+            b = torch.randn(k, n, device=device).to(DTYPES[dtype])
+
+            def call(a: torch.Tensor = a, b: torch.Tensor = b) -> None:
+                torch.mm(a, b)
+                sync()
+
+            med, _ = median_spread(timed(call, warmup=1, repeats=repeats))
+            out[f"{dtype}:{m}x{n}x{k}"] = 2.0 * m * n * k / med
+    return out
+
+
+def _call(kind: str, group: dist.ProcessGroup, size: int, rank: int, nbytes: int,
+          device: torch.device) -> object:
+    """A closure running one collective of ``kind`` over ``nbytes`` (comm.py's M)."""
+    elems = max(size, nbytes // 4 // size * size)
+    if kind == "all_reduce":
+        buf = torch.ones(elems, device=device)
+        return lambda: dist.all_reduce(buf, group=group)
+    if kind == "all_gather":  # M = the gathered buffer
+        full, part = torch.empty(elems, device=device), torch.ones(elems // size, device=device)
+        return lambda: dist.all_gather_into_tensor(full, part, group=group)
+    if kind == "reduce_scatter":  # M = the buffer before scattering
+        full, part = torch.ones(elems, device=device), torch.empty(elems // size, device=device)
+        return lambda: dist.reduce_scatter_tensor(part, full, group=group)
+    buf = torch.ones(elems, device=device)  # send_recv: a ping-pong between ranks 0 and 1, halved
+    peer = 1 - rank
+
+    def ping() -> None:
+        if rank == 0:
+            dist.send(buf, peer)
+            dist.recv(buf, peer)
+        elif rank == 1:
+            dist.recv(buf, peer)
+            dist.send(buf, peer)
+    return ping
+
+
+def collective_fits(sizes_bytes: list[int], world: int, rank: int, device: torch.device, *,
+                    repeats: int, tick: object = None) -> dict[str, dict[str, float]]:
+    """``kind/group_size`` -> alpha-beta fit, for every kind and every group of the first g
+    ranks (g = 2..world); send/recv between ranks 0 and 1."""
+    out: dict[str, dict[str, float]] = {}
+    for size in range(2, world + 1):
+        group = dist.new_group(list(range(size)))  # every rank takes part in creating it
+        for kind in KINDS:
+            if kind == "send_recv" and size != 2:
+                continue
+            member = rank < size
+            xs, ys = [], []
+            for nbytes in sizes_bytes:
+                fn = _call(kind, group, size, rank, nbytes, device) if member else (lambda: None)
+                samples = timed(fn, warmup=1, repeats=repeats)  # barrier: all ranks in step
+                med, _ = median_spread(samples)
+                xs.append(float(nbytes))
+                ys.append(med / 2 if kind == "send_recv" else med)
+                if callable(tick):
+                    tick()
+            if member:
+                out[f"{kind}/{size}"] = fit_alpha_beta(xs, ys).as_dict()
+    return out

@@ -1,0 +1,144 @@
+"""The profiling job: what every rank measures, and the Profile rank 0 assembles from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshmorph.cost.profile import Profile
+from meshmorph.profile.alpha_beta import AlphaBeta, ring_link
+from meshmorph.profile.spawn import spawn
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileConfig:
+    """What ``meshmorph profile`` measures and how often."""
+
+    nproc: int = 2
+    """Processes measuring at once (one per GPU where GPUs exist); their contention is measured."""
+    models: tuple[str, ...] = ("gpt-small",)
+    """Catalog models whose layers are timed."""
+    seq_len: int | None = None
+    """Sequence length of the layer timings (None: each model's own)."""
+    micro_batches: tuple[int, ...] = (1, 2, 4)
+    """Micro-batch sizes of the layer timings."""
+    dtypes: tuple[str, ...] = ("fp32",)
+    """Training dtypes of the layer timings and GEMMs."""
+    repeats: int = 7
+    """Timed repeats of every measurement (after warm-up); medians and spreads come from them."""
+    gemm_shapes: tuple[tuple[int, int, int], ...] = ((256, 256, 256), (512, 512, 512),
+                                                     (1024, 1024, 1024), (512, 1024, 256))
+    """(M, N, K) of the timed GEMMs."""
+    message_bytes: tuple[int, ...] = (4096, 65536, 1 << 20, 4 << 20, 16 << 20)
+    """Message sizes of the collective timings (bytes of comm.py's M)."""
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ValueError(f"nproc must be at least 1, got {self.nproc}")
+        if self.repeats < 3:
+            raise ValueError(f"repeats must be at least 3 for a median and a spread, got {self.repeats}")
+
+    def steps(self) -> int:
+        """Measurements rank 0 reports, for the progress bar."""
+        sizes = len(self.message_bytes)
+        coll = sum((4 if g == 2 else 3) * sizes for g in range(2, self.nproc + 1))
+        layers = len(self.models) * len(self.micro_batches) * len(self.dtypes)
+        return len(self.dtypes) + coll + layers + len(self.models)
+
+
+def quick_config(nproc: int, models: tuple[str, ...], seq_len: int | None) -> ProfileConfig:
+    """Well under a minute: fewer repeats, shapes and sizes."""
+    return ProfileConfig(nproc=nproc, models=models, seq_len=seq_len, micro_batches=(1, 2),
+                         repeats=3, gemm_shapes=((256, 256, 256), (512, 512, 512)),
+                         message_bytes=(4096, 1 << 20, 4 << 20))
+
+
+def _rank_job(rank: int, world: int, config: ProfileConfig, out_dir: str) -> None:
+    import torch
+
+    from meshmorph.profile.hardware import collective_fits, gemm_flops
+    from meshmorph.profile.layers import layer_times, optimizer_fit
+    from meshmorph.spec.catalog import catalog_model
+
+    device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if torch.cuda.is_available() \
+        else torch.device("cpu")
+    progress = Path(out_dir) / "progress"
+    done = [0]
+
+    def tick() -> None:
+        done[0] += 1
+        if rank == 0:
+            progress.write_text(str(done[0]))
+
+    result: dict[str, object] = {"gemm": {}, "collectives": {}, "layers": {}, "optimizer": {}}
+    for dtype in config.dtypes:
+        result["gemm"].update(gemm_flops(list(config.gemm_shapes), [dtype], device,  # type: ignore[attr-defined]
+                                         repeats=config.repeats))
+        tick()
+    if world > 1:
+        result["collectives"] = collective_fits(list(config.message_bytes), world, rank, device,
+                                                repeats=config.repeats, tick=tick)
+    for name in config.models:
+        model = catalog_model(name, config.seq_len)
+        for micro_batch in config.micro_batches:
+            for dtype in config.dtypes:
+                result["layers"].update(layer_times(model, micro_batch, dtype, device,  # type: ignore[attr-defined]
+                                                    repeats=config.repeats))
+                tick()
+        result["optimizer"][name] = optimizer_fit(model, device, repeats=config.repeats)  # type: ignore[index]
+        tick()
+    if rank == 0:
+        (Path(out_dir) / "rank0.json").write_text(json.dumps(result))
+
+
+def run_profile(config: ProfileConfig, *, on_progress: Callable[[int], None] | None = None,
+                timeout_s: float = 600.0) -> Profile:
+    """Measure with ``config.nproc`` processes; returns the Profile (rank 0's figures: every
+    rank ran the same work at the same time)."""
+    with tempfile.TemporaryDirectory(prefix="meshmorph-profile-") as tmp:
+        progress = Path(tmp) / "progress"
+
+        def poll() -> None:
+            if on_progress is not None and progress.exists():
+                text = progress.read_text()
+                if text:
+                    on_progress(int(text))
+
+        spawn(_rank_job, config.nproc, (config, tmp), Path(tmp), timeout_s=timeout_s, poll=poll)
+        result = json.loads((Path(tmp) / "rank0.json").read_text())
+    return assemble(config, result)
+
+
+def assemble(config: ProfileConfig, result: dict) -> Profile:  # type: ignore[type-arg]
+    """The Profile from rank 0's measurements: the all-reduce fit of the whole group becomes the
+    ``loopback`` link's ring latency and bandwidth (CPU processes; on GPUs the fits are kept
+    under ``collectives`` and the catalog's links stay as they are)."""
+    import torch
+
+    from meshmorph.spec.gpus import GPU_CATALOG
+
+    cuda = torch.cuda.is_available()
+    bandwidth, latency = {}, {}
+    key = f"all_reduce/{config.nproc}"
+    if key in result["collectives"] and not cuda:
+        row = result["collectives"][key]
+        alpha, bw = ring_link("all_reduce", config.nproc,
+                              AlphaBeta(row["alpha_s"], row["beta_s_per_byte"], row["r2"]))
+        bandwidth["loopback"], latency["loopback"] = bw / 1e9, alpha * 1e6
+    fixed, per_param = (0.0, 0.0)
+    if result["optimizer"]:
+        fixed, per_param = next(iter(result["optimizer"].values()))
+    best = max((v for k, v in result["gemm"].items() if k.startswith("fp32")), default=0.0)
+    efficiency = {} if cuda else {"cpu": best / GPU_CATALOG["cpu"].peak_flops("fp32")}
+    return Profile(
+        matmul_efficiency=efficiency, link_bandwidth_gbps=bandwidth, link_latency_us=latency,
+        source=f"meshmorph profile, {config.nproc} {'GPU' if cuda else 'CPU'} processes, "
+               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        gemm_flops_per_s=result["gemm"], collectives=result["collectives"],
+        layer_times=result["layers"], optimizer_s_per_param=per_param, optimizer_fixed_s=fixed,
+        processes=config.nproc, cores=os.cpu_count() or 0, load_avg=os.getloadavg()[0])

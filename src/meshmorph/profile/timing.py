@@ -1,0 +1,34 @@
+"""Timing with repeats: every rank runs the same work at the same moment (contention included)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+
+def timed(fn: Callable[[], object], *, warmup: int, repeats: int,
+          barrier: bool = True) -> list[float]:
+    """Seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones; with ``barrier``
+    every rank starts each call together, so all processes load the cores at once."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        if barrier and dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def median_spread(samples: list[float]) -> tuple[float, float]:
+    """(median, relative half inter-quartile range) of timing samples."""
+    med = statistics.median(samples)
+    if len(samples) < 4 or med <= 0:
+        return med, 0.0
+    q = statistics.quantiles(samples, n=4)
+    return med, (q[2] - q[0]) / 2 / med

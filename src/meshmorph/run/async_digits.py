@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=0.05, help="momentum-SGD learning rate")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--adam-lr", type=float, default=3e-3, help="Adam learning rate")
+    parser.add_argument("--adam-steps", type=int, default=None,
+                        help="optimizer steps of the Adam modes (default: --steps)")
     parser.add_argument("--guard", type=float, default=1.0,
                         help="guard threshold on the prediction error ratio (<0: off)")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
@@ -117,9 +119,10 @@ def main(argv: list[str] | None = None) -> None:
         config = replace(MODES[name], momentum=args.momentum,
                          lr=args.adam_lr if MODES[name].optimizer == "adam" else args.lr,
                          guard_threshold=None if args.guard < 0 else args.guard)
+        steps = args.adam_steps if config.optimizer == "adam" and args.adam_steps else args.steps
         for seed in args.seeds:
-            row = {"mode": name, "seed": seed,
-                   **train_one(config, seed=seed, steps=args.steps, batch_size=args.batch_size)}
+            row = {"mode": name, "seed": seed, "steps": steps,
+                   **train_one(config, seed=seed, steps=steps, batch_size=args.batch_size)}
             rows.append(row)
             if dist.get_rank() == 0:
                 print(f"{name:13s} seed {seed}  accuracy {row['accuracy']:.4f}  "

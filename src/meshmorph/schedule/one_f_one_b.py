@@ -7,9 +7,6 @@ Stage ``s`` of an interleaved schedule runs on rank ``s % p`` (looped placement)
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable
-
 from meshmorph.schedule.action import Action, Kind
 
 
@@ -49,58 +46,58 @@ def rounds(p: int, m: int, what: str) -> int:
     return m // number_of_rounds
 
 
-def looped_1f1b(p: int, m: int, v: int, *, warmup_factor: int, zero_bubble: bool
-                ) -> list[list[Action]]:
-    """torch's ``_get_1f1b_rank_ops`` for v chunks per rank in rounds of micro-batches:
-    interleaved 1F1B (warm-up factor 2, full backwards) or ZB-H1 / interleaved zero bubble
-    (factor 1, input-gradient backwards, rank r delays its weight gradients by r backwards)."""
-    # with one chunk per rank the rounds do not change the order (torch still checks them)
-    per_round = rounds(p, m, "interleaved zero bubble" if zero_bubble else "interleaved 1F1B") \
-        if v > 1 else m
-    total = m * v
-    backward = Kind.I if zero_bubble else Kind.B
-    orders = []
-    for r in range(p):
-        # warm-up: (v - 1) rounds for the last rank, warmup_factor more per hop before it
-        warmup = min((v - 1) * per_round + warmup_factor * (p - 1 - r), total)
-
-        def fwd_stage(step: int, r: int = r) -> int:
-            return (step // per_round) % v * p + r
-
-        def bwd_stage(step: int, r: int = r, warmup: int = warmup) -> int:
-            return (v - 1 - ((step - warmup) // per_round) % v) * p + r
-
-        orders.append(_rank_ops(r, warmup, total, backward, fwd_stage, bwd_stage,
-                                delay_weights=r if zero_bubble else None))
-    return orders
-
-
-def _rank_ops(r: int, warmup: int, total: int, backward: Kind, fwd_stage: Callable[[int], int],
-              bwd_stage: Callable[[int], int], delay_weights: int | None) -> list[Action]:
-    counters: dict[tuple[Kind, int], int] = defaultdict(int)
-    order: list[Action] = []
-
-    def add(kind: Kind, stage: int) -> None:
-        order.append(Action(kind, stage, counters[kind, stage]))
-        counters[kind, stage] += 1
-
-    backward_steps: list[int] = []
-    weights_done = 0
-    for step in range(total + warmup):  # warm-up F, then F and B in turn, then cool-down B
-        if step < total:
-            add(Kind.F, fwd_stage(step))
-        if step >= warmup:
-            add(backward, bwd_stage(step))
-            backward_steps.append(step)
-            if delay_weights is not None and step - warmup >= delay_weights:
-                add(Kind.W, bwd_stage(backward_steps[weights_done]))
-                weights_done += 1
-    while delay_weights is not None and weights_done < len(backward_steps):
-        add(Kind.W, bwd_stage(backward_steps[weights_done]))
-        weights_done += 1
-    return order
+def zero_bubble_h1(p: int, m: int) -> list[list[Action]]:
+    """ZB-H1 as torch runs it (``ScheduleInterleavedZeroBubble``, one chunk per rank): 1F1B's
+    order with input-gradient backwards (I), rank r running the weight gradient (W) of the
+    backward r places earlier after each I, and its last r W at the end."""
+    return [_one_chunk(r, min(p - 1 - r, m), m, Kind.I, delay_weights=r) for r in range(p)]
 
 
 def interleaved(p: int, m: int, v: int) -> list[list[Action]]:
-    """Interleaved 1F1B (Narayanan et al. 2021) over v chunks per rank, torch's flexible rounds."""
-    return looped_1f1b(p, m, v, warmup_factor=2, zero_bubble=False)
+    """Interleaved 1F1B (Narayanan et al. 2021) over v chunks per rank as torch runs it
+    (``ScheduleInterleaved1F1B``): in rounds of R = m // max(1, m // p) micro-batches, step i
+    of the forwards runs local chunk (i // R) % v, the backwards the chunks in reverse;
+    rank r warms up with (v - 1) R + 2 (p - 1 - r) forwards."""
+    if v == 1:
+        return [_one_chunk(r, min(2 * (p - 1 - r), m), m, Kind.B, None) for r in range(p)]
+    per_round = rounds(p, m, "interleaved 1F1B")
+    total = m * v
+    make, f, b = tuple.__new__, Kind.F, Kind.B
+
+    def unit(i: int, backward: bool, r: int) -> tuple[int, int]:
+        group, within = divmod(i, per_round * v)
+        local_chunk, offset = divmod(within, per_round)
+        if backward:
+            local_chunk = v - 1 - local_chunk
+        return local_chunk * p + r, group * per_round + offset  # (stage, micro-batch)
+
+    orders = []
+    for r in range(p):
+        warmup = min((v - 1) * per_round + 2 * (p - 1 - r), total)
+        order = [make(Action, (f, *unit(i, False, r))) for i in range(warmup)]
+        for i in range(warmup, total):
+            order.append(make(Action, (f, *unit(i, False, r))))
+            order.append(make(Action, (b, *unit(i - warmup, True, r))))
+        order += [make(Action, (b, *unit(i, True, r))) for i in range(total - warmup, total)]
+        orders.append(order)
+    return orders
+
+
+def _one_chunk(r: int, warmup: int, m: int, backward: Kind, delay_weights: int | None
+               ) -> list[Action]:
+    """One chunk per rank (stage r): ``warmup`` forwards, then forward and backward in turn,
+    then the remaining backwards; with ``delay_weights`` d, the W of backward k - d after
+    backward k and the last d W at the end (torch's ``_get_1f1b_rank_ops``)."""
+    f, w, make = Kind.F, Kind.W, tuple.__new__  # tuple.__new__: NamedTuple's own __new__
+    order = [make(Action, (f, r, j)) for j in range(warmup)]  # is a slow Python lambda
+    weights = 0
+    for k in range(m):  # backward k, after forward warmup + k while forwards remain
+        if warmup + k < m:
+            order.append(make(Action, (f, r, warmup + k)))
+        order.append(make(Action, (backward, r, k)))
+        if delay_weights is not None and k >= delay_weights:
+            order.append(make(Action, (w, r, weights)))
+            weights += 1
+    if delay_weights is not None:
+        order += [make(Action, (w, r, j)) for j in range(weights, m)]
+    return order

@@ -10,8 +10,8 @@ from meshmorph.schedule.one_f_one_b import (
     ScheduleShapeError,
     gpipe,
     interleaved,
-    looped_1f1b,
     one_f_one_b,
+    zero_bubble_h1,
 )
 from meshmorph.schedule.v_shape import dualpipev, v_stages, zbv
 
@@ -66,7 +66,7 @@ def frozen_actions(name: str, p: int, m: int, v: int, steps: bool
         return tuple(tuple(order) for order in async_one_f_one_b(p, m))
     orders = {"gpipe": lambda: gpipe(p, m), "1f1b": lambda: one_f_one_b(p, m),
               "interleaved": lambda: interleaved(p, m, chunks),
-              "zb": lambda: looped_1f1b(p, m, 1, warmup_factor=1, zero_bubble=True),
+              "zb": lambda: zero_bubble_h1(p, m),
               "zbv": lambda: zbv(p, m), "dualpipev": lambda: dualpipev(p, m)}[name]()
     if steps:
         ranks = stage_to_rank(name, p, v)

@@ -23,28 +23,35 @@ from meshmorph.schedule.action import Action, Kind
 from meshmorph.schedule.registry import frozen_actions, stage_to_rank
 from meshmorph.schedule.validate import DeadlockError, peak_activations
 
-_BLOCK = {Kind.F: 0, Kind.B: 1, Kind.W: 2, Kind.I: 3, Kind.STEP: 4}
-"""Durations are one flat list: fwd + bwd + wgrad + igrad + step, each one entry per stage."""
+# Durations are one flat list: fwd + bwd + wgrad + igrad + step, one entry per stage each.
 
 Run = tuple[int, tuple[tuple[int, int, int, int], ...], tuple[tuple[str, int, int], ...]]
 """(rank, ops, names): consecutive actions of one rank. op = (dependency's end slot, or -1 for
 W/STEP; transfer index or -1; duration index; own end slot); name = (kind, stage, micro-batch)."""
 
 
-@dataclass(frozen=True, slots=True)
 class Program:
     """An action list compiled for replay."""
 
-    runs: tuple[Run, ...]
-    """The sweep order, as runs of one rank's actions."""
-    ranks: int
-    """Pipeline ranks."""
-    stages: int
-    """Model chunks (stages)."""
-    microbatches: int
-    """Micro-batches per step."""
-    peak_activations: tuple[int, ...]
-    """Most (stage, micro-batch) activations each rank holds at once (F to its B, or to W)."""
+    __slots__ = ("_peaks", "microbatches", "orders", "ranks", "runs", "stages")
+
+    def __init__(self, runs: tuple[Run, ...], ranks: int, stages: int, microbatches: int,
+                 orders: Sequence[Sequence[Action]]) -> None:
+        self.runs = runs
+        """The sweep order, as runs of one rank's actions."""
+        self.ranks, self.stages, self.microbatches = ranks, stages, microbatches
+        """Pipeline ranks, model chunks (stages) and micro-batches per step."""
+        self.orders = orders
+        """The action lists it was compiled from."""
+        self._peaks: tuple[int, ...] | None = None
+
+    @property
+    def peak_activations(self) -> tuple[int, ...]:
+        """Most (stage, micro-batch) activations each rank holds at once (F to its B, or to
+        its W), computed on first use (the planner never asks)."""
+        if self._peaks is None:
+            self._peaks = peak_activations(self.orders)
+        return self._peaks
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +93,8 @@ class Timeline:
     ops: tuple[tuple[int, str, int, int, float, float], ...]
     """(rank, kind, stage, micro-batch, start_s, end_s) of every action (when kept)."""
     peak_activations: tuple[int, ...] = ()
-    """Most activations (stage, micro-batch pairs) each rank holds at once."""
+    """Most activations (stage, micro-batch pairs) each rank holds at once (with the ops kept;
+    empty otherwise, so that the planner's replays skip it)."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -97,46 +105,76 @@ class Timeline:
         return idle / (self.makespan_s * len(self.rank_busy_s))
 
 
-def compile_program(orders: Sequence[Sequence[Action]], m: int, *, steps: bool = True) -> Program:
-    """The sweep order of ``orders`` (one list per rank); STEPs dropped unless ``steps``."""
-    stages = 1 + max((a.stage for order in orders for a in order), default=-1)
+def _codes(orders: Sequence[Sequence[Action]], steps: bool) -> list[list[tuple[int, int, int]]]:
+    """Each action as (block code, stage, micro-batch): F 0, B 1, W 2, I 3, STEP 4; p2p dropped
+    (identity tests: hashing an enum member runs Python code, and this runs per action)."""
+    f, b, i, w, step = Kind.F, Kind.B, Kind.I, Kind.W, Kind.STEP
+    out = []
+    for order in orders:
+        coded = []
+        append = coded.append
+        for kind, s, j in order:
+            if kind is f:
+                append((0, s, j))
+            elif kind is b:
+                append((1, s, j))
+            elif kind is i:
+                append((3, s, j))
+            elif kind is w:
+                append((2, s, j))
+            elif kind is step and steps:
+                append((4, s, j))
+        out.append(coded)
+    return out
+
+
+_NAMES = ("F", "B", "W", "I", "STEP")
+
+
+def compile_program(orders: Sequence[Sequence[Action]], m: int, *, steps: bool = True,
+                    stages: int | None = None) -> Program:
+    """The sweep order of ``orders`` (one list per rank); STEPs dropped unless ``steps``.
+    ``stages``: the number of stages when known (else read off the actions)."""
+    if stages is None:
+        stages = 1 + max((a.stage for order in orders for a in order), default=-1)
     last, zero = stages - 1, 2 * stages * m
     done_f = [[False] * m for _ in range(stages)]
     done_b = [[False] * m for _ in range(stages)]
-    keep = {Kind.F, Kind.B, Kind.I, Kind.W} | ({Kind.STEP} if steps else set())
-    plain = [[a for a in order if a.kind in keep] for order in orders]
+    plain = _codes(orders, steps)
+    names = _NAMES
     pos, lengths = [0] * len(plain), [len(order) for order in plain]
     remaining = sum(lengths)
     runs: list[Run] = []
     while remaining:
         progressed = False
-        for k, order in enumerate(plain):
-            i, run, named = pos[k], [], []
-            while i < lengths[k]:
-                kind, s, j = order[i]
-                di = _BLOCK[kind] * stages + s
-                if kind == Kind.F:
-                    if s == 0:  # the first stage's inputs are ready at 0.0 (the zero slot)
-                        op = (zero, -1, di, j)
+        for k in range(len(plain)):
+            order, n, i = plain[k], lengths[k], pos[k]
+            run: list[tuple[int, int, int, int]] = []
+            named: list[tuple[str, int, int]] = []
+            while i < n:
+                code, s, j = order[i]
+                if code == 0:  # F; the first stage's inputs are ready at 0.0 (the zero slot)
+                    if s == 0:
+                        run.append((zero, -1, s, j))
                     elif not done_f[s - 1][j]:
                         break
                     else:
-                        op = ((s - 1) * m + j, s - 1, di, s * m + j)
+                        run.append(((s - 1) * m + j, s - 1, s, s * m + j))
                     done_f[s][j] = True
-                elif kind in (Kind.B, Kind.I):
+                elif code == 1 or code == 3:  # B or I
                     if s == last:
                         if not done_f[s][j]:
                             break
-                        op = (s * m + j, -1, di, (stages + s) * m + j)
+                        run.append((s * m + j, -1, code * stages + s, (stages + s) * m + j))
                     elif not done_b[s + 1][j]:
                         break
                     else:
-                        op = ((stages + s + 1) * m + j, s, di, (stages + s) * m + j)
+                        run.append(((stages + s + 1) * m + j, s, code * stages + s,
+                                    (stages + s) * m + j))
                     done_b[s][j] = True
                 else:  # W after its own I, STEP after the rank's previous action
-                    op = (-1, -1, di, -1)
-                run.append(op)
-                named.append((str(kind), s, j))
+                    run.append((-1, -1, code * stages + s, -1))
+                named.append((names[code], s, j))
                 i += 1
             if run:
                 runs.append((k, tuple(run), tuple(named)))
@@ -144,16 +182,19 @@ def compile_program(orders: Sequence[Sequence[Action]], m: int, *, steps: bool =
                 pos[k] = i
                 progressed = True
         if not progressed:
-            waiting = {k: str(plain[k][pos[k]]) for k in range(len(plain)) if pos[k] < lengths[k]}
+            waiting = {k: f"{plain[k][pos[k]][1]}{names[plain[k][pos[k]][0]]}"
+                          f"{plain[k][pos[k]][2]}" for k in range(len(plain))
+                       if pos[k] < lengths[k]}
             raise DeadlockError(f"the action lists deadlock: every unfinished rank waits "
                                 f"(rank: next action) {waiting}; check the order of F and B")
-    return Program(tuple(runs), len(orders), stages, m, peak_activations(orders))
+    return Program(tuple(runs), len(orders), stages, m, orders)
 
 
 @lru_cache(maxsize=256)
 def schedule_program(name: str, p: int, m: int, v: int = 1, steps: bool = False) -> Program:
     """The compiled program of a named schedule, cached per shape."""
-    return compile_program(frozen_actions(name, p, m, v, steps), m, steps=steps or name == "async")
+    return compile_program(frozen_actions(name, p, m, v, steps), m, steps=steps or name == "async",
+                           stages=len(stage_to_rank(name, p, v)))
 
 
 def replay(program: Program, durations: list[float], comm: Sequence[float],
@@ -199,7 +240,8 @@ def replay(program: Program, durations: list[float], comm: Sequence[float],
                 b += d
             free[k] = t
             busy[k] = b
-    return Timeline(max(free), tuple(free), tuple(busy), tuple(records), program.peak_activations)
+    return Timeline(max(free), tuple(free), tuple(busy), tuple(records),
+                    program.peak_activations if keep_ops else ())
 
 
 def simulate_actions(orders: Sequence[Sequence[Action]], times: StageTimes, *,

@@ -8,7 +8,7 @@ the inter-node NIC's speed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshmorph.cost import comm
 from meshmorph.cost.coefficients import CostCoefficients
@@ -74,6 +74,8 @@ class CostModel:
         self.cluster = cluster
         self.coef = coefficients or CostCoefficients()
         self.profile = profile or Profile()
+        if self.profile.oversubscribed():  # no free core runs a collective beside compute
+            self.coef = replace(self.coef, dp_overlap=0.0, zero3_overlap=0.0, tp_overlap=0.0)
         eff = self.coef.link_efficiency
         self.intra = {g.gpu.name: self._link(g.intra_link.name, g.intra_link, eff) for g in cluster.groups}
         self.inter = self._link(cluster.inter_link.name, cluster.inter_link, eff)
@@ -147,6 +149,12 @@ class CostModel:
         params = self.chunk_params(start, stop, plan.tp)
         z3 = 0.0
         gathers, scatter = self.microbatch_dp_traffic(plan, params, gpu)
+        if (gathers or scatter) and self.profile.collectives:
+            # measured collectives: FSDP issues one call per unit (each block and the chunk's
+            # root), so each unit pays the fitted per-call alpha, not the chunk once
+            units = sum(1 for layer in self.model.layers[start:stop] if layer.kind == "block") + 1
+            gathers, scatter = (units * x for x in self.microbatch_dp_traffic(
+                plan, params / units, gpu))
         if gathers or scatter:
             # prefetch hides a share of the per-micro-batch traffic behind compute; ZeRO-3
             # gathers half in forward, half in backward; reduce-scatters run in backward
@@ -166,8 +174,9 @@ class CostModel:
         link = self.group_link(gpu, plan.tp * plan.dp)
         # an all-gather's input is 1/d of the buffer it fills: the buffer is d x the input
         gathered = params * traffic.all_gather_per_microbatch * plan.dp
-        return (comm.all_gather(plan.dp, gathered, link),
-                comm.reduce_scatter(plan.dp, params * traffic.reduce_scatter_per_microbatch, link))
+        return (self.collective("all_gather", plan.dp, gathered, link),
+                self.collective("reduce_scatter", plan.dp,
+                                params * traffic.reduce_scatter_per_microbatch, link))
 
     def rank_memory(self, plan: Plan, pp_rank: int, chunks: Sequence[tuple[int, int, Sequence[Recompute]]],
                     gpu: GPUSpec) -> StageMemory:
@@ -206,22 +215,37 @@ class CostModel:
         link = self.group_link(gpu, plan.tp * plan.dp)
         # gradient reductions overlap the last backward; parameter gathers (ZeRO-1 after the
         # update, ZeRO-2 before the first forward) do not
-        reduce = comm.all_reduce(plan.dp, params * traffic.all_reduce_per_step, link) \
-            + comm.reduce_scatter(plan.dp, params * traffic.reduce_scatter_per_step, link)
-        gather = comm.all_gather(plan.dp, params * traffic.all_gather_per_step * plan.dp, link)
+        reduce = self.collective("all_reduce", plan.dp, params * traffic.all_reduce_per_step, link) \
+            + self.collective("reduce_scatter", plan.dp, params * traffic.reduce_scatter_per_step, link)
+        gather = self.collective("all_gather", plan.dp, params * traffic.all_gather_per_step * plan.dp,
+                                 link)
         exposed = comm.exposed(reduce, last_bwd_s, self.coef.dp_overlap) + gather
+        if self.profile.collectives:  # the step's two scalar all-reduces (loss, gradient norm)
+            exposed += 2 * (self.profile.collective_s("all_reduce", plan.world_size, 8.0) or 0.0)
         shard = plan.dp if plan.zero >= 1 else 1
         optimizer = params / shard * self.coef.optimizer_bytes_per_param / (gpu.hbm_gbps * 1e9)
         if self.profile.optimizer_s_per_param > 0:  # measured: fixed + per-parameter tail
             optimizer = self.profile.optimizer_fixed_s + params / shard * self.profile.optimizer_s_per_param
         return exposed, optimizer
 
+    def collective(self, kind: str, n: int, nbytes: float, link: comm.Link) -> float:
+        """Seconds of one collective: the Profile's alpha-beta fit of this kind and group size
+        where it has one, else the ring formula over ``link`` (cost/comm.py)."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        measured = self.profile.collective_s(kind, n, nbytes)
+        if measured is not None:
+            return measured
+        return getattr(comm, kind)(n, nbytes, link)
+
     def p2p_time(self, plan: Plan, gpu: GPUSpec) -> float:
         """Sending one micro-batch's hidden state to the next stage (split over tp ranks, as
         Megatron's scatter/gather does)."""
         nbytes = plan.micro_batch * self.model.seq_len * self.model.hidden_size * \
             self.model.dtype_bytes * (2 if plan.dtype == "fp32" else 1) / plan.tp
-        return comm.p2p(nbytes, self.group_link(gpu, plan.tp * plan.dp * plan.pp))
+        measured = self.profile.collective_s("send_recv", 2, nbytes)
+        return measured if measured is not None else \
+            comm.p2p(nbytes, self.group_link(gpu, plan.tp * plan.dp * plan.pp))
 
     # --- the whole plan ------------------------------------------------------------------------
     def estimate(self, plan: Plan) -> Estimate:

@@ -71,6 +71,19 @@ class Profile:
             return None
         return LayerTime(row["fwd_s"], row["bwd_s"], row.get("spread", 0.0))
 
+    def collective_s(self, kind: str, group_size: int, nbytes: float) -> float | None:
+        """Measured seconds of one collective (alpha + beta * bytes, comm.py's M), or None where
+        this kind and group size were not profiled."""
+        row = self.collectives.get(f"{kind}/{group_size}")
+        if row is None or nbytes <= 0 or group_size <= 1:
+            return None
+        return row["alpha_s"] + row["beta_s_per_byte"] * nbytes
+
+    def oversubscribed(self) -> bool:
+        """Whether the profiled processes filled every core: then no core is left to run a
+        collective beside compute, so no communication overlaps (CPU processes)."""
+        return self.cores > 0 and self.processes >= self.cores
+
     def covers(self, model: str, seq_len: int, micro_batch: int, dtype: str,
                num_layers: int) -> bool:
         """Whether every layer of this model and micro-batch shape was profiled."""

@@ -48,7 +48,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     config = ValidateConfig(num_plans=args.plans, nproc=args.nproc, model=args.model,
                             seq_len=args.seq_len, repeats=args.repeats,
-                            profile_path=args.profile)
+                            profile_path=args.profile, tensor_parallel=args.tp)
     result = run_validate(config)
     report(result, json_path=args.json, png_path=args.png)
     return 0
@@ -78,6 +78,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="timed steps per plan after warm-up (default 5)")
     val.add_argument("--profile", type=Path, default=None,
                      help="use this Profile instead of profiling just before (default: profile first)")
+    val.add_argument("--tp", action="store_true",
+                     help="also run tensor-parallel plans (not profiled on CPU: marked outside)")
     val.add_argument("--json", type=Path, default=None, help="write the table as JSON")
     val.add_argument("--png", type=Path, default=None, help="write the predicted-vs-measured chart")
     val.set_defaults(func=_validate)

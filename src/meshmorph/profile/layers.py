@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from meshmorph.cost.layer_cost import layer_classes
 from meshmorph.cost.profile import layer_key
 from meshmorph.profile.hardware import DTYPES
 from meshmorph.profile.timing import median_spread, timed
@@ -26,53 +29,63 @@ def _autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextMan
 
 def layer_times(model: ModelSpec, micro_batch: int, dtype: str, device: torch.device, *,
                 repeats: int, warmup: int = 2) -> dict[str, dict[str, float]]:
-    """``layer_key`` -> ``fwd_s``, ``bwd_s``, ``spread`` for every layer of ``model`` (identical
-    layers measured once). The embedding takes tokens; the head's forward includes the token
-    cross-entropy loss, as a training step runs it."""
-    b, s, h = micro_batch, model.seq_len, model.hidden_size
-    last = model.num_layers - 1
+    """``layer_key`` -> ``fwd_s``, ``bwd_s``, ``spread`` for every layer of ``model``, timed
+    inside whole training passes of the model (embedding, blocks, head and the token
+    cross-entropy loss), so each layer runs with the caches the layers before it left: a clock
+    stamp after each layer's forward, and a gradient hook on each layer's output stamps where
+    the backward reaches it."""
+    b, s = micro_batch, model.seq_len
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.vocab_size, (b, s), generator=gen).to(device)
-    measured: dict[int, dict[str, float]] = {}
-    out: dict[str, dict[str, float]] = {}
-    for index, cls in enumerate(layer_classes(model)):
-        if cls not in measured:
-            layer = build_chunk(model, cls, cls + 1, seed=0, device=device)
-            measured[cls] = _one_layer(layer, cls, last, tokens, (b, s, h), dtype, device,
-                                       repeats=repeats, warmup=warmup)
-        out[layer_key(model.name, s, micro_batch, dtype, index)] = measured[cls]
+    whole = build_chunk(model, 0, model.num_layers, seed=0, device=device)
+    layers: list[nn.Module] = [whole.embed, *whole.blocks.values(), whole.head]  # type: ignore[list-item]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fwd: list[list[float]] = [[] for _ in layers]
+    bwd: list[list[float]] = [[] for _ in layers]
+    for i in range(warmup + repeats):
+        if dist.is_initialized():
+            dist.barrier()  # every process runs the pass at once
+        stamps_f = [time.perf_counter()]
+        stamps_b: dict[int, float] = {}
+        x: torch.Tensor = tokens
+        with _autocast(dtype, device):
+            for k, layer in enumerate(layers):
+                x = layer(x)
+                if k == len(layers) - 1:
+                    x = token_cross_entropy(x, tokens)
+                else:
+                    x.register_hook(partial(_stamp, stamps_b, k, sync))
+                sync()
+                stamps_f.append(time.perf_counter())
+        start = time.perf_counter()
+        x.backward()
+        sync()
+        end = time.perf_counter()
+        whole.zero_grad(set_to_none=True)
+        if i < warmup:
+            continue
+        # backward of layer k runs from the gradient's arrival at its output (k) to its arrival
+        # at its input (k - 1); the head's starts at backward(), the embedding's ends with it
+        arrive = [stamps_b[k] for k in range(len(layers) - 1)]
+        for k in range(len(layers)):
+            fwd[k].append(stamps_f[k + 1] - stamps_f[k])
+            t_in = arrive[k - 1] if k > 0 else end
+            t_out = arrive[k] if k < len(layers) - 1 else start
+            bwd[k].append(t_in - t_out)
+    out = {}
+    for k in range(len(layers)):
+        f_med, f_spread = median_spread(fwd[k])
+        b_med, b_spread = median_spread(bwd[k])
+        out[layer_key(model.name, s, micro_batch, dtype, k)] = {
+            "fwd_s": f_med, "bwd_s": b_med, "spread": max(f_spread, b_spread)}
     return out
 
 
-def _one_layer(layer: nn.Module, index: int, last: int, tokens: torch.Tensor,
-               shape: tuple[int, int, int], dtype: str, device: torch.device, *,
-               repeats: int, warmup: int) -> dict[str, float]:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    held: dict[str, torch.Tensor] = {}
-
-    def forward() -> None:
-        x = tokens if index == 0 else torch.randn(shape, device=device, requires_grad=True)
-        with _autocast(dtype, device):
-            y = layer(x)
-            held["out"] = token_cross_entropy(y, tokens) if index == last else y
-        sync()
-
-    def backward() -> None:
-        out = held.pop("out")
-        out.backward(None if out.dim() == 0 else torch.ones_like(out))
-        sync()
-
-    fwd, bwd = [], []
-    for i in range(warmup + repeats):
-        t_f = timed(forward, warmup=0, repeats=1)[0]
-        t_b = timed(backward, warmup=0, repeats=1)[0]
-        layer.zero_grad(set_to_none=True)
-        if i >= warmup:
-            fwd.append(t_f)
-            bwd.append(t_b)
-    f_med, f_spread = median_spread(fwd)
-    b_med, b_spread = median_spread(bwd)
-    return {"fwd_s": f_med, "bwd_s": b_med, "spread": max(f_spread, b_spread)}
+def _stamp(stamps: dict[int, float], k: int, sync: Callable[[], object],
+           grad: torch.Tensor) -> None:
+    """Gradient hook: the moment the backward reaches layer k's output (first arrival)."""
+    sync()
+    stamps.setdefault(k, time.perf_counter())
 
 
 def optimizer_fit(model: ModelSpec, device: torch.device, *, repeats: int) -> tuple[float, float]:

@@ -78,6 +78,7 @@ def _write_charts(plan: Plan, cost, estimate, chart: Path, console) -> None:  # 
 # --- meshmorph plan --------------------------------------------------------------------------
 def _plan(args: argparse.Namespace) -> int:
     from meshmorph.cost.model import CostModel
+    from meshmorph.cost.profile import Profile
     from meshmorph.plan.report import print_plans
     from meshmorph.plan.search import search
     from meshmorph.plan.space import SearchOptions
@@ -97,7 +98,7 @@ def _plan(args: argparse.Namespace) -> int:
     options = SearchOptions(top_k=args.top, dtype=args.dtype, max_micro_batch=args.max_micro_batch,
                             tolerance=args.tolerance, max_nodes=args.max_nodes or None,
                             allow_async=args.allow_async)
-    cost = CostModel(model, cluster)
+    cost = CostModel(model, cluster, profile=Profile.load(args.profile) if args.profile else None)
     result = search(model, cluster, global_batch=args.global_batch, options=options, cost=cost)
     console = report_console()
     params = (f"{model.num_params / 1e9:.2f} B" if model.num_params >= 1e9
@@ -160,6 +161,7 @@ def build_plan(args: argparse.Namespace, model) -> Plan:  # type: ignore[no-unty
 
 def _estimate(args: argparse.Namespace) -> int:
     from meshmorph.cost.model import CostModel
+    from meshmorph.cost.profile import Profile
     from meshmorph.plan.report import print_estimate
     from meshmorph.spec.catalog import load_model
     from meshmorph.spec.cluster import parse_cluster
@@ -177,7 +179,7 @@ def _estimate(args: argparse.Namespace) -> int:
         model = load_model(args.model, args.seq_len)
     plan = build_plan(args, model)
     plan.check_against(model, cluster.world_size)
-    cost = CostModel(model, cluster)
+    cost = CostModel(model, cluster, profile=Profile.load(args.profile) if args.profile else None)
     estimate = cost.estimate(plan)
     console = report_console()
     console.print(f"[bold]{model.name}[/] on {cluster.describe()} ({cluster.world_size} GPUs)")
@@ -343,6 +345,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--allow-async", action="store_true",
                       help="also consider schedule async (1F1B without flush, stale weights: "
                            "not the same math as one device; priced without the flush bubble)")
+    plan.add_argument("--profile", type=Path, default=None,
+                      help="a Profile JSON (meshmorph profile) replacing catalog figures")
     plan.add_argument("--json", type=Path, default=None, help="write the plans to this JSON file")
     plan.add_argument("--chart", type=Path, default=None,
                       help="write the best plan's pipeline timeline to this PNG (and its memory "
@@ -377,6 +381,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     est.add_argument("--sequence-parallel", action="store_true",
                      help="Megatron sequence parallelism (needs tp > 1)")
     est.add_argument("--dtype", choices=DTYPES, default="bf16", help="training dtype (default bf16)")
+    est.add_argument("--profile", type=Path, default=None,
+                      help="a Profile JSON (meshmorph profile) replacing catalog figures")
     est.add_argument("--json", type=Path, default=None,
                      help="write the plan and its prediction to this JSON file")
     est.add_argument("--chart", type=Path, default=None,

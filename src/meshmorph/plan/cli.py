@@ -180,7 +180,12 @@ def _estimate(args: argparse.Namespace) -> int:
     plan = build_plan(args, model)
     plan.check_against(model, cluster.world_size)
     cost = CostModel(model, cluster, profile=Profile.load(args.profile) if args.profile else None)
-    estimate = cost.estimate(plan)
+    if any(stage.layer_strategies is not None for stage in plan.stages):
+        from meshmorph.cost.layerwise_cost import estimate_layerwise
+
+        estimate = estimate_layerwise(cost, plan)  # per-layer strategies: their own cost model
+    else:
+        estimate = cost.estimate(plan)
     console = report_console()
     console.print(f"[bold]{model.name}[/] on {cluster.describe()} ({cluster.world_size} GPUs)")
     print_estimate(plan, estimate, console, model=model)

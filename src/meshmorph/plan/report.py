@@ -138,10 +138,30 @@ def does_not_fit_line(plan: Plan, estimate: Estimate) -> str | None:
             f"{have:.1f} GiB (over by {need - have:.1f} GiB); try {', '.join(fit_advice(plan))}")
 
 
+def layer_strategy_summary(plan: Plan) -> list[str]:
+    """One line per stage listing layer strategies, runs of equal ones merged:
+    ``stage 0: L0 tp1 dp4 z0 | L1-3 tp2 dp2 z0 | ...``; empty for a uniform plan."""
+    lines = []
+    for k, stage in enumerate(plan.stages):
+        if stage.layer_strategies is None:
+            continue
+        runs: list[list] = []
+        for offset, s in enumerate(stage.layer_strategies):
+            if runs and runs[-1][2] == s:
+                runs[-1][1] = stage.start + offset
+            else:
+                runs.append([stage.start + offset, stage.start + offset, s])
+        lines.append(f"stage {k}: " + " | ".join(
+            f"L{a}{f'-{b}' if b != a else ''} tp{s.tp} dp{s.dp} z{s.zero}" for a, b, s in runs))
+    return lines
+
+
 def print_estimate(plan: Plan, estimate: Estimate, console: Console, *,
                    model: ModelSpec | None = None) -> None:
     """The breakdown of one plan: time terms, memory per stage against its budget, fit."""
     console.print(f"[bold]plan[/]: {plan_headline(plan, model)}")
+    for line in layer_strategy_summary(plan):
+        console.print(f"layer strategies, {line}")
     step = estimate.step_time_s
     times = Table(title="step time", title_justify="left")
     times.add_column("term")

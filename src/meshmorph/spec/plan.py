@@ -62,6 +62,27 @@ def _member(name: str, kind: type[_E], value: object) -> _E:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LayerStrategy:
+    """How one layer of a stage splits the stage's devices (plan/layerwise.py chooses them)."""
+
+    tp: int
+    """Tensor-parallel degree of the layer (its ranks consecutive, inside a node)."""
+    dp: int
+    """Data-parallel degree of the layer; tp x dp equals the stage's devices (plan tp x dp)."""
+    zero: int = 0
+    """ZeRO stage of the layer's parameters over its data-parallel group (0-3)."""
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.dp < 1:
+            raise PlanError(f"layer strategy tp {self.tp} dp {self.dp}: degrees must be >= 1")
+        if self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"layer strategy zero must be 0, 1, 2 or 3, got {self.zero}")
+
+    def to_dict(self) -> dict[str, int]:
+        return {"tp": self.tp, "dp": self.dp, "zero": self.zero}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StagePlan:
     """One pipeline model chunk: a contiguous range of layers and their recompute."""
 
@@ -73,6 +94,9 @@ class StagePlan:
     """Recompute mode of each layer in the range."""
     gpu: str | None = None
     """GPU type of the ranks running this chunk (heterogeneous clusters), None if uniform."""
+    layer_strategies: tuple[LayerStrategy, ...] | None = None
+    """Each layer's own tp/dp/ZeRO split of the stage's devices (layerwise plans); None: every
+    layer uses the plan's tp, dp and zero."""
 
     def __post_init__(self) -> None:
         if self.stop <= self.start:
@@ -82,6 +106,15 @@ class StagePlan:
                 f"stage [{self.start}, {self.stop}) lists {len(self.recompute)} recompute modes "
                 f"for {self.stop - self.start} layers"
             )
+        if self.layer_strategies is not None:
+            object.__setattr__(self, "layer_strategies", tuple(
+                s if isinstance(s, LayerStrategy) else LayerStrategy(**s)
+                for s in self.layer_strategies))
+            if len(self.layer_strategies) != self.stop - self.start:
+                raise PlanError(
+                    f"stage [{self.start}, {self.stop}) lists {len(self.layer_strategies)} layer "
+                    f"strategies for {self.stop - self.start} layers; give one per layer or none"
+                )
 
     @property
     def num_layers(self) -> int:
@@ -163,6 +196,20 @@ class Plan:
                 f"{len(self.stages)} stages listed for pp {self.pp} x vpp {self.vpp} = "
                 f"{self.pp * self.vpp} model chunks"
             )
+        for index, stage in enumerate(self.stages):
+            for offset, strategy in enumerate(stage.layer_strategies or ()):
+                if strategy.tp * strategy.dp != self.tp * self.dp:
+                    raise PlanError(
+                        f"stage {index} layer {stage.start + offset}: tp {strategy.tp} x dp "
+                        f"{strategy.dp} != the stage's {self.tp * self.dp} devices (plan tp x dp); "
+                        f"split the stage's devices exactly"
+                    )
+                if (self.dp * self.micro_batch) % strategy.dp:
+                    raise PlanError(
+                        f"stage {index} layer {stage.start + offset}: dp {strategy.dp} does not "
+                        f"divide the {self.dp * self.micro_batch} sequences of a micro-batch "
+                        f"(plan dp x micro_batch); choose a dp that divides them"
+                    )
 
     @property
     def world_size(self) -> int:
@@ -262,6 +309,8 @@ class Plan:
         data["world_size"] = self.world_size
         data["stages"] = [
             {"layers": [s.start, s.stop], "recompute": [str(m) for m in s.recompute], "gpu": s.gpu}
+            | ({"layer_strategies": [x.to_dict() for x in s.layer_strategies]}
+               if s.layer_strategies is not None else {})
             for s in self.stages
         ]
         return data
@@ -275,7 +324,9 @@ class Plan:
         kwargs = {k: v for k, v in data.items() if k in known and k != "stages"}
         stages = tuple(
             StagePlan(start=int(s["layers"][0]), stop=int(s["layers"][1]),
-                      recompute=tuple(Recompute(m) for m in s["recompute"]), gpu=s.get("gpu"))
+                      recompute=tuple(Recompute(m) for m in s["recompute"]), gpu=s.get("gpu"),
+                      layer_strategies=None if s.get("layer_strategies") is None else tuple(
+                          LayerStrategy(**x) for x in s["layer_strategies"]))
             for s in data.get("stages", [])
         )
         plan = cls(**kwargs, stages=stages)

@@ -1,0 +1,196 @@
+"""Time and memory of a stage whose layers each use their own tp/dp/ZeRO (layerwise plans).
+
+Every per-layer figure comes from the cost model's own pieces, called with the layer's
+strategy: ``LayerCoster.layer`` (compute, TP communication, activations) with the layer's tp and
+its per-rank micro-batch B / dp_layer (B = plan dp x micro_batch sequences per stage
+micro-batch), ``CostModel.microbatch_dp_traffic`` and ``CostModel.rank_tail`` (ZeRO traffic,
+gradient reduction and optimizer step of the layer's parameters over its own data-parallel
+group) and ``rank_memory_terms`` (bytes per parameter held, micro-batches in flight, ZeRO-3
+gather buffers). Transitions between neighbouring layers come from cost/transition.py.
+
+A stage then costs, per step (m micro-batches):
+
+    time   = m x sum_i (f_i + b_i + transition_i) + sum_i tail_i
+    memory = sum_i params_i x held_i + in_flight x sum_i a_i + max_i w_i + max_i g_i + reserved
+
+where each layer's per-micro-batch ZeRO traffic and its gradient sync are exposed against that
+layer's own compute (``comm.exposed``; the uniform ``CostModel`` exposes a whole chunk's against
+the chunk's, so a uniform layerwise plan is priced within a few per cent of it, never the same
+to the last digit). Sequence parallelism is not modelled for layerwise plans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from meshmorph.cost import comm
+from meshmorph.cost.estimate import Estimate, StageMemory
+from meshmorph.cost.pipeline import simulate
+from meshmorph.cost.rank_terms import rank_memory_terms
+from meshmorph.cost.transition import transition
+from meshmorph.spec.gpus import GPUSpec
+from meshmorph.spec.model import Recompute
+from meshmorph.spec.plan import LayerStrategy, Plan, PlanError, Schedule
+
+if TYPE_CHECKING:
+    from meshmorph.cost.model import CostModel
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTerms:
+    """One layer under one strategy and recompute mode, on one rank of its stage."""
+
+    fwd_s: float
+    """Forward per micro-batch, exposed TP and ZeRO-3 communication included."""
+    bwd_s: float
+    """Backward per micro-batch, recompute and exposed communication included."""
+    compute_s: float
+    """Forward + backward compute, no recompute or communication."""
+    tail_s: float
+    """Exposed gradient sync + parameter gathers + optimizer step of its parameters, per step."""
+    param_bytes: float
+    """Parameters x bytes held per parameter at the peak (masters, grads, moments, copies)."""
+    stored_bytes: float
+    """Activation bytes kept per micro-batch."""
+    working_bytes: float
+    """Extra bytes while its backward rematerialises activations."""
+    gather_bytes: float
+    """ZeRO-3 gather buffers (the layer plus a prefetch) while it runs."""
+    params: float
+    """Parameters on one tensor-parallel rank."""
+
+
+def layer_plan(plan: Plan, strategy: LayerStrategy) -> Plan:
+    """The uniform plan a layer under ``strategy`` sees: the plan's devices, schedule and
+    micro-batch count, the layer's tp, dp, ZeRO and its per-rank micro-batch."""
+    sequences = plan.dp * plan.micro_batch
+    if sequences % strategy.dp:
+        raise PlanError(f"layer dp {strategy.dp} does not divide the stage's {sequences} sequences "
+                        "per micro-batch; choose a dp that divides them")
+    micro = sequences // strategy.dp
+    return replace(plan, tp=strategy.tp, dp=strategy.dp, zero=strategy.zero, micro_batch=micro,
+                   global_batch=strategy.dp * micro * plan.num_microbatches,
+                   sequence_parallel=False, stages=())
+
+
+def layer_terms(cost: CostModel, plan: Plan, pp_rank: int, index: int, strategy: LayerStrategy,
+                recompute: Recompute, gpu: GPUSpec, *, drop_tied: bool = False) -> LayerTerms:
+    """The terms of layer ``index`` (module docstring); ``drop_tied``: the rank also holds the
+    tied embedding, so the head's tied weights are not counted twice."""
+    sub = layer_plan(plan, strategy)
+    cost_ = cost.coster(plan.dtype).layer(index, gpu, sub.micro_batch, strategy.tp, False, recompute)
+    params = cost.chunk_params(index, index + 1, strategy.tp)
+    if drop_tied:
+        params -= cost.model.layers[index].tied_params / strategy.tp
+    f, b = cost_.fwd_s, cost_.bwd_s
+    gathers, scatter = cost.microbatch_dp_traffic(sub, params, gpu)
+    if gathers or scatter:  # as CostModel.chunk_time, against this layer's compute
+        f += comm.exposed(gathers / 2, cost_.fwd_s, cost.coef.zero3_overlap)
+        b += comm.exposed(gathers / 2 + scatter, cost_.bwd_s, cost.coef.zero3_overlap)
+    sync, optimizer = cost.rank_tail(sub, params, cost_.compute_s * 2 / 3, gpu)
+    terms = rank_memory_terms(cost, sub, pp_rank, gpu)
+    return LayerTerms(fwd_s=f, bwd_s=b, compute_s=cost_.compute_s, tail_s=sync + optimizer,
+                      param_bytes=params * terms.bytes_per_param,
+                      stored_bytes=cost_.activation_bytes * terms.in_flight,
+                      working_bytes=cost_.working_bytes,
+                      gather_bytes=params * terms.gather_bytes_per_param, params=params)
+
+
+def reserved_bytes(cost: CostModel, gpu: GPUSpec) -> float:
+    """CUDA context and allocator reserve of one rank (as ``rank_memory_terms``)."""
+    return cost.coef.context_bytes + cost.coef.memory_reserve_fraction * gpu.memory_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """A whole stage under a per-layer assignment."""
+
+    fwd_s: float
+    """Forward per micro-batch, transitions included."""
+    bwd_s: float
+    """Backward per micro-batch, transitions included."""
+    tail_s: float
+    """Sum of the layers' tails."""
+    memory_bytes: float
+    """Peak bytes of one rank."""
+    transition_s: float
+    """Forward + backward redistribution per micro-batch."""
+
+    def busy_s(self, num_microbatches: int) -> float:
+        """The stage's own step time: m (f + b) + tail (the step itself when pp = 1)."""
+        return num_microbatches * (self.fwd_s + self.bwd_s) + self.tail_s
+
+
+def stage_cost(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int,
+               strategies: Sequence[LayerStrategy], recompute: Sequence[Recompute],
+               gpu: GPUSpec) -> StageCost:
+    """Time and memory of layers [start, stop) under ``strategies`` (module docstring)."""
+    tied = start == 0 and stop == cost.model.num_layers
+    f = b = tail = params = stored = working = gather = moved = 0.0
+    for offset, index in enumerate(range(start, stop)):
+        t = layer_terms(cost, plan, pp_rank, index, strategies[offset], recompute[offset], gpu,
+                        drop_tied=tied and index == stop - 1)
+        f, b, tail = f + t.fwd_s, b + t.bwd_s, tail + t.tail_s
+        params += t.param_bytes
+        stored += t.stored_bytes
+        working, gather = max(working, t.working_bytes), max(gather, t.gather_bytes)
+        if offset:
+            step = transition(cost, strategies[offset - 1], strategies[offset],
+                              plan.dp * plan.micro_batch, plan.dtype, gpu)
+            f, b, moved = f + step.fwd_s, b + step.bwd_s, moved + step.fwd_s + step.bwd_s
+    memory = params + stored + working + gather + reserved_bytes(cost, gpu)
+    return StageCost(f, b, tail, memory, moved)
+
+
+def stage_strategies(plan: Plan, index: int) -> tuple[LayerStrategy, ...]:
+    """The layer strategies of stage ``index`` (the plan's own where the stage lists none)."""
+    stage = plan.stages[index]
+    if stage.layer_strategies is not None:
+        return stage.layer_strategies
+    return (LayerStrategy(tp=plan.tp, dp=plan.dp, zero=plan.zero),) * stage.num_layers
+
+
+def estimate_layerwise(cost: CostModel, plan: Plan) -> Estimate:
+    """Step time and memory of a plan whose stages list layer strategies: the schedule simulated
+    over the stages' layerwise times, each rank's step ending with its layers' tails."""
+    if plan.vpp > 1 or plan.schedule not in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
+        raise PlanError(f"layerwise plans run gpipe or 1f1b with one chunk per rank, not "
+                        f"{plan.schedule} (vpp {plan.vpp}); drop layer_strategies or the schedule")
+    if plan.sequence_parallel:
+        raise PlanError("layerwise plans do not model sequence parallelism; set it false")
+    plan.check_against(cost.model)
+    gpus = [cost.stage_gpu(stage) for stage in plan.stages]
+    stages = [stage_cost(cost, plan, k, s.start, s.stop, stage_strategies(plan, k), s.recompute,
+                         gpus[k]) for k, s in enumerate(plan.stages)]
+    m, p = plan.num_microbatches, plan.pp
+    p2p = tuple(cost.p2p_time(plan, g) for g in gpus)
+    timeline = simulate(plan.schedule, p, m, [s.fwd_s for s in stages],
+                        [s.bwd_s for s in stages], p2p_s=p2p)
+    ends = [timeline.rank_end_s[k] + stages[k].tail_s for k in range(p)]
+    step = max(ends)
+    last = ends.index(step)
+    crit = stages[last]
+    tokens = plan.global_batch * plan.seq_len
+    model_flops = tokens * cost.model.model_flops_per_token()
+    hw_flops = tokens * sum(
+        3 * layer.fwd_flops_per_token + layer.recompute_flops_per_token.get(mode, 0.0)
+        for layer, mode in zip(cost.model.layers, plan.recompute_of_layer(), strict=True))
+    world = plan.world_size
+    peak = sum(g.peak_flops(plan.dtype) for g in gpus) * world / p
+    memory = tuple(StageMemory(params=0.0, grads=0.0, optimizer=0.0, activations=0.0, buffers=0.0,
+                               reserved=s.memory_bytes, in_flight_microbatches=0.0)
+                   for s in stages)
+    return Estimate(
+        step_time_s=step, tokens_per_s=tokens / step,
+        tflops_per_gpu=hw_flops / step / world / 1e12,
+        model_tflops_per_gpu=model_flops / step / world / 1e12,
+        mfu=model_flops / step / peak, bubble_fraction=timeline.bubble_fraction,
+        memory=memory, memory_budget_bytes=tuple(g.memory_bytes for g in gpus),
+        breakdown_s={  # of the rank that ends last
+            "layers": m * (crit.fwd_s + crit.bwd_s - crit.transition_s),
+            "transitions": m * crit.transition_s,
+            "pp_bubble": timeline.rank_end_s[last] - timeline.rank_busy_s[last],
+            "dp_sync_and_optimizer": crit.tail_s},
+        stage_times_s=tuple((s.fwd_s, s.bwd_s) for s in stages))

@@ -1,0 +1,142 @@
+"""The layerwise stage program equals a brute force over every per-layer assignment."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import replace
+
+import pytest
+
+from meshmorph.cost.layerwise_cost import layer_terms, reserved_bytes, stage_cost
+from meshmorph.cost.model import CostModel
+from meshmorph.cost.transition import transition
+from meshmorph.plan.layerwise import solve_stage
+from meshmorph.plan.layerwise_search import search_layerwise
+from meshmorph.plan.space import SearchOptions
+from meshmorph.spec.catalog import load_model
+from meshmorph.spec.cluster import parse_cluster
+from meshmorph.spec.model import Recompute
+from meshmorph.spec.plan import LayerStrategy, Plan
+
+MODES = (Recompute.NONE, Recompute.FULL)
+
+
+def _cost(name: str, devices: int, memory_gib: float | None = None) -> CostModel:
+    cluster = parse_cluster(f"a100-40g:1x{devices}")
+    if memory_gib is not None:
+        group = cluster.groups[0]
+        cluster = replace(cluster, groups=(replace(group, gpu=replace(group.gpu,
+                                                                    memory_gib=memory_gib)),))
+    return CostModel(load_model(name), cluster)
+
+
+def _brute(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int,
+           strategies: list[LayerStrategy]) -> list[tuple[float, float]]:
+    """Every assignment's (time, memory), added up here from the per-layer terms."""
+    gpu = cost.default_gpu()
+    m = plan.num_microbatches
+    tied = start == 0 and stop == cost.model.num_layers
+    options = []
+    for index in range(start, stop):
+        modes = [r for r in MODES if r in cost.model.layers[index].activation]
+        options.append([(s, r, layer_terms(cost, plan, pp_rank, index, s, r, gpu,
+                                           drop_tied=tied and index == stop - 1))
+                        for s in strategies for r in modes])
+    out = []
+    for pick in itertools.product(*options):
+        time = sum(m * (t.fwd_s + t.bwd_s) + t.tail_s for _, _, t in pick)
+        for (a, _, _), (b, _, _) in itertools.pairwise(pick):
+            step = transition(cost, a, b, plan.dp * plan.micro_batch, plan.dtype, gpu)
+            time += m * (step.fwd_s + step.bwd_s)
+        memory = (sum(t.param_bytes + t.stored_bytes for _, _, t in pick)
+                  + max(t.working_bytes for _, _, t in pick)
+                  + max(t.gather_bytes for _, _, t in pick) + reserved_bytes(cost, gpu))
+        out.append((time, memory))
+    return out
+
+
+def _best(assignments: list[tuple[float, float]], cap: float) -> float | None:
+    """The least time of the assignments whose memory fits ``cap``."""
+    return min((time for time, memory in assignments if memory <= cap), default=None)
+
+
+CASES = [(seed, name, devices, pp) for seed, (name, devices, pp) in enumerate(
+    [("gpt-tiny", 4, 1), ("llama-tiny", 4, 1), ("gpt-tiny", 8, 1), ("llama-tiny", 8, 2),
+     ("gpt-tiny", 8, 2), ("gpt-tiny", 4, 2), ("llama-tiny", 8, 1)])]
+
+
+def _case(seed: int, name: str, devices: int, pp: int):  # type: ignore[no-untyped-def]
+    rng = random.Random(seed)
+    cost = _cost(name, devices)
+    model = cost.model
+    zeros = 1 if pp == 1 else 2  # keeps the brute force to some 10^4 assignments
+    strategies = [LayerStrategy(tp=t, dp=devices // t, zero=z)
+                  for t in (1, 2, 4) for z in sorted(rng.sample([0, 1, 2, 3], zeros))]
+    plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=devices * 2 * pp, tp=1,
+                dp=devices, pp=pp, micro_batch=1, num_microbatches=2 * pp).with_even_stages(model)
+    k = rng.randrange(pp)
+    return rng, cost, plan, k, plan.stages[k], strategies
+
+
+@pytest.mark.parametrize(("seed", "name", "devices", "pp"), CASES)
+def test_stage_program_equals_brute_force_under_random_memory_caps(seed: int, name: str,
+                                                                   devices: int, pp: int) -> None:
+    rng, cost, plan, k, stage, strategies = _case(seed, name, devices, pp)
+    gpu = cost.default_gpu()
+    every = _brute(cost, plan, k, stage.start, stage.stop, strategies)
+    free = _best(every, float("inf"))
+    assert free is not None
+    # caps between the least and the most memory a uniform assignment needs, and one below
+    # everything: some assignments do not fit, and at the last none does
+    uniform = sorted(stage_cost(cost, plan, k, stage.start, stage.stop, [s] * stage.num_layers,
+                                (Recompute.NONE,) * stage.num_layers, gpu).memory_bytes
+                     for s in strategies)
+    caps = [rng.uniform(uniform[0], uniform[-1]), uniform[0] * rng.uniform(0.9, 1.0),
+            reserved_bytes(cost, gpu)]
+    for cap in [float("inf"), *caps]:
+        expected = _best(every, cap)
+        got = solve_stage(cost, plan, k, stage.start, stage.stop, strategies, MODES, gpu,
+                          memory_cap_bytes=cap)
+        if expected is None:
+            assert got is None
+            continue
+        assert got is not None, f"program found nothing under cap {cap}"
+        assert got.busy_s == pytest.approx(expected, rel=1e-12)
+        # the assignment it returns costs that much by the cost model's own stage sum
+        again = stage_cost(cost, plan, k, stage.start, stage.stop, got.strategies,
+                           got.recompute, gpu)
+        assert again.busy_s(plan.num_microbatches) == pytest.approx(got.busy_s, rel=1e-12)
+        assert again.memory_bytes <= cap * (1 + 1e-12)
+    assert _best(every, caps[-1]) is None
+
+
+def test_some_random_cap_makes_the_best_assignment_slower() -> None:
+    """The caps bind: under at least one seeded cap the optimum is slower than without one."""
+    slower = 0
+    for case in CASES:
+        rng, cost, plan, k, stage, strategies = _case(*case)
+        gpu = cost.default_gpu()
+        free = solve_stage(cost, plan, k, stage.start, stage.stop, strategies, MODES, gpu)
+        assert free is not None
+        tight = solve_stage(cost, plan, k, stage.start, stage.stop, strategies, MODES, gpu,
+                            memory_cap_bytes=free.memory_bytes * 0.999)
+        slower += tight is not None and tight.busy_s > free.busy_s
+    assert slower >= 1
+
+
+def test_single_stage_search_step_equals_its_stage_time_and_beats_uniform() -> None:
+    cost = _cost("gpt-tiny", 4)
+    options = SearchOptions(pp_degrees=(1,), recompute=MODES, zero_stages=(0, 3))
+    result = search_layerwise(cost.model, cost.cluster, global_batch=8, options=options,
+                              cost=cost)
+    assert result.uniform_estimate is not None
+    assert result.estimate.step_time_s <= result.uniform_estimate.step_time_s
+    plan = result.plan
+    strategies = [s for st in plan.stages
+                  for s in (st.layer_strategies or
+                            (LayerStrategy(tp=plan.tp, dp=plan.dp, zero=plan.zero),) * st.num_layers)]
+    again = stage_cost(cost, plan, 0, 0, cost.model.num_layers, strategies,
+                       plan.stages[0].recompute, cost.default_gpu())
+    assert result.estimate.step_time_s == pytest.approx(again.busy_s(plan.num_microbatches),
+                                                        rel=1e-12)

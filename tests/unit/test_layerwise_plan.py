@@ -1,0 +1,115 @@
+"""Layer strategies in Plan JSON, and the transition costs between neighbouring layers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from meshmorph.cost.layerwise_cost import estimate_layerwise
+from meshmorph.cost.model import CostModel
+from meshmorph.cost.transition import transition
+from meshmorph.spec.catalog import load_model
+from meshmorph.spec.cluster import parse_cluster
+from meshmorph.spec.model import Recompute
+from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "plans" / "layerwise-gpt-small.json"
+
+
+def _plan(strategies: list[LayerStrategy] | None) -> Plan:
+    model = load_model("gpt-tiny")
+    plan = Plan(model="gpt-tiny", seq_len=model.seq_len, global_batch=8, tp=1, dp=4, zero=0,
+                micro_batch=2, num_microbatches=1).with_even_stages(model)
+    stage = plan.stages[0]
+    from dataclasses import replace
+    return replace(plan, stages=(replace(stage, layer_strategies=None if strategies is None
+                                         else tuple(strategies)),))
+
+
+def test_json_round_trip_keeps_layer_strategies_exactly() -> None:
+    mixed = [LayerStrategy(tp=2, dp=2, zero=0)] + [LayerStrategy(tp=1, dp=4, zero=3)] * 5
+    plan = _plan(mixed)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert again.stages[0].layer_strategies == tuple(mixed)
+    assert json.loads(plan.to_json())["stages"][0]["layer_strategies"][0] == {
+        "tp": 2, "dp": 2, "zero": 0}
+
+
+def test_plan_without_layer_strategies_writes_no_key_and_round_trips() -> None:
+    plan = _plan(None)
+    data = json.loads(plan.to_json())
+    assert "layer_strategies" not in data["stages"][0]
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_old_plan_files_load_unchanged() -> None:
+    for path in sorted((Path(__file__).parents[2] / "examples").rglob("*.json")):
+        data = json.loads(path.read_text())
+        if "stages" not in data or "model" not in data:
+            continue
+        plan = Plan.from_dict(data)
+        assert Plan.from_json(plan.to_json()) == plan, path
+
+
+def test_layer_strategy_must_split_the_stage_devices() -> None:
+    with pytest.raises(PlanError, match="tp 2 x dp 4 != the stage's 4 devices"):
+        _plan([LayerStrategy(tp=2, dp=4)] * 6)
+    with pytest.raises(PlanError, match="lists 2 layer strategies for 6 layers"):
+        _plan([LayerStrategy(tp=1, dp=4)] * 2)
+
+
+def test_transition_costs_match_hand_computed_all_gathers() -> None:
+    model = load_model("llama2-7b", 2048)
+    cost = CostModel(model, parse_cluster("a100-80g:1x8"))
+    gpu = cost.default_gpu()
+    link = cost.group_link(gpu, 8)
+    alpha, beta = link.latency_s, link.bandwidth_bps
+    a, b = LayerStrategy(tp=8, dp=1), LayerStrategy(tp=2, dp=4)
+    # tp 8 -> 2: forward slices (free); backward gathers the gradient of all 8 sequences
+    # (B / dp_a = 8 sequences x 2048 x 4096 x 2 bytes) over k = 4 ranks
+    down = transition(cost, a, b, 8, "bf16", gpu)
+    nbytes = 8 * 2048 * 4096 * 2
+    assert (down.fwd_collective, down.bwd_collective, down.group_size) == ("slice", "all_gather", 4)
+    assert down.gathered_bytes == nbytes
+    assert down.fwd_s == 0.0
+    assert down.bwd_s == pytest.approx(3 * alpha + 3 / 4 * nbytes / beta, rel=1e-12)
+    # tp 2 -> 8: forward gathers (B / dp_b = 8 sequences), backward slices
+    up = transition(cost, b, a, 8, "bf16", gpu)
+    assert (up.fwd_collective, up.bwd_collective, up.bwd_s) == ("all_gather", "slice", 0.0)
+    assert up.fwd_s == pytest.approx(down.bwd_s, rel=1e-12)
+    # tp 1 -> 2 on a stage micro-batch of 8: dp 8 -> 4, each rank gathers 2 sequences over 2
+    small = transition(cost, LayerStrategy(tp=1, dp=8), LayerStrategy(tp=2, dp=4), 8, "bf16", gpu)
+    two = 2 * 2048 * 4096 * 2
+    link2 = cost.group_link(gpu, 2)
+    assert small.gathered_bytes == two
+    assert small.fwd_s == pytest.approx(link2.latency_s + two / 2 / link2.bandwidth_bps, rel=1e-12)
+    # ZeRO alone moves no activation
+    same = transition(cost, LayerStrategy(tp=2, dp=4, zero=0), LayerStrategy(tp=2, dp=4, zero=3),
+                      8, "bf16", gpu)
+    assert (same.fwd_s, same.bwd_s, same.fwd_collective) == (0.0, 0.0, "none")
+
+
+def test_transitions_add_to_the_step_of_a_mixed_plan() -> None:
+    model = load_model("gpt-tiny")
+    cost = CostModel(model, parse_cluster("a100-40g:1x4"))
+    mixed = _plan([LayerStrategy(tp=2, dp=2)] + [LayerStrategy(tp=1, dp=4)] * 5)
+    estimate = estimate_layerwise(cost, mixed)
+    step = transition(cost, LayerStrategy(tp=2, dp=2), LayerStrategy(tp=1, dp=4), 8, "bf16",
+                      cost.default_gpu())
+    assert estimate.breakdown_s["transitions"] == pytest.approx(step.fwd_s + step.bwd_s, rel=1e-12)
+    assert step.bwd_s > 0 and step.fwd_s == 0.0
+
+
+def test_committed_example_has_two_strategies_in_one_stage_and_estimates() -> None:
+    plan = Plan.load(EXAMPLE)
+    assert any(s.layer_strategies and len(set(s.layer_strategies)) >= 2 for s in plan.stages)
+    model = load_model(plan.model, plan.seq_len)
+    cost = CostModel(model, parse_cluster(f"a100-80g:1x{plan.world_size}"))
+    estimate = estimate_layerwise(cost, plan)
+    assert estimate.fits
+    assert estimate.step_time_s > 0
+    assert all(mode in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+               for mode in plan.recompute_of_layer())

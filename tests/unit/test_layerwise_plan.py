@@ -113,3 +113,25 @@ def test_committed_example_has_two_strategies_in_one_stage_and_estimates() -> No
     assert estimate.step_time_s > 0
     assert all(mode in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
                for mode in plan.recompute_of_layer())
+
+
+def test_plan_cli_layerwise_writes_uniform_best_beside_the_best_plan(tmp_path: Path) -> None:
+    import contextlib
+    import io
+
+    from meshmorph.cli import main
+
+    figures = {}
+    for flag in ("--layerwise", "--uniform"):
+        out = tmp_path / f"{flag[2:]}.json"
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = main(["plan", "--model", "llama2-7b", "--seq-len", "2048", "--cluster",
+                         "a100-80g:1x8", "--global-batch", "16", flag, "--json", str(out)])
+        assert code == 0
+        data = json.loads(out.read_text())
+        figures[flag] = (data["plans"][0]["predicted"]["tokens_per_s"],
+                         data["uniform_best_tokens_per_s"])
+        Plan.from_dict(data["plans"][0])  # loads back
+    best, uniform = figures["--layerwise"]
+    assert best > uniform  # the embedding takes tp 2 while the blocks keep tp 1
+    assert figures["--uniform"] == (uniform, uniform)

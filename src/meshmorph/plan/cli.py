@@ -99,6 +99,10 @@ def _plan(args: argparse.Namespace) -> int:
                             tolerance=args.tolerance, max_nodes=args.max_nodes or None,
                             allow_async=args.allow_async)
     cost = CostModel(model, cluster, profile=Profile.load(args.profile) if args.profile else None)
+    if args.layerwise or args.uniform:
+        from meshmorph.plan.layerwise_cli import plan_layerwise
+
+        return plan_layerwise(args, model, cluster, options, cost)
     result = search(model, cluster, global_batch=args.global_batch, options=options, cost=cost)
     console = report_console()
     params = (f"{model.num_params / 1e9:.2f} B" if model.num_params >= 1e9
@@ -119,6 +123,7 @@ def _plan(args: argparse.Namespace) -> int:
             "configurations": result.configurations,
             "configurations_solved": result.configurations_solved,
             "optimality_gap": result.optimality_gap,
+            "uniform_best_tokens_per_s": result.estimates[0].tokens_per_s,  # every plan is uniform
             "plans": [plan.to_dict() for plan in result.plans],
         })
         console.print(f"plans written to {args.json}")
@@ -347,6 +352,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--max-nodes", type=int, default=300,
                       help="branch-and-bound nodes per configuration before the rest is left "
                            "with its bound (the proven gap is printed); 0 = no limit")
+    plan.add_argument("--layerwise", action="store_true",
+                      help="let each layer of a stage choose its own tp/dp/ZeRO (exact Pareto "
+                           "program; gpipe/1f1b, even stages, no sequence parallel)")
+    plan.add_argument("--uniform", action="store_true",
+                      help="the layerwise search restricted to one strategy per stage")
     plan.add_argument("--allow-async", action="store_true",
                       help="also consider schedule async (1F1B without flush, stale weights: "
                            "not the same math as one device; priced without the flush bubble)")

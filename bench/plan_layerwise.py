@@ -1,0 +1,117 @@
+"""Layerwise planning on Galvatron's published settings: predicted throughput and search time.
+
+    python bench/plan_layerwise.py [--quick]
+
+llama2-7b, seq 2048, bf16, on 8 x A100 40 GB and 80 GB (global batch 16-64), the same A100s
+capped at 16 GB (Galvatron's memory-constrained cases), and 16-64 x A100 80 GB. For each case:
+the best plan with a strategy per layer, the best with one strategy per stage (both under
+cost/layerwise_cost.py, the layerwise search with ``uniform_only``), meshmorph's regular planner
+(cost/model.py; its own cost model, printed for context), and the layerwise search's wall-clock
+and CPU seconds beside Galvatron's measured search times on its own llama2-7b profiles
+(40 s on 4 GPUs, 105-300 s on 8-16 GPUs, 25 min with the batch size searched too).
+Writes bench/results/plan_layerwise.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from meshmorph.cost.model import CostModel
+from meshmorph.plan.layerwise_search import search_layerwise
+from meshmorph.plan.report import layer_strategy_summary
+from meshmorph.plan.search import search
+from meshmorph.plan.space import SearchOptions
+from meshmorph.spec import catalog_model, parse_cluster
+from meshmorph.spec.cluster import Cluster
+from meshmorph.spec.plan import PlanError
+
+GALVATRON_SEARCH_S = {4: 40.0, 8: 105.0, 16: 300.0}
+"""Galvatron's measured search times on its llama2-7b profiles (8-16 GPUs: 105-300 s)."""
+
+CASES = [  # (cluster, memory cap GiB or None, global batch)
+    ("a100-40g:1x8", None, 16), ("a100-40g:1x8", None, 32), ("a100-40g:1x8", None, 64),
+    ("a100-80g:1x8", None, 16), ("a100-80g:1x8", None, 32), ("a100-80g:1x8", None, 64),
+    ("a100-40g:1x8", 16, 16), ("a100-40g:1x8", 16, 32), ("a100-40g:1x8", 16, 64),
+    ("a100-80g:2x8", None, 64), ("a100-80g:4x8", None, 64), ("a100-80g:8x8", None, 64),
+]
+
+
+def capped(cluster: Cluster, memory_gib: float | None) -> Cluster:
+    """The cluster with every GPU's memory set to ``memory_gib`` (same speed)."""
+    if memory_gib is None:
+        return cluster
+    return replace(cluster, groups=tuple(
+        replace(g, gpu=replace(g.gpu, memory_gib=memory_gib)) for g in cluster.groups))
+
+
+def run_case(shorthand: str, cap: float | None, batch: int, regular: bool) -> dict:
+    model = catalog_model("llama2-7b").with_seq_len(2048)
+    cluster = capped(parse_cluster(shorthand), cap)
+    options = SearchOptions(top_k=1)
+    row: dict = {"cluster": shorthand, "memory_gib": cap or cluster.groups[0].gpu.memory_gib,
+                 "gpus": cluster.world_size, "global_batch": batch}
+    cost = CostModel(model, cluster)
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        result = search_layerwise(model, cluster, global_batch=batch, options=options, cost=cost)
+    except PlanError as exc:
+        row["layerwise"] = f"does not fit: {exc}"
+        return row
+    row["search_wall_s"] = time.perf_counter() - wall
+    row["search_cpu_s"] = time.process_time() - cpu
+    row["configurations"] = result.configurations
+    row["configurations_solved"] = result.configurations_solved
+    row["layerwise_tokens_per_s"] = result.estimate.tokens_per_s
+    row["uniform_best_tokens_per_s"] = (result.uniform_estimate.tokens_per_s
+                                        if result.uniform_estimate else None)
+    plan = result.plan
+    row["layerwise_plan"] = (f"pp{plan.pp} mb{plan.micro_batch}x{plan.num_microbatches} "
+                             + ("; ".join(layer_strategy_summary(plan))
+                                or f"all tp{plan.tp} dp{plan.dp} z{plan.zero}"))
+    row["galvatron_search_s"] = GALVATRON_SEARCH_S.get(cluster.world_size)
+    if regular:
+        try:
+            best = search(model, cluster, global_batch=batch, options=options, cost=cost)
+            row["regular_planner_tokens_per_s"] = best.estimates[0].tokens_per_s
+        except PlanError as exc:
+            row["regular_planner_tokens_per_s"] = None
+            row["regular_planner"] = str(exc).split(";")[0]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the first four cases only")
+    parser.add_argument("--no-regular", action="store_true",
+                        help="skip the regular planner's figure (its own cost model)")
+    args = parser.parse_args()
+    rows = [run_case(*case, regular=not args.no_regular)
+            for case in (CASES[:4] if args.quick else CASES)]
+    print(f"{'cluster':<14}{'GiB':>5}{'B':>4}  {'layerwise':>10} {'uniform':>10} {'gain':>7} "
+          f"{'regular':>10}  {'search s':>8} {'cpu s':>6} {'Galvatron s':>11}  plan")
+    for r in rows:
+        if "layerwise_tokens_per_s" not in r:
+            print(f"{r['cluster']:<14}{r['memory_gib']:>5g}{r['global_batch']:>4}  {r['layerwise']}")
+            continue
+        lw, un = r["layerwise_tokens_per_s"], r["uniform_best_tokens_per_s"]
+        gain = f"{lw / un - 1:+.2%}" if un else "n/a"
+        reg = r.get("regular_planner_tokens_per_s")
+        galv = r["galvatron_search_s"]
+        print(f"{r['cluster']:<14}{r['memory_gib']:>5g}{r['global_batch']:>4}  {lw:>10,.0f} "
+              f"{un or 0:>10,.0f} {gain:>7} {reg or 0:>10,.0f}  {r['search_wall_s']:>8.2f} "
+              f"{r['search_cpu_s']:>6.2f} {galv if galv else '-':>11}  {r['layerwise_plan']}")
+    out = Path(__file__).parent / "results" / "plan_layerwise.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"python": platform.python_version(), "machine": platform.machine(),
+                               "model": "llama2-7b", "seq_len": 2048, "cases": rows},
+                              indent=2) + "\n")
+    print(f"wrote {out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out.name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -140,3 +140,52 @@ def test_single_stage_search_step_equals_its_stage_time_and_beats_uniform() -> N
                        plan.stages[0].recompute, cost.default_gpu())
     assert result.estimate.step_time_s == pytest.approx(again.busy_s(plan.num_microbatches),
                                                         rel=1e-12)
+
+
+def _search_brute(cost: CostModel, global_batch: int, zero: int) -> float | None:
+    """The least step over every stage micro-batch and every per-layer assignment (pp = 1: the
+    step is the stage's own time, checked above), from ``_brute``'s sums."""
+    model, devices = cost.model, cost.cluster.world_size
+    best = None
+    for sequences in (d for d in range(1, global_batch + 1) if global_batch % d == 0):
+        strategies = [LayerStrategy(tp=t, dp=devices // t, zero=zero if devices // t > 1 else 0)
+                      for t in (1, 2, 4) if devices % t == 0 and sequences % (devices // t) == 0
+                      and model.num_kv_heads % t == 0 and model.num_heads % t == 0
+                      and model.ffn_hidden_size % t == 0]
+        if not strategies:
+            continue
+        first = strategies[0]
+        plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=global_batch,
+                    tp=first.tp, dp=first.dp, zero=first.zero,
+                    micro_batch=sequences // first.dp, num_microbatches=global_batch // sequences)
+        every = _brute(cost, plan, 0, 0, model.num_layers, strategies)
+        found = _best(every, cost.default_gpu().memory_bytes)
+        if found is not None and (best is None or found < best):
+            best = found
+    return best
+
+
+FREE_STEP_S = {"gpt-tiny": 1.810024111651969e-04, "llama-tiny": 1.8096915193996336e-04}
+
+
+@pytest.mark.parametrize(("name", "memory_gib"), [
+    ("gpt-tiny", None), ("gpt-tiny", 1.0539928), ("gpt-tiny", 1.0537819),
+    ("llama-tiny", None), ("llama-tiny", 1.0539224), ("llama-tiny", 1.0538169)])
+def test_whole_search_equals_brute_force_over_batches_and_assignments(name: str,
+                                                                      memory_gib: float | None
+                                                                      ) -> None:
+    """pp = 1, 4 devices, every stage micro-batch; the capped devices (about 1.054 GiB, the
+    context and reserve nearly all of it) make the optimum slower than without a cap."""
+    cost = _cost(name, 4, memory_gib)
+    options = SearchOptions(pp_degrees=(1,), recompute=MODES, zero_stages=(3,),
+                            max_micro_batch=8)
+    expected = _search_brute(cost, 8, 3)
+    assert expected is not None
+    if memory_gib is None:
+        assert expected == pytest.approx(FREE_STEP_S[name], rel=1e-9)
+    else:
+        assert expected > FREE_STEP_S[name] * 1.01  # the cap binds
+    result = search_layerwise(cost.model, cost.cluster, global_batch=8, options=options,
+                              cost=cost)
+    assert result.estimate.step_time_s == pytest.approx(expected, rel=1e-12)
+    assert result.estimate.fits

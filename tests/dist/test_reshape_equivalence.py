@@ -134,6 +134,7 @@ def job(rank: int, world_size: int, out_dir: str) -> None:
                                                    consumed_samples=consumed, store_dir=out,
                                                    tag=f"move{index}")
                 processes = report.processes_b
+                consumed = report.consumed_samples  # the data position moves with the state
                 if engine is not None:
                     small = extract_state(engine, consumed_samples=consumed, checksums=False).small
                     after = state_hashes(engine, small)

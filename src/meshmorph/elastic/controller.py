@@ -92,6 +92,8 @@ class ReshapeReport:
     """Wall time of each step of the move on this process (plan, extract, transfer, build...)."""
     predicted_time_s: float = 0.0
     """The cost model's time for the transfers (``move_time.predict_move_time_s``)."""
+    consumed_samples: int | None = None
+    """The data position the move carried (None on a process that took no part)."""
 
     def figures(self) -> dict[str, Any]:
         """The keys of a ``{"event": "reshape"}`` line (sizes in bytes, times in seconds)."""
@@ -105,12 +107,33 @@ class ReshapeReport:
                 "measured_transfer_s": self.times_s.get("transfer", 0.0)}
 
 
+def clear_mesh_caches() -> None:
+    """Empty DTensor's caches keyed by device-mesh value. A DeviceMesh equals any other of the same
+    layout, so after a new process group puts this process at another rank, a cached sharding
+    decision would hand back the old mesh object and with it the old coordinates (FSDP2 shards
+    that claim another rank's rows)."""
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    caches = [*vars(propagator).values(),
+              getattr(type(propagator), "_propagate_tensor_meta_cached", None),
+              getattr(_redistribute, "_gen_transform_infos", None),
+              getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)]
+    for cache in caches:
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:  # the C++ dispatch fast path keeps its own copy
+        native()
+
+
 def regroup(store_dir: Path, tag: str, me: int, members: Sequence[int],
             timeout_s: float = 120.0) -> bool:
     """Leave the current default process group and, if ``me`` is in ``members``, join a new one
     whose rank ``i`` is process ``members[i]``; whether ``me`` joined."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    clear_mesh_caches()
     if me not in members:
         return False
     store = dist.FileStore(str(store_dir / f"store-{tag}"), len(members))
@@ -188,6 +211,7 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
         small = _share_small(state.small if state is not None else None, root)
         if state is not None:
             small.rng = state.small.rng
+        report.consumed_samples = small.consumed_samples
         shapes = {k: t.shape for k, t in layout_a.tensors.items()}
         received, report.execution = execute_transfers(
             move.transfers, device_of[me], held, shapes,
@@ -203,3 +227,28 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
         install_state(new_engine, merge_pieces(held, received), small)
         lap("install")
     return new_engine, report
+
+
+def replan(model: ModelSpec, world_size: int, *, global_batch: int, dtype: str = "fp32",
+           cluster: str | None = None) -> Plan:
+    """The planner's best plan for ``world_size`` devices that the runtime accepts, with the
+    global batch kept (gradient accumulation absorbs a smaller dp)."""
+    from meshmorph.plan.search import search
+    from meshmorph.plan.space import SearchOptions
+    from meshmorph.run.engine import validate_plan
+    from meshmorph.spec.plan import PlanError
+
+    result = search(model, parse_cluster(cluster or f"cpu:1x{world_size}"),
+                    global_batch=global_batch, options=SearchOptions(dtype=dtype, top_k=8))
+    refused = []
+    for plan in result.plans:
+        plan = plan if plan.stages else plan.with_even_stages(model)
+        try:
+            validate_plan(model, plan, world_size)
+        except PlanError as exc:
+            refused.append(str(exc))
+            continue
+        return plan
+    raise ReshapeError(f"the planner found no plan of {model.name} for {world_size} devices with "
+                       f"global_batch {global_batch} that the runtime runs ({refused[:2]}); "
+                       "wait for more devices or restart from the checkpoint with a plan file")

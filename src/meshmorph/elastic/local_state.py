@@ -156,24 +156,34 @@ def local_box(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return local, tuple(offset)
 
 
-def _engine_dicts(engine: Any) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(model state dict, flattened optimizer state dict) per model part, state initialised."""
-    return [(get_model_state_dict(part), get_optimizer_state_dict(part, opt, options=_FLAT))
+def _engine_dicts(engine: Any, *, init_optimizer: bool = False
+                  ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(model state dict, flattened optimizer state dict) per model part. An optimizer that has
+    not stepped yet gives an empty dict unless ``init_optimizer``: torch initialises its state
+    by a step with zero gradients, which would count as AdamW's first step."""
+    fresh = not any(opt.state for opt in engine.optimizers)
+    return [(get_model_state_dict(part),
+             get_optimizer_state_dict(part, opt, options=_FLAT)
+             if init_optimizer or not fresh else {})
             for part, opt in zip(engine.model_parts, engine.optimizers, strict=True)]
 
 
 def state_tensors(engine: Any) -> dict[str, torch.Tensor]:
     """Layout key -> this rank's live tensor (a DTensor or a whole plain tensor)."""
     found: dict[str, torch.Tensor] = {}
+    tied = bool(engine.spec.tied_embeddings)
     for model, optim in _engine_dicts(engine):
-        for fqn, value in model.items():
-            found[f"param/{fqn}"] = value
+        named = dict(model)
         for name, value in optim.items():
-            if not name.startswith("state."):
-                continue
             fqn, _, what = name[len("state."):].rpartition(".")
-            if what in MOMENTS:
-                found[f"{what}/{fqn}"] = value
+            if name.startswith("state.") and what in MOMENTS:
+                named[f"{what}/{fqn}"] = value
+        for name, value in named.items():
+            if tied and TIED_HEAD in name:  # Layout names a tied head by its embedding
+                name = name.replace(TIED_HEAD, TIED_EMBEDDING)
+                if name in named:  # the embedding is on this rank too: one tensor
+                    continue
+            found[name if "/" in name else f"param/{name}"] = value
     return found
 
 
@@ -226,8 +236,9 @@ def install_state(engine: Any, pieces: dict[str, list[HeldPiece]], small: SmallS
     """Fill a freshly built engine's local shards from ``pieces`` (which must cover every box it
     holds, without overlap) and set its step, optimizer hyperparameters, LR scheduler and RNG."""
     tied = bool(engine.spec.tied_embeddings)
-    for (model, optim), part, opt in zip(_engine_dicts(engine), engine.model_parts,
-                                         engine.optimizers, strict=True):
+    stepped = small.step > 0  # before AdamW's first step there are no moments to install
+    for (model, optim), part, opt in zip(_engine_dicts(engine, init_optimizer=stepped),
+                                         engine.model_parts, engine.optimizers, strict=True):
         targets = {f"param/{fqn}": v for fqn, v in model.items()}
         for name, value in optim.items():
             if name.startswith("state."):
@@ -246,7 +257,8 @@ def install_state(engine: Any, pieces: dict[str, list[HeldPiece]], small: SmallS
                     f"of box offset {list(offset)} shape {list(local.shape)}; the move plan left "
                     "part of it behind (or sent it twice)")
         set_model_state_dict(part, model, options=StateDictOptions(strict=False))
-        set_optimizer_state_dict(part, opt, optim, options=_FLAT)
+        if stepped:
+            set_optimizer_state_dict(part, opt, optim, options=_FLAT)
         for group in opt.param_groups:
             group.update({k: v for k, v in small.param_group.items() if k in group})
     if small.lr_scheduler is not None:

@@ -47,7 +47,7 @@ def _validate(args: argparse.Namespace) -> int:
     from meshmorph.predict.validate import ValidateConfig, report, run_validate
 
     config = ValidateConfig(num_plans=args.plans, nproc=args.nproc, model=args.model,
-                            seq_len=args.seq_len, repeats=args.repeats,
+                            seq_len=args.seq_len, repeats=args.repeats, warmup=args.warmup,
                             profile_path=args.profile, tensor_parallel=args.tp)
     result = run_validate(config)
     report(result, json_path=args.json, png_path=args.png)
@@ -76,6 +76,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     val.add_argument("--seq-len", type=_positive, default=64, help="sequence length (default 64)")
     val.add_argument("--repeats", type=_positive, default=5,
                      help="timed steps per plan after warm-up (default 5)")
+    val.add_argument("--warmup", type=_positive, default=2,
+                     help="untimed steps per plan before the timed ones (default 2)")
     val.add_argument("--profile", type=Path, default=None,
                      help="use this Profile instead of profiling just before (default: profile first)")
     val.add_argument("--tp", action="store_true",

@@ -53,9 +53,9 @@ class ProfileConfig:
 
 def quick_config(nproc: int, models: tuple[str, ...], seq_len: int | None) -> ProfileConfig:
     """Well under a minute: fewer repeats, shapes and sizes."""
-    return ProfileConfig(nproc=nproc, models=models, seq_len=seq_len, micro_batches=(1, 2),
-                         repeats=3, gemm_shapes=((256, 256, 256), (512, 512, 512)),
-                         message_bytes=(4096, 1 << 20, 4 << 20))
+    return ProfileConfig(nproc=nproc, models=models, seq_len=seq_len, micro_batches=(1, 2, 4),
+                         repeats=3, gemm_shapes=((512, 512, 512),),
+                         message_bytes=(4096, 1 << 20))
 
 
 def _rank_job(rank: int, world: int, config: ProfileConfig, out_dir: str) -> None:

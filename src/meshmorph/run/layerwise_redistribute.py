@@ -1,0 +1,86 @@
+"""Moving activations between two layers whose (tp, dp) splits of a stage differ.
+
+The runtime half of layerwise plans, first piece: the redistribution cost/transition.py prices,
+as an autograd function. Ranks of a stage are numbered with tp innermost; under (tp, dp) rank r
+holds the sequences of data-parallel block r // tp of a micro-batch (B / dp sequences),
+replicated on the block's tp ranks. From a = (tp_a, dp_a) to b = (tp_b, dp_b):
+
+- tp_b < tp_a: forward keeps its 1/k slice (k = tp_a / tp_b), backward all-gathers the input
+  gradient from the k ranks that share r's a-block and r % tp_b;
+- tp_b > tp_a: forward all-gathers the k = tp_b / tp_a consecutive a-blocks of r's b-block from
+  the ranks sharing r % tp_a, backward keeps its slice of the (replicated) gradient.
+
+Process groups are made once per (tp_a, tp_b) pair by every rank of the job, in one order, as
+``torch.distributed.new_group`` requires. Not yet wired into run/parallelize.py: layers with
+their own sub-meshes and FSDP2 policies are the next piece.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class LayoutGroups:
+    """The all-gather groups of every pair of tp degrees on one stage of ranks [first, first +
+    devices); made lazily but collectively: call ``groups(low, high)`` on every rank of the job
+    in the same order (before the first forward)."""
+
+    def __init__(self, first: int, devices: int):
+        self.first = first
+        self.devices = devices
+        self._made: dict[tuple[int, int], dict[int, Any]] = {}
+
+    def groups(self, low: int, high: int) -> dict[int, Any]:
+        """Stage-local rank -> its group of k = high / low ranks (same high-block, same
+        rank % low), for tp degrees ``low`` < ``high`` that nest."""
+        if high % low or self.devices % high:
+            raise ValueError(f"tp {low} and tp {high} do not nest on {self.devices} devices; "
+                             "choose tp degrees where one divides the other and the stage")
+        if (low, high) not in self._made:
+            mine: dict[int, Any] = {}
+            for block in range(self.devices // high):
+                for lane in range(low):
+                    local = [block * high + q * low + lane for q in range(high // low)]
+                    group = dist.new_group([self.first + r for r in local])
+                    for r in local:
+                        mine[r] = group
+            self._made[low, high] = mine
+        return self._made[low, high]
+
+
+def _gather(x: torch.Tensor, group: Any, k: int) -> torch.Tensor:
+    out = torch.empty((k * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp_a: int, tp_b: int, local: int,
+                layouts: LayoutGroups) -> torch.Tensor:
+        ctx.tp_a, ctx.tp_b, ctx.local, ctx.layouts = tp_a, tp_b, local, layouts
+        if tp_b < tp_a:  # slice
+            k = tp_a // tp_b
+            return x.chunk(k, dim=0)[(local % tp_a) // tp_b].clone()
+        k = tp_b // tp_a
+        return _gather(x, layouts.groups(tp_a, tp_b)[local], k)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        tp_a, tp_b, local = ctx.tp_a, ctx.tp_b, ctx.local
+        if tp_b < tp_a:  # gather the gradient of the whole a-block
+            k = tp_a // tp_b
+            return _gather(grad, ctx.layouts.groups(tp_b, tp_a)[local], k), None, None, None, None
+        k = tp_b // tp_a
+        return grad.chunk(k, dim=0)[(local % tp_b) // tp_a].clone(), None, None, None, None
+
+
+def redistribute(x: torch.Tensor, tp_a: int, tp_b: int, layouts: LayoutGroups) -> torch.Tensor:
+    """This rank's activation ``x`` (its a-block's sequences on dim 0) as layer b needs it."""
+    if tp_a == tp_b:
+        return x
+    local = dist.get_rank() - layouts.first
+    return _Redistribute.apply(x, tp_a, tp_b, local, layouts)

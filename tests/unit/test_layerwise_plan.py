@@ -135,3 +135,14 @@ def test_plan_cli_layerwise_writes_uniform_best_beside_the_best_plan(tmp_path: P
     best, uniform = figures["--layerwise"]
     assert best > uniform  # the embedding takes tp 2 while the blocks keep tp 1
     assert figures["--uniform"] == (uniform, uniform)
+
+
+def test_layer_tp_that_does_not_divide_the_heads_is_refused() -> None:
+    model = load_model("gpt-tiny")  # 4 heads
+    plan = Plan(model="gpt-tiny", seq_len=model.seq_len, global_batch=16, tp=1, dp=8,
+                micro_batch=2, num_microbatches=1).with_even_stages(model)
+    from dataclasses import replace
+    bad = replace(plan, stages=(replace(plan.stages[0], layer_strategies=(
+        LayerStrategy(tp=8, dp=1),) + (LayerStrategy(tp=1, dp=8),) * 5),))
+    with pytest.raises(PlanError, match="tp 8 does not divide num_heads 4 of gpt-tiny"):
+        bad.check_against(model)

@@ -265,6 +265,14 @@ class Plan:
                         f"tp {self.tp} does not divide {what} {value} of {model.name}; "
                         f"choose a tp that divides it"
                     )
+        for tp in sorted({x.tp for st in self.stages for x in st.layer_strategies or ()} - {1}):
+            for what, value in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
+                                ("ffn_hidden_size", model.ffn_hidden_size)):
+                if value % tp or not model.tp_splittable:
+                    raise PlanError(
+                        f"a layer strategy's tp {tp} does not divide {what} {value} of "
+                        f"{model.name}; choose layer tp degrees that divide it"
+                    )
         if self.sequence_parallel and self.seq_len % self.tp:
             raise PlanError(f"sequence parallel needs tp {self.tp} to divide seq_len {self.seq_len}")
         if self.schedule in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.INTERLEAVED) \

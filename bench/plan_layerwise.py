@@ -23,7 +23,7 @@ from pathlib import Path
 
 from meshmorph.cost.model import CostModel
 from meshmorph.plan.layerwise_search import search_layerwise
-from meshmorph.plan.report import layer_strategy_summary
+from meshmorph.plan.report import layer_strategy_summary, recompute_summary
 from meshmorph.plan.search import search
 from meshmorph.plan.space import SearchOptions
 from meshmorph.spec import catalog_model, parse_cluster
@@ -78,6 +78,10 @@ def run_case(shorthand: str, cap: float | None, batch: int, regular: bool) -> di
         try:
             best = search(model, cluster, global_batch=batch, options=options, cost=cost)
             row["regular_planner_tokens_per_s"] = best.estimates[0].tokens_per_s
+            p = best.plans[0]
+            row["regular_plan"] = (f"tp{p.tp} pp{p.pp} dp{p.dp} z{p.zero} sp{int(p.sequence_parallel)}"
+                                   f" {p.schedule} v{p.vpp} mb{p.micro_batch}x{p.num_microbatches}"
+                                   f" recompute {recompute_summary(p, model)}")
         except PlanError as exc:
             row["regular_planner_tokens_per_s"] = None
             row["regular_planner"] = str(exc).split(";")[0]
@@ -110,6 +114,10 @@ def main() -> None:
     out.write_text(json.dumps({"python": platform.python_version(), "machine": platform.machine(),
                                "model": "llama2-7b", "seq_len": 2048, "cases": rows},
                               indent=2) + "\n")
+    for r in rows:
+        if r.get("regular_plan"):
+            print(f"regular planner, {r['cluster']} {r['memory_gib']:g} GiB B={r['global_batch']}: "
+                  f"{r['regular_plan']}")
     print(f"wrote {out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out.name}")
 
 

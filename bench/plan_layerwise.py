@@ -70,7 +70,8 @@ def run_case(shorthand: str, cap: float | None, batch: int, regular: bool) -> di
     row["uniform_best_tokens_per_s"] = (result.uniform_estimate.tokens_per_s
                                         if result.uniform_estimate else None)
     plan = result.plan
-    row["layerwise_plan"] = (f"pp{plan.pp} mb{plan.micro_batch}x{plan.num_microbatches} "
+    row["layerwise_plan"] = (f"pp{plan.pp} {plan.schedule} v{plan.vpp} "
+                             f"mb{plan.micro_batch}x{plan.num_microbatches} "
                              + ("; ".join(layer_strategy_summary(plan))
                                 or f"all tp{plan.tp} dp{plan.dp} z{plan.zero}"))
     row["galvatron_search_s"] = GALVATRON_SEARCH_S.get(cluster.world_size)

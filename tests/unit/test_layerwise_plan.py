@@ -146,3 +146,22 @@ def test_layer_tp_that_does_not_divide_the_heads_is_refused() -> None:
         LayerStrategy(tp=8, dp=1),) + (LayerStrategy(tp=1, dp=8),) * 5),))
     with pytest.raises(PlanError, match="tp 8 does not divide num_heads 4 of gpt-tiny"):
         bad.check_against(model)
+
+
+@pytest.mark.parametrize(("schedule", "vpp"), [("1f1b", 1), ("gpipe", 1), ("interleaved", 3)])
+def test_uniform_plan_without_data_parallel_prices_as_the_cost_model(schedule: str,
+                                                                     vpp: int) -> None:
+    """With dp = 1 nothing is exposed per layer rather than per chunk, so the layerwise model
+    gives CostModel's step and memory to rounding (interleaved: both chunks of a rank)."""
+    model = load_model("gpt-small")  # 6 blocks: 2 ranks x 3 chunks of one block
+    cost = CostModel(model, parse_cluster("a100-80g:1x4"))
+    plan = Plan(model="gpt-small", seq_len=model.seq_len, global_batch=4, tp=2, pp=2, dp=1,
+                micro_batch=1, num_microbatches=4, schedule=schedule, vpp=vpp
+                ).with_even_stages(model, Recompute.SELECTIVE)
+    from dataclasses import replace
+    listed = replace(plan, stages=tuple(replace(s, layer_strategies=(LayerStrategy(tp=2, dp=1),)
+                                                * s.num_layers) for s in plan.stages))
+    ours, theirs = estimate_layerwise(cost, listed), cost.estimate(plan)
+    assert ours.step_time_s == pytest.approx(theirs.step_time_s, rel=1e-9)
+    assert [m.total for m in ours.memory] == pytest.approx([m.total for m in theirs.memory],
+                                                           rel=1e-9)

@@ -123,25 +123,59 @@ class StageCost:
         return num_microbatches * (self.fwd_s + self.bwd_s) + self.tail_s
 
 
+@dataclass(frozen=True, slots=True)
+class RankCost:
+    """One pipeline rank holding one or more chunks (interleaved: ``vpp`` of them)."""
+
+    fwd_s: tuple[float, ...]
+    """Forward per micro-batch of each chunk, transitions included."""
+    bwd_s: tuple[float, ...]
+    """Backward per micro-batch of each chunk, transitions included."""
+    tail_s: float
+    """Sum of the rank's layers' tails."""
+    memory_bytes: float
+    """Peak bytes of the rank."""
+    transition_s: float
+    """Forward + backward redistribution per micro-batch over all its chunks."""
+
+
+Chunk = tuple[int, int, Sequence[LayerStrategy], Sequence[Recompute]]
+"""(start, stop, strategy of each layer, recompute of each layer)."""
+
+
+def rank_cost(cost: CostModel, plan: Plan, pp_rank: int, chunks: Sequence[Chunk],
+              gpu: GPUSpec) -> RankCost:
+    """Time and memory of a rank holding ``chunks`` (module docstring); no transition between
+    two chunks (the pipeline's send carries the activation)."""
+    held = {i for start, stop, _, _ in chunks for i in range(start, stop)}
+    tied = 0 in held and cost.model.num_layers - 1 in held
+    fwd, bwd = [], []
+    tail = params = stored = working = gather = moved = 0.0
+    for start, stop, strategies, recompute in chunks:
+        f = b = 0.0
+        for offset, index in enumerate(range(start, stop)):
+            t = layer_terms(cost, plan, pp_rank, index, strategies[offset], recompute[offset],
+                            gpu, drop_tied=tied and index == cost.model.num_layers - 1)
+            f, b, tail = f + t.fwd_s, b + t.bwd_s, tail + t.tail_s
+            params += t.param_bytes
+            stored += t.stored_bytes
+            working, gather = max(working, t.working_bytes), max(gather, t.gather_bytes)
+            if offset:
+                step = transition(cost, strategies[offset - 1], strategies[offset],
+                                  plan.dp * plan.micro_batch, plan.dtype, gpu)
+                f, b, moved = f + step.fwd_s, b + step.bwd_s, moved + step.fwd_s + step.bwd_s
+        fwd.append(f)
+        bwd.append(b)
+    memory = params + stored + working + gather + reserved_bytes(cost, gpu)
+    return RankCost(tuple(fwd), tuple(bwd), tail, memory, moved)
+
+
 def stage_cost(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int,
                strategies: Sequence[LayerStrategy], recompute: Sequence[Recompute],
                gpu: GPUSpec) -> StageCost:
-    """Time and memory of layers [start, stop) under ``strategies`` (module docstring)."""
-    tied = start == 0 and stop == cost.model.num_layers
-    f = b = tail = params = stored = working = gather = moved = 0.0
-    for offset, index in enumerate(range(start, stop)):
-        t = layer_terms(cost, plan, pp_rank, index, strategies[offset], recompute[offset], gpu,
-                        drop_tied=tied and index == stop - 1)
-        f, b, tail = f + t.fwd_s, b + t.bwd_s, tail + t.tail_s
-        params += t.param_bytes
-        stored += t.stored_bytes
-        working, gather = max(working, t.working_bytes), max(gather, t.gather_bytes)
-        if offset:
-            step = transition(cost, strategies[offset - 1], strategies[offset],
-                              plan.dp * plan.micro_batch, plan.dtype, gpu)
-            f, b, moved = f + step.fwd_s, b + step.bwd_s, moved + step.fwd_s + step.bwd_s
-    memory = params + stored + working + gather + reserved_bytes(cost, gpu)
-    return StageCost(f, b, tail, memory, moved)
+    """Time and memory of a rank holding layers [start, stop) under ``strategies``."""
+    r = rank_cost(cost, plan, pp_rank, [(start, stop, strategies, recompute)], gpu)
+    return StageCost(r.fwd_s[0], r.bwd_s[0], r.tail_s, r.memory_bytes, r.transition_s)
 
 
 def stage_strategies(plan: Plan, index: int) -> tuple[LayerStrategy, ...]:
@@ -154,43 +188,51 @@ def stage_strategies(plan: Plan, index: int) -> tuple[LayerStrategy, ...]:
 
 def estimate_layerwise(cost: CostModel, plan: Plan) -> Estimate:
     """Step time and memory of a plan whose stages list layer strategies: the schedule simulated
-    over the stages' layerwise times, each rank's step ending with its layers' tails."""
-    if plan.vpp > 1 or plan.schedule not in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
-        raise PlanError(f"layerwise plans run gpipe or 1f1b with one chunk per rank, not "
-                        f"{plan.schedule} (vpp {plan.vpp}); drop layer_strategies or the schedule")
+    over the chunks' layerwise times, each rank's step ending with its layers' tails."""
+    if plan.schedule not in (Schedule.ONE_F_ONE_B, Schedule.GPIPE, Schedule.INTERLEAVED):
+        raise PlanError(f"layerwise plans run gpipe, 1f1b or interleaved, not {plan.schedule}; "
+                        "drop layer_strategies or change the schedule")
     if plan.sequence_parallel:
         raise PlanError("layerwise plans do not model sequence parallelism; set it false")
     plan.check_against(cost.model)
     gpus = [cost.stage_gpu(stage) for stage in plan.stages]
-    stages = [stage_cost(cost, plan, k, s.start, s.stop, stage_strategies(plan, k), s.recompute,
-                         gpus[k]) for k, s in enumerate(plan.stages)]
     m, p = plan.num_microbatches, plan.pp
+    ranks = []
+    for k in range(p):
+        ids = plan.chunks_of(k)
+        ranks.append(rank_cost(cost, plan, k, [
+            (plan.stages[c].start, plan.stages[c].stop, stage_strategies(plan, c),
+             plan.stages[c].recompute) for c in ids], gpus[ids[0]]))
+    fwd, bwd = [0.0] * plan.num_chunks, [0.0] * plan.num_chunks
+    for k, r in enumerate(ranks):
+        for c, f, b in zip(plan.chunks_of(k), r.fwd_s, r.bwd_s, strict=True):
+            fwd[c], bwd[c] = f, b
     p2p = tuple(cost.p2p_time(plan, g) for g in gpus)
-    timeline = simulate(plan.schedule, p, m, [s.fwd_s for s in stages],
-                        [s.bwd_s for s in stages], p2p_s=p2p)
-    ends = [timeline.rank_end_s[k] + stages[k].tail_s for k in range(p)]
+    timeline = simulate(plan.schedule, p, m, fwd, bwd, v=plan.vpp, p2p_s=p2p)
+    ends = [timeline.rank_end_s[k] + ranks[k].tail_s for k in range(p)]
     step = max(ends)
     last = ends.index(step)
-    crit = stages[last]
+    crit = ranks[last]
     tokens = plan.global_batch * plan.seq_len
     model_flops = tokens * cost.model.model_flops_per_token()
     hw_flops = tokens * sum(
         3 * layer.fwd_flops_per_token + layer.recompute_flops_per_token.get(mode, 0.0)
         for layer, mode in zip(cost.model.layers, plan.recompute_of_layer(), strict=True))
     world = plan.world_size
-    peak = sum(g.peak_flops(plan.dtype) for g in gpus) * world / p
+    rank_gpus = [gpus[plan.chunks_of(k)[0]] for k in range(p)]
+    peak = sum(g.peak_flops(plan.dtype) for g in rank_gpus) * world / p
     memory = tuple(StageMemory(params=0.0, grads=0.0, optimizer=0.0, activations=0.0, buffers=0.0,
-                               reserved=s.memory_bytes, in_flight_microbatches=0.0)
-                   for s in stages)
+                               reserved=r.memory_bytes, in_flight_microbatches=0.0)
+                   for r in ranks)
     return Estimate(
         step_time_s=step, tokens_per_s=tokens / step,
         tflops_per_gpu=hw_flops / step / world / 1e12,
         model_tflops_per_gpu=model_flops / step / world / 1e12,
         mfu=model_flops / step / peak, bubble_fraction=timeline.bubble_fraction,
-        memory=memory, memory_budget_bytes=tuple(g.memory_bytes for g in gpus),
+        memory=memory, memory_budget_bytes=tuple(g.memory_bytes for g in rank_gpus),
         breakdown_s={  # of the rank that ends last
-            "layers": m * (crit.fwd_s + crit.bwd_s - crit.transition_s),
+            "layers": m * (sum(crit.fwd_s) + sum(crit.bwd_s) - crit.transition_s),
             "transitions": m * crit.transition_s,
             "pp_bubble": timeline.rank_end_s[last] - timeline.rank_busy_s[last],
             "dp_sync_and_optimizer": crit.tail_s},
-        stage_times_s=tuple((s.fwd_s, s.bwd_s) for s in stages))
+        stage_times_s=tuple(zip(fwd, bwd, strict=True)))

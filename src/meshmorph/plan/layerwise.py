@@ -92,19 +92,23 @@ blocks and repeated stage shapes cost one evaluation."""
 
 def stage_choices(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int,
                   strategies: Sequence[LayerStrategy], recompute: Sequence[Recompute],
-                  gpu: GPUSpec, cache: TermsCache | None = None) -> list[list[_Choice]]:
+                  gpu: GPUSpec, cache: TermsCache | None = None,
+                  chunks: Sequence[tuple[int, int]] | None = None) -> list[list[_Choice]]:
     """Each layer's (strategy index, recompute, step time, additive memory, terms), recompute
-    modes beaten on every figure by another of the same strategy left out."""
+    modes beaten on every figure by another of the same strategy left out; the layers of
+    ``chunks`` when given (a rank's interleaved chunks), else [start, stop)."""
     cache = {} if cache is None else cache
     m = plan.num_microbatches
-    tied = start == 0 and stop == cost.model.num_layers
+    layers = [i for a, b in (chunks or [(start, stop)]) for i in range(a, b)]
+    last = cost.model.num_layers - 1
+    tied = 0 in layers and last in layers
     classes = cost.coster(plan.dtype).classes
     shape = (plan.num_microbatches, plan.dp * plan.micro_batch, plan.schedule, plan.pp, pp_rank,
              plan.dtype, gpu.name)
     choices: list[list[_Choice]] = []
-    for index in range(start, stop):
+    for index in layers:
         modes = [r for r in recompute if r in cost.model.layers[index].activation]
-        drop = tied and index == stop - 1
+        drop = tied and index == last
         row = []
         for si, strategy in enumerate(strategies):
             own = []
@@ -133,16 +137,24 @@ def solve_stage(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int
                 strategies: Sequence[LayerStrategy], recompute: Sequence[Recompute],
                 gpu: GPUSpec, *, upper_bound_s: float = float("inf"),
                 cache: TermsCache | None = None,
-                memory_cap_bytes: float | None = None) -> StageSolution | None:
+                memory_cap_bytes: float | None = None,
+                chunks: Sequence[tuple[int, int]] | None = None) -> StageSolution | None:
     """The fastest per-layer (strategy, recompute) of layers [start, stop) whose memory fits
     ``gpu`` (or ``memory_cap_bytes``, reserve included), or None when none fits (or none beats
-    ``upper_bound_s``)."""
+    ``upper_bound_s``). With ``chunks`` (a rank's interleaved chunks, in order) the program
+    runs over their layers together, no transition between two chunks."""
     if not strategies:
         raise PlanError("solve_stage needs at least one layer strategy")
     m = plan.num_microbatches
     cap = (gpu.memory_bytes if memory_cap_bytes is None else memory_cap_bytes) \
         - reserved_bytes(cost, gpu)
-    choices = stage_choices(cost, plan, pp_rank, start, stop, strategies, recompute, gpu, cache)
+    choices = stage_choices(cost, plan, pp_rank, start, stop, strategies, recompute, gpu, cache,
+                            chunks)
+    starts: set[int] = set()  # positions where a chunk starts: nothing to redistribute there
+    position = 0
+    for a, b in chunks or [(start, stop)]:
+        starts.add(position)
+        position += b - a
     n = len(choices)
     rest_time = [0.0] * (n + 1)
     rest_mem = [0.0] * (n + 1)
@@ -182,14 +194,15 @@ def solve_stage(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int
             layer.setdefault(strategies[c[0]].tp, []).append(lab)
     layer = {tp: _pareto(labs) for tp, labs in layer.items()}
     for i in range(1, n):
+        hop = (lambda a, b: 0.0) if i in starts else move
         total += sum(len(labs) for labs in layer.values())
         by_tp: dict[int, list[_Choice]] = {}
         for c in choices[i]:
             by_tp.setdefault(strategies[c[0]].tp, []).append(c)
         nxt: dict[int, list[_Label]] = {}
         for tp, own in by_tp.items():
-            incoming = _pareto([(lab[0] + move(p, tp), lab[1], lab[2], lab[3], lab, None)
-                                for p, labs in layer.items() if move(p, tp) < float("inf")
+            incoming = _pareto([(lab[0] + hop(p, tp), lab[1], lab[2], lab[3], lab, None)
+                                for p, labs in layer.items() if hop(p, tp) < float("inf")
                                 for lab in labs])
             out = []
             for lab in incoming:

@@ -1,17 +1,18 @@
 """``meshmorph plan --layerwise``: the fastest plan whose layers each choose their tp/dp/ZeRO.
 
-Configurations: pipeline degree pp (one GPU type; stages split the blocks evenly, as
+Configurations: pipeline degree pp (one GPU type; chunks split the blocks evenly, as
 ``Plan.with_even_stages``), sequences per stage micro-batch B (dividing the global batch, m =
-batch / B micro-batches, 1F1B when m >= pp, else GPipe). Each stage of D = world / pp devices
+batch / B micro-batches), schedule: 1F1B when m >= pp, else GPipe, and interleaved with v
+chunks per rank where the blocks split evenly and m is a multiple of pp. Each stage of D = world / pp devices
 offers every split D = tp x dp with tp inside a node and dividing the heads, dp dividing B and
-B / dp at most ``max_micro_batch``, under every ZeRO stage of the options. Each stage is solved
-by plan/layerwise.py, first with one strategy for all its layers (``uniform``), then per layer
-with the best uniform time as its bound; the plan is priced by
+B / dp at most ``max_micro_batch``, under every ZeRO stage of the options. Each pipeline rank (all its
+chunks together) is solved by plan/layerwise.py, first with one strategy for all its layers
+(``uniform``), then per layer with the best uniform time as its bound; the plan is priced by
 ``cost.layerwise_cost.estimate_layerwise``.
 
 Exactness: with pp = 1 the stage's own time is the step, so the result is the optimum under
 the layerwise cost model over every per-layer assignment (tests/unit/test_layerwise_exact.py
-checks it against brute force). With pp > 1 each stage minimises its own m (f + b) + tail, the
+checks it against brute force). With pp > 1 each rank minimises its own m (f + b) + tail, the
 step then simulated; that is exact for the slowest stage's busy time, not for the pipeline's
 fill, which the stage partition (even here) dominates.
 """
@@ -74,17 +75,29 @@ def _strategies(model: ModelSpec, cluster: Cluster, options: SearchOptions, devi
     return out
 
 
+def _rank_chunks(plan: Plan, k: int) -> list[tuple[int, int]]:
+    """The layer ranges of pipeline rank ``k``'s chunks, in order."""
+    return [(plan.stages[c].start, plan.stages[c].stop) for c in plan.chunks_of(k)]
+
+
 def _assemble(cost: CostModel, plan: Plan, solved: list[StageSolution]) -> tuple[Plan, Estimate]:
-    """The plan of the stages' solutions: its own tp/dp/zero the most common layer strategy,
+    """The plan of the ranks' solutions: its own tp/dp/zero the most common layer strategy,
     stages listing layer strategies only where some layer differs from it."""
     common = Counter(s for sol in solved for s in sol.strategies).most_common(1)[0][0]
     sequences = plan.dp * plan.micro_batch
     top = replace(plan, tp=common.tp, dp=common.dp, zero=common.zero,
                   micro_batch=sequences // common.dp, stages=())
+    per_chunk: dict[int, tuple[tuple[LayerStrategy, ...], tuple]] = {}
+    for k, sol in enumerate(solved):
+        at = 0
+        for c in plan.chunks_of(k):
+            n = plan.stages[c].num_layers
+            per_chunk[c] = (sol.strategies[at:at + n], sol.recompute[at:at + n])
+            at += n
     stages = tuple(
-        StagePlan(start=st.start, stop=st.stop, recompute=sol.recompute,
-                  layer_strategies=None if set(sol.strategies) == {common} else sol.strategies)
-        for st, sol in zip(plan.stages, solved, strict=True))
+        StagePlan(start=st.start, stop=st.stop, recompute=per_chunk[c][1],
+                  layer_strategies=None if set(per_chunk[c][0]) == {common} else per_chunk[c][0])
+        for c, st in enumerate(plan.stages))
     final = replace(top, stages=stages)
     return final, estimate_layerwise(cost, final)
 
@@ -93,17 +106,18 @@ def _solve_plan(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
                 options: SearchOptions, uniform_only: bool, bounds: tuple[float, float],
                 cache: TermsCache) -> tuple[tuple[Plan, Estimate] | None,
                                             tuple[Plan, Estimate] | None]:
-    """(best with one strategy per stage, best per layer) of one configuration; a stage slower
+    """(best with one strategy per rank, best per layer) of one configuration; a rank slower
     than ``bounds`` (the best uniform and per-layer steps found so far: a step is never shorter
-    than any stage's own time) cannot make a better plan and is not finished."""
+    than any rank's own time) cannot make a better plan and is not finished."""
     gpu = cost.default_gpu()
     uniform: list[StageSolution] = []
     mixed: list[StageSolution] = []
-    for k, stage in enumerate(plan.stages):
+    for k in range(plan.pp):
+        chunks = _rank_chunks(plan, k)
         best: StageSolution | None = None
         for s in strategies:
-            one = solve_stage(cost, plan, k, stage.start, stage.stop, [s], options.recompute, gpu,
-                              upper_bound_s=bounds[0], cache=cache)
+            one = solve_stage(cost, plan, k, 0, 0, [s], options.recompute, gpu,
+                              upper_bound_s=bounds[0], cache=cache, chunks=chunks)
             if one is not None and (best is None or one.busy_s < best.busy_s):
                 best = one
         if best is not None:
@@ -111,14 +125,14 @@ def _solve_plan(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
         if uniform_only:
             continue
         bound = min(best.busy_s if best is not None else float("inf"), bounds[1])
-        per_layer = solve_stage(cost, plan, k, stage.start, stage.stop, strategies,
-                                options.recompute, gpu, upper_bound_s=bound, cache=cache)
+        per_layer = solve_stage(cost, plan, k, 0, 0, strategies, options.recompute, gpu,
+                                upper_bound_s=bound, cache=cache, chunks=chunks)
         if per_layer is not None and (best is None or per_layer.busy_s < best.busy_s):
             best = per_layer
         if best is None:
             return None, None
         mixed.append(best)
-    one = _assemble(cost, plan, uniform) if len(uniform) == plan.num_chunks else None
+    one = _assemble(cost, plan, uniform) if len(uniform) == plan.pp else None
     return one, (_assemble(cost, plan, mixed) if not uniform_only else one)
 
 
@@ -148,16 +162,21 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
             if m > options.max_microbatches or not strategies:
                 continue
             first = strategies[0]
-            schedule = Schedule.ONE_F_ONE_B if pp == 1 or m >= pp else Schedule.GPIPE
-            plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=global_batch,
-                        tp=first.tp, dp=first.dp, zero=first.zero, pp=pp,
-                        micro_batch=sequences // first.dp, num_microbatches=m,
-                        schedule=schedule, dtype=options.dtype).with_even_stages(model)
-            # a step is never shorter than any stage's own time, each layer at its fastest
-            bound = max(stage_lower_bound_s(stage_choices(
-                cost, plan, k, st.start, st.stop, strategies, options.recompute, gpu, cache))
-                for k, st in enumerate(plan.stages))
-            configs.append((bound, len(configs), plan, strategies))
+            shapes = [(Schedule.ONE_F_ONE_B if pp == 1 or m >= pp else Schedule.GPIPE, 1)]
+            if pp > 1 and m >= pp and m % pp == 0 and Schedule.INTERLEAVED in options.schedules:
+                shapes += [(Schedule.INTERLEAVED, v) for v in range(2, options.max_vpp + 1)
+                           if model.num_blocks % (pp * v) == 0]
+            for schedule, vpp in shapes:
+                plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=global_batch,
+                            tp=first.tp, dp=first.dp, zero=first.zero, pp=pp,
+                            micro_batch=sequences // first.dp, num_microbatches=m,
+                            schedule=schedule, vpp=vpp, dtype=options.dtype
+                            ).with_even_stages(model)
+                # a step is never shorter than any rank's own time, each layer at its fastest
+                bound = max(stage_lower_bound_s(stage_choices(
+                    cost, plan, k, 0, 0, strategies, options.recompute, gpu, cache,
+                    _rank_chunks(plan, k))) for k in range(pp))
+                configs.append((bound, len(configs), plan, strategies))
     configs.sort(key=lambda c: (c[0], c[1]))
     solved = 0
     for bound, _, plan, strategies in configs:

@@ -59,7 +59,9 @@ def main() -> None:
         summary[mode] = {"accuracy": statistics.fmean(r["accuracy"] for r in runs),
                          "steps_per_s": statistics.median(r["steps_per_s"] for r in runs),
                          "accuracy_by_seed": [r["accuracy"] for r in runs],
-                         "guard_switched": [r["switched_at"] for r in runs]}
+                         "guard_switched": [r["switched_at"] for r in runs],
+                         "guard_ratio_median": [r["guard_ratio_median"] for r in runs],
+                         "guard_ratio_max": [r["guard_ratio_max"] for r in runs]}
     summary["settings"] = {"stages": 4, "processes": 4, "backend": "gloo", "seeds": args.seeds,
                            "steps": args.steps, "batch_size": 32, "sync_microbatches": 4,
                            "sgd": {"lr": args.lr, "momentum": 0.9},
@@ -76,6 +78,14 @@ def main() -> None:
         seeds = " ".join(f"{a:.3f}" for a in row["accuracy_by_seed"])
         print(f"{mode:14s} {'adam' if 'adam' in mode else 'sgd+mom':10s} "
               f"{row['accuracy']:9.4f} {seeds:>24s} {row['steps_per_s']:8.1f}")
+    for mode in ("predict_sgd", "predict_adam"):
+        row = summary[mode]
+        assert isinstance(row, dict)
+        medians = " ".join(f"{r:.2f}" for r in row["guard_ratio_median"] if r is not None)
+        worst = " ".join(f"{r:.2f}" for r in row["guard_ratio_max"] if r is not None)
+        print(f"{mode}: prediction error ratio ||W_pred - W_now|| / ||W_fwd - W_now|| at the "
+              f"guard checks, median by seed {medians}, worst {worst} (threshold 1.0; flushed "
+              f"from batch {row['guard_switched']})")
     print(f"wrote {args.out}")
 
 

@@ -93,8 +93,11 @@ def train_one(config: AsyncPipelineConfig, *, seed: int, steps: int, batch_size:
     accuracy = pipe.evaluate(x_te, y_te)
     tail = torch.tensor([sum(result.losses[-20:]) / max(1, len(result.losses[-20:]))])
     dist.broadcast(tail, src=world - 1)
+    checks = result.guard_means  # worst stage's window mean at each guard check
     return {"accuracy": accuracy, "steps_per_s": steps / result.seconds,
-            "final_loss": float(tail), "switched_at": result.switched_at}
+            "final_loss": float(tail), "switched_at": result.switched_at,
+            "guard_ratio_median": sorted(checks)[len(checks) // 2] if checks else None,
+            "guard_ratio_max": max(checks) if checks else None}
 
 
 def main(argv: list[str] | None = None) -> None:

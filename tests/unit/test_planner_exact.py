@@ -131,12 +131,16 @@ ZERO_BUBBLE_ZERO2_MIXED = Instance(
     arch="llama", blocks=3, hidden=512, heads=8, seq_len=8192, vocab=32000, cluster=MIXED,
     global_batch=8, zero_stages=(2,), schedules=(Schedule.ZERO_BUBBLE,),
     sequence_parallel=(False, True), max_micro_batch=2)
+ASYNC_PP2 = Instance(
+    arch="gpt", blocks=4, hidden=256, heads=4, seq_len=4096, vocab=8000, cluster="a100-40g:1x4",
+    global_batch=8, zero_stages=(0, 1), schedules=(Schedule.ASYNC,), sequence_parallel=(False,),
+    max_micro_batch=2, pp_degrees=(2,))
 NOTHING_FITS = Instance(
     arch="gpt", blocks=2, hidden=256, heads=8, seq_len=8192, vocab=32000, cluster="cpu:1x1",
     global_batch=16, zero_stages=(0,), schedules=(Schedule.GPIPE,), sequence_parallel=(False,),
     max_micro_batch=2)
 FIXED = (GPIPE_CPU_NEEDS_RECOMPUTE, ONE_F_ONE_B_SP, INTERLEAVED_MIXED, ZERO_BUBBLE_ZERO2_MIXED,
-         NOTHING_FITS)
+         ASYNC_PP2, NOTHING_FITS)
 
 
 def _with_examples(test):  # type: ignore[no-untyped-def]
@@ -161,7 +165,8 @@ def test_exact_planner_step_equals_brute_force_optimum(instance: Instance) -> No
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("instance", FIXED[:4], ids=["gpipe", "1f1b-sp", "interleaved", "zb-zero3"])
+@pytest.mark.parametrize("instance", FIXED[:5],
+                         ids=["gpipe", "1f1b-sp", "interleaved", "zb-zero3", "async"])
 def test_default_tolerance_planner_is_within_0_1_percent_of_brute_force(instance: Instance) -> None:
     brute = _brute_step(instance)
     planner = _planner_step(instance, tolerance=1e-3)
@@ -172,12 +177,13 @@ def test_default_tolerance_planner_is_within_0_1_percent_of_brute_force(instance
 def test_fixed_cases_cover_recompute_sp_every_schedule_and_zero_stage() -> None:
     """The fixed cases really exercise what they claim (so the property test cannot go soft)."""
     chosen = {}
-    for instance in FIXED[:4]:
+    for instance in FIXED[:5]:
         plan, _ = brute_force(instance.model(), instance.spec(), global_batch=instance.global_batch,
                               options=instance.options())
         chosen[instance] = plan
     assert {p.schedule for p in chosen.values()} == set(Schedule)
     assert chosen[GPIPE_CPU_NEEDS_RECOMPUTE].pp > 1
+    assert chosen[ASYNC_PP2].pp == 2
     assert any(mode != Recompute.NONE
                for mode in chosen[GPIPE_CPU_NEEDS_RECOMPUTE].recompute_of_layer())
     assert chosen[ONE_F_ONE_B_SP].sequence_parallel and chosen[ONE_F_ONE_B_SP].zero == 1

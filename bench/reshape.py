@@ -125,6 +125,7 @@ def _one(rank, name, path, out, tmp):  # type: ignore[no-untyped-def]
     plan_a, plan_b = _plan(model, kw_a), _plan(model, kw_b)
     procs_a = tuple(p for p in range(4) if p not in joining)[:plan_a.world_size]
     tag = f"{name}-{path}"
+    print(f"{tag}: plan A on processes {procs_a}", flush=True)
     engine, before, small = None, None, None
     tokens = torch.randint(0, model.vocab_size, (GLOBAL_BATCH, model.seq_len + 1),
                            generator=torch.Generator().manual_seed(5))

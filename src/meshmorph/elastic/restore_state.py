@@ -38,6 +38,8 @@ class RestoreReport:
     rank's file on this node), ``ring-rank<r>`` (the ring copy of another node's rank)."""
     time_s: float = 0.0
     """Wall time of reading and installing."""
+    consumed_samples: int = 0
+    """The data position stored with the state."""
 
 
 def _find(store: NodeStore, rank: int, step: int) -> tuple[StoredState, str]:
@@ -99,6 +101,7 @@ def restore_from_store(store: NodeStore, *, new_rank: int, old_rank: int | None,
         small = SmallState(small.step, small.param_group, small.lr_scheduler,
                            torch.get_rng_state(), small.consumed_samples)
     install_state(engine, pieces, small)
+    report.consumed_samples = small.consumed_samples
     report.time_s = time.perf_counter() - start
     return report
 

@@ -15,7 +15,8 @@ def _run(args: argparse.Namespace) -> int:
 
         os.environ[TRACE_ENV] = str(args.trace)
     return run_job(args.config, nproc=args.nproc, plan_arg=args.plan, resume=args.resume,
-                   out=args.out, reshard=args.reshard)
+                   out=args.out, reshard=args.reshard, elastic=args.elastic,
+                   inject_failure=args.inject_failure)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -46,6 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="time every pipeline action of STEPS steps (default 3, after a warm-up "
                           "step) and write RUN_DIR/trace.json (Chrome/Perfetto); compare it with "
                           "'meshmorph timeline --compare RUN_DIR'")
+    run.add_argument("--elastic", default=None, metavar="MIN:MAX",
+                     help="run under torchrun's elastic agent (--nnodes MIN:MAX, c10d "
+                          "rendezvous, restarts); state survives a worker restart in the "
+                          "node-local store and is reshaped to the new world")
+    run.add_argument("--inject-failure", default=None, metavar="RANK@STEP",
+                     help="with --elastic: SIGKILL that rank's worker once, in that step")
     run.set_defaults(func=_run)
 
     demo = subparsers.add_parser(

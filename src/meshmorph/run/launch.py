@@ -58,6 +58,11 @@ class PreparedRun:
     """The checkpoint a resumed run continues from (None: start at step 0)."""
     reshard: bool = False
     """The checkpoint was saved under another plan; DCP reshards it on load."""
+    elastic: str | None = None
+    """``MIN:MAX`` nodes: run under torchrun's elastic agent (c10d rendezvous, restarts), the
+    state kept in the node-local store; None: a fixed set of processes."""
+    inject_failure: str | None = None
+    """``RANK@STEP``: SIGKILL that rank's worker once in that step (tests and demos)."""
 
 
 def default_plan(job: JobConfig, model: ModelSpec, nproc: int) -> Plan:
@@ -136,7 +141,8 @@ def check_resume_point(job: JobConfig, model: ModelSpec, plan: Plan, out_dir: Pa
 
 
 def prepare_run(job_path: Path, *, nproc: int | None, plan_arg: str | None, resume: bool,
-                out: Path | None, reshard: bool = False) -> PreparedRun:
+                out: Path | None, reshard: bool = False, elastic: str | None = None,
+                inject_failure: str | None = None) -> PreparedRun:
     """Every check a run needs, with no process started and nothing written."""
     from meshmorph.run.run_folder import check_fresh
     from meshmorph.run.trainer import make_source
@@ -165,8 +171,21 @@ def prepare_run(job_path: Path, *, nproc: int | None, plan_arg: str | None, resu
         info, differs = check_resume_point(job, model, plan, out_dir, reshard=reshard)
     else:
         check_fresh(out_dir, job.checkpoint_dir(out_dir))
+    if elastic is not None or inject_failure is not None:
+        from meshmorph.elastic.elastic_run import parse_elastic, parse_failure
+
+        if elastic is not None:
+            parse_elastic(elastic)
+        failure = parse_failure(inject_failure)
+        if failure is not None and not elastic:
+            raise ValueError("--inject-failure needs --elastic (a killed worker is restarted "
+                             "by torchrun's elastic agent)")
+        if failure is not None and not (failure[0] < nproc and failure[1] <= job.train.steps):
+            raise ValueError(f"--inject-failure {inject_failure}: rank must be below {nproc} "
+                             f"and step at most [train] steps {job.train.steps}")
     return PreparedRun(job_path=job_path, job=job, model=model, plan=plan, nproc=nproc,
-                       out_dir=out_dir, resume=resume, resume_from=info, reshard=differs)
+                       out_dir=out_dir, resume=resume, resume_from=info, reshard=differs,
+                       elastic=elastic, inject_failure=inject_failure)
 
 
 def master_port_args(env: dict[str, str]) -> list[str]:
@@ -198,12 +217,34 @@ def resume_command(run: PreparedRun) -> str:
                        "--resume"])
 
 
+ELASTIC_MAX_RESTARTS = 3
+"""Worker-group restarts torchrun's elastic agent allows an ``--elastic`` run."""
+
+
+def elastic_args(run: PreparedRun) -> tuple[list[str], list[str]]:
+    """(torchrun's rendezvous arguments, the trainer's) for an ``--elastic MIN:MAX`` run: c10d
+    rendezvous on a free local port, ``--max-restarts``, and the node store's run id."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run_id = uuid.uuid4().hex[:12]
+    rendezvous = ["--nnodes", str(run.elastic), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                  f"localhost:{port}", "--rdzv-id", run_id,
+                  "--max-restarts", str(ELASTIC_MAX_RESTARTS)]
+    trainer = ["--elastic-run-id", run_id]
+    return rendezvous, trainer + (["--inject-failure", run.inject_failure]
+                                  if run.inject_failure else [])
+
+
 def torchrun_command(run: PreparedRun, plan_path: Path,
                      rendezvous: list[str] | None = None) -> list[str]:
+    extra: list[str] = []
+    if run.elastic:
+        rendezvous, extra = elastic_args(run)
     command = [sys.executable, "-m", "meshmorph.run.agent", *(rendezvous or ["--standalone"]),
                "--nproc_per_node", str(run.nproc), "-m", "meshmorph.run.trainer",
                "--job", str(run.job_path.resolve()), "--plan", str(plan_path.resolve()),
-               "--out", str(run.out_dir.resolve())]
+               "--out", str(run.out_dir.resolve()), *extra]
     return command + (["--resume"] if run.resume else [])
 
 
@@ -357,7 +398,8 @@ def launch(run: PreparedRun, *, quiet: bool = False) -> int:
 
 
 def run_job(job_path: Path, *, nproc: int | None = None, plan_arg: str | None = None,
-            resume: bool = False, out: Path | None = None, reshard: bool = False) -> int:
+            resume: bool = False, out: Path | None = None, reshard: bool = False,
+            elastic: str | None = None, inject_failure: str | None = None) -> int:
     """Check, then launch; PlanError and other ValueErrors reach the caller before any process."""
     return launch(prepare_run(job_path, nproc=nproc, plan_arg=plan_arg, resume=resume, out=out,
-                              reshard=reshard))
+                              reshard=reshard, elastic=elastic, inject_failure=inject_failure))

@@ -20,6 +20,7 @@ import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,7 +86,8 @@ def find_resume_point(ckpt_dir: Path) -> CheckpointInfo | None:
     return answer[0]  # type: ignore[return-value]
 
 
-def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: StopFlag) -> int:
+def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: StopFlag,
+          elastic: Any = None) -> int:
     from meshmorph.run.engine import build_engine
     from meshmorph.run.pipeline import RunTrace
 
@@ -115,8 +117,17 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
             if rank == 0:
                 print(f"resumed from {info.path} (step {step}, {consumed} samples consumed)",
                       flush=True)
+    restored = elastic.restore(model, job.optim, seed=job.train.seed, device=device) \
+        if elastic is not None else None  # torchrun restarted us: the node store has the state
+    if restored is not None:
+        engine, plan, step, consumed, reshape = restored
+        shard = DataShard(source, SampleOrder(len(source), job.data.seed),
+                          global_batch=plan.global_batch, dp_rank=engine.dp_rank,
+                          dp_size=engine.dp_size)
     metrics = MetricsLogger(out_dir, enabled=rank == 0, total_steps=job.train.steps,
                             start_step=step, tokens_per_step=plan.global_batch * plan.seq_len)
+    if restored is not None:
+        metrics.log_event(reshape)
     interrupted, saved_step = False, step
     trace = RunTrace.from_env(getattr(engine, "schedule", None), plan, out_dir,
                               job.train.steps - step)
@@ -129,6 +140,8 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
             lr = float(engine.optimizers[0].param_groups[0]["lr"])  # the LR this step uses
             if trace:  # meshmorph run --trace: time every pipeline action of a few steps
                 trace.before_step()
+            if elastic is not None:
+                elastic.arm_failure(engine, step + 1)
             start = time.perf_counter()
             loss = engine.step(tokens)
             step_time_s = time.perf_counter() - start
@@ -139,6 +152,8 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
             metrics.log(step=step, loss=loss, lr=lr, grad_norm=engine.grad_norm_last(),
                         step_time_s=step_time_s, consumed_samples=consumed)
             write_state_line(engine, metrics)  # once, after the first step (run/state_line.py)
+            if elastic is not None:  # the step boundary, in the node-local store
+                elastic.after_step(engine, plan, step, consumed)
             if job.checkpoint.every and step % job.checkpoint.every == 0:
                 save_checkpoint(engine, ckpt_dir, step=step, consumed_samples=consumed,
                                 plan=plan.to_dict(), keep=job.checkpoint.keep,
@@ -169,6 +184,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, type=Path, help="run folder")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint of the run folder")
+    parser.add_argument("--elastic-run-id", default=None,
+                        help="keep state in the node-local store under this id (run --elastic)")
+    parser.add_argument("--inject-failure", default=None, metavar="RANK@STEP",
+                        help="SIGKILL that rank's worker once, in that step")
     return parser.parse_args(argv)
 
 
@@ -206,7 +225,13 @@ def main(argv: list[str] | None = None) -> int:
             job = load_job(args.job)
             timeout_s = job.run.collective_timeout_s
             plan = Plan.load(args.plan)
-            code = train(job, plan, args.out, resume=args.resume, stop=stop)
+            elastic = None
+            if args.elastic_run_id:
+                from meshmorph.elastic.elastic_run import ElasticSession, parse_failure
+
+                elastic = ElasticSession(args.elastic_run_id, args.out,
+                                         parse_failure(args.inject_failure))
+            code = train(job, plan, args.out, resume=args.resume, stop=stop, elastic=elastic)
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshmorph: error on rank {rank}: {exc}", file=sys.stderr, flush=True)
         code = 2

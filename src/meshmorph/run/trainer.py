@@ -163,6 +163,10 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
             save_checkpoint(engine, ckpt_dir, step=step, consumed_samples=consumed,
                             plan=plan.to_dict(), keep=job.checkpoint.keep, fingerprint=fingerprint)
             saved_step = step
+        if elastic is not None and not interrupted:  # done: the node store is no longer needed
+            dist.barrier()
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                elastic.store.clear()
     finally:
         chart = metrics.close()
     if rank == 0:

@@ -209,3 +209,18 @@ def test_reshape_between_models_or_global_batches_is_refused() -> None:
         plan_move(a, a, [0, 5])
     with pytest.raises(ReshapeError, match="needs 2 devices but only 1"):
         plan_move(a, a, [0], new_devices=[])
+
+
+def test_a_planned_leave_places_the_new_ranks_on_the_staying_devices_at_their_lower_bound() -> None:
+    model = gpt()
+    a = layout_of(model, plan_for(model, dp=4, zero=3, global_batch=4))
+    b = layout_of(model, plan_for(model, dp=2, zero=3, global_batch=4, micro_batch=2))
+    free = plan_move(a, b, [0, 1, 2, 3])
+    staying = plan_move(a, b, [0, 1, 2, 3], hosts=[0, 3])  # 1 and 2 leave after sending
+    assert set(staying.placement.values()) == {0, 3} and staying.checkpoint_bytes == 0
+    assert staying.bytes_moved == staying.lower_bound_bytes == brute_force_best(
+        a, b, [0, 1, 2, 3], (0, 3))
+    assert staying.lower_bound_bytes >= free.lower_bound_bytes
+    assert staying.naive_placement == {0: 0, 1: 3}
+    with pytest.raises(ReshapeError, match="hosts"):
+        plan_move(a, b, [0, 1, 2, 3], hosts=[0, 7])

@@ -42,7 +42,6 @@ from meshmorph.elastic.local_state import (
 )
 from meshmorph.elastic.move_plan import DEFAULT_STAGING_BYTES, MovePlan, plan_move
 from meshmorph.elastic.move_time import predict_move_time_s
-from meshmorph.elastic.placement import best_placement, device_holdings, receive_matrix
 from meshmorph.run.config import OptimConfig
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import ModelSpec
@@ -152,13 +151,11 @@ def plan_the_move(request: ReshapeRequest) -> tuple[MovePlan, Layout, Layout, di
     joiners = list(range(world_a, world_a + len(request.joining)))
     process_of.update(zip(joiners, request.joining, strict=True))
     survivors = list(range(world_a))
-    placement = None
-    if request.staying is not None:  # the best placement on the devices that stay
-        allowed = [d for d, p in sorted(process_of.items()) if p in request.staying]
-        holdings = device_holdings(layout_a, allowed, [d for d in allowed if d < world_a])
-        placement = best_placement(receive_matrix(layout_a, layout_b, holdings), allowed)
+    hosts = None
+    if request.staying is not None:  # the new ranks run on the devices that stay
+        hosts = [d for d, p in sorted(process_of.items()) if p in request.staying]
     move = plan_move(layout_a, layout_b, survivors, joiners, staging_bytes=request.staging_bytes,
-                     placement=placement)
+                     hosts=hosts)
     return move, layout_a, layout_b, process_of
 
 

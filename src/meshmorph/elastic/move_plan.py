@@ -232,12 +232,16 @@ def _check(layout_a: Layout, layout_b: Layout, survivors: Sequence[int],
 def plan_move(layout_a: Layout, layout_b: Layout, survivors: Sequence[int],
               new_devices: Sequence[int] | None = None, *,
               staging_bytes: int = DEFAULT_STAGING_BYTES,
-              placement: Mapping[int, int] | None = None) -> MovePlan:
+              placement: Mapping[int, int] | None = None,
+              hosts: Sequence[int] | None = None) -> MovePlan:
     """The MovePlan from ``layout_a`` (on its ranks ``survivors``, still alive) to ``layout_b``.
 
     ``new_devices``: ids of devices that join holding nothing (default: as many as Layout B
-    lacks, numbered from Layout A's world size). ``placement`` forces new rank -> device (the
-    naive figures use it); by default the best placement is taken."""
+    lacks, numbered from Layout A's world size). ``hosts``: the devices that may run a rank of
+    Layout B (default: every survivor and new device); a planned leave lists the devices that
+    stay, while the leaving ones still send what they hold. The best placement, the naive one and
+    the lower bound are all taken over ``hosts``. ``placement`` forces new rank -> device; by
+    default the best placement is taken."""
     if new_devices is None:
         extra = max(0, layout_b.world_size - len(survivors))
         new_devices = list(range(layout_a.world_size, layout_a.world_size + extra))
@@ -245,13 +249,17 @@ def plan_move(layout_a: Layout, layout_b: Layout, survivors: Sequence[int],
     devices = tuple(sorted(survivors)) + tuple(new_devices)
     holdings = device_holdings(layout_a, devices, survivors)
     receive = receive_matrix(layout_a, layout_b, holdings)
-    best = best_placement(receive, devices)
-    naive = rank_order_placement(layout_b, devices)
+    hosting = tuple(d for d in devices if hosts is None or d in set(hosts))
+    if hosts is not None and len(hosting) != len(set(hosts)):
+        raise ReshapeError(f"hosts {list(hosts)} must be devices of {list(devices)}")
+    receive = receive[:, [devices.index(d) for d in hosting]]
+    best = best_placement(receive, hosting)
+    naive = rank_order_placement(layout_b, hosting)
     chosen = dict(placement) if placement is not None else best
     if sorted(chosen) != list(range(layout_b.world_size)) or \
-            len(set(chosen.values())) != len(chosen) or not set(chosen.values()) <= set(devices):
+            len(set(chosen.values())) != len(chosen) or not set(chosen.values()) <= set(hosting):
         raise ReshapeError(f"placement {chosen} must put each of the new plan's "
-                           f"{layout_b.world_size} ranks on its own device of {list(devices)}")
+                           f"{layout_b.world_size} ranks on its own device of {list(hosting)}")
     keys = moved_keys(layout_a, layout_b)
     sources: dict[str, list[tuple[int, Box]]] = defaultdict(list)
     for device, held in zip(devices, holdings, strict=True):
@@ -286,6 +294,6 @@ def plan_move(layout_a: Layout, layout_b: Layout, survivors: Sequence[int],
     return MovePlan(placement=chosen, devices=devices, survivors=tuple(sorted(survivors)),
                     batches=batch_transfers(sent, staging_bytes), local_copies=tuple(local),
                     from_checkpoint=tuple(checkpoint), fresh_keys=tuple(sorted(fresh)),
-                    lower_bound_bytes=placement_bytes(receive, devices, best),
-                    naive_placement=naive, naive_bytes=placement_bytes(receive, devices, naive),
+                    lower_bound_bytes=placement_bytes(receive, hosting, best),
+                    naive_placement=naive, naive_bytes=placement_bytes(receive, hosting, naive),
                     staging_bytes=staging_bytes)

@@ -16,7 +16,7 @@ extrapolation: prediction did worse than stale weights, 0.747 vs 0.846). A step 
 of 8 and flushes; the asynchronous modes send it as one micro-batch and step per micro-batch
 (2BW cuts it into 4 and steps per batch without flushing).
 
-    flock /tmp/meshmorph-dist.lock python bench/async_pipeline.py
+    python bench/async_pipeline.py
 """
 
 from __future__ import annotations

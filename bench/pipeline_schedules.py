@@ -9,7 +9,7 @@ fed with the per-stage median F, B, I and W times of the same run (transfers as 
 between the two columns is what the simulator leaves out: send/receive waits, Python overhead
 between actions, and (on a 2-core machine) 4 single-threaded ranks sharing 2 cores.
 
-Run: ``flock /tmp/meshmorph-dist.lock python bench/pipeline_schedules.py [--steps N]``;
+Run: ``python bench/pipeline_schedules.py [--steps N]``;
 writes bench/results/pipeline_schedules.json.
 """
 

@@ -8,7 +8,7 @@ them from that profile. Nothing is fitted on the plans. Writes bench/results/val
 (``runs``: the three results, each with ``mape``, ``kendall_tau``, ``plans``; top-level ``mape``,
 ``kendall_tau`` and ``plans`` are the last run's) and bench/results/validate.png (last run).
 
-    flock /tmp/meshmorph-dist.lock python bench/validate.py
+    python bench/validate.py
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ import sys
 
 # module path -> the subcommands it registers (imported lazily only when needed for speed)
 _COMMAND_MODULES = (
-    "meshmorph.plan.cli",  # plan, estimate, models, gpus
+    "meshmorph.plan.cli",  # plan, estimate
+    "meshmorph.spec.catalog_cli",  # models, gpus
     "meshmorph.run.cli",  # run, demo
     "meshmorph.elastic.cli",  # reshape
     "meshmorph.schedule.cli",  # timeline

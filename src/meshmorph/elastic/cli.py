@@ -137,18 +137,18 @@ def draw(best: MovePlan, naive: MovePlan, out_png: Path) -> Path:
 
 
 def _reshape(args: argparse.Namespace) -> int:
+    from meshmorph.cli_output import check_writable, write_json
     from meshmorph.cost.model import CostModel
     from meshmorph.elastic.layout import layout_of
     from meshmorph.elastic.move_plan import plan_move
     from meshmorph.elastic.move_time import predict_move_time_s
-    from meshmorph.plan.cli import _check_writable, _write_json
     from meshmorph.plan.report import does_not_fit_line, plan_headline
     from meshmorph.spec.catalog import load_model
     from meshmorph.spec.cluster import parse_cluster
     from meshmorph.spec.plan_file import load_plan
 
-    _check_writable(args.json, "--json")
-    _check_writable(args.png, "--png")
+    check_writable(args.json, "--json")
+    check_writable(args.png, "--png")
     plan_a, plan_b = load_plan(args.from_plan), load_plan(args.to_plan)
     if (plan_a.model, plan_a.seq_len) != (plan_b.model, plan_b.seq_len):
         raise ReshapeError(f"--from is a plan for {plan_a.model} at seq_len {plan_a.seq_len}, "
@@ -180,7 +180,7 @@ def _reshape(args: argparse.Namespace) -> int:
     if args.json:
         data = report(best, naive, best_s, naive_s)
         data.update(cluster=cluster.describe(), from_plan=plan_a.to_dict(), to_plan=plan_b.to_dict())
-        _write_json(args.json, json.loads(json.dumps(data)))
+        write_json(args.json, json.loads(json.dumps(data)))
         print(f"move plan written to {args.json}")
     if args.png:
         print(f"chart: {draw(best, naive, args.png)} (bytes per link, best vs rank order)")

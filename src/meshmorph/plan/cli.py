@@ -1,4 +1,4 @@
-"""Subcommands of the plan package: ``meshmorph plan``, ``estimate``, ``models`` and ``gpus``.
+"""Subcommands of the plan package: ``meshmorph plan`` and ``estimate``.
 
 Every error a user can fix (unknown model or GPU, a bad cluster string, degrees that do not match
 the cluster, a batch that does not divide, no plan that fits) is a ValueError, which the console
@@ -8,13 +8,11 @@ script prints as one line with exit code 2.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
+from meshmorph.cli_output import check_writable, unwritable, write_json
 from meshmorph.plan.report import report_console
 from meshmorph.spec.model import Recompute
 from meshmorph.spec.plan import Plan, PlanError, Schedule
@@ -25,35 +23,6 @@ MAX_GLOBAL_BATCH = 2**24
 """Largest --global-batch accepted (sequences per step); beyond it a number is a typo."""
 MAX_SEQ_LEN = 2**24
 """Largest --seq-len accepted (tokens per sequence)."""
-
-
-def _unwritable(path: Path, exc: OSError, flag: str) -> ValueError:
-    reason = exc.strerror or str(exc)
-    return ValueError(f"cannot write {path} ({reason}); pass a writable path to {flag}")
-
-
-def _write_json(path: Path, data: Any) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2) + "\n")
-    except OSError as exc:
-        raise _unwritable(path, exc, "--json") from None
-
-
-def _check_writable(path: Path | None, flag: str) -> None:
-    """Refuse an output path that cannot be written, before any work is done."""
-    if path is None:
-        return
-    if path.is_dir():
-        raise ValueError(f"{flag} {path} is a folder; pass a file path")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"{flag} {path}: {parent} is not a folder; pass a writable path")
-    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ValueError(f"cannot write {path} (permission denied); pass a writable path to {flag}")
-
 
 
 def _chart_paths(chart: Path) -> tuple[Path, Path]:
@@ -71,7 +40,7 @@ def _write_charts(plan: Plan, cost, estimate, chart: Path, console) -> None:  # 
         write_memory_chart(estimate, memory_png,
                            title=f"{plan.model}: peak memory per GPU by pipeline stage")
     except OSError as exc:
-        raise _unwritable(chart, exc, "--chart") from None
+        raise unwritable(chart, exc, "--chart") from None
     console.print(f"charts: {timeline_png} (pipeline timeline), {memory_png} (memory per stage)")
 
 
@@ -91,8 +60,8 @@ def _plan(args: argparse.Namespace) -> int:
     if not math.isfinite(args.tolerance) or args.tolerance < 0:
         raise ValueError(f"--tolerance must be a finite fraction >= 0 (0 = exact), got "
                          f"{args.tolerance}")
-    _check_writable(args.json, "--json")
-    _check_writable(args.chart, "--chart")
+    check_writable(args.json, "--json")
+    check_writable(args.chart, "--chart")
     model = load_model(args.model, args.seq_len)
     cluster = parse_cluster(args.cluster)
     options = SearchOptions(top_k=args.top, dtype=args.dtype, max_micro_batch=args.max_micro_batch,
@@ -117,7 +86,7 @@ def _plan(args: argparse.Namespace) -> int:
                   f"proven optimality gap {result.optimality_gap:.2%} "
                   "(0% = the best plan is optimal under the cost model)")
     if args.json:
-        _write_json(args.json, {
+        write_json(args.json, {
             "search_time_s": result.search_time_s,
             "cluster": cluster.describe(),
             "configurations": result.configurations,
@@ -171,8 +140,8 @@ def _estimate(args: argparse.Namespace) -> int:
     from meshmorph.spec.catalog import load_model
     from meshmorph.spec.cluster import parse_cluster
 
-    _check_writable(args.json, "--json")
-    _check_writable(args.chart, "--chart")
+    check_writable(args.json, "--json")
+    check_writable(args.chart, "--chart")
     cluster = parse_cluster(args.cluster)
     if args.plan is not None:
         stored = load_plan(args.plan)
@@ -199,111 +168,11 @@ def _estimate(args: argparse.Namespace) -> int:
 
         # per-rank state and traffic: what the run's "state" line measures against
         predicted = {**estimate.to_dict(), "ranks": predict_ranks(model, plan)}
-        _write_json(args.json, replace(plan, predicted=predicted).to_dict())
+        write_json(args.json, replace(plan, predicted=predicted).to_dict())
         console.print(f"estimate written to {args.json}")
     if args.chart:
         _write_charts(plan, cost, estimate, args.chart, console)
     return 0 if estimate.fits else 1
-
-
-# --- meshmorph models / gpus -----------------------------------------------------------------
-def model_rows() -> list[dict[str, Any]]:
-    """One row per catalog model: its shape and parameter count."""
-    from meshmorph.spec.catalog import MODEL_CATALOG
-    from meshmorph.spec.transformer import build_transformer
-
-    rows = []
-    for name, shape in MODEL_CATALOG.items():
-        spec = build_transformer(shape)
-        rows.append({"name": name, "arch": shape.arch, "layers": spec.num_blocks,
-                     "hidden": spec.hidden_size, "heads": spec.num_heads,
-                     "kv_heads": spec.num_kv_heads, "ffn": spec.ffn_hidden_size,
-                     "vocab": spec.vocab_size, "seq_len": spec.seq_len,
-                     "params": spec.num_params, "params_b": spec.num_params / 1e9})
-    return rows
-
-
-def _models(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
-    rows = model_rows()
-    table = Table(title="model catalog", title_justify="left")
-    for name in ("name", "arch", "layers", "hidden", "heads/kv", "ffn", "vocab", "seq",
-                 "params (B)"):
-        table.add_column(name, justify="left" if name in ("name", "arch") else "right")
-    for r in rows:
-        params = f"{r['params_b']:.2f}" if r["params_b"] >= 0.01 else f"{r['params_b']:.5f}"
-        table.add_row(r["name"], r["arch"], str(r["layers"]), str(r["hidden"]),
-                      f"{r['heads']}/{r['kv_heads']}", str(r["ffn"]), str(r["vocab"]),
-                      str(r["seq_len"]), params)
-    console = report_console()
-    console.print(table)
-    if args.json:
-        _check_writable(args.json, "--json")
-        _write_json(args.json, {"models": rows})
-    return 0
-
-
-def gpu_rows() -> list[dict[str, Any]]:
-    """One row per catalog GPU: memory, bandwidth, dense peaks, links (figures), dated prices."""
-    from meshmorph.spec.gpus import GPU_CATALOG, LINKS
-
-    def link_row(name: str) -> dict[str, Any]:
-        return {"name": name, "bandwidth_gbps": LINKS[name].bandwidth_gbps,
-                "latency_us": LINKS[name].latency_us}
-
-    return [{"name": g.name, "part": g.description, "memory_gib": g.memory_gib,
-             "hbm_gbps": g.hbm_gbps, "peak_tflops": dict(g.peak_tflops),
-             "intra_node_link": g.intra_node_link, "inter_node_link": g.inter_node_link,
-             "intra_node": link_row(g.intra_node_link), "inter_node": link_row(g.inter_node_link),
-             "price_per_hour": g.price_per_hour, "spot_price_per_hour": g.spot_price_per_hour,
-             "price_date": g.price_date, "price_source": g.price_source}
-            for g in GPU_CATALOG.values()]
-
-
-def _gpus(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
-    if args.gpus is not None:
-        from meshmorph.spec.gpus import load_gpus_toml
-
-        _check_writable(args.json, "--json")
-        load_gpus_toml(args.gpus)
-    rows = gpu_rows()
-    table = Table(title="GPU catalog (dense peaks, no sparsity)", title_justify="left")
-    for name in ("name", "memory GiB", "HBM GB/s", "fp32", "tf32", "bf16", "fp8",
-                 "links (node / net)", "$/GPU-h", "spot $/h", "read"):
-        table.add_column(name, justify="left" if name in ("name", "links (node / net)", "read")
-                         else "right")
-
-    def price(value: float | None) -> str:
-        return f"{value:.2f}" if value is not None else "-"
-
-    for r in rows:
-        peaks = [f"{r['peak_tflops'][d]:g}" if d in r["peak_tflops"] else "-"
-                 for d in ("fp32", "tf32", "bf16", "fp8")]
-        table.add_row(r["name"], f"{r['memory_gib']:g}", f"{r['hbm_gbps']:g}", *peaks,
-                      f"{r['intra_node_link']} / {r['inter_node_link']}",
-                      price(r["price_per_hour"]), price(r["spot_price_per_hour"]),
-                      r["price_date"] or "-")
-    used = sorted({r[k] for r in rows for k in ("intra_node_link", "inter_node_link")})
-    links = Table(title="links (per GPU, per direction)", title_justify="left")
-    for name in ("link", "GB/s", "latency us"):
-        links.add_column(name, justify="left" if name == "link" else "right")
-    for r in rows:
-        for row in (r["intra_node"], r["inter_node"]):
-            if row["name"] in used:
-                used.remove(row["name"])
-                links.add_row(row["name"], f"{row['bandwidth_gbps']:.3g}", f"{row['latency_us']:g}")
-    console = report_console()
-    console.print(table)
-    console.print(links)
-    console.print("peak columns are dense TFLOP/s; link GB/s per GPU per direction; prices USD per "
-                  "GPU-hour, 'read' = when the price was read (- : undated typical list price); "
-                  "add or override entries with --gpus FILE")
-    if args.json:
-        _write_json(args.json, {"gpus": rows})
-    return 0
 
 
 # --- registration ----------------------------------------------------------------------------
@@ -403,14 +272,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     est.add_argument("--chart", type=Path, default=None,
                      help="write the pipeline timeline to this PNG (and NAME-memory.png)")
     est.set_defaults(func=_estimate)
-
-    models = subparsers.add_parser("models", help="list the model catalog")
-    models.add_argument("--json", type=Path, default=None, help="also write the list as JSON")
-    models.set_defaults(func=_models)
-
-    gpus = subparsers.add_parser("gpus", help="list the GPU catalog")
-    gpus.add_argument("--json", type=Path, default=None, help="also write the list as JSON")
-    gpus.add_argument("--gpus", type=Path, default=None,
-                      help="TOML file of [gpus.NAME] (and [links.NAME]) tables that add GPUs or "
-                           "override catalog figures and prices")
-    gpus.set_defaults(func=_gpus)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
+
+from meshmorph.cli_output import write_json
 
 
 def _positive_float(text: str) -> float:
@@ -26,14 +27,6 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
-
-
-def _write_json(path: Path, data: Any) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2) + "\n")
-    except OSError as exc:
-        raise ValueError(f"cannot write {path} ({exc.strerror}); pass a writable path") from None
 
 
 def _price(cluster: Any, spot: bool, catalog: Any) -> float:
@@ -114,7 +107,7 @@ def _simulate(args: argparse.Namespace) -> int:
                       f"{r['lost_steps_mean']:.1f}")
     console.print(table)
     if args.json:
-        _write_json(args.json, {"model": model.name, "cluster": cluster.describe(),
+        write_json(args.json, {"model": model.name, "cluster": cluster.describe(),
                                 "provider": provider.name, "tokens": args.tokens, "steps": steps,
                                 "global_batch": batch, "strategies": results})
         console.print(f"results written to {args.json}")
@@ -160,7 +153,7 @@ def _advise(args: argparse.Namespace) -> int:
                   f"{'spot' if pick['spot'] else 'on-demand'}, {pick['strategy']}): "
                   f"{pick['time_h']:.1f} h, ${pick['cost_usd']:,.0f} (prices read {pick['price_date']})")
     if args.json:
-        _write_json(args.json, {"model": model.name, "tokens": args.tokens, "pareto": front,
+        write_json(args.json, {"model": model.name, "tokens": args.tokens, "pareto": front,
                                 "recommended": pick})
         console.print(f"options written to {args.json}")
     return 0

@@ -6,7 +6,8 @@
   failure, or the membership changed) takes the newest step every old rank completed, re-plans
   when the world size changed (the planner; the global batch is kept, gradient accumulation
   absorbs a smaller dp), fills a new engine from the store and logs one reshape line and a
-  ``{"event": "reshape"}`` record;
+  ``{"event": "reshape"}`` record (``at_step``, not ``step``: metrics.jsonl's step lines are
+  the ones with a ``step`` key);
 - ``arm_failure``: ``--inject-failure RANK@STEP`` SIGKILLs that rank's worker in the forward of
   the step's second micro-batch (its first when there is one), once per run (a marker file in the
   run folder remembers it).
@@ -126,7 +127,7 @@ class ElasticSession:
         dist.barrier()
         move = plan_move(layout_of(model, plan_a), layout_of(model, plan_b),
                          list(range(min(world, plan_a.world_size))))
-        record = {"event": "reshape", "step": step, "from": plan_a.to_dict(),
+        record = {"event": "reshape", "at_step": step, "from": plan_a.to_dict(),
                   "to": plan_b.to_dict(), "bytes_moved": move.bytes_moved,
                   "lower_bound_bytes": move.lower_bound_bytes, "naive_bytes": move.naive_bytes,
                   "busiest_device_bytes": move.busiest_device_bytes,

@@ -14,6 +14,7 @@ A collective that fails or times out ends the rank with a message naming it and 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -42,6 +43,22 @@ from meshmorph.spec.catalog import load_model
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
 
+SAMPLE_LOG_ENV = "MESHMORPH_SAMPLE_LOG"
+"""Debug mode: a folder where every rank appends, after each completed step, the sample ids it
+trained on (``samples-rank<r>.jsonl``: restart round, step, dp rank, ids), so a test can check
+that a failure and restart skipped and repeated no sample."""
+
+
+def log_samples(shard: DataShard, consumed: int, step: int) -> None:
+    """Append this rank's sample ids of ``step`` (begun at ``consumed``) when debugging."""
+    folder = os.environ.get(SAMPLE_LOG_ENV)
+    if not folder:
+        return
+    record = {"round": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "step": step,
+              "dp_rank": shard.dp_rank, "ids": [int(i) for i in shard.indices(consumed)]}
+    with (Path(folder) / f"samples-rank{dist.get_rank()}.jsonl").open("a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
 
 def make_source(job: JobConfig, model: ModelSpec) -> SampleSource:
     """The job's sample source, checked against the model's vocabulary."""
@@ -59,16 +76,33 @@ def make_source(job: JobConfig, model: ModelSpec) -> SampleSource:
     return source
 
 
+def restart_store(timeout: timedelta) -> dist.Store | None:
+    """The store of this worker-group round under torchrun's elastic agent: the agent's shared
+    TCPStore outlives a restart, so the keys the dead round left there (each rank's gloo/NCCL
+    address) would send the new workers to closed ports ("Connection refused" in
+    ``connectFullMesh``); prefixing every key with ``TORCHELASTIC_RESTART_COUNT`` gives each
+    round a clean namespace. None where the workers do not share the agent's store."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"meshmorph/round{attempt}", store)
+
+
 def init_distributed(timeout_s: float) -> torch.device:
     """Join the process group torchrun describes, with every collective bounded by
     ``timeout_s``; the device this rank trains on."""
     timeout = timedelta(seconds=timeout_s)
+    store = restart_store(timeout)
+    where = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
+                                      "world_size": int(os.environ["WORLD_SIZE"])}
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("cuda:nccl,cpu:gloo", timeout=timeout)
+        dist.init_process_group("cuda:nccl,cpu:gloo", timeout=timeout, **where)
         return torch.device("cuda", local_rank)
-    dist.init_process_group("gloo", timeout=timeout)
+    dist.init_process_group("gloo", timeout=timeout, **where)
     return torch.device("cpu")
 
 
@@ -148,6 +182,7 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
             if trace:
                 trace.after_step()
             step += 1
+            log_samples(shard, consumed, step)
             consumed += plan.global_batch
             metrics.log(step=step, loss=loss, lr=lr, grad_norm=engine.grad_norm_last(),
                         step_time_s=step_time_s, consumed_samples=consumed)

@@ -1,7 +1,11 @@
-"""Run a function on N local processes over gloo (CPU) or NCCL (one GPU each), hard timeout.
+"""Run a function on N local processes with a hard timeout: gloo on CPU, or NCCL with one GPU
+per rank where CUDA is present (``backend="auto"``).
 
-Each rank's stdout and stderr go to its own log file; on the first rank that fails, or at the
+Each rank's stdout and stderr (file descriptors included, so C++ logs too) go to its own log
+file; one process group is created once per job. On the first rank that fails, or at the
 timeout, every rank still running is killed and ``SpawnError`` carries every rank's output.
+The profile and validate jobs and the multi-process tests and benchmarks all start processes
+through this one function.
 """
 
 from __future__ import annotations
@@ -9,12 +13,16 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+LOG_TAIL_CHARS = 20000
+"""Characters of each rank's log a SpawnError shows (the end of it)."""
 
 
 class SpawnError(RuntimeError):
@@ -28,7 +36,8 @@ def _free_port() -> int:
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, log: str,
-               args: tuple[Any, ...], threads: int) -> None:
+               args: tuple[Any, ...], threads: int, backend: str,
+               collective_timeout_s: float) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -40,11 +49,12 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, lo
 
     torch.set_num_threads(threads)
     try:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=300))
+                                timeout=timedelta(seconds=collective_timeout_s))
         fn(rank, world_size, *args)
         dist.destroy_process_group()
     except BaseException:
@@ -53,16 +63,22 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, lo
     os._exit(0)
 
 
-def spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], log_dir: Path, *,
-          timeout_s: float, threads: int = 1,
-          poll: Callable[[], None] | None = None) -> None:
-    """Run ``fn(rank, world_size, *args)`` (a module-level function) on ``world_size``
-    processes; ``poll`` is called every 0.1 s while they run (a progress bar reads files)."""
+def _outputs(logs: list[str]) -> str:
+    parts = []
+    for rank, log in enumerate(logs):
+        text = Path(log).read_text(errors="replace") if os.path.exists(log) else ""
+        parts.append(f"----- rank {rank} -----\n{text[-LOG_TAIL_CHARS:]}")
+    return "\n".join(parts)
+
+
+def _run(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], logs: list[str], *,
+         timeout_s: float, threads: int, backend: str, collective_timeout_s: float,
+         poll: Callable[[], None] | None) -> list[str]:
     ctx = mp.get_context("spawn")
     port = _free_port()
-    logs = [str(log_dir / f"rank{r}.log") for r in range(world_size)]
     procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(fn, r, world_size, port, logs[r], args, threads))
+                         args=(fn, r, world_size, port, logs[r], args, threads, backend,
+                               collective_timeout_s))
              for r in range(world_size)]
     for proc in procs:
         proc.start()
@@ -77,11 +93,12 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], log_di
         if all(c == 0 for c in codes):
             break
         if time.monotonic() > deadline:
-            failure = f"timed out after {timeout_s:.0f} s; raise the timeout or profile less"
+            failure = f"timed out after {timeout_s:.0f} s (ranks still running: " \
+                      f"{[r for r, c in enumerate(codes) if c is None]}); raise the timeout"
             break
         if poll is not None:
             poll()
-        time.sleep(0.1)
+        time.sleep(0.05)
     for proc in procs:
         if proc.exitcode is None:
             proc.kill()  # only the processes this call started
@@ -89,6 +106,23 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], log_di
     if poll is not None:
         poll()
     if failure:
-        text = "\n".join(f"----- rank {r} -----\n{Path(log).read_text(errors='replace')[-8000:]}"
-                         for r, log in enumerate(logs) if os.path.exists(log))
-        raise SpawnError(f"{failure}\n{text}")
+        raise SpawnError(f"{failure}\n{_outputs(logs)}")
+    return [Path(log).read_text(errors="replace") for log in logs]
+
+
+def spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (),
+          log_dir: Path | None = None, *, timeout_s: float = 300.0, threads: int = 1,
+          backend: str = "auto", collective_timeout_s: float = 300.0,
+          poll: Callable[[], None] | None = None) -> list[str]:
+    """Run ``fn(rank, world_size, *args)`` (a module-level function) on ``world_size``
+    processes and return each rank's output. ``log_dir``: where the rank logs go (default: a
+    temporary folder removed afterwards); ``backend``: ``gloo``, ``nccl`` or ``auto``; ``poll``
+    is called every 0.05 s while they run (a progress bar reads files)."""
+    if log_dir is not None:
+        logs = [str(log_dir / f"rank{r}.log") for r in range(world_size)]
+        return _run(fn, world_size, args, logs, timeout_s=timeout_s, threads=threads,
+                    backend=backend, collective_timeout_s=collective_timeout_s, poll=poll)
+    with tempfile.TemporaryDirectory(prefix="spawn-") as tmp:
+        logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
+        return _run(fn, world_size, args, logs, timeout_s=timeout_s, threads=threads,
+                    backend=backend, collective_timeout_s=collective_timeout_s, poll=poll)

@@ -12,6 +12,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+from meshmorph.cli_args import bounded_int, positive_int
 from meshmorph.cli_output import check_writable, unwritable, write_json
 from meshmorph.plan.report import report_console
 from meshmorph.spec.model import Recompute
@@ -176,28 +177,6 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 # --- registration ----------------------------------------------------------------------------
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _bounded(limit: int, unit: str):  # type: ignore[no-untyped-def]
-    """A positive integer argument no larger than ``limit`` (a larger one is a typo)."""
-    def parse(text: str) -> int:
-        value = _positive(text)
-        if value > limit:
-            raise argparse.ArgumentTypeError(
-                f"{value} is above the limit of {limit:,} {unit} (2**{limit.bit_length() - 1}); "
-                "pass a realistic value")
-        return value
-    return parse
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     plan = subparsers.add_parser(
         "plan", help="search the fastest parallel layouts of a model on a cluster",
@@ -207,13 +186,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--model", required=True,
                       help="catalog name, config.json path or package.module:function")
     plan.add_argument("--cluster", required=True, help="GPU:NODESxPER_NODE (h100:4x8) or a .toml")
-    plan.add_argument("--global-batch", required=True, type=_bounded(MAX_GLOBAL_BATCH, "sequences"),
+    plan.add_argument("--global-batch", required=True, type=bounded_int(MAX_GLOBAL_BATCH, "sequences"),
                       help="sequences per optimizer step")
-    plan.add_argument("--seq-len", type=_bounded(MAX_SEQ_LEN, "tokens"), default=None,
+    plan.add_argument("--seq-len", type=bounded_int(MAX_SEQ_LEN, "tokens"), default=None,
                       help="sequence length (default: the model's own)")
-    plan.add_argument("--top", type=_positive, default=5, help="plans to show (default 5)")
+    plan.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
     plan.add_argument("--dtype", choices=DTYPES, default="bf16", help="training dtype (default bf16)")
-    plan.add_argument("--max-micro-batch", type=_positive, default=16,
+    plan.add_argument("--max-micro-batch", type=positive_int, default=16,
                       help="largest micro-batch size tried (default 16)")
     plan.add_argument("--tolerance", type=float, default=1e-3,
                       help="optimality gap: results are at most this fraction slower than the "
@@ -247,18 +226,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     est.add_argument("--cluster", required=True, help="GPU:NODESxPER_NODE (h100:4x8) or a .toml")
     est.add_argument("--plan", type=Path, default=None,
                      help="plan JSON (a plan, or the output of 'meshmorph plan --json')")
-    est.add_argument("--tp", type=_positive, default=None, help="tensor-parallel degree")
-    est.add_argument("--pp", type=_positive, default=None, help="pipeline-parallel degree")
-    est.add_argument("--dp", type=_positive, default=None, help="data-parallel degree")
+    est.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree")
+    est.add_argument("--pp", type=positive_int, default=None, help="pipeline-parallel degree")
+    est.add_argument("--dp", type=positive_int, default=None, help="data-parallel degree")
     est.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
-    est.add_argument("--micro-batch", type=_positive, default=1, help="sequences per micro-batch")
-    est.add_argument("--global-batch", type=_bounded(MAX_GLOBAL_BATCH, "sequences"), default=None,
+    est.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch")
+    est.add_argument("--global-batch", type=bounded_int(MAX_GLOBAL_BATCH, "sequences"), default=None,
                      help="sequences per step (default dp x micro-batch x pp)")
-    est.add_argument("--seq-len", type=_bounded(MAX_SEQ_LEN, "tokens"), default=None,
+    est.add_argument("--seq-len", type=bounded_int(MAX_SEQ_LEN, "tokens"), default=None,
                      help="sequence length (default: the model's own)")
     est.add_argument("--schedule", choices=[str(s) for s in Schedule], default=None,
                      help="pipeline schedule (default 1f1b, interleaved when --vpp > 1)")
-    est.add_argument("--vpp", type=_positive, default=1,
+    est.add_argument("--vpp", type=positive_int, default=1,
                      help="model chunks per pipeline rank (interleaved)")
     est.add_argument("--recompute", choices=[str(r) for r in Recompute], default="none",
                      help="activation recompute of every block")

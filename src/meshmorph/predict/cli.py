@@ -6,27 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from meshmorph.cli_args import positive_float, positive_int
 from meshmorph.cli_output import write_json
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _price(cluster: Any, spot: bool, catalog: Any) -> float:
@@ -166,14 +147,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "the planner, revocations from the fitted hazard, checkpoint, restart and "
                     "reshape costs from CM-DARE's measurements.")
     sim.add_argument("--model", required=True, help="catalog model (see meshmorph models)")
-    sim.add_argument("--tokens", required=True, type=_positive_float, help="tokens to train on")
+    sim.add_argument("--tokens", required=True, type=positive_float, help="tokens to train on")
     sim.add_argument("--cluster", required=True, help="GPU:NODESxPER_NODE or a cluster .toml")
     sim.add_argument("--spot", action="store_true", help="spot/preemptible nodes (revocations)")
     sim.add_argument("--strategy", choices=("restart", "reshape", "on-demand"), default=None,
                      help="recovery strategy (default: all three with --spot)")
-    sim.add_argument("--runs", type=_positive_int, default=20, help="simulated runs (default 20)")
+    sim.add_argument("--runs", type=positive_int, default=20, help="simulated runs (default 20)")
     sim.add_argument("--seed", type=int, default=0, help="first random seed (default 0)")
-    sim.add_argument("--global-batch", type=_positive_int, default=None,
+    sim.add_argument("--global-batch", type=positive_int, default=None,
                      help="sequences per step (default: about 2 M tokens)")
     sim.add_argument("--provider", default=None,
                      help="cloud offering (gcp-preemptible, gcp-spot, aws-spot, azure-spot; "
@@ -189,10 +170,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Plan and simulate every 8-GPU instance type of the cloud catalog at 1-8 "
                     "nodes, spot and on-demand; print the Pareto front and recommend one.")
     adv.add_argument("--model", required=True, help="catalog model (see meshmorph models)")
-    adv.add_argument("--tokens", required=True, type=_positive_float, help="tokens to train on")
-    adv.add_argument("--deadline", type=_positive_float, default=None, help="hours (P90)")
-    adv.add_argument("--budget", type=_positive_float, default=None, help="USD (P90)")
-    adv.add_argument("--runs", type=_positive_int, default=5, help="simulated runs per option (default 5)")
+    adv.add_argument("--tokens", required=True, type=positive_float, help="tokens to train on")
+    adv.add_argument("--deadline", type=positive_float, default=None, help="hours (P90)")
+    adv.add_argument("--budget", type=positive_float, default=None, help="USD (P90)")
+    adv.add_argument("--runs", type=positive_int, default=5, help="simulated runs per option (default 5)")
     adv.add_argument("--catalog", type=Path, default=None, help="your cloud catalog TOML")
     adv.add_argument("--gpus", type=Path, default=None, help="your GPU TOML ([gpus.NAME])")
     adv.add_argument("--json", type=Path, default=None, help="write the options as JSON")

@@ -6,12 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+from meshmorph.cli_args import positive_int
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -59,24 +54,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "profile", help="measure the local devices: GEMMs, collectives, layer and optimizer times")
     prof.add_argument("--out", type=Path, default=Path("profile.json"),
                       help="Profile JSON to write (default profile.json)")
-    prof.add_argument("--nproc", type=_positive, default=2,
+    prof.add_argument("--nproc", type=positive_int, default=2,
                       help="processes measuring at once (default 2); use the count you will train with")
     prof.add_argument("--model", action="append", default=None,
                       help="catalog model whose layers are timed (repeatable; default gpt-small)")
-    prof.add_argument("--seq-len", type=_positive, default=64,
+    prof.add_argument("--seq-len", type=positive_int, default=64,
                       help="sequence length of the layer timings (default 64)")
     prof.add_argument("--quick", action="store_true", help="fewer repeats and sizes (well under a minute)")
     prof.set_defaults(func=lambda a: _profile(_defaults(a)))
 
     val = subparsers.add_parser(
         "validate", help="run several plans on local processes; predicted vs measured step time")
-    val.add_argument("--plans", type=_positive, default=8, help="plans to run (default 8)")
-    val.add_argument("--nproc", type=_positive, default=2, help="processes (default 2)")
+    val.add_argument("--plans", type=positive_int, default=8, help="plans to run (default 8)")
+    val.add_argument("--nproc", type=positive_int, default=2, help="processes (default 2)")
     val.add_argument("--model", default="gpt-small", help="catalog model (default gpt-small)")
-    val.add_argument("--seq-len", type=_positive, default=64, help="sequence length (default 64)")
-    val.add_argument("--repeats", type=_positive, default=5,
+    val.add_argument("--seq-len", type=positive_int, default=64, help="sequence length (default 64)")
+    val.add_argument("--repeats", type=positive_int, default=5,
                      help="timed steps per plan after warm-up (default 5)")
-    val.add_argument("--warmup", type=_positive, default=2,
+    val.add_argument("--warmup", type=positive_int, default=2,
                      help="untimed steps per plan before the timed ones (default 2)")
     val.add_argument("--profile", type=Path, default=None,
                      help="use this Profile instead of profiling just before (default: profile first)")

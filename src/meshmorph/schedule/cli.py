@@ -15,6 +15,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from meshmorph.cli_args import positive_int
 from meshmorph.schedule.registry import SCHEDULE_NAMES, V_SHAPED, chunks_per_rank
 from meshmorph.schedule.simulator import StageTimes, Timeline, simulate_schedule
 from meshmorph.schedule.trace import OpRecord, read_trace_ops, timeline_events, write_trace
@@ -138,13 +139,6 @@ def _cluster_of(plan_path: Path) -> str:
     return cluster
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     tl = subparsers.add_parser(
         "timeline", help="draw a pipeline schedule per rank (PNG) and write it as a trace",
@@ -156,10 +150,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="cluster for the plan's per-stage times (default: the file's)")
     tl.add_argument("--schedule", choices=SCHEDULE_NAMES, default=None,
                     help="schedule to draw (with --plan: the plan's stages under it)")
-    tl.add_argument("--pp", type=_positive, default=None, help="pipeline ranks (quick look)")
-    tl.add_argument("--microbatches", type=_positive, default=None,
+    tl.add_argument("--pp", type=positive_int, default=None, help="pipeline ranks (quick look)")
+    tl.add_argument("--microbatches", type=positive_int, default=None,
                     help="micro-batches per step (quick look)")
-    tl.add_argument("--vpp", type=_positive, default=1, help="chunks per rank (interleaved)")
+    tl.add_argument("--vpp", type=positive_int, default=1, help="chunks per rank (interleaved)")
     tl.add_argument("--compare", type=Path, default=None, metavar="RUN_DIR",
                     help="overlay the measured trace of 'meshmorph run --trace' and the simulation")
     tl.add_argument("--png", type=Path, default=None, help="write the Gantt chart here")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +104,41 @@ def _full_params(engine) -> dict[str, torch.Tensor]:  # noqa: ANN001
             full = param.full_tensor() if isinstance(param, DTensor) else param
             params[name] = full.detach().clone()
     return params
+
+
+def assert_matches_one_device(entries: Iterable[dict], param_files: Iterable[Path],
+                              steps: int) -> None:
+    """Every rank of a step reports the same loss and grad norm, and the losses, norms and the
+    parameters saved in ``param_files`` equal the fp64 one-device run within K times the
+    measured fp32 noise (test_equivalence's tolerances)."""
+    by_step: dict[int, tuple[float, float]] = {}
+    for entry in entries:
+        got = (entry["loss"], entry["grad_norm"])
+        assert by_step.setdefault(entry["step"], got) == got, entry
+    assert sorted(by_step) == list(range(steps))
+    params: dict[str, torch.Tensor] = {}
+    for path in sorted(param_files):
+        params.update(torch.load(path))
+    run = ReferenceRun(tuple(by_step[s][0] for s in range(steps)),
+                       tuple(by_step[s][1] for s in range(steps)), params)
+    gpt, data = _gpt(), batches(steps)
+    fp64 = reference_run(gpt, OPTIM, data, seed=SEED, micro_batch=1, precision="fp64")
+    noise = _worst([deviation(reference_run(gpt, OPTIM, data, seed=SEED, micro_batch=mb,
+                                            precision="fp32"), fp64, OPTIM)
+                    for mb in (1, 2, GLOBAL_BATCH)])
+    found = violations(run, Expectation(fp64, "fp64 one-device", fp64, noise, K_FP32, FLOOR_FP32))
+    assert not found, "\n".join(found)
+
+
+def assert_every_sample_once(entries: Iterable[dict], steps: int) -> None:
+    """Every rank of one dp rank read the same sample ids in a step, and over ``steps`` steps
+    every sample id was consumed exactly once."""
+    seen: dict[int, dict[int, list[int]]] = {}  # step -> dp rank -> sample ids
+    for entry in entries:
+        ids = seen.setdefault(entry["step"], {}).setdefault(entry["dp_rank"], entry["ids"])
+        assert ids == entry["ids"]
+    consumed = sorted(i for step in seen.values() for ids in step.values() for i in ids)
+    assert consumed == list(range(steps * GLOBAL_BATCH))
 
 
 def job(rank: int, world_size: int, out_dir: str) -> None:
@@ -194,35 +230,13 @@ def test_move_keeps_every_tensor_hash_and_moves_the_lower_bound(move: str,
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_chain_of_reshapes_matches_one_device_losses_norms_and_params(chain_results: Path) -> None:
-    records = _records(chain_results)
-    steps = len(chain())
-    by_step: dict[int, tuple[float, float]] = {}
-    for record in records:
-        for entry in record:  # every rank of a step reports the same loss and norm
-            got = (entry["loss"], entry["grad_norm"])
-            assert by_step.setdefault(entry["step"], got) == got, entry
-    assert sorted(by_step) == list(range(steps))
-    params: dict[str, torch.Tensor] = {}
-    for path in sorted(chain_results.glob("params*_pp*.pt")):
-        params.update(torch.load(path))
-    run = ReferenceRun(tuple(by_step[s][0] for s in range(steps)),
-                       tuple(by_step[s][1] for s in range(steps)), params)
-    gpt, data = _gpt(), batches(steps)
-    fp64 = reference_run(gpt, OPTIM, data, seed=SEED, micro_batch=1, precision="fp64")
-    noise = _worst([deviation(reference_run(gpt, OPTIM, data, seed=SEED, micro_batch=mb,
-                                            precision="fp32"), fp64, OPTIM)
-                    for mb in (1, 2, GLOBAL_BATCH)])
-    found = violations(run, Expectation(fp64, "fp64 one-device", fp64, noise, K_FP32, FLOOR_FP32))
-    assert not found, "\n".join(found)
+    entries = [entry for record in _records(chain_results) for entry in record]
+    assert_matches_one_device(entries, chain_results.glob("params*_pp*.pt"), len(chain()))
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_chain_of_reshapes_consumes_every_sample_once(chain_results: Path) -> None:
-    seen: dict[int, dict[int, list[int]]] = {}  # step -> dp rank -> sample ids
-    for record in _records(chain_results):
-        for entry in record:
-            ids = seen.setdefault(entry["step"], {}).setdefault(entry["dp_rank"], entry["ids"])
-            assert ids == entry["ids"]  # tp and pp ranks of one dp rank read the same samples
-    consumed = sorted(i for step in seen.values() for ids in step.values() for i in ids)
-    assert consumed == list(range(len(chain()) * GLOBAL_BATCH))
+    # tp and pp ranks of one dp rank read the same samples
+    entries = [entry for record in _records(chain_results) for entry in record]
+    assert_every_sample_once(entries, len(chain()))

@@ -26,19 +26,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import ReferenceRun, deviation, reference_run
 from test_equivalence import (
-    FLOOR_FP32,
-    K_FP32,
     OPTIM,
     SEED,
-    Expectation,
     _gpt,
     _plan,
-    _worst,
-    violations,
 )
-from test_reshape_equivalence import GLOBAL_BATCH, _full_params, _rank_step, batches
+from test_reshape_equivalence import (
+    GLOBAL_BATCH,
+    _full_params,
+    _rank_step,
+    assert_every_sample_once,
+    assert_matches_one_device,
+    batches,
+)
 
 WORLD, STEPS, KILL_AT, VICTIM = 4, 6, 3, 3
 
@@ -183,31 +184,10 @@ def test_survivors_of_a_sigkill_restore_every_tensor_of_the_last_step_boundary(
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_survivors_of_a_sigkill_train_to_the_one_device_numbers(kill_results: Path) -> None:
-    by_step: dict[int, tuple[float, float]] = {}
-    for entry in _entries(kill_results):
-        got = (entry["loss"], entry["grad_norm"])
-        assert by_step.setdefault(entry["step"], got) == got, entry
-    assert sorted(by_step) == list(range(STEPS))
-    params: dict[str, torch.Tensor] = {}
-    for path in sorted(kill_results.glob("params*.pt")):
-        params.update(torch.load(path))
-    run = ReferenceRun(tuple(by_step[s][0] for s in range(STEPS)),
-                       tuple(by_step[s][1] for s in range(STEPS)), params)
-    gpt, data = _gpt(), batches(STEPS)
-    fp64 = reference_run(gpt, OPTIM, data, seed=SEED, micro_batch=1, precision="fp64")
-    noise = _worst([deviation(reference_run(gpt, OPTIM, data, seed=SEED, micro_batch=mb,
-                                            precision="fp32"), fp64, OPTIM)
-                    for mb in (1, 2, GLOBAL_BATCH)])
-    found = violations(run, Expectation(fp64, "fp64 one-device", fp64, noise, K_FP32, FLOOR_FP32))
-    assert not found, "\n".join(found)
+    assert_matches_one_device(_entries(kill_results), kill_results.glob("params*.pt"), STEPS)
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_survivors_of_a_sigkill_consume_every_sample_once(kill_results: Path) -> None:
-    seen: dict[int, dict[int, list[int]]] = {}
-    for entry in _entries(kill_results):
-        ids = seen.setdefault(entry["step"], {}).setdefault(entry["dp_rank"], entry["ids"])
-        assert ids == entry["ids"]
-    consumed = sorted(i for step in seen.values() for ids in step.values() for i in ids)
-    assert consumed == list(range(STEPS * GLOBAL_BATCH))
+    assert_every_sample_once(_entries(kill_results), STEPS)

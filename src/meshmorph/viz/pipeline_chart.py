@@ -12,23 +12,17 @@ from pathlib import Path
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.pipeline import Timeline, simulate
 from meshmorph.spec.plan import Plan, Schedule
-from meshmorph.viz.timeline_chart import Lane, draw_timelines
+from meshmorph.viz.timeline_chart import Lane, draw_timelines, plan_stage_times
 
 
 def plan_timeline(plan: Plan, cost: CostModel) -> Timeline:
     """Simulate one step of ``plan`` with every op kept, on the cost model's chunk times."""
-    model = cost.model.with_seq_len(plan.seq_len)
-    if model is not cost.model:
-        cost = CostModel(model, cost.cluster, cost.coef, cost.profile)
-    plan.check_against(cost.model)
-    gpus = [cost.stage_gpu(stage) for stage in plan.stages]
-    times = [cost.chunk_time(plan, s.start, s.stop, s.recompute, g)
-             for s, g in zip(plan.stages, gpus, strict=True)]
+    times = plan_stage_times(plan, cost)
     zb = plan.schedule == Schedule.ZERO_BUBBLE
-    return simulate(plan.schedule, plan.pp, plan.num_microbatches, [t.fwd_s for t in times],
-                    [t.bgrad_s if zb else t.bwd_s for t in times], v=plan.vpp,
-                    wgrad_s=[t.wgrad_s for t in times] if zb else None,
-                    p2p_s=[cost.p2p_time(plan, g) for g in gpus], keep_ops=True)
+    return simulate(plan.schedule, plan.pp, plan.num_microbatches, list(times.fwd_s),
+                    list(times.igrad_s if zb else times.bwd_s), v=plan.vpp,
+                    wgrad_s=list(times.wgrad_s) if zb else None,
+                    p2p_s=list(times.p2p_s), keep_ops=True)
 
 
 def write_pipeline_chart(timeline: Timeline, out_png: Path, *, pp: int, vpp: int = 1,

@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 
-from meshmorph.cli import main
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def run_cli(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
+from test_plan_cli import PNG_MAGIC, run_cli
 
 
 def test_simulate_reports_p50_p90_per_strategy_and_draws_the_timeline(tmp_path: Path) -> None:

@@ -57,6 +57,10 @@ def validate_plan(model: ModelSpec, plan: Plan, world_size: int) -> None:
         )
     if plan.pp == 1 and plan.num_chunks > 1:
         raise PlanError(f"vpp {plan.vpp} needs pp > 1; set vpp 1 or raise pp")
+    if any(stage.layer_strategies is not None for stage in plan.stages):
+        from meshmorph.run.layerwise_engine import validate_layerwise
+
+        validate_layerwise(model, plan)
     if plan.schedule == Schedule.ZERO_BUBBLE and plan.pp > 1 and plan.dp > 1 and plan.zero == 3:
         # measured with torch 2.13: the last stage's sharded parameters end the step without
         # gradients (its deferred weight-gradient pass and FSDP2's per-block resharding)
@@ -301,6 +305,10 @@ def build_engine(model: ModelSpec, plan: Plan, optim: OptimConfig, *, seed: int,
         raise RuntimeError("build_engine needs torch.distributed initialised "
                            "(launch with torchrun, or call init_process_group first)")
     validate_plan(model, plan, dist.get_world_size())
+    if any(stage.layer_strategies is not None for stage in plan.stages):
+        from meshmorph.run.layerwise_engine import LayerwiseEngine
+
+        return LayerwiseEngine(spec=model, plan=plan, optim=optim, seed=seed, device=device)
     mesh = build_mesh(plan, device.type)
     chunk_ids = plan.chunks_of(mesh.pp_rank)
     parts, runners = [], []

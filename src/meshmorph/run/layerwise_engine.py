@@ -1,0 +1,202 @@
+"""LayerwiseEngine: one optimizer step of a layerwise plan (``StagePlan.layer_strategies``), with
+the numbers of a single device.
+
+One step: this rank's share of the global batch (the plan's tp x dp layout, as for a uniform
+plan) is cut into m micro-batches; each runs through the layers on their own layouts
+(run/layerwise_model.py). The last layer's rank holds B / dp_h sequences of the B of a stage
+micro-batch (dp_h: that layer's dp) and back-propagates its mean token loss divided by m x dp_h,
+its exact share of the mean over the global batch; every layer's gradient on a rank is then its
+sequences' exact contribution, summed over the layer's dp group (FSDP2's reduce-scatter for
+ZeRO 2/3 layers, one all-reduce per ZeRO 0/1 layer after the last micro-batch:
+run/layerwise_grads.py). The global norm counts every element once over the mixed layouts,
+gradients are clipped and one AdamW per mesh (a ``ShardedAdamW`` over the layer's dp group for
+ZeRO-1 layers) steps; ZeRO-2 layers keep their gathered parameters to the end of the step, as in
+the uniform engine.
+
+Refused here (a clear PlanError before any process group work): pipeline parallelism (the
+pipeline path hands activations between stages in one layout per stage), sequence parallelism,
+fp16 loss scaling, a tied embedding and head under different tp or ZeRO, or under ZeRO 2/3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from meshmorph.run import state_line
+from meshmorph.run.config import OptimConfig
+from meshmorph.run.engine import TrainEngine
+from meshmorph.run.layerwise_grads import layerwise_grad_norm, reduce_layer_grads
+from meshmorph.run.layerwise_model import LayerwiseRunner
+from meshmorph.run.layerwise_parallelize import (
+    LayerLayouts,
+    LayerUnit,
+    parallelize_layerwise,
+    stage_degrees,
+)
+from meshmorph.run.loss import token_cross_entropy
+from meshmorph.run.mesh import build_mesh
+from meshmorph.run.models import build_chunk
+from meshmorph.run.parallelize import TORCH_DTYPES
+from meshmorph.run.zero1 import ShardedAdamW
+from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import Plan, PlanError, Schedule
+
+
+def is_layerwise(plan: Plan) -> bool:
+    """Whether any stage of ``plan`` lists per-layer strategies."""
+    return any(stage.layer_strategies is not None for stage in plan.stages)
+
+
+def validate_layerwise(model: ModelSpec, plan: Plan) -> None:
+    """Refuse the layerwise plans this runtime cannot run (module docstring), naming a way out."""
+    if plan.pp > 1 or plan.num_chunks > 1:
+        raise PlanError(
+            f"layerwise plans run with pp 1 only (this one has pp {plan.pp}, vpp {plan.vpp}): the "
+            "pipeline hands activations between stages in one layout; drop layer_strategies, or "
+            "plan pp 1 (meshmorph plan --layerwise with a cluster that fits one stage)")
+    if plan.schedule == Schedule.ASYNC:
+        raise PlanError("layerwise plans run the synchronous step; use schedule '1f1b'")
+    if plan.sequence_parallel:
+        raise PlanError("layerwise plans do not run sequence parallelism; set it false")
+    if plan.dtype == "fp16":
+        raise PlanError("layerwise plans run fp32 or bf16 (no fp16 loss scaling); use bf16")
+    stage = plan.stages[0]
+    strategies = stage.layer_strategies
+    assert strategies is not None
+    degrees = sorted(stage_degrees(plan))
+    for low, high in zip(degrees, degrees[1:], strict=False):
+        if high % low:
+            raise PlanError(f"layer tp degrees {low} and {high} do not nest; the runtime moves "
+                            "activations only between tp's where one divides the other")
+    embed, head = strategies[0], strategies[-1]
+    if model.tied_embeddings and (embed.tp, embed.zero) != (head.tp, head.zero):
+        raise PlanError(
+            f"{model.name} ties its embedding and head (one matrix), but they have tp "
+            f"{embed.tp} / zero {embed.zero} and tp {head.tp} / zero {head.zero}; give both "
+            "layers the same tp and ZeRO stage")
+    if model.tied_embeddings and embed.zero >= 2 and embed.dp > 1:
+        raise PlanError(
+            f"{model.name} ties its embedding and head, and FSDP2 cannot shard one matrix for two "
+            f"layers run apart (zero {embed.zero}); give the embedding and head zero 0 or 1")
+
+
+class LayerwiseEngine(TrainEngine):
+    """This rank's layerwise chunk, its optimizers and the step that trains it (pp 1)."""
+
+    def __init__(self, *, spec: ModelSpec, plan: Plan, optim: OptimConfig, seed: int,
+                 device: torch.device) -> None:
+        self.spec, self.plan, self.optim, self.device = spec, plan, optim, device
+        mesh = build_mesh(plan, device.type)
+        self.train_mesh, self.mesh = mesh, mesh.mesh
+        self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp  # the trainer's data layout
+        self.layouts = LayerLayouts(plan.tp * plan.dp, stage_degrees(plan), device.type)
+        stage = plan.stages[0]
+        chunk = build_chunk(spec, stage.start, stage.stop, seed=seed, device="meta")
+        self.units: list[LayerUnit] = parallelize_layerwise(chunk, spec, plan, stage,
+                                                            self.layouts, seed=seed,
+                                                            device=device)
+        self.runner = LayerwiseRunner(chunk, self.units, self.layouts, plan.tp)
+        self.model_parts = [chunk]
+        self._runners = [self.runner]
+        self.chunk_ids = [0]
+        self._params = [[p for unit in self.units for p in unit.params]]
+        self.optimizers, self.lr_schedulers = self._make_optimizers()
+        self.has_first = self.has_last = True
+        self.scaler = None
+        self.schedule = None
+        self._tied_group = None
+        self._grad_norm = float("nan")
+        self._autocast = (partial(torch.autocast, device.type, dtype=TORCH_DTYPES[plan.dtype])
+                          if plan.dtype != "fp32" else contextlib.nullcontext)
+        self._fsdp_modules = [u.module for u in self.units if isinstance(u.module, FSDPModule)]
+        self._zero2 = [u.module for u in self.units
+                       if u.fsdp and u.strategy.zero == 2 and isinstance(u.module, FSDPModule)]
+        self.capture_state = True
+        self.captured_state = None
+        self.state_written = False
+
+    def _make_optimizers(self) -> tuple[list[torch.optim.Optimizer],
+                                        list[torch.optim.lr_scheduler.LRScheduler]]:
+        """One AdamW per group of layers sharing a mesh and a kind of parameter (plain tensors,
+        tp DTensors, FSDP2 shards); a ShardedAdamW over the dp group of each ZeRO-1 layout."""
+        optim = self.optim
+        kw = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                  weight_decay=optim.weight_decay)
+        fused = self.device.type == "cuda"
+        groups: dict[tuple[int, str], list[nn.Parameter]] = {}
+        for unit in self.units:
+            kind = "fsdp" if unit.fsdp else "zero1" if unit.reduces_by_hand and \
+                unit.strategy.zero == 1 else "whole"
+            groups.setdefault((unit.strategy.tp, kind), []).extend(unit.params)
+        optimizers: list[torch.optim.Optimizer] = []
+        for (tp, kind), params in sorted(groups.items()):
+            if not params:
+                continue
+            if kind == "zero1":
+                layout = self.layouts[tp]
+                opt: torch.optim.Optimizer = ShardedAdamW(
+                    params, dp_mesh=layout.dp_mesh, dp_tp_mesh=layout.mesh if tp > 1 else None,
+                    foreach=not fused, fused=fused, **kw)  # type: ignore[arg-type]
+            else:
+                opt = torch.optim.AdamW(params, foreach=not fused, fused=fused, **kw)  # type: ignore[arg-type]
+            optimizers.append(opt)
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: optim.lr_at(s) / optim.lr)
+                      for opt in optimizers]
+        return optimizers, schedulers
+
+    def _accumulate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Gradient accumulation over the layers' layouts; returns this rank's sum of its
+        micro-batch mean losses (its last layer's block)."""
+        m = self.plan.num_microbatches
+        share = m * self.units[-1].strategy.dp  # the loss this rank back-propagates: mean / share
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for module in self._zero2:
+            module.set_reshard_after_backward(False)  # gathered once, kept to the step's end
+        for x, y in zip(inputs.chunk(m), labels.chunk(m), strict=True):
+            with self._autocast():
+                loss = token_cross_entropy(self.runner(x), self.runner.labels(y))
+            (loss / share).backward()
+            total += loss.detach().double()
+        return total
+
+    def _step(self, tokens: torch.Tensor) -> float:
+        plan = self.plan
+        expected = (plan.global_batch // plan.dp, plan.seq_len + 1)
+        if tuple(tokens.shape) != expected:
+            raise ValueError(f"step() takes tokens of shape {list(expected)} (global_batch / dp, "
+                             f"seq_len + 1), got {list(tokens.shape)}")
+        tokens = tokens.to(self.device)
+        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss_sum = self._accumulate(inputs, labels)
+        reduce_layer_grads(self.units, plan.reduce_dtype)
+        if self.capture_state:  # the end of backward (its reductions included)
+            self.captured_state = state_line.held_bytes(self)
+        self._align_grads()
+        self._grad_norm = layerwise_grad_norm(self.units, self.device)
+        if self.optim.grad_clip > 0:
+            grads = [p.grad for p in self._params[0] if p.grad is not None]
+            coef = self.optim.grad_clip / (self._grad_norm + 1e-6)
+            if coef < 1.0:  # torch's clip_grad_norm_ rule
+                torch._foreach_mul_([_local(g) for g in grads], coef)
+        for opt in self.optimizers:
+            opt.step()
+        for sched in self.lr_schedulers:
+            sched.step()
+        for module in self._zero2:
+            module.reshard()  # the next step gathers the updated weights
+        # each rank holds the mean of its last layer's block; tp ranks repeat it
+        dist.all_reduce(loss_sum)
+        return float(loss_sum) / (plan.num_microbatches * plan.dp * plan.tp)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

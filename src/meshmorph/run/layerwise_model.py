@@ -1,0 +1,56 @@
+"""The forward of a layerwise chunk: each layer on its own block of the micro-batch, activations
+moved between layers whose tp degrees differ.
+
+A stage micro-batch holds B = plan dp x micro_batch sequences. Under a layout (tp, dp) a rank
+runs the B / dp sequences of its data-parallel block (rank // tp, stage-local), replicated on
+its tp ranks. The runner takes this rank's micro-batch share as the trainer cuts it (the plan's
+own (tp, dp) layout), moves the tokens to the first layer's layout, runs every layer, moving the
+hidden state between neighbours whose tp differs (run/layerwise_redistribute.py: a local slice
+or an all-gather of the batch dim, and the reverse in backward), and hands back the last
+layer's logits with the labels moved to the same layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshmorph.run.layerwise_parallelize import LayerLayouts, LayerUnit
+from meshmorph.run.layerwise_redistribute import redistribute
+
+
+class LayerwiseRunner(nn.Module):
+    """Runs the layers of one layerwise chunk (module docstring); holds the chunk so its
+    parameters keep the plain model's names."""
+
+    def __init__(self, chunk: nn.Module, units: list[LayerUnit], layouts: LayerLayouts,
+                 data_tp: int) -> None:
+        super().__init__()
+        self.chunk = chunk
+        self.units = units
+        self.layouts = layouts
+        self.data_tp = data_tp
+        """tp degree of the layout the trainer cuts the batch in (the plan's tp)."""
+
+    @property
+    def out_tp(self) -> int:
+        """tp degree of the layout the logits come out in (the last layer's)."""
+        return self.units[-1].strategy.tp
+
+    def labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's labels moved from the data layout to the logits' layout."""
+        with torch.no_grad():
+            return redistribute(labels, self.data_tp, self.out_tp, self.layouts.groups)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp = self.data_tp
+        for unit in self.units:
+            if unit.strategy.tp != tp:
+                if x.is_floating_point():
+                    x = redistribute(x, tp, unit.strategy.tp, self.layouts.groups)
+                else:
+                    with torch.no_grad():  # token ids carry no gradient
+                        x = redistribute(x, tp, unit.strategy.tp, self.layouts.groups)
+                tp = unit.strategy.tp
+            x = unit.module(x)
+        return x

@@ -4,15 +4,18 @@ Plan B on others, moving only what the MovePlan says.
 Every process that takes part calls ``reshape_in_memory`` with the same arguments (its own
 ``me`` and engine aside). The steps:
 
-1. Layouts A and B and the MovePlan (pure, the same on every process); a planned leave names the
-   processes that stay, and the placement is the best one among them (``linear_sum_assignment``
-   on the receive matrix restricted to those devices);
-2. this process's pieces out of its old engine (views, ``local_state.extract_state``);
-3. one process group over every process that sends or receives (``regroup``): the small state
-   (step, LR schedule, data position) from the first survivor, then the transfers
-   (``execute.execute_transfers``);
-4. the process group of Plan B, ranks in placement order, the new engine built on the meta
-   device and filled from the pieces kept and received (``local_state.install_state``).
+1. this process's pieces out of its old engine (views, ``local_state.extract_state``);
+2. one process group over every process that sends or receives: the default group itself where
+   it already spans Plan A's processes in rank order and nobody joins, else a new one
+   (``regroup``);
+3. the first survivor computes Layouts A and B and the MovePlan (pure; a planned leave names the
+   processes that stay, and the placement is the best one among them, ``linear_sum_assignment``
+   on the receive matrix restricted to those devices) and broadcasts it with the small state
+   (step, LR schedule, data position, loss scaler); then the transfers
+   (``execute.execute_transfers``) and a barrier;
+4. the process group of Plan B, ranks in placement order (the move's group again where its ranks
+   are already in that order), the new engine built on the meta device and filled from the
+   pieces kept and received (``local_state.install_state``).
 
 The old engine is only read until step 4 succeeds: a failure before it leaves its state whole
 (its pieces can be installed again into a rebuilt Plan A engine). Process groups are formed over
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -41,7 +44,7 @@ from meshmorph.elastic.local_state import (
     install_state,
 )
 from meshmorph.elastic.move_plan import DEFAULT_STAGING_BYTES, MovePlan, plan_move
-from meshmorph.elastic.move_time import predict_move_time_s
+from meshmorph.elastic.move_time import MoveTimeModel, predict_move_time_s
 from meshmorph.run.config import OptimConfig
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import ModelSpec
@@ -75,6 +78,8 @@ class ReshapeRequest:
     """Checksum every transfer (``content_hash``) and refuse a mismatch."""
     cluster: str | None = None
     """Cluster shorthand the move time is predicted on (None: ``cpu:1x<devices>``)."""
+    time_model: MoveTimeModel | None = None
+    """Coefficients of the predicted move time (None: ``MoveTimeModel()``'s defaults)."""
 
 
 @dataclass(slots=True)
@@ -159,11 +164,31 @@ def plan_the_move(request: ReshapeRequest) -> tuple[MovePlan, Layout, Layout, di
     return move, layout_a, layout_b, process_of
 
 
-def _share_small(small: SmallState | None, root: int) -> SmallState:
-    box: list[Any] = [small]
+def _current_group_is(processes: Sequence[int], me: int) -> bool:
+    """Whether the default process group spans exactly ``processes`` with rank ``i`` on
+    ``processes[i]`` (then it is reused instead of formed again)."""
+    return (dist.is_initialized() and me in processes
+            and dist.get_world_size() == len(processes)
+            and dist.get_rank() == list(processes).index(me))
+
+
+def _agree(request: ReshapeRequest, state: LocalState | None, root: int
+           ) -> tuple[MovePlan, dict[int, int], dict[str, tuple[int, ...]], SmallState, float]:
+    """The MovePlan, device -> process, global shapes, small state and predicted time, computed
+    on the group's rank ``root`` (the first survivor) and broadcast: every process then follows
+    the same plan, and the pure planning runs once instead of once per process."""
+    box: list[Any] = [None]
+    if dist.get_rank() == root:
+        if state is None:
+            raise ReshapeError("the first survivor has no small state to share")
+        move, layout_a, _, process_of = plan_the_move(request)
+        cluster = parse_cluster(request.cluster or f"cpu:1x{len(move.devices)}")
+        shapes = {k: tuple(t.shape) for k, t in layout_a.tensors.items()}
+        small = SmallState(**{f.name: getattr(state.small, f.name) for f in fields(SmallState)})
+        small.rng = torch.empty(0, dtype=torch.uint8)  # each rank keeps its own stream
+        box = [(move, process_of, shapes, small,
+                predict_move_time_s(move, cluster, model=request.time_model))]
     dist.broadcast_object_list(box, src=root)
-    if box[0] is None:
-        raise ReshapeError("the first survivor has no small state to share")
     return box[0]
 
 
@@ -172,7 +197,10 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
                       ) -> tuple[Any, ReshapeReport]:
     """Move this process's part of the job from ``engine`` (None on a joining process) to an
     engine of Plan B; returns it (None where this process hosts no rank of Plan B) and the
-    report. Collective over every process of the request."""
+    report. Collective over every process of the request. Where the default process group
+    spans exactly Plan A's processes in rank order (and nobody joins), the move runs over it;
+    where the move's group already has Plan B's processes in Plan B's rank order, Plan B runs
+    over it too: no process group is formed that need not be."""
     from meshmorph.run.engine import build_engine
 
     times: dict[str, float] = {}
@@ -181,43 +209,48 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
     def lap(name: str) -> None:
         nonlocal clock
         now = time.perf_counter()
-        times[name] = now - clock
+        times[name] = times.get(name, 0.0) + now - clock
         clock = now
 
-    move, layout_a, _, process_of = plan_the_move(request)
-    processes_b = tuple(process_of[move.placement[r]] for r in range(request.plan_b.world_size))
-    cluster = parse_cluster(request.cluster or f"cpu:1x{len(move.devices)}")
-    report = ReshapeReport(move, processes_b, times_s=times,
-                           predicted_time_s=predict_move_time_s(move, cluster))
-    lap("plan")
     state: LocalState | None = None
     if engine is not None:
         state = extract_state(engine, consumed_samples=consumed_samples, checksums=False)
     lap("extract")
+    members = sorted(set(request.processes_a) | set(request.joining))
+    if not request.joining and _current_group_is(request.processes_a, me):
+        members = list(request.processes_a)
+    else:
+        regroup(store_dir, f"{tag}-move", me, members)
+    lap("group")
+    if me not in members:
+        raise ReshapeError(f"process {me} is neither in plan A {list(request.processes_a)} nor "
+                           f"joining {list(request.joining)}; only they take part in the move")
+    move, process_of, shapes, small, predicted = _agree(
+        request, state, members.index(request.processes_a[0]))
+    processes_b = tuple(process_of[move.placement[r]] for r in range(request.plan_b.world_size))
+    report = ReshapeReport(move, processes_b, times_s=times, predicted_time_s=predicted,
+                           consumed_samples=small.consumed_samples)
+    small.rng = state.small.rng if state is not None else torch.get_rng_state()
+    lap("plan")
     if move.from_checkpoint:
         raise ReshapeError(f"{len(move.from_checkpoint)} pieces have no live holder; an in-memory"
                            " move needs every piece alive (read them from the checkpoint)")
-    members = sorted(set(request.processes_a) | set(processes_b))
     device_of = {p: d for d, p in process_of.items()}
     held = state.pieces if state is not None else {}
-    received: list = []
-    small: SmallState | None = None
-    regroup(store_dir, f"{tag}-move", me, members)
-    if me in members:
-        root = members.index(request.processes_a[0])
-        small = _share_small(state.small if state is not None else None, root)
-        if state is not None:
-            small.rng = state.small.rng
-        report.consumed_samples = small.consumed_samples
-        shapes = {k: t.shape for k, t in layout_a.tensors.items()}
-        received, report.execution = execute_transfers(
-            move.transfers, device_of[me], held, shapes,
-            rank_of_device={d: members.index(p) for d, p in process_of.items() if p in members},
-            staging_bytes=request.staging_bytes, verify=request.verify)
-        dist.barrier()  # every transfer arrived and was checked before anything changes
+    received, report.execution = execute_transfers(
+        move.transfers, device_of[me], held, shapes,
+        rank_of_device={d: members.index(p) for d, p in process_of.items() if p in members},
+        staging_bytes=request.staging_bytes, verify=request.verify)
+    dist.barrier()  # every transfer arrived and was checked before anything changes
     lap("transfer")
     new_engine = None
-    if regroup(store_dir, f"{tag}-run", me, processes_b) and small is not None:
+    if list(processes_b) == members:
+        clear_mesh_caches()
+        joined = True
+    else:
+        joined = regroup(store_dir, f"{tag}-run", me, processes_b)
+    lap("group")
+    if joined:
         new_engine = build_engine(request.model, request.plan_b, request.optim, seed=request.seed,
                                   device=device or torch.device("cpu"))
         lap("build")

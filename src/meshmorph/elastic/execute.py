@@ -2,8 +2,9 @@
 
 Every device runs ``execute_transfers`` with the same transfer list. Transfers are grouped per
 (source, destination) pair; each pair's pieces travel as one flat message (the boxes' values,
-concatenated) followed by their checksums (``local_state.content_hash`` of each box), exchanged
-with one ``torch.distributed.batch_isend_irecv`` per pair. Pairs are packed into rounds so that
+concatenated) followed by its checksum (CRC-32 of the message's bytes, ``zlib.crc32``, about
+2.5 GB/s on one CPU core: every piece is covered by its message's checksum), exchanged with one
+``torch.distributed.batch_isend_irecv`` per round. Pairs are packed into rounds so that
 no device receives more than ``staging_bytes`` in one round (a pair larger than the bound goes
 alone); every device computes the same rounds from the same list, so sends and receives match.
 
@@ -17,6 +18,7 @@ installed, so the old state is still whole.
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from meshmorph.elastic.box import Box
-from meshmorph.elastic.local_state import HeldPiece, ReshapeError, content_hash
+from meshmorph.elastic.local_state import HeldPiece, ReshapeError
 
 TENSOR_KINDS = ("param/", "exp_avg/", "exp_avg_sq/")
 """Keys whose pieces travel as tensors; the small state (step, LR schedule, data, RNG) travels
@@ -85,9 +87,12 @@ def rounds_of(transfers: Sequence[TransferLike], staging_bytes: int,
     return rounds
 
 
-def _signed(value: int) -> int:
-    """A hash in [0, 2**64) as the int64 that carries it."""
-    return value - (1 << 64) if value >= 1 << 63 else value
+def crc32(tensor: torch.Tensor) -> int:
+    """CRC-32 of a tensor's bytes (a copy to host memory first where it lives on a GPU)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return zlib.crc32(flat.contiguous().view(torch.uint8).numpy())
 
 
 def _find(pieces: Mapping[str, list[HeldPiece]], key: str, box: Box) -> HeldPiece:
@@ -132,16 +137,13 @@ def execute_transfers(transfers: Iterable[TransferLike], me: int,
                 parts = [_slice(_find(held, t.key, t.box), t.box) for t in batch]
                 flat = torch.cat([p.reshape(-1) for p in parts]) if parts \
                     else torch.empty(0, dtype=dtype)
-                sums = torch.tensor([_signed(content_hash(p, t.box.offset,
-                                                          tuple(global_shapes[t.key])))
-                                     if verify else 0 for p, t in zip(parts, batch, strict=True)],
-                                    dtype=torch.int64)
+                sums = torch.tensor([crc32(flat) if verify else 0], dtype=torch.int64)
                 ops += [dist.P2POp(dist.isend, flat, rank_of_device[dst], group),
                         dist.P2POp(dist.isend, sums, rank_of_device[dst], group)]
                 sent += flat.numel() * flat.element_size()
             else:
                 flat = torch.empty(sum(t.box.numel for t in batch), dtype=dtype)
-                sums = torch.empty(len(batch), dtype=torch.int64)
+                sums = torch.empty(1, dtype=torch.int64)
                 ops += [dist.P2POp(dist.irecv, flat, rank_of_device[src], group),
                         dist.P2POp(dist.irecv, sums, rank_of_device[src], group)]
                 inbox.append((batch, flat, sums))
@@ -151,16 +153,16 @@ def execute_transfers(transfers: Iterable[TransferLike], me: int,
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         for batch, flat, sums in inbox:
+            if verify and crc32(flat) != int(sums[0]):
+                pieces = ", ".join(f"{t.key} {t.box}" for t in batch[:3])
+                raise ReshapeError(f"the message from device {batch[0].src_device} ({pieces}"
+                                   f"{'...' if len(batch) > 3 else ''}) arrived with another "
+                                   "checksum than it left with; the old state is intact: retry "
+                                   "the move or resume from it")
             at = 0
-            for t, expected in zip(batch, sums.tolist(), strict=True):
+            for t in batch:
                 value = flat[at:at + t.box.numel].view(t.box.length)
                 at += t.box.numel
-                if verify:
-                    actual = content_hash(value, t.box.offset, tuple(global_shapes[t.key]))
-                    if _signed(actual) != expected:
-                        raise ReshapeError(f"{t.key} {t.box} from device {t.src_device} arrived "
-                                           "with another checksum than it left with; the old "
-                                           "state is intact: retry the move or resume from it")
                 received.append(HeldPiece(t.key, t.box.offset, tuple(global_shapes[t.key]),
                                           value))
     report = ExecutionReport(sent, got, messages, len(rounds), time.perf_counter() - start)

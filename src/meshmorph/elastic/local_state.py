@@ -19,8 +19,10 @@ tensor by tensor, and each piece's hash is its checksum in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +89,9 @@ class SmallState:
     """This rank's CPU generator state."""
     consumed_samples: int
     """The data position: samples of the order trained on."""
+    loss_scaler: dict[str, Any] | None = None
+    """The fp16 loss scaler's fields (``run.loss_scale.LossScaler``: scale, good and skipped
+    steps); None where the plan trains without one."""
 
 
 @dataclass(slots=True)
@@ -196,9 +201,11 @@ def extract_state(engine: Any, *, consumed_samples: int, checksums: bool = True)
     opt = engine.optimizers[0]
     steps = [float(s["step"]) for s in opt.state.values() if "step" in s]
     group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    scaler = getattr(engine, "scaler", None)
     small = SmallState(step=int(steps[0]) if steps else 0, param_group=group,
                        lr_scheduler=engine.lr_schedulers[0].state_dict(),
-                       rng=torch.get_rng_state(), consumed_samples=consumed_samples)
+                       rng=torch.get_rng_state(), consumed_samples=consumed_samples,
+                       loss_scaler=dataclasses.asdict(scaler) if scaler is not None else None)
     world = dist.get_world_size() if dist.is_initialized() else 1
     state = LocalState(pieces, small, topology_fingerprint(engine.plan.to_json(), world))
     if checksums:
@@ -231,10 +238,72 @@ def fill_box_(local: torch.Tensor, offset: tuple[int, ...], sources: list[HeldPi
     return covered
 
 
+_WRAPPERS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod)(?=\.|$)")
+
+
+def _fill(key: str, value: torch.Tensor, pieces: dict[str, list[HeldPiece]], tied: bool) -> None:
+    local, offset = local_box(value)
+    covered = fill_box_(local, offset, _sources(key, pieces, tied))
+    if covered != local.numel():
+        raise ReshapeError(
+            f"{key}: the pieces at hand cover {covered} of the {local.numel()} elements "
+            f"of box offset {list(offset)} shape {list(local.shape)}; the move plan left "
+            "part of it behind (or sent it twice)")
+
+
+def _install_direct(engine: Any, pieces: dict[str, list[HeldPiece]], small: SmallState) -> bool:
+    """``install_state`` for engines whose optimizers are plain ``torch.optim.AdamW``: copy into
+    every parameter's local storage in place and create AdamW's per-parameter state directly
+    (``step``, ``exp_avg``, ``exp_avg_sq`` as its lazy initialisation makes them), instead of
+    going through the state-dict API (whose first-use initialisation runs an optimizer step and
+    whose setters copy every tensor again). False where it does not apply."""
+    if any(type(opt) is not torch.optim.AdamW or opt.state for opt in engine.optimizers) or \
+            any(g.get("amsgrad") for opt in engine.optimizers for g in opt.param_groups):
+        return False
+    tied = bool(engine.spec.tied_embeddings)
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for part, opt in zip(engine.model_parts, engine.optimizers, strict=True):
+        names = {id(p): _WRAPPERS.sub("", n) for n, p in part.named_parameters()}
+        for group in opt.param_groups:
+            for param in group["params"]:
+                fqn = names[id(param)]
+                _fill(f"param/{fqn}", param.data if not isinstance(param, DTensor) else param,
+                      pieces, tied)
+                if small.step <= 0:  # before AdamW's first step there are no moments
+                    continue
+                on_device = group.get("fused") or group.get("capturable")
+                state = {"step": torch.full((), float(small.step), dtype=scalar,
+                                            device=param.device if on_device else "cpu")}
+                for what in MOMENTS:
+                    state[what] = torch.empty_like(param, memory_format=torch.preserve_format)
+                    _fill(f"{what}/{fqn}", state[what], pieces, tied)
+                opt.state[param] = state
+    return True
+
+
 @torch.no_grad()
 def install_state(engine: Any, pieces: dict[str, list[HeldPiece]], small: SmallState) -> None:
     """Fill a freshly built engine's local shards from ``pieces`` (which must cover every box it
-    holds, without overlap) and set its step, optimizer hyperparameters, LR scheduler and RNG."""
+    holds, without overlap) and set its step, optimizer hyperparameters, LR scheduler, RNG and
+    fp16 loss scaler."""
+    if not _install_direct(engine, pieces, small):
+        _install_by_state_dict(engine, pieces, small)
+    for opt in engine.optimizers:
+        for group in opt.param_groups:
+            group.update({k: v for k, v in small.param_group.items() if k in group})
+    if small.lr_scheduler is not None:
+        for sched in engine.lr_schedulers:
+            sched.load_state_dict(small.lr_scheduler)
+    scaler = getattr(engine, "scaler", None)
+    if scaler is not None and small.loss_scaler is not None:
+        for name, value in small.loss_scaler.items():
+            setattr(scaler, name, value)
+    torch.set_rng_state(small.rng)
+
+
+def _install_by_state_dict(engine: Any, pieces: dict[str, list[HeldPiece]],
+                           small: SmallState) -> None:
+    """``install_state`` through the state-dict API (any optimizer, ZeRO-1's sharded one too)."""
     tied = bool(engine.spec.tied_embeddings)
     stepped = small.step > 0  # before AdamW's first step there are no moments to install
     for (model, optim), part, opt in zip(_engine_dicts(engine, init_optimizer=stepped),
@@ -249,22 +318,10 @@ def install_state(engine: Any, pieces: dict[str, list[HeldPiece]], small: SmallS
                     optim[name] = torch.full_like(value, float(small.step)) \
                         if isinstance(value, torch.Tensor) else small.step
         for key, value in targets.items():
-            local, offset = local_box(value)
-            covered = fill_box_(local, offset, _sources(key, pieces, tied))
-            if covered != local.numel():
-                raise ReshapeError(
-                    f"{key}: the pieces at hand cover {covered} of the {local.numel()} elements "
-                    f"of box offset {list(offset)} shape {list(local.shape)}; the move plan left "
-                    "part of it behind (or sent it twice)")
+            _fill(key, value, pieces, tied)
         set_model_state_dict(part, model, options=StateDictOptions(strict=False))
         if stepped:
             set_optimizer_state_dict(part, opt, optim, options=_FLAT)
-        for group in opt.param_groups:
-            group.update({k: v for k, v in small.param_group.items() if k in group})
-    if small.lr_scheduler is not None:
-        for sched in engine.lr_schedulers:
-            sched.load_state_dict(small.lr_scheduler)
-    torch.set_rng_state(small.rng)
 
 
 def state_hashes(engine: Any, small: SmallState | None = None) -> dict[str, str]:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshmorph.cost.pipeline import bubble_closed_form, schedule_ops, simulate
-from meshmorph.spec.plan import Schedule
+from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, Schedule
 
 
 @pytest.mark.parametrize("schedule", [Schedule.GPIPE, Schedule.ONE_F_ONE_B])
@@ -123,8 +123,10 @@ def test_no_schedule_deadlocks_and_every_op_runs_once_over_a_grid() -> None:
 def pipelines(draw: st.DrawFn) -> tuple:
     schedule = draw(st.sampled_from(tuple(Schedule)))
     p = draw(st.integers(1, 4))
-    v = draw(st.integers(2, 3)) if schedule == Schedule.INTERLEAVED else 1
-    m = p * draw(st.integers(1, 3)) if schedule == Schedule.INTERLEAVED else draw(st.integers(1, 8))
+    v = draw(st.integers(2, 3)) if schedule == Schedule.INTERLEAVED else \
+        2 if schedule in V_SCHEDULES else 1
+    m = p * draw(st.integers(1, 3)) if schedule == Schedule.INTERLEAVED else \
+        draw(st.integers(2 * p if schedule == Schedule.DUALPIPEV else 1, 8))
     chunks = p * v
     times = st.lists(st.integers(1, 9).map(float), min_size=chunks, max_size=chunks)
     fwd, bwd, wgrad = draw(times), draw(times), draw(times)
@@ -139,7 +141,7 @@ def pipelines(draw: st.DrawFn) -> tuple:
 @given(case=pipelines())
 def test_makespan_never_decreases_when_one_stage_gets_slower(case: tuple) -> None:
     schedule, p, m, v, fwd, bwd, wgrad, p2p, kind, which, delta = case
-    zb = schedule == Schedule.ZERO_BUBBLE
+    zb = schedule in SPLIT_BACKWARD_SCHEDULES
 
     def run(times: dict[str, list[float]]) -> float:
         return simulate(schedule, p, m, times["fwd"], times["bwd"], v=v,

@@ -135,12 +135,20 @@ ASYNC_PP2 = Instance(
     arch="gpt", blocks=4, hidden=256, heads=4, seq_len=4096, vocab=8000, cluster="a100-40g:1x4",
     global_batch=8, zero_stages=(0, 1), schedules=(Schedule.ASYNC,), sequence_parallel=(False,),
     max_micro_batch=2, pp_degrees=(2,))
+ZBV_MIXED = Instance(
+    arch="gpt", blocks=4, hidden=256, heads=4, seq_len=8192, vocab=8000, cluster=MIXED,
+    global_batch=8, zero_stages=(0, 2), schedules=(Schedule.ZBV,), sequence_parallel=(False,),
+    max_micro_batch=2, pp_degrees=(2,))
+DUALPIPEV_PP2 = Instance(
+    arch="llama", blocks=4, hidden=256, heads=4, seq_len=4096, vocab=8000, cluster="a100-40g:1x4",
+    global_batch=16, zero_stages=(0, 1), schedules=(Schedule.DUALPIPEV,),
+    sequence_parallel=(False,), max_micro_batch=2, pp_degrees=(2,))
 NOTHING_FITS = Instance(
     arch="gpt", blocks=2, hidden=256, heads=8, seq_len=8192, vocab=32000, cluster="cpu:1x1",
     global_batch=16, zero_stages=(0,), schedules=(Schedule.GPIPE,), sequence_parallel=(False,),
     max_micro_batch=2)
 FIXED = (GPIPE_CPU_NEEDS_RECOMPUTE, ONE_F_ONE_B_SP, INTERLEAVED_MIXED, ZERO_BUBBLE_ZERO2_MIXED,
-         ASYNC_PP2, NOTHING_FITS)
+         ASYNC_PP2, ZBV_MIXED, DUALPIPEV_PP2, NOTHING_FITS)
 
 
 def _with_examples(test):  # type: ignore[no-untyped-def]
@@ -165,8 +173,9 @@ def test_exact_planner_step_equals_brute_force_optimum(instance: Instance) -> No
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("instance", FIXED[:5],
-                         ids=["gpipe", "1f1b-sp", "interleaved", "zb-zero3", "async"])
+@pytest.mark.parametrize("instance", FIXED[:-1],
+                         ids=["gpipe", "1f1b-sp", "interleaved", "zb-zero3", "async", "zbv",
+                              "dualpipev"])
 def test_default_tolerance_planner_is_within_0_1_percent_of_brute_force(instance: Instance) -> None:
     brute = _brute_step(instance)
     planner = _planner_step(instance, tolerance=1e-3)
@@ -177,7 +186,7 @@ def test_default_tolerance_planner_is_within_0_1_percent_of_brute_force(instance
 def test_fixed_cases_cover_recompute_sp_every_schedule_and_zero_stage() -> None:
     """The fixed cases really exercise what they claim (so the property test cannot go soft)."""
     chosen = {}
-    for instance in FIXED[:5]:
+    for instance in FIXED[:-1]:
         plan, _ = brute_force(instance.model(), instance.spec(), global_batch=instance.global_batch,
                               options=instance.options())
         chosen[instance] = plan
@@ -190,6 +199,9 @@ def test_fixed_cases_cover_recompute_sp_every_schedule_and_zero_stage() -> None:
     assert chosen[INTERLEAVED_MIXED].vpp == 2 and chosen[INTERLEAVED_MIXED].zero == 2
     assert {s.gpu for s in chosen[ZERO_BUBBLE_ZERO2_MIXED].stages} == {"a100-40g", "v100-32g"}
     assert chosen[ZERO_BUBBLE_ZERO2_MIXED].zero == 2
+    for v_shaped in (ZBV_MIXED, DUALPIPEV_PP2):  # two chunks per rank, placed in a V
+        assert chosen[v_shaped].vpp == 2 and chosen[v_shaped].chunks_of(0) == [0, 3]
+    assert {s.gpu for s in chosen[ZBV_MIXED].stages} == {"a100-40g", "v100-32g"}
     with pytest.raises(PlanDoesNotFit):
         brute_force(NOTHING_FITS.model(), NOTHING_FITS.spec(),
                     global_batch=NOTHING_FITS.global_batch, options=NOTHING_FITS.options())

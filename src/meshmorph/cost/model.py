@@ -14,7 +14,7 @@ from meshmorph.cost import comm
 from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.estimate import Estimate, StageMemory
 from meshmorph.cost.layer_cost import LayerCoster
-from meshmorph.cost.pipeline import Timeline, simulate
+from meshmorph.cost.pipeline import Timeline, async_steady_step, simulate
 from meshmorph.cost.profile import Profile
 from meshmorph.cost.rank_terms import (
     rank_memory_terms,
@@ -28,7 +28,7 @@ from meshmorph.cost.state import (
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.gpus import GPUSpec, LinkSpec
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, Schedule, StagePlan
+from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, Plan, Schedule, StagePlan
 
 
 def steady_state(fwd_s: Sequence[float], bwd_s: Sequence[float], m: int) -> Timeline:
@@ -202,7 +202,8 @@ class CostModel:
         # ZeRO as the runtime realises it (cost/state.py): fp32 masters, gradients and moments;
         # ZeRO-3 gathers its largest layer plus a prefetch; transient unsharded copies and whole
         # gradients between micro-batches (held.peak_extra)
-        return StageMemory(params=params * held.params, grads=params * held.grads,
+        return StageMemory(params=params * (held.params + terms.weight_copy_bytes_per_param),
+                           grads=params * held.grads,
                            optimizer=params * held.optimizer,
                            activations=terms.activation_bytes(stored, working),
                            buffers=biggest * terms.gather_bytes_per_param + params * held.peak_extra,
@@ -260,21 +261,26 @@ class CostModel:
 
     def assemble(self, plan: Plan, gpus: Sequence[GPUSpec], times: Sequence[ChunkTime]) -> Estimate:
         p, m, v = plan.pp, plan.num_microbatches, plan.vpp
-        zb = plan.schedule == Schedule.ZERO_BUBBLE
+        zb = plan.schedule in SPLIT_BACKWARD_SCHEDULES  # input and weight gradients apart
         p2p = tuple(self.p2p_time(plan, g) for g in gpus)
         fwd = tuple(t.fwd_s for t in times)
         bwd = tuple(t.bgrad_s if zb else t.bwd_s for t in times)
         wgrad = tuple(t.wgrad_s for t in times) if zb else None
         # plans that differ only in what the simulation does not see (ZeRO 0/1/2, the tail)
         # share one simulation
-        key = (plan.schedule, p, m, v, fwd, bwd, wgrad, p2p)
+        # asynchronous plans step every stage's optimizer after each backward, inside the
+        # simulated steady state (cost/pipeline.async_steady_step), not once in the tail
+        steps = tuple(self.rank_tail(plan, sum(times[c].params for c in plan.chunks_of(k)),
+                                     0.0, gpus[k])[1] for k in range(p)) \
+            if plan.schedule == Schedule.ASYNC else None
+        key = (plan.schedule, p, m, v, fwd, bwd, wgrad, p2p, steps)
         timeline = self._timelines.get(key)
         if timeline is None:
             if len(self._timelines) > 50_000:
                 self._timelines.clear()
             timeline = self._timelines[key] = simulate(plan.schedule, p, m, fwd, bwd, v=v,
                                                        wgrad_s=wgrad, p2p_s=p2p) \
-                if plan.schedule != Schedule.ASYNC else steady_state(fwd, bwd, m)
+                if steps is None else async_steady_step(p, m, fwd, bwd, p2p_s=p2p, step_s=steps)
         memory, ends, tails = [], [], []
         for k in range(p):
             chunk_ids = plan.chunks_of(k)
@@ -286,6 +292,11 @@ class CostModel:
             # the overlap window is the last backward's compute, recompute excluded, so that more
             # recompute never shortens the step (the planner's per-stage choice relies on it)
             sync, opt = self.rank_tail(plan, params, tail_overlap_window_s(times[chunk_ids[0]]), gpu)
+            if steps is not None:  # m optimizer steps, already inside the simulated window
+                opt = m * steps[k]
+                tails.append((sync, opt))
+                ends.append(timeline.rank_end_s[k] + sync)
+                continue
             tails.append((sync, opt))
             ends.append(timeline.rank_end_s[k] + sync + opt)
         step = max(ends)

@@ -14,13 +14,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from meshmorph.schedule.registry import SPLIT_BACKWARD, schedule_actions
+from meshmorph.schedule.registry import SPLIT_BACKWARD, V_SHAPED, schedule_actions
 from meshmorph.schedule.simulator import Program, Timeline, replay, schedule_program
 from meshmorph.spec.plan import Schedule
 
 Op = tuple[str, int, int]  # (kind, chunk, micro-batch)
 
-__all__ = ["Op", "Timeline", "bubble_closed_form", "schedule_ops", "simulate"]
+__all__ = ["ASYNC_WARMUP_STEPS", "Op", "Timeline", "async_steady_step", "bubble_closed_form",
+           "schedule_ops", "simulate", "weight_copies"]
+
+ASYNC_WARMUP_STEPS = 2
+"""Steps of ``m`` micro-batches simulated before the one an asynchronous plan is priced by."""
 
 
 def schedule_ops(schedule: Schedule, p: int, m: int, v: int = 1) -> list[list[Op]]:
@@ -54,13 +58,17 @@ def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: 
         if wgrad_s is None:
             raise ValueError(f"the {schedule} schedule needs wgrad_s")
         bwd = list(bwd_s)
-        # durations: fwd + bwd + wgrad + igrad (the given backward is the input gradient, I)
-        durations = list(fwd_s) + bwd + list(wgrad_s) + bwd
+        # durations: fwd + full backward + wgrad + igrad (the given backward is the input
+        # gradient, I; a full B, as DualPipeV runs some, is I + W)
+        full = [b + w for b, w in zip(bwd, wgrad_s, strict=True)]
+        durations = list(fwd_s) + full + list(wgrad_s) + bwd
     else:
         durations = list(fwd_s) + list(bwd_s)  # F and B only: the W and I blocks are not read
     if tail:  # optimizer steps (asynchronous schedules) are free here
         durations += tail
     comm = list(p2p_s) if p2p_s is not None else [0.0] * chunks
+    if name_is_v(schedule):  # the V's turn (chunk p - 1 to p) stays on one rank
+        comm[p - 1] = 0.0
     timeline = replay(program, durations, comm, keep_ops)
     if keep_ops and split:
         ops = tuple((k, "B" if kind == "I" else kind, c, j, start, end)
@@ -70,6 +78,11 @@ def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: 
     return timeline
 
 
+def name_is_v(schedule: Schedule | str) -> bool:
+    """Whether ``schedule`` places its two chunks per rank in a V."""
+    return str(schedule) in V_SHAPED
+
+
 def bubble_closed_form(schedule: Schedule, p: int, m: int, v: int = 1) -> float:
     """Bubble as a fraction of the ideal time for equal stages (Narayanan et al. 2021)."""
     if p == 1:
@@ -77,3 +90,50 @@ def bubble_closed_form(schedule: Schedule, p: int, m: int, v: int = 1) -> float:
     if schedule == Schedule.INTERLEAVED:
         return (p - 1) / (v * m)  # (p-1)/(v·m)
     return (p - 1) / m  # (p-1)/m for GPipe and 1F1B
+
+
+def async_steady_step(p: int, m: int, fwd_s: Sequence[float], bwd_s: Sequence[float], *,
+                      p2p_s: Sequence[float] | None = None,
+                      step_s: Sequence[float] | None = None) -> Timeline:
+    """One step of asynchronous 1F1B (no flush) in its steady state, through the event
+    simulator: the action list of ``ASYNC_WARMUP_STEPS + 1`` steps of ``m`` micro-batches (plus
+    ``p`` more, so that the priced step still has its forwards), a STEP of cost ``step_s[k]``
+    after every backward, and per rank the window from the STEP after micro-batch
+    ``2m - 1`` to the STEP after micro-batch ``3m - 1``. The fill is paid once per run, not
+    per step, so it is outside the window. Each window holds the rank's m forwards, m backwards
+    and m STEPs one after the other, so it is never below ``m x (f + b + step)``: the planner's
+    steady-state bounds stay below it."""
+    first = ASYNC_WARMUP_STEPS * m - 1  # the STEP that opens the priced window
+    n = (ASYNC_WARMUP_STEPS + 1) * m + p
+    program = schedule_program("async", p, n)
+    steps = list(step_s) if step_s is not None else [0.0] * p
+    # durations: fwd + bwd + (wgrad, igrad: unread) + step, one block of p each
+    durations = list(fwd_s) + list(bwd_s) + [0.0] * (2 * p) + steps
+    comm = list(p2p_s) if p2p_s is not None else [0.0] * p
+    ops = replay(program, durations, comm, keep_ops=True).ops
+    opened: list[float] = [0.0] * p
+    closed: list[float] = [0.0] * p
+    for rank, kind, _, j, _, end in ops:
+        if kind == "STEP":
+            if j == first:
+                opened[rank] = end
+            elif j == first + m:
+                closed[rank] = end
+    window = tuple(c - o for o, c in zip(opened, closed, strict=True))
+    busy = tuple(m * (f + b + t) for f, b, t in zip(fwd_s, bwd_s, steps, strict=True))
+    return Timeline(makespan_s=max(window), rank_end_s=window, rank_busy_s=busy, ops=())
+
+
+def weight_copies(schedule: Schedule, weight_prediction: str, pp: int, pp_rank: int,
+                  m: int) -> int:
+    """Copies of a rank's weights held beside the weights themselves under asynchronous
+    pipelining, as ``run/async_weights.py`` keeps them: ``stash``, ``sgd`` and ``adam`` take one
+    copy per forward (the stashed or predicted weights) that its backward still reads, so one
+    per micro-batch in flight (PipeDream's count: ``pp - pp_rank`` under 1F1B, at most ``m``);
+    ``2bw`` one per weight version, two at most; ``none`` computes on the weights themselves."""
+    if schedule != Schedule.ASYNC or weight_prediction == "none" or pp == 1:
+        return 0
+    in_flight = min(m, pp - pp_rank)
+    if weight_prediction == "2bw":
+        return min(2, in_flight)
+    return in_flight

@@ -21,9 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshmorph.cost.state import compute_bytes
+from meshmorph.cost.pipeline import weight_copies
+from meshmorph.cost.state import MASTER_BYTES, compute_bytes
+from meshmorph.schedule.simulator import schedule_program
 from meshmorph.spec.gpus import GPUSpec
-from meshmorph.spec.plan import Plan, Schedule
+from meshmorph.spec.plan import V_SCHEDULES, Plan, Schedule
 
 if TYPE_CHECKING:  # CostModel builds on these terms: no import cycle at run time
     from meshmorph.cost.model import ChunkTime, CostModel
@@ -40,6 +42,10 @@ def in_flight_microbatches(schedule: Schedule, pp: int, pp_rank: int, m: int, vp
         # of one chunk (1/v of the rank's layers): rank 0 -> p + (p - 1)/v
         units = min(m * vpp, (pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1)
         return units / vpp
+    if schedule in V_SCHEDULES:
+        # two chunks per rank, each half the rank's layers: the simulator's peak (stage,
+        # micro-batch) pairs of the V's action list, in units of the whole rank
+        return schedule_program(str(schedule), pp, m, 2).peak_activations[pp_rank] / 2
     if schedule == Schedule.ZERO_BUBBLE:
         return float(min(m, pp))  # ZB-H1 keeps the peak of 1F1B's first stage on every rank
     return float(min(m, pp - pp_rank))  # 1F1B: stage k holds p - k
@@ -50,7 +56,11 @@ class RankMemoryTerms:
     """The coefficients of one pipeline rank's peak memory (module docstring)."""
 
     bytes_per_param: float
-    """Bytes per held parameter at the step's peak (``CostModel.held(plan).at_peak``)."""
+    """Bytes per held parameter at the step's peak (``CostModel.held(plan).at_peak``, plus
+    ``weight_copy_bytes_per_param``)."""
+    weight_copy_bytes_per_param: float
+    """Stashed or predicted fp32 weight copies of asynchronous pipelining
+    (``cost.pipeline.weight_copies``); 0 for synchronous schedules."""
     in_flight: float
     """Micro-batches of the rank's stored activations alive at its peak."""
     gather_bytes_per_param: float
@@ -76,8 +86,11 @@ class RankMemoryTerms:
 def rank_memory_terms(cost: CostModel, plan: Plan, pp_rank: int, gpu: GPUSpec) -> RankMemoryTerms:
     """What ``cost.rank_memory(plan, pp_rank, ..., gpu)`` multiplies and adds, for any layers."""
     gathering = plan.zero == 3 and plan.dp > 1 and plan.pp == 1
+    copies = weight_copies(plan.schedule, plan.weight_prediction, plan.pp, pp_rank,
+                           plan.num_microbatches)
     return RankMemoryTerms(
-        bytes_per_param=cost.held(plan).at_peak,
+        bytes_per_param=cost.held(plan).at_peak + copies * MASTER_BYTES,
+        weight_copy_bytes_per_param=copies * MASTER_BYTES,
         in_flight=in_flight_microbatches(plan.schedule, plan.pp, pp_rank, plan.num_microbatches,
                                          plan.vpp),
         gather_bytes_per_param=2 * compute_bytes(plan.dtype) if gathering else 0.0,

@@ -30,7 +30,7 @@ from meshmorph.plan.relaxations import filled_share
 from meshmorph.plan.space import Config
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import LayerKind, Recompute
-from meshmorph.spec.plan import Plan, Schedule
+from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, Plan, Schedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +71,7 @@ class ConfigBounds:
 
     def _sums_of(self, plan: Plan, gpus: list[GPUSpec]) -> _Sums:
         key = (plan.dtype, plan.micro_batch, plan.tp, plan.sequence_parallel,
-               plan.schedule == Schedule.ZERO_BUBBLE, tuple(g.name for g in gpus))
+               plan.schedule in SPLIT_BACKWARD_SCHEDULES, tuple(g.name for g in gpus))
         sums = self._sums.get(key)
         if sums is None:
             cost = self.cost

@@ -24,7 +24,7 @@ from meshmorph.plan.search import PlanDoesNotFit
 from meshmorph.plan.space import Config, SearchOptions, configurations
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, Schedule, StagePlan
+from meshmorph.spec.plan import Plan, StagePlan
 
 
 def layer_modes(model: ModelSpec, options: SearchOptions) -> list[tuple[Recompute, ...]]:
@@ -48,14 +48,14 @@ def candidate_plans(model: ModelSpec, config: Config, options: SearchOptions) ->
     """Every complete Plan of one configuration."""
     plan = config.plan
     mixed = len(set(config.rank_gpus)) > 1
-    if plan.schedule == Schedule.INTERLEAVED:
+    if plan.num_chunks > plan.pp:  # interleaved and the V schedules: blocks split evenly
         if plan.num_chunks > model.num_blocks:
             return
         for mode in options.recompute:
             candidate = plan.with_even_stages(model, mode)
             if mixed:
                 candidate = replace(candidate, stages=tuple(
-                    replace(stage, gpu=config.rank_gpus[c % plan.pp])
+                    replace(stage, gpu=config.rank_gpus[plan.pp_rank_of_chunk(c)])
                     for c, stage in enumerate(candidate.stages)))
             yield candidate
         return
@@ -75,7 +75,7 @@ def count_plans(model: ModelSpec, configs: Sequence[Config], options: SearchOpti
     total = 0
     for config in configs:
         plan = config.plan
-        if plan.schedule == Schedule.INTERLEAVED:
+        if plan.num_chunks > plan.pp:
             total += len(options.recompute) if plan.num_chunks <= model.num_blocks else 0
         else:
             # C(L - 1, pp - 1) partitions, each with every recompute assignment

@@ -23,7 +23,7 @@ from meshmorph.plan.space import Config, SearchOptions, configurations
 from meshmorph.plan.stage_recompute import StageSolver
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan import Plan, PlanError
 
 
 class PlanDoesNotFit(PlanError):
@@ -55,7 +55,8 @@ def even_estimate(cost: CostModel, config: Config, mode: Recompute) -> tuple[Pla
     """A configuration with its blocks split evenly (Megatron-style) and ``mode`` recompute."""
     plan = config.plan
     candidate = plan.with_even_stages(cost.model, mode)
-    gpus = [cluster_gpu(cost, config.rank_gpus[c % plan.pp]) for c in range(plan.num_chunks)]
+    gpus = [cluster_gpu(cost, config.rank_gpus[plan.pp_rank_of_chunk(c)])
+            for c in range(plan.num_chunks)]
     if len(set(config.rank_gpus)) > 1:
         candidate = replace(candidate, stages=tuple(
             replace(s, gpu=g.name) for s, g in zip(candidate.stages, gpus, strict=True)))
@@ -69,7 +70,7 @@ def solve_config(cost: CostModel, config: Config, options: SearchOptions,
     """The fastest plan of one configuration with step time below ``bound``, and the bound of
     what was left unexplored."""
     plan = config.plan
-    if plan.schedule == Schedule.INTERLEAVED:
+    if plan.num_chunks > plan.pp:  # interleaved and the V schedules: blocks split evenly
         best = None
         for mode in options.recompute:
             candidate, estimate = even_estimate(cost, config, mode)

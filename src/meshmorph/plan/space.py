@@ -3,7 +3,8 @@
 A configuration fixes everything but the stage boundaries and per-layer recompute: tp (inside a
 node, dividing heads and FFN), pp, dp = world / (tp * pp) dividing the batch, ZeRO stage,
 sequence parallel, micro-batch size (at most ``max_microbatches`` micro-batches per step),
-schedule (GPipe, 1F1B, ZB-H1; interleaved with v chunks when the blocks split evenly into
+schedule (GPipe, 1F1B, ZB-H1; ZBV and DualPipeV with two chunks per rank in a V; interleaved
+with v chunks when the blocks split evenly into
 pp * v chunks; asynchronous 1F1B only when asked) and, on mixed clusters, which GPU type each
 pipeline rank uses (groups stay contiguous; every order of the groups is tried).
 """
@@ -17,7 +18,7 @@ from itertools import permutations
 
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import DType, Plan, Schedule
+from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, DType, Plan, Schedule
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -171,12 +172,15 @@ def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int,
                 elif schedule == Schedule.INTERLEAVED and m >= pp and m % pp == 0:
                     schedules.extend((schedule, v) for v in range(2, options.max_vpp + 1)
                                      if blocks % (pp * v) == 0)
+                elif schedule in V_SCHEDULES and blocks >= 2 * pp and (
+                        schedule == Schedule.ZBV or m >= 2 * pp):
+                    schedules.append((schedule, 2))  # two chunks per rank in a V
         for zero in options.zero_stages if dp > 1 else (0,):
             for sp in options.sequence_parallel if tp > 1 else (False,):
                 if sp and model.seq_len % tp:
                     continue
                 for schedule, vpp in schedules:
-                    if schedule == Schedule.ZERO_BUBBLE and zero == 3:
+                    if schedule in SPLIT_BACKWARD_SCHEDULES and zero == 3:
                         continue  # torch's zero-bubble pipelining loses ZeRO-3's gradients
                     plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=global_batch,
                                 tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=b, num_microbatches=m,

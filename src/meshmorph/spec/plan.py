@@ -3,7 +3,8 @@
 Ranks are laid out with tensor parallel innermost, then data parallel, then pipeline
 (``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``), so tp groups stay inside a node.
 With ``vpp`` virtual stages, ``stages`` holds ``pp * vpp`` model chunks and chunk ``c`` runs on
-pipeline rank ``c % pp`` (Megatron's interleaved order).
+pipeline rank ``c % pp`` (Megatron's interleaved order), except under the V schedules (zbv,
+dualpipev: vpp 2), where rank ``r`` holds chunks ``r`` and ``2 pp - 1 - r``.
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ class Schedule(StrEnum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
     ZERO_BUBBLE = "zb"  # ZB-H1 (Qi et al. 2023): backward split into input- and weight-gradient
-    # zbv and dualpipev (V shape: rank r holds chunks r and 2pp - 1 - r) are generated and priced
-    # by meshmorph.schedule (`meshmorph timeline --schedule zbv`) but are not Plan schedules: a
-    # Plan puts chunk c on rank c % pp (chunks_of, memory per rank, layouts and the runtime's
-    # stages all follow it), so the planner does not offer them until placement can be a V.
     ASYNC = "async"  # 1F1B without flush, a step per micro-batch (PipeDream); run/async_pipeline.py
+    ZBV = "zbv"  # zero-bubble V (Qi et al. 2023): vpp 2, rank r holds chunks r and 2pp - 1 - r
+    DUALPIPEV = "dualpipev"  # DeepSeek's DualPipe folded into a V: vpp 2, the same placement
+
+
+V_SCHEDULES = frozenset({Schedule.ZBV, Schedule.DUALPIPEV})
+"""Schedules whose two chunks per rank sit in a V (rank r: chunks r and 2pp - 1 - r)."""
+SPLIT_BACKWARD_SCHEDULES = frozenset({Schedule.ZERO_BUBBLE, Schedule.ZBV, Schedule.DUALPIPEV})
+"""Schedules that split backwards into input-gradient and weight-gradient parts."""
 
 
 WEIGHT_PREDICTIONS = ("none", "stash", "2bw", "sgd", "adam")
@@ -187,7 +192,11 @@ class Plan:
             raise PlanError(f"weight_prediction {self.weight_prediction!r} applies only to "
                             f"schedule 'async', not '{self.schedule}'; set schedule 'async' or "
                             f"weight_prediction 'none'")
-        if self.vpp > 1 and self.schedule != Schedule.INTERLEAVED:
+        if self.schedule in V_SCHEDULES and self.vpp != 2:
+            raise PlanError(f"schedule {self.schedule} places two chunks per rank in a V: set "
+                            f"vpp 2, not {self.vpp}")
+        if self.vpp > 1 and self.schedule != Schedule.INTERLEAVED \
+                and self.schedule not in V_SCHEDULES:
             raise PlanError(f"vpp {self.vpp} > 1 needs schedule 'interleaved', not '{self.schedule}'")
         if self.sequence_parallel and self.tp == 1:
             object.__setattr__(self, "sequence_parallel", False)
@@ -223,8 +232,16 @@ class Plan:
         return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
 
     def chunks_of(self, pp_rank: int) -> list[int]:
-        """Model chunks held by one pipeline rank."""
+        """Model chunks held by one pipeline rank: looped (c % pp), or a V for zbv/dualpipev."""
+        if self.schedule in V_SCHEDULES:
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
         return list(range(pp_rank, self.num_chunks, self.pp))
+
+    def pp_rank_of_chunk(self, chunk: int) -> int:
+        """The pipeline rank holding model chunk ``chunk`` (``chunks_of`` inverted)."""
+        if self.schedule in V_SCHEDULES and chunk >= self.pp:
+            return 2 * self.pp - 1 - chunk
+        return chunk % self.pp
 
     def recompute_of_layer(self) -> list[Recompute]:
         return [mode for stage in self.stages for mode in stage.recompute]
@@ -280,6 +297,11 @@ class Plan:
             raise PlanError(
                 f"schedule {self.schedule} needs num_microbatches >= pp, got "
                 f"{self.num_microbatches} < {self.pp}; raise the batch or use gpipe"
+            )
+        if self.schedule == Schedule.DUALPIPEV and self.num_microbatches < 2 * self.pp:
+            raise PlanError(
+                f"dualpipev needs num_microbatches >= 2 x pp = {2 * self.pp}, got "
+                f"{self.num_microbatches}; raise the batch or use zbv"
             )
         if self.schedule == Schedule.INTERLEAVED and self.num_microbatches % self.pp:
             raise PlanError(

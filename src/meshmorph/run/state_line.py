@@ -113,9 +113,15 @@ def state_records(model: ModelSpec, plan: Plan, measured: list[dict[str, object]
     """One record per rank: its measured figures beside the cost model's (and, on a catalog
     ``gpu``, the predicted peak allocation beside the measured one)."""
     records = []
+    layerwise = any(stage.layer_strategies is not None for stage in plan.stages)
     for rank, m in enumerate(measured):
-        predicted = predict_rank_state(model, plan, rank)
-        if gpu is not None and "peak_allocated_bytes" in m:
+        if layerwise:  # each layer's own tp/dp/ZeRO (cost/layerwise_state.py)
+            from meshmorph.cost.layerwise_state import predict_layerwise_rank_state
+
+            predicted = predict_layerwise_rank_state(model, plan, rank)
+        else:
+            predicted = predict_rank_state(model, plan, rank)
+        if gpu is not None and "peak_allocated_bytes" in m and not layerwise:
             predicted["peak_allocated_bytes"] = predict_peak_bytes(model, plan, rank, gpu)
         records.append({"rank": rank, "measured": m, "predicted": predicted})
     return records

@@ -1,0 +1,137 @@
+"""What one rank of a layerwise plan holds at the end of backward and sends in one step, in
+bytes: the prediction the run's ``state`` line puts beside its measurement for plans whose
+stage lists ``layer_strategies`` (run/layerwise_engine.py runs them; pp 1).
+
+Each layer i runs under its own (tp_i, dp_i, ZeRO_i) on the stage's D ranks (tp innermost: rank
+r is tp rank r % tp_i of data-parallel block r // tp_i). Per layer, with cost/rank_state.py's
+rules applied at the layer's own degrees (``r`` tp-local dim-0 rows, ``k`` the rest, ``c`` the
+compute dtype's bytes):
+
+- held: ZeRO 0/1 (or dp_i 1) ``4 r k`` parameters and gradients (the gradients of a reduced
+  layer are views of its one reduced buffer), moments ``8 r k`` (ZeRO-1: ``8 r_own k``); FSDP2
+  (ZeRO 2/3) padded shards ``4 ceil(r / dp_i) k`` each, ZeRO-2's gathered copy
+  ``c ceil(r / dp_i) dp_i k``, moments on the unpadded own rows; a vocabulary-parallel
+  embedding whose gradient no reduction replaces (dp_i 1) keeps torch's double-size storage;
+  a tied head's matrix is the embedding's and is counted once;
+- sent by its data-parallel group: ``cost.state.data_parallel_traffic`` at (ZeRO_i, dp_i, pp 1):
+  the one summed all-reduce of a ZeRO 0/1 layer's gradients in ``reduce_dtype``, ZeRO-1's
+  parameter all-gather, FSDP2's gathers and reduce-scatters of padded shards;
+- sent by its tensor-parallel group per micro-batch of ``b = B / dp_i`` sequences (B = plan dp x
+  micro_batch): the uniform layout's all-reduces of ``b s h`` (row-parallel outputs, replayed
+  under full recompute; column-parallel input gradients; the vocabulary-parallel embedding's
+  output and the head's input gradient) and the head's all-gather of ``b s V / tp_i`` logits;
+- between neighbours whose tp differs, per micro-batch (run/layerwise_redistribute.py): the
+  forward all-gather input ``(B / dp_a) s h`` when tp grows, the backward all-gather of the
+  gradient ``(B / dp_b) s h`` when it shrinks;
+- the data: the trainer cuts the batch in the plan's (tp, dp) layout, so the token ids (int64)
+  of ``B / dp`` sequences are all-gathered into the first layer's layout when its tp is larger,
+  and the labels into the last layer's;
+- meshmorph's own reductions: the loss and the squared gradient norm, 8 bytes each.
+"""
+
+from __future__ import annotations
+
+import math
+
+from meshmorph.cost.rank_state import COMM_KINDS, GRAD, LOSS_BYTES, MASTER, MOMENTS
+from meshmorph.cost.state import compute_bytes, data_parallel_traffic
+from meshmorph.cost.tensor_shapes import layer_tensors, vocab_split
+from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
+from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
+
+NORM_BYTES = 8
+"""run/layerwise_grads.py: one float64 sum of squares, all-reduced over the stage."""
+TOKEN_BYTES = 8
+"""A token id (int64)."""
+
+
+def _own_rows(rows: int, dp: int, dp_rank: int) -> int:
+    size = math.ceil(rows / dp)
+    start = min(dp_rank * size, rows)
+    return min(start + size, rows) - start
+
+
+def _hidden_bytes(plan: Plan, strategy: LayerStrategy) -> float:
+    """Bytes per element of a layer's residual-stream input and output: fp32 under autocast, the
+    compute dtype where FSDP2's mixed precision casts the layer's parameters."""
+    fsdp = strategy.dp > 1 and strategy.zero >= 2
+    return compute_bytes(plan.dtype) if fsdp and plan.dtype != "fp32" else 4.0
+
+
+def predict_layerwise_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, object]:
+    """``params_bytes``, ``grads_bytes``, ``optimizer_bytes`` and ``comm_bytes`` (by kind) of
+    ``rank`` of a layerwise ``plan`` (module docstring)."""
+    if plan.pp != 1 or len(plan.stages) != 1 or plan.stages[0].layer_strategies is None:
+        raise PlanError("the layerwise state prediction covers pp 1 plans whose stage lists "
+                        "layer_strategies; use cost.rank_state for the others")
+    if not 0 <= rank < plan.world_size:
+        raise ValueError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
+    model = model.with_seq_len(plan.seq_len)
+    stage = plan.stages[0]
+    strategies = stage.layer_strategies
+    assert strategies is not None
+    m, s, h = plan.num_microbatches, plan.seq_len, model.hidden_size
+    sequences = plan.dp * plan.micro_batch  # B: one stage micro-batch
+    c = compute_bytes(plan.dtype)
+    comm = dict.fromkeys(COMM_KINDS, 0.0)
+    params = grads = moments = 0.0
+    up = 1 if model.arch == "gpt" else 2
+    for offset, strategy in enumerate(strategies):
+        index = stage.start + offset
+        t, d, zero = strategy.tp, strategy.dp, strategy.zero
+        dp_rank = rank // t
+        fsdp = d > 1 and zero >= 2
+        kind = model.layers[index].kind
+        tensors = layer_tensors(model, index, t)
+        if kind == LayerKind.HEAD and model.tied_embeddings:
+            tensors = [x for x in tensors if x.name != "out.weight"]  # the embedding's matrix
+        whole = padded = 0.0
+        for tensor in tensors:
+            shape = tensor.local_shape(t)
+            rows, rest = shape[0], math.prod(shape[1:])
+            whole += rows * rest
+            padded += math.ceil(rows / d) * rest
+            own = _own_rows(rows, d, dp_rank) * rest
+            if fsdp:
+                params += MASTER * math.ceil(rows / d) * rest
+                grads += GRAD * math.ceil(rows / d) * rest
+                moments += MOMENTS * own
+            else:
+                params += MASTER * rows * rest
+                grads += GRAD * rows * rest
+                moments += MOMENTS * (own if zero == 1 and d > 1 else rows * rest)
+        if fsdp and zero == 2:
+            params += c * padded * d  # gathered once, kept to the end of the step
+        if kind == LayerKind.EMBEDDING and vocab_split(model, t) and d == 1:
+            grads += GRAD * tensors[0].local_numel(t)  # torch's double-size local gradient
+        traffic = data_parallel_traffic(zero=zero, dp=d, pp=1, dtype=plan.dtype,
+                                        reduce_dtype=plan.reduce_dtype)
+        comm["all_reduce"] += traffic.all_reduce_per_step * whole
+        comm["all_gather"] += (traffic.all_gather_per_step
+                               + m * traffic.all_gather_per_microbatch) * d * padded
+        comm["reduce_scatter"] += (traffic.reduce_scatter_per_step
+                                   + m * traffic.reduce_scatter_per_microbatch) * d * padded
+        if t > 1:  # tensor-parallel activations, per micro-batch of B / dp sequences
+            bsh = sequences // d * s * h
+            hidden = _hidden_bytes(plan, strategy)
+            if kind == LayerKind.EMBEDDING and vocab_split(model, t):
+                comm["all_reduce"] += m * bsh * hidden
+            elif kind == LayerKind.BLOCK:
+                replays = 2 if stage.recompute[offset] == Recompute.FULL else 1
+                comm["all_reduce"] += replays * 2 * m * bsh * c + (3 + up) * m * bsh * hidden
+            elif kind == LayerKind.HEAD and vocab_split(model, t):
+                comm["all_gather"] += m * (sequences // d) * s * model.padded_vocab_size // t * c
+                comm["all_reduce"] += m * bsh * hidden
+        if offset:  # the hidden state moved from the previous layer's layout
+            before = strategies[offset - 1]
+            hidden = _hidden_bytes(plan, before)
+            if t > before.tp:  # forward all-gather of this rank's B / dp_a sequences
+                comm["all_gather"] += m * sequences // before.dp * s * h * hidden
+            elif t < before.tp:  # backward all-gather of the gradient of B / dp_b sequences
+                comm["all_gather"] += m * sequences // d * s * h * hidden
+    for layer_tp in (strategies[0].tp, strategies[-1].tp):  # tokens in, labels out
+        if layer_tp > plan.tp:
+            comm["all_gather"] += m * plan.micro_batch * s * TOKEN_BYTES
+    comm["all_reduce"] += LOSS_BYTES + NORM_BYTES
+    return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": moments,
+            "comm_bytes": comm}

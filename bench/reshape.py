@@ -8,7 +8,7 @@ training step and ends with an engine of Plan B ready for its next step; the fig
 time from the change (Plan A's ranks agree to move) to the moment every rank of Plan B holds its
 state, beside the bytes each path moves. The in-memory path also reports the MovePlan's bytes
 against the lower bound and a rank-order (Megatron-style) placement, the busiest device's
-bytes, and the cost model's predicted transfer time against the measured one. Every path's
+bytes, and the predicted move time (coefficients measured once at the start, elastic/move_calibrate.py) against the measured wall time. Every path's
 per-tensor hashes after the move are checked against those before it.
 
 Run: ``python bench/reshape.py`` (about 5 minutes on 2 cores); writes bench/results/reshape.json.
@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +110,7 @@ def _gather_scatter(me, engine, model, plan_a, plan_b, procs_a, procs_b, small):
     return out, report_g.sent_bytes + report_s.sent_bytes
 
 
-def _one(rank, name, path, out, tmp):  # type: ignore[no-untyped-def]
+def _one(rank, name, path, out, tmp, time_model):  # type: ignore[no-untyped-def]
     import torch
     import torch.distributed as dist
 
@@ -129,8 +130,11 @@ def _one(rank, name, path, out, tmp):  # type: ignore[no-untyped-def]
     engine, before, small = None, None, None
     tokens = torch.randint(0, model.vocab_size, (GLOBAL_BATCH, model.seq_len + 1),
                            generator=torch.Generator().manual_seed(5))
+    build_s = 0.0
     if regroup(out, f"{tag}-a", rank, procs_a):
+        clock = time.perf_counter()
         engine = build_engine(model, plan_a, optim, seed=3, device=torch.device("cpu"))
+        build_s = time.perf_counter() - clock  # the running engine's build: the model's build_s
         share = GLOBAL_BATCH // engine.dp_size
         engine.step(tokens[engine.dp_rank * share:(engine.dp_rank + 1) * share])
         small = extract_state(engine, consumed_samples=GLOBAL_BATCH, checksums=False).small
@@ -140,12 +144,14 @@ def _one(rank, name, path, out, tmp):  # type: ignore[no-untyped-def]
     figures: dict = {}
     if path == "in_memory":
         request = ReshapeRequest(model=model, optim=optim, plan_a=plan_a, processes_a=procs_a,
-                                 plan_b=plan_b, staying=staying, joining=joining, seed=3)
+                                 plan_b=plan_b, staying=staying, joining=joining, seed=3,
+                                 time_model=replace(time_model, build_s=build_s))
         new, report = reshape_in_memory(request, rank, engine, consumed_samples=GLOBAL_BATCH,
                                         store_dir=out, tag=tag)
         procs_b = report.processes_b
         figures = {**report.figures(), "sent": report.move.sent_bytes(),
-                   "transfer_s": report.times_s.get("transfer", 0.0)}
+                   "transfer_s": report.times_s.get("transfer", 0.0),
+                   "predicted_terms": asdict(report.predicted) if report.predicted else {}}
     else:
         procs_b = tuple(range(plan_b.world_size)) if staying is None else tuple(staying)
         ckpt = Path(tmp) / tag
@@ -176,6 +182,11 @@ def _one(rank, name, path, out, tmp):  # type: ignore[no-untyped-def]
     if new is not None:
         dist.barrier()
         end = time.time()
+        if path == "in_memory":  # the slowest new rank's time in each part of the move
+            laps: list = [None] * dist.get_world_size()
+            dist.all_gather_object(laps, report.times_s)
+            figures["slowest_laps_s"] = {k: max(lap.get(k, 0.0) for lap in laps)
+                                         for k in laps[0]}
         after = state_hashes(new, extract_state(new, consumed_samples=GLOBAL_BATCH,
                                                 checksums=False).small)
         if dist.get_rank() == 0:
@@ -190,13 +201,18 @@ def _one(rank, name, path, out, tmp):  # type: ignore[no-untyped-def]
 def job(rank: int, world_size: int, out_dir: str, repeats: int) -> None:
     import gc
 
+    from meshmorph.elastic.move_calibrate import calibrate_move_time
+
+    time_model = calibrate_move_time()  # once, on the 4 processes, before any scenario
+    if rank == 0:
+        (Path(out_dir) / "time_model.json").write_text(json.dumps(asdict(time_model)))
     tmp = Path(out_dir) / "checkpoints"  # on the same file system as every run folder
     for repeat in range(repeats):
         for name in SCENARIOS:
             for path in PATHS:
                 sub = Path(out_dir) / f"r{repeat}"
                 sub.mkdir(exist_ok=True)
-                _one(rank, name, path, sub, tmp)
+                _one(rank, name, path, sub, tmp, time_model)
                 gc.collect()
     from meshmorph.elastic.controller import regroup
 
@@ -226,12 +242,11 @@ def collect(out: Path, repeats: int) -> dict:
             if path == "in_memory":
                 row[path].update({k: last[k] for k in (
                     "bytes_moved", "lower_bound_bytes", "naive_bytes", "busiest_device_bytes",
-                    "messages", "predicted_time_s", "measured_transfer_s", "measured_time_s")})
+                    "messages", "predicted_time_s", "measured_transfer_s", "measured_time_s",
+                    "predicted_terms", "slowest_laps_s")})
         mem, dcp = row["in_memory"], row["dcp"]
         row["in_memory_over_dcp"] = mem["wall_s"] / dcp["wall_s"]
-        row["predicted_over_measured_transfer"] = (
-            mem["predicted_time_s"] / mem["measured_transfer_s"] if mem["measured_transfer_s"]
-            else float("nan"))
+        row["predicted_over_measured"] = mem["predicted_time_s"] / mem["wall_s"]
         results[name] = row
     return results
 
@@ -239,7 +254,7 @@ def collect(out: Path, repeats: int) -> dict:
 def print_table(results: dict, state_mb: float) -> None:
     print(f"reshape on 4 gloo processes, {state_mb:.0f} MB of state (params + AdamW moments)")
     head = (f"{'scenario':32} {'moved MB':>9} {'bound MB':>9} {'naive MB':>9} {'busiest':>8} "
-            f"{'mem s':>6} {'dcp s':>6} {'g+s s':>6} {'mem/dcp':>8} {'pred s':>7} {'xfer s':>7}")
+            f"{'mem s':>6} {'dcp s':>6} {'g+s s':>6} {'mem/dcp':>8} {'pred s':>7} {'pred/mem':>8}")
     print(head)
     for name, row in results.items():
         mem = row["in_memory"]
@@ -247,7 +262,7 @@ def print_table(results: dict, state_mb: float) -> None:
               f"{mem['naive_bytes'] / 1e6:9.1f} {mem['busiest_device_bytes'] / 1e6:8.1f} "
               f"{mem['wall_s']:6.2f} {row['dcp']['wall_s']:6.2f} "
               f"{row['gather_scatter']['wall_s']:6.2f} {row['in_memory_over_dcp']:8.2f} "
-              f"{mem['predicted_time_s']:7.3f} {mem['measured_transfer_s']:7.3f}")
+              f"{mem['predicted_time_s']:7.3f} {row['predicted_over_measured']:8.2f}")
 
 
 def main() -> None:
@@ -260,8 +275,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="reshape-bench-") as tmp:
         spawn(job, 4, (tmp, args.repeats), timeout_s=1800, collective_timeout_s=300)
         results = collect(Path(tmp), args.repeats)
+        time_model = json.loads((Path(tmp) / "time_model.json").read_text())
     print_table(results, state_bytes / 1e6)
+    print("move-time coefficients measured at the start:",
+          {k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in time_model.items()})
     args.out.write_text(json.dumps({"model": SHAPE, "state_bytes": state_bytes,
+                                    "time_model": time_model,
                                     "global_batch": GLOBAL_BATCH, "processes": 4,
                                     "repeats": args.repeats, "scenarios": results}, indent=1) + "\n")
     print(f"wrote {args.out}")

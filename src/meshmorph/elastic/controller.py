@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from meshmorph.elastic.local_state import (
     install_state,
 )
 from meshmorph.elastic.move_plan import DEFAULT_STAGING_BYTES, MovePlan, plan_move
-from meshmorph.elastic.move_time import MoveTimeModel, predict_move_time_s
+from meshmorph.elastic.move_time import MoveTime, MoveTimeModel, move_time
 from meshmorph.run.config import OptimConfig
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import ModelSpec
@@ -95,9 +95,13 @@ class ReshapeReport:
     times_s: dict[str, float] = field(default_factory=dict)
     """Wall time of each step of the move on this process (plan, extract, transfer, build...)."""
     predicted_time_s: float = 0.0
-    """The cost model's time for the transfers (``move_time.predict_move_time_s``)."""
+    """The cost model's time of the move (``move_time.predict_move_time_s``): the transfers
+    alone with the default ``MoveTimeModel``, from the change to the new engine ready with a
+    measured one."""
     consumed_samples: int | None = None
     """The data position the move carried (None on a process that took no part)."""
+    predicted: MoveTime | None = None
+    """The predicted time's terms (network, fixed, rebuild)."""
 
     def figures(self) -> dict[str, Any]:
         """The keys of a ``{"event": "reshape"}`` line (sizes in bytes, times in seconds)."""
@@ -172,22 +176,41 @@ def _current_group_is(processes: Sequence[int], me: int) -> bool:
             and dist.get_rank() == list(processes).index(me))
 
 
-def _agree(request: ReshapeRequest, state: LocalState | None, root: int
-           ) -> tuple[MovePlan, dict[int, int], dict[str, tuple[int, ...]], SmallState, float]:
+def install_bytes(layout: Layout) -> int:
+    """The most bytes of tensor state one rank of ``layout`` holds (what it copies in)."""
+    from meshmorph.elastic.execute import is_tensor_key
+    from meshmorph.elastic.move_plan import DTYPE_BYTES
+
+    return max((sum(p.box.numel * DTYPE_BYTES[layout.tensors[p.key].dtype]
+                    for p in pieces if is_tensor_key(p.key))
+                for pieces in layout.held.values()), default=0)
+
+
+def _agree(request: ReshapeRequest, state: LocalState | None, root: int, members: list[int],
+           formed: int
+           ) -> tuple[MovePlan, dict[int, int], dict[str, tuple[int, ...]], SmallState, MoveTime]:
     """The MovePlan, device -> process, global shapes, small state and predicted time, computed
     on the group's rank ``root`` (the first survivor) and broadcast: every process then follows
-    the same plan, and the pure planning runs once instead of once per process."""
+    the same plan, and the pure planning runs once instead of once per process. ``formed``:
+    process groups formed so far (the prediction adds Plan B's where it needs its own); the
+    prediction's ``plan_s`` is the planning time just measured."""
     box: list[Any] = [None]
     if dist.get_rank() == root:
         if state is None:
             raise ReshapeError("the first survivor has no small state to share")
-        move, layout_a, _, process_of = plan_the_move(request)
+        start = time.perf_counter()
+        move, layout_a, layout_b, process_of = plan_the_move(request)
+        processes_b = [process_of[move.placement[r]] for r in range(request.plan_b.world_size)]
         cluster = parse_cluster(request.cluster or f"cpu:1x{len(move.devices)}")
         shapes = {k: tuple(t.shape) for k, t in layout_a.tensors.items()}
         small = SmallState(**{f.name: getattr(state.small, f.name) for f in fields(SmallState)})
         small.rng = torch.empty(0, dtype=torch.uint8)  # each rank keeps its own stream
-        box = [(move, process_of, shapes, small,
-                predict_move_time_s(move, cluster, model=request.time_model))]
+        model = request.time_model or MoveTimeModel()
+        if request.time_model is not None:
+            model = replace(model, plan_s=time.perf_counter() - start)
+        predicted = move_time(move, cluster, model=model, groups=formed + (processes_b != members),
+                              install_bytes=install_bytes(layout_b))
+        box = [(move, process_of, shapes, small, predicted)]
     dist.broadcast_object_list(box, src=root)
     return box[0]
 
@@ -217,19 +240,21 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
         state = extract_state(engine, consumed_samples=consumed_samples, checksums=False)
     lap("extract")
     members = sorted(set(request.processes_a) | set(request.joining))
+    formed = 0
     if not request.joining and _current_group_is(request.processes_a, me):
         members = list(request.processes_a)
     else:
         regroup(store_dir, f"{tag}-move", me, members)
+        formed = 1
     lap("group")
     if me not in members:
         raise ReshapeError(f"process {me} is neither in plan A {list(request.processes_a)} nor "
                            f"joining {list(request.joining)}; only they take part in the move")
     move, process_of, shapes, small, predicted = _agree(
-        request, state, members.index(request.processes_a[0]))
+        request, state, members.index(request.processes_a[0]), members, formed)
     processes_b = tuple(process_of[move.placement[r]] for r in range(request.plan_b.world_size))
-    report = ReshapeReport(move, processes_b, times_s=times, predicted_time_s=predicted,
-                           consumed_samples=small.consumed_samples)
+    report = ReshapeReport(move, processes_b, times_s=times, predicted_time_s=predicted.total_s,
+                           consumed_samples=small.consumed_samples, predicted=predicted)
     small.rng = state.small.rng if state is not None else torch.get_rng_state()
     lap("plan")
     if move.from_checkpoint:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshmorph.elastic.choose_plan import choose_plan
 from meshmorph.elastic.controller import replan
 from meshmorph.elastic.layout import layout_of
 from meshmorph.elastic.local_state import extract_state
@@ -100,10 +101,13 @@ class ElasticSession:
 
         engine.model_parts[0].register_forward_pre_hook(hook)
 
-    def restore(self, model: Any, optim: Any, *, seed: int, device: torch.device
+    def restore(self, model: Any, optim: Any, *, seed: int, device: torch.device,
+                total_steps: int | None = None
                 ) -> tuple[Any, Plan, int, int, dict[str, Any]] | None:
         """(engine, plan, step, consumed samples, reshape record) from the store; None when it
-        holds nothing of this run (a fresh start)."""
+        holds nothing of this run (a fresh start). When the world size changed, the new plan is
+        the one with the least predicted time to finish, its move included (``choose_plan``,
+        over the ``total_steps`` left; without them, the planner's fastest)."""
         from meshmorph.run.engine import build_engine
 
         stored = self.store.steps()
@@ -118,15 +122,20 @@ class ElasticSession:
             raise ValueError(f"the node store {self.store.dir} holds no step every rank of the "
                              f"old plan completed ({stored}); resume from the newest checkpoint "
                              "(meshmorph run --resume --reshard)")
-        plan_b = plan_a if plan_a.world_size == world else \
-            replan(model, world, global_batch=plan_a.global_batch, dtype=plan_a.dtype)
+        survivors = list(range(min(world, plan_a.world_size)))
+        if plan_a.world_size == world:
+            plan_b = plan_a
+        elif total_steps is not None:
+            plan_b = choose_plan(model, plan_a, world, survivors=survivors,
+                                 steps_left=max(total_steps - step, 0)).plan
+        else:
+            plan_b = replan(model, world, global_batch=plan_a.global_batch, dtype=plan_a.dtype)
         engine = build_engine(model, plan_b, optim, seed=seed, device=device)
         report = restore_from_store(self.store, new_rank=rank,
                                     old_rank=rank if rank < plan_a.world_size else None,
                                     step=step, model=model, plan_b=plan_b, engine=engine)
         dist.barrier()
-        move = plan_move(layout_of(model, plan_a), layout_of(model, plan_b),
-                         list(range(min(world, plan_a.world_size))))
+        move = plan_move(layout_of(model, plan_a), layout_of(model, plan_b), survivors)
         record = {"event": "reshape", "at_step": step, "from": plan_a.to_dict(),
                   "to": plan_b.to_dict(), "bytes_moved": move.bytes_moved,
                   "lower_bound_bytes": move.lower_bound_bytes, "naive_bytes": move.naive_bytes,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from meshmorph.cost.tensor_shapes import layer_tensors
 from meshmorph.elastic.box import Box
 from meshmorph.spec.model import LayerKind, ModelSpec
-from meshmorph.spec.plan import Plan
+from meshmorph.spec.plan import Plan, PlanError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """AdamW's two moments, named as torch's optimizer state names them."""
@@ -161,7 +161,12 @@ def _dp_piece(key: str, local: Box, dp: int, dp_rank: int) -> Piece:
 def layout_of(model: ModelSpec, plan: Plan) -> Layout:
     """The Layout of ``plan``'s training state (pure: no torch, no torch.distributed).
 
-    Raises PlanError where the plan does not fit the model (``Plan.check_against``)."""
+    Raises PlanError where the plan does not fit the model (``Plan.check_against``), or lists
+    per-layer strategies (layerwise plans: their state is laid out layer by layer, not here)."""
+    if any(stage.layer_strategies is not None for stage in plan.stages):
+        raise PlanError("elastic layouts and reshapes cover plans with one tp/dp/ZeRO per stage; "
+                        "this plan lists layer_strategies (a layerwise plan): drop them, or "
+                        "re-plan with meshmorph plan --uniform")
     plan.check_against(model)
     tensors: dict[str, StateTensor] = {}
     held: dict[int, list[Piece]] = {}

@@ -39,16 +39,16 @@ class MemoryReach:
                 break
             most = L - (p - 1 - j)
             if j == p - 1:
-                ok = solver.stage(j, reach, L) is not None
+                ok = solver.fits(j, reach, L)
                 reach = L
                 break
-            if most <= reach or solver.stage(j, reach, reach + 1) is None:
+            if most <= reach or not solver.fits(j, reach, reach + 1):
                 ok = False
                 break
             lo, hi = reach + 1, most  # stage(j, reach, lo) fits; find the largest that does
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if solver.stage(j, reach, mid) is not None:
+                if solver.fits(j, reach, mid):
                     lo = mid
                 else:
                     hi = mid - 1
@@ -63,11 +63,11 @@ class MemoryReach:
             solver = self.solver
             p = solver.plan.pp
             if k == p - 1:
-                self._finish[key] = solver.stage(k, start, solver.L) is not None
+                self._finish[key] = solver.fits(k, start, solver.L)
             else:
                 ok = False
                 for stop in range(start + 1, solver.L - (p - 1 - k) + 1):
-                    if solver.stage(k, start, stop) is None:
+                    if not solver.fits(k, start, stop):
                         break  # more layers never need less memory
                     if self._search(k + 1, stop):
                         ok = True

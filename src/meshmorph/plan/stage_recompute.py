@@ -14,8 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
+from meshmorph.cost.layer_cost import LayerCost
 from meshmorph.cost.model import ChunkTime, CostModel
-from meshmorph.cost.rank_terms import in_flight_microbatches, rank_memory_terms, rank_tail_s
+from meshmorph.cost.rank_terms import (
+    RankMemoryTerms,
+    in_flight_microbatches,
+    rank_memory_terms,
+    rank_tail_s,
+)
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import Recompute
 from meshmorph.spec.plan import Plan, Schedule
@@ -55,6 +61,11 @@ class StageSolver:
         self.zb = plan.schedule == Schedule.ZERO_BUBBLE
         self._cache: dict[tuple, StageChoice | None] = {}
         self._by_range: dict[tuple[int, int, int], StageChoice | None] = {}
+        self._fit_cache: dict[tuple, bool] = {}
+        self._fit_by_range: dict[tuple[int, int, int], bool] = {}
+        # layers whose recompute is a choice (more than one allowed mode keeps activations)
+        self._flexible = [sum(1 for m in self.modes if m in layer.activation) > 1
+                          for layer in self.model.layers]
         self.class_prefix = []
         for rep in sorted(set(self.classes)):
             prefix = [0]
@@ -69,27 +80,88 @@ class StageSolver:
             found = self._by_range[(k, start, stop)] = self._stage(k, start, stop)
         return found
 
-    def _stage(self, k: int, start: int, stop: int) -> StageChoice | None:
-        gpu = self.gpus[k]
+    def fits(self, k: int, start: int, stop: int) -> bool:
+        """Whether some recompute of layers [start, stop) fits pipeline rank k: exactly
+        ``stage(k, start, stop) is not None``, without timing the recompute choices."""
+        found = self._fit_by_range.get((k, start, stop))
+        if found is None:
+            known = self._by_range.get((k, start, stop), False)
+            if known is not False:
+                found = known is not None
+            else:
+                key = self._key(k, start, stop)
+                choice = self._cache.get(key, False)
+                if choice is not False:
+                    found = choice is not None
+                else:
+                    found = self._fit_cache.get(key)
+                    if found is None:
+                        found = self._fit_cache[key] = self._any_fits(k, start, stop)
+            self._fit_by_range[(k, start, stop)] = found
+        return found
+
+    def _key(self, k: int, start: int, stop: int) -> tuple:
+        """What a stage's best recompute depends on: layers of one class are interchangeable,
+        so the stage is known by its class counts."""
         in_flight = in_flight_microbatches(self.plan.schedule, self.plan.pp, k,
                                            self.plan.num_microbatches, self.plan.vpp)
-        # layers of one class are interchangeable: the stage is known by its class counts
         counts = tuple(prefix[stop] - prefix[start] for prefix in self.class_prefix)
-        key = (gpu.name, in_flight, start == 0, stop == self.L, counts)
+        return (self.gpus[k].name, in_flight, start == 0, stop == self.L, counts)
+
+    def _stage(self, k: int, start: int, stop: int) -> StageChoice | None:
+        key = self._key(k, start, stop)
         choice = self._cache.get(key, False)
         if choice is False:
-            choice = self._cache[key] = self._solve(k, start, stop, gpu)
+            choice = self._cache[key] = self._solve(k, start, stop, self.gpus[k])
         return choice
 
-    def _solve(self, k: int, start: int, stop: int, gpu: GPUSpec) -> StageChoice | None:
-        flexible = [i for i in range(start, stop)
-                    if sum(1 for m in self.modes if m in self.model.layers[i].activation) > 1]
-        # group interchangeable layers: same class -> same time and memory
+    def _groups(self, start: int, stop: int) -> list[list[int]]:
+        """The stage's flexible layers grouped by class (same class: same time and memory)."""
         groups: dict[int, list[int]] = {}
-        for i in flexible:
-            groups.setdefault(self.classes[i], []).append(i)
+        flexible, classes = self._flexible, self.classes
+        for i in range(start, stop):
+            if flexible[i]:
+                groups.setdefault(classes[i], []).append(i)
+        return list(groups.values())
+
+    def _any_fits(self, k: int, start: int, stop: int) -> bool:
+        """Whether ``_assignments`` yields anything (``fits``). For one group the candidates
+        are, per count f of full layers, f full and the rest selective; memory is affine in f
+        where the set of modes in use stays the same, so each such run of counts is settled
+        by its two ends unless one lies within the rounding edge of the budget (then every
+        count of the run is tried, as ``_one_group`` does)."""
+        gpu = self.gpus[k]
+        groups = self._groups(start, stop)
+        if len(groups) != 1:
+            return self.stage(k, start, stop) is not None
+        memory = self._group_memory(k, start, stop, gpu, groups[0], self._builder(start, stop, groups))
+        n = len(groups[0])
+        full_ok = Recompute.FULL in memory.per
+        sel_ok = Recompute.SELECTIVE in memory.per
+        points = [(f, n - f if sel_ok else 0) for f in (range(n + 1) if full_ok else range(1))]
+        # runs of counts that use the same modes: only the ends of a run can fit first
+        runs: list[list[tuple[int, int]]] = []
+        for point in points:
+            used = (point[0] > 0, point[1] > 0)
+            if runs and (runs[-1][0][0] > 0, runs[-1][0][1] > 0) == used:
+                runs[-1].append(point)
+            else:
+                runs.append([point])
+        edge = _EDGE * memory.budget
+        for run in runs:
+            ends = (run[0], run[-1])
+            if any(memory.fits(*end) for end in ends):
+                return True
+            # both ends are over the budget; affine between them: over everywhere unless an end
+            # lies within the edge, where rank_memory decides point by point
+            near = any(abs(memory.total(*end) - memory.budget) <= edge for end in ends)
+            if near and any(memory.fits(*point) for point in run[1:-1]):
+                return True
+        return False
+
+    def _solve(self, k: int, start: int, stop: int, gpu: GPUSpec) -> StageChoice | None:
         best: StageChoice | None = None
-        for modes in self._assignments(k, start, stop, gpu, list(groups.values())):
+        for modes in self._assignments(k, start, stop, gpu, self._groups(start, stop)):
             time = self.cost.chunk_time(self.plan, start, stop, modes, gpu)
             key = time.bgrad_s if self.zb else time.bwd_s
             if best is None or (time.fwd_s + key, time.bwd_s) < (
@@ -114,11 +186,10 @@ class StageSolver:
                                    mode).bwd_s - base if mode in self.model.layers[index].activation
                 else float("inf") for mode in (Recompute.FULL, Recompute.SELECTIVE)}
 
-    def _assignments(self, k: int, start: int, stop: int, gpu: GPUSpec,
-                     groups: list[list[int]]) -> Iterator[tuple[Recompute, ...]]:
-        """Recompute tuples worth trying: per group, each count of full layers with the fewest
-        selective ones that fit (memory falls as layers move none -> selective -> full)."""
+    def _builder(self, start: int, stop: int, groups: list[list[int]]) -> Build:
+        """Recompute tuple of the stage from (full, selective) counts per group."""
         base = [Recompute.NONE] * (stop - start)
+        layers = self.model.layers
 
         def build(counts: list[tuple[int, int]]) -> tuple[Recompute, ...]:
             modes = list(base)
@@ -126,10 +197,18 @@ class StageSolver:
                 for j, index in enumerate(group):
                     mode = Recompute.FULL if j < n_full else (
                         Recompute.SELECTIVE if j < n_full + n_sel else Recompute.NONE)
-                    if mode not in self.model.layers[index].activation:
+                    if mode not in layers[index].activation:
                         mode = Recompute.NONE
                     modes[index - start] = mode
             return tuple(modes)
+
+        return build
+
+    def _assignments(self, k: int, start: int, stop: int, gpu: GPUSpec,
+                     groups: list[list[int]]) -> Iterator[tuple[Recompute, ...]]:
+        """Recompute tuples worth trying: per group, each count of full layers with the fewest
+        selective ones that fit (memory falls as layers move none -> selective -> full)."""
+        build = self._builder(start, stop, groups)
 
         if len(groups) == 1:
             yield from self._one_group(k, start, stop, gpu, groups[0], build)
@@ -153,6 +232,19 @@ class StageSolver:
 
         yield from rec(0, [])
 
+    def _group_memory(self, k: int, start: int, stop: int, gpu: GPUSpec, group: list[int],
+                      build: Build) -> _GroupMemory:
+        """Memory of a stage with one group of interchangeable layers, by its counts."""
+        plan = self.plan
+        coster = self.cost.coster(plan.dtype)
+        per = {mode: coster.layer(group[0], gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
+                                  mode) for mode in self.modes
+               if mode in self.model.layers[group[0]].activation}
+        # with no recompute no layer rematerialises anything: its working set is zero
+        none = self.cost.rank_memory(plan, k, [(start, stop, build([(0, 0)]))], gpu)
+        terms = rank_memory_terms(self.cost, plan, k, gpu)
+        return _GroupMemory(self, k, start, stop, gpu, build, per, none.total, terms)
+
     def _one_group(self, k: int, start: int, stop: int, gpu: GPUSpec, group: list[int],
                    build: Build) -> Iterator[tuple[Recompute, ...]]:
         """One group of interchangeable layers (the usual case): for each count of full
@@ -160,31 +252,9 @@ class StageSolver:
         (``cost.rank_terms``), so it is computed from the all-none stage; a full recompute costs
         more time than a selective one, so the loop stops once the full ones alone cost more
         than the best found."""
-        plan = self.plan
-        coster = self.cost.coster(plan.dtype)
+        memory = self._group_memory(k, start, stop, gpu, group, build)
+        per, fits = memory.per, memory.fits
         n = len(group)
-        per = {mode: coster.layer(group[0], gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
-                                  mode) for mode in self.modes
-               if mode in self.model.layers[group[0]].activation}
-        # with no recompute no layer rematerialises anything: its working set is zero
-        none = self.cost.rank_memory(plan, k, [(start, stop, build([(0, 0)]))], gpu)
-        terms = rank_memory_terms(self.cost, plan, k, gpu)
-        budget = gpu.memory_bytes
-        a_none = per[Recompute.NONE].activation_bytes
-
-        def fits(n_full: int, n_sel: int) -> bool:
-            saved = 0.0
-            work = 0.0
-            for mode, count in ((Recompute.FULL, n_full), (Recompute.SELECTIVE, n_sel)):
-                if count:
-                    saved += count * (a_none - per[mode].activation_bytes)
-                    work = max(work, per[mode].working_bytes)
-            total = none.total + terms.activation_bytes(-saved, work)
-            if abs(total - budget) > _EDGE * budget:
-                return total < budget
-            # at the edge the affine shortcut may round the other way: trust rank_memory
-            return self._fits(k, start, stop, build([(n_full, n_sel)]), gpu)
-
         extra = self._extra_backward(group[0], gpu)
         best_extra = float("inf")
         full_counts = range(n + 1) if Recompute.FULL in per else range(1)
@@ -204,3 +274,46 @@ class StageSolver:
             best_extra = min(best_extra, n_full * extra[Recompute.FULL]
                              + sels[lo] * extra[Recompute.SELECTIVE])
             yield build([(n_full, sels[lo])])
+
+
+@dataclass(slots=True)
+class _GroupMemory:
+    """Peak memory of one stage whose flexible layers form one group, by (full, selective)
+    counts: the all-none stage's ``rank_memory`` plus the affine change (``cost.rank_terms``)."""
+
+    solver: StageSolver
+    k: int
+    start: int
+    stop: int
+    gpu: GPUSpec
+    build: Build
+    per: dict[Recompute, LayerCost]
+    """The group's per-layer figures for each mode it may use."""
+    none_total: float
+    """Peak bytes with no layer recomputing."""
+    terms: RankMemoryTerms
+
+    @property
+    def budget(self) -> float:
+        return self.gpu.memory_bytes
+
+    def total(self, n_full: int, n_sel: int) -> float:
+        """Affine peak bytes with ``n_full`` full and ``n_sel`` selective layers."""
+        per = self.per
+        a_none = per[Recompute.NONE].activation_bytes
+        saved = 0.0
+        work = 0.0
+        for mode, count in ((Recompute.FULL, n_full), (Recompute.SELECTIVE, n_sel)):
+            if count:
+                saved += count * (a_none - per[mode].activation_bytes)
+                work = max(work, per[mode].working_bytes)
+        return self.none_total + self.terms.activation_bytes(-saved, work)
+
+    def fits(self, n_full: int, n_sel: int) -> bool:
+        budget = self.gpu.memory_bytes
+        total = self.total(n_full, n_sel)
+        if abs(total - budget) > _EDGE * budget:
+            return total < budget
+        # at the edge the affine shortcut may round the other way: trust rank_memory
+        return self.solver._fits(self.k, self.start, self.stop, self.build([(n_full, n_sel)]),
+                                 self.gpu)

@@ -11,8 +11,8 @@ replicated on the block's tp ranks. From a = (tp_a, dp_a) to b = (tp_b, dp_b):
   the ranks sharing r % tp_a, backward keeps its slice of the (replicated) gradient.
 
 Process groups are made once per (tp_a, tp_b) pair by every rank of the job, in one order, as
-``torch.distributed.new_group`` requires. Not yet wired into run/parallelize.py: layers with
-their own sub-meshes and FSDP2 policies are the next piece.
+``torch.distributed.new_group`` requires. run/layerwise_model.py moves every activation (and
+the token ids and labels) of a layerwise chunk through it.
 """
 
 from __future__ import annotations

@@ -114,3 +114,47 @@ def test_cost_model_uses_the_measured_optimizer_tail() -> None:
     est = CostModel(MODEL, cluster, profile=profile).estimate(_plan())
     params = CostModel(MODEL, cluster).chunk_params(0, MODEL.num_layers, 1)
     assert est.breakdown_s["optimizer"] == pytest.approx(5e-3 + 2e-9 * params)
+
+
+def test_cost_model_prices_zero3_per_fsdp_unit_with_the_measured_fsdp_fits() -> None:
+    # gpt-tiny: 4 blocks + the chunk's root = 5 FSDP2 units; ZeRO-3 gathers twice and
+    # reduce-scatters once per unit and micro-batch, each call paying the fit's alpha
+    cluster = parse_cluster("cpu:1x2")
+    gather = {"alpha_s": 2e-3, "beta_s_per_byte": 3e-9, "r2": 1.0}
+    scatter = {"alpha_s": 5e-3, "beta_s_per_byte": 7e-9, "r2": 1.0}
+    profile = replace(_profile(), collectives={"fsdp_all_gather/2": gather,
+                                               "fsdp_reduce_scatter/2": scatter})
+    plan = _plan(dp=2, zero=3, num_microbatches=2, global_batch=4)
+    est = CostModel(MODEL, cluster, profile=profile).estimate(plan)
+    params = CostModel(MODEL, cluster).chunk_params(0, MODEL.num_layers, 1)
+    per_microbatch = 2 * (5 * 2e-3 + 3e-9 * 4 * params) + (5 * 5e-3 + 7e-9 * 4 * params)
+    assert est.breakdown_s["zero3_comm_exposed"] == pytest.approx(2 * per_microbatch, rel=1e-6)
+
+
+def test_cost_model_prices_zero2_gather_once_per_step_and_scatter_per_microbatch() -> None:
+    cluster = parse_cluster("cpu:1x2")
+    gather = {"alpha_s": 2e-3, "beta_s_per_byte": 3e-9, "r2": 1.0}
+    scatter = {"alpha_s": 5e-3, "beta_s_per_byte": 7e-9, "r2": 1.0}
+    profile = replace(_profile(), collectives={"fsdp_all_gather/2": gather,
+                                               "fsdp_reduce_scatter/2": scatter})
+    plan = _plan(dp=2, zero=2, num_microbatches=2, global_batch=4)
+    est = CostModel(MODEL, cluster, profile=profile).estimate(plan)
+    params = CostModel(MODEL, cluster).chunk_params(0, MODEL.num_layers, 1)
+    assert est.breakdown_s["zero3_comm_exposed"] == pytest.approx(
+        2 * (5 * 5e-3 + 7e-9 * 4 * params), rel=1e-6)
+    # the once-per-step gather of every unit sits in the tail (no scalar all-reduce fit given)
+    assert est.breakdown_s["dp_comm_exposed"] == pytest.approx(5 * 2e-3 + 3e-9 * 4 * params,
+                                                               rel=1e-6)
+
+
+def test_without_fsdp_fits_zero3_keeps_the_plain_collective_fits() -> None:
+    cluster = parse_cluster("cpu:1x2")
+    fit = {"alpha_s": 1e-3, "beta_s_per_byte": 1e-9, "r2": 1.0}
+    plain = replace(_profile(), collectives={"all_gather/2": fit, "reduce_scatter/2": fit})
+    fsdp = replace(plain, collectives={**plain.collectives, "fsdp_all_gather/2": fit,
+                                       "fsdp_reduce_scatter/2": fit})
+    plan = _plan(dp=2, zero=3, num_microbatches=2, global_batch=4)
+    a = CostModel(MODEL, cluster, profile=plain).estimate(plan).breakdown_s["zero3_comm_exposed"]
+    b = CostModel(MODEL, cluster, profile=fsdp).estimate(plan).breakdown_s["zero3_comm_exposed"]
+    # the plain path merges a unit's two gathers into one call: 5 fewer alphas per micro-batch
+    assert b - a == pytest.approx(2 * 5 * 1e-3, rel=1e-6)

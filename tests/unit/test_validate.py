@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshmorph.predict.accuracy import kendall_tau, mape
-from meshmorph.predict.validate import candidate_plans, plan_name
+from meshmorph.predict.validate import candidate_plans, plan_name, spanning_plans
 from meshmorph.spec.catalog import catalog_model
 
 
@@ -37,6 +37,22 @@ def test_candidate_plans_on_two_processes_are_distinct_and_cover_dp_and_pp() -> 
     model = catalog_model("gpt-small", 64)
     plans = candidate_plans(model, 2, 8)
     names = [plan_name(p) for p in plans]
-    assert len(names) == len(set(names)) == 18  # dp2 x zero 0-3 x mb 1,2,4 + pp2 x 2 x 3
+    # (dp2 x zero 0-3 x mb 1,2,4 + pp2 x 2 schedules x mb 1,2,4) x recompute none, full
+    assert len(names) == len(set(names)) == 36
     assert {(p.pp, p.dp) for p in plans[:2]} == {(1, 2), (2, 1)}
     assert all(p.tp == 1 and p.world_size == 2 for p in plans)
+
+
+def test_spanning_plans_keep_the_widest_least_ratio_between_neighbours() -> None:
+    model = catalog_model("gpt-small", 64)
+    plans = candidate_plans(model, 2, 8)[:7]
+    predicted = [1.0, 1.01, 2.0, 1.02, 4.0, 4.05, 8.0]
+    chosen = spanning_plans(plans, predicted, 4)
+    assert [predicted[plans.index(p)] for p in chosen] == [1.0, 2.0, 4.0, 8.0]
+    assert spanning_plans(plans, predicted, 7) == plans
+
+
+def test_plan_names_tell_recompute_apart() -> None:
+    model = catalog_model("gpt-small", 64)
+    names = {plan_name(p) for p in candidate_plans(model, 2, 8)}
+    assert "tp1pp1dp2z3-mb1x4" in names and "tp1pp1dp2z3-mb1x4-rcfull" in names

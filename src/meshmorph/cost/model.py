@@ -23,6 +23,7 @@ from meshmorph.cost.rank_terms import (
 from meshmorph.cost.state import (
     HeldBytes,
     data_parallel_traffic,
+    gather_bytes_per_param,
     held_bytes_per_param,
 )
 from meshmorph.spec.cluster import Cluster
@@ -149,7 +150,12 @@ class CostModel:
         params = self.chunk_params(start, stop, plan.tp)
         z3 = 0.0
         gathers, scatter = self.microbatch_dp_traffic(plan, params, gpu)
-        if (gathers or scatter) and self.profile.collectives:
+        if (gathers or scatter) and self.fsdp_measured(plan):
+            # FSDP2's own per-unit work, measured (profile/fsdp_units.py): every unit (each block
+            # and the chunk's root) pays the fit's per-call time once per call
+            gathers, scatter = self.microbatch_dp_traffic(plan, params, gpu,
+                                                          units=self.fsdp_units(start, stop))
+        elif (gathers or scatter) and self.profile.collectives:
             # measured collectives: FSDP issues one call per unit (each block and the chunk's
             # root), so each unit pays the fitted per-call alpha, not the chunk once
             units = sum(1 for layer in self.model.layers[start:stop] if layer.kind == "block") + 1
@@ -163,14 +169,39 @@ class CostModel:
             f, b, bg, z3 = f + ef, b + eb, bg + eb, ef + eb
         return ChunkTime(f, b, bg, wg, comp, re, tpc, z3, params)
 
-    def microbatch_dp_traffic(self, plan: Plan, params: float, gpu: GPUSpec) -> tuple[float, float]:
+    def fsdp_measured(self, plan: Plan) -> bool:
+        """Whether the Profile measured FSDP2's per-unit calls for this plan's dp group."""
+        return plan.zero >= 2 and plan.dp > 1 and \
+            f"fsdp_all_gather/{plan.dp}" in self.profile.collectives and \
+            f"fsdp_reduce_scatter/{plan.dp}" in self.profile.collectives
+
+    def fsdp_units(self, start: int, stop: int) -> int:
+        """FSDP2 units of a chunk of layers [start, stop): each block and the chunk's root."""
+        return sum(1 for layer in self.model.layers[start:stop] if layer.kind == "block") + 1
+
+    def fsdp_calls(self, kind: str, n: int, calls: float, nbytes: float, units: int) -> float:
+        """Seconds of ``calls`` FSDP2 calls of ``kind`` over each of ``units`` units sharing
+        ``nbytes`` (the Profile's ``fsdp_<kind>/n`` fit: linear, so an even split is exact)."""
+        if calls <= 0 or nbytes <= 0:
+            return 0.0
+        return calls * units * (self.profile.collective_s(f"fsdp_{kind}", n, nbytes / units) or 0.0)
+
+    def microbatch_dp_traffic(self, plan: Plan, params: float, gpu: GPUSpec,
+                              units: int = 0) -> tuple[float, float]:
         """(all-gather, reduce-scatter) seconds of the data-parallel collectives inside one
         micro-batch over ``params`` (ZeRO-3's gathers in forward and backward, ZeRO-2/3's
-        gradient reduce-scatter; none under pipeline parallelism, see cost/state.py)."""
+        gradient reduce-scatter; none under pipeline parallelism, see cost/state.py). ``units``
+        > 0 prices them as that many FSDP2 units from the Profile's measured per-unit fits."""
         traffic = data_parallel_traffic(zero=plan.zero, dp=plan.dp, pp=plan.pp, dtype=plan.dtype,
                                         reduce_dtype=plan.reduce_dtype)
         if plan.dp == 1:
             return 0.0, 0.0
+        if units > 0:
+            c = gather_bytes_per_param(plan.dtype)
+            return (self.fsdp_calls("all_gather", plan.dp,
+                                    traffic.all_gather_per_microbatch * plan.dp / c, params * c, units),
+                    self.fsdp_calls("reduce_scatter", plan.dp, 1.0,
+                                    params * traffic.reduce_scatter_per_microbatch, units))
         link = self.group_link(gpu, plan.tp * plan.dp)
         # an all-gather's input is 1/d of the buffer it fills: the buffer is d x the input
         gathered = params * traffic.all_gather_per_microbatch * plan.dp
@@ -209,17 +240,26 @@ class CostModel:
                            buffers=biggest * terms.gather_bytes_per_param + params * held.peak_extra,
                            reserved=terms.reserved_bytes, in_flight_microbatches=terms.in_flight)
 
-    def rank_tail(self, plan: Plan, params: float, last_bwd_s: float, gpu: GPUSpec) -> tuple[float, float]:
-        """(exposed data-parallel gradient sync, optimizer step) after a rank's last backward."""
+    def rank_tail(self, plan: Plan, params: float, last_bwd_s: float, gpu: GPUSpec,
+                  units: int = 1) -> tuple[float, float]:
+        """(exposed data-parallel gradient sync, optimizer step) after a rank's last backward;
+        ``units``: the rank's FSDP2 units (priced per unit where the Profile measured them)."""
         traffic = data_parallel_traffic(zero=plan.zero, dp=plan.dp, pp=plan.pp, dtype=plan.dtype,
                                         reduce_dtype=plan.reduce_dtype)
         link = self.group_link(gpu, plan.tp * plan.dp)
         # gradient reductions overlap the last backward; parameter gathers (ZeRO-1 after the
         # update, ZeRO-2 before the first forward) do not
-        reduce = self.collective("all_reduce", plan.dp, params * traffic.all_reduce_per_step, link) \
-            + self.collective("reduce_scatter", plan.dp, params * traffic.reduce_scatter_per_step, link)
-        gather = self.collective("all_gather", plan.dp, params * traffic.all_gather_per_step * plan.dp,
-                                 link)
+        reduce = self.collective("all_reduce", plan.dp, params * traffic.all_reduce_per_step, link)
+        if self.fsdp_measured(plan):  # ZeRO-2/3: FSDP2's per-step gathers and reduce-scatters
+            reduce += self.fsdp_calls("reduce_scatter", plan.dp, 1.0,
+                                      params * traffic.reduce_scatter_per_step, units)
+            gather = self.fsdp_calls("all_gather", plan.dp, 1.0,
+                                     params * traffic.all_gather_per_step * plan.dp, units)
+        else:
+            reduce += self.collective("reduce_scatter", plan.dp,
+                                      params * traffic.reduce_scatter_per_step, link)
+            gather = self.collective("all_gather", plan.dp,
+                                     params * traffic.all_gather_per_step * plan.dp, link)
         exposed = comm.exposed(reduce, last_bwd_s, self.coef.dp_overlap) + gather
         if self.profile.collectives:  # the step's two scalar all-reduces (loss, gradient norm)
             exposed += 2 * (self.profile.collective_s("all_reduce", plan.world_size, 8.0) or 0.0)
@@ -291,7 +331,9 @@ class CostModel:
             params = sum(times[c].params for c in chunk_ids)
             # the overlap window is the last backward's compute, recompute excluded, so that more
             # recompute never shortens the step (the planner's per-stage choice relies on it)
-            sync, opt = self.rank_tail(plan, params, tail_overlap_window_s(times[chunk_ids[0]]), gpu)
+            units = sum(self.fsdp_units(plan.stages[c].start, plan.stages[c].stop) for c in chunk_ids)
+            sync, opt = self.rank_tail(plan, params, tail_overlap_window_s(times[chunk_ids[0]]), gpu,
+                                       units=units)
             if steps is not None:  # m optimizer steps, already inside the simulated window
                 opt = m * steps[k]
                 tails.append((sync, opt))

@@ -117,6 +117,7 @@ def least_rank_tail_s(cost: CostModel, plan: Plan, params: float, gpu: GPUSpec) 
     far as ``dp_overlap`` allows), plus the least exposed part of its per-micro-batch ZeRO
     traffic (``comm.exposed`` never hides more than the overlap share): affine in ``params``."""
     sync, optimizer = cost.rank_tail(plan, params, float("inf"), gpu)
-    gathers, scatter = cost.microbatch_dp_traffic(plan, params, gpu)
+    gathers, scatter = cost.microbatch_dp_traffic(plan, params, gpu,
+                                                  units=1 if cost.fsdp_measured(plan) else 0)
     per_microbatch = (1 - cost.coef.zero3_overlap) * (gathers + scatter)
     return sync + optimizer + plan.num_microbatches * per_microbatch

@@ -10,7 +10,9 @@ average is recorded before and after each plan.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import random
 import statistics
@@ -23,7 +25,7 @@ from meshmorph.cost import CostModel, Profile
 from meshmorph.predict.accuracy import chart, kendall_tau, mape
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.cluster import parse_cluster
-from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.plan import Plan, PlanError, Schedule
 
 
@@ -49,6 +51,9 @@ class ValidateConfig:
     """A Profile to predict with; None: run ``meshmorph profile`` (quick=False) first."""
     quick_profile: bool = False
     """Profile with the quick settings (tests)."""
+    nice: int = 0
+    """Priority increment of the profiling and training processes (negative, where privileged:
+    ahead of other work sharing the cores); the load average is recorded either way."""
     tensor_parallel: bool = False
     """Also run tp > 1 plans. The profile times layers at tp 1 only; on CPU, DTensor's per-op
     dispatch dominates a tp plan's step and is not profiled, so these are marked outside."""
@@ -59,9 +64,11 @@ class ValidateConfig:
 
 
 def candidate_plans(model: ModelSpec, nproc: int, global_batch: int, *,
-                    tensor_parallel: bool = False) -> list[Plan]:
-    """Every fp32 plan of ``model`` on ``nproc`` processes with micro-batch 1, 2 or 4 that the
-    runtime accepts, in a fixed shuffled order that mixes layouts."""
+                    tensor_parallel: bool = False,
+                    recompute: tuple[Recompute, ...] = (Recompute.NONE, Recompute.FULL)) -> list[Plan]:
+    """Every fp32 plan of ``model`` on ``nproc`` processes with micro-batch 1, 2 or 4 and each
+    block recompute mode of ``recompute`` that the runtime accepts, in a fixed shuffled order
+    that mixes layouts."""
     from meshmorph.run.engine import validate_plan
 
     plans = []
@@ -76,17 +83,16 @@ def candidate_plans(model: ModelSpec, nproc: int, global_batch: int, *,
                 m = global_batch // (dp * mb)
                 zeros = (0, 1, 2, 3) if dp > 1 else (0,)
                 schedules = (Schedule.ONE_F_ONE_B, Schedule.GPIPE) if pp > 1 else (Schedule.ONE_F_ONE_B,)
-                for zero in zeros:
-                    for schedule in schedules:
-                        try:
-                            plan = Plan(model=model.name, seq_len=model.seq_len,
-                                        global_batch=global_batch, tp=tp, pp=pp, dp=dp, zero=zero,
-                                        micro_batch=mb, num_microbatches=m, schedule=schedule,
-                                        dtype="fp32").with_even_stages(model)
-                            validate_plan(model, plan, nproc)
-                        except (PlanError, ValueError):
-                            continue
-                        plans.append(plan)
+                for zero, schedule, mode in itertools.product(zeros, schedules, recompute):
+                    try:
+                        plan = Plan(model=model.name, seq_len=model.seq_len,
+                                    global_batch=global_batch, tp=tp, pp=pp, dp=dp, zero=zero,
+                                    micro_batch=mb, num_microbatches=m, schedule=schedule,
+                                    dtype="fp32").with_even_stages(model, mode)
+                        validate_plan(model, plan, nproc)
+                    except (PlanError, ValueError):
+                        continue
+                    plans.append(plan)
     random.Random(0).shuffle(plans)
     # round-robin over (tp, pp) so that the first plans cover every layout
     groups: dict[tuple[int, int], list[Plan]] = {}
@@ -100,9 +106,41 @@ def candidate_plans(model: ModelSpec, nproc: int, global_batch: int, *,
     return ordered
 
 
+def spanning_plans(plans: list[Plan], predicted_s: list[float], n: int) -> list[Plan]:
+    """``n`` of ``plans`` whose predicted step times lie as far apart as possible (the largest
+    least ratio between neighbours), so that Kendall tau compares real differences, not near
+    ties. Chosen from predictions only: nothing measured on the plans decides which run."""
+    if n >= len(plans):
+        return list(plans)
+    order = sorted(range(len(plans)), key=lambda i: predicted_s[i])
+    logs = [math.log(max(predicted_s[i], 1e-12)) for i in order]
+
+    def greedy(gap: float) -> list[int] | None:
+        chosen = [0]
+        for k in range(1, len(logs)):
+            if logs[k] - logs[chosen[-1]] >= gap:
+                chosen.append(k)
+        return chosen if len(chosen) >= n else None
+
+    low, high = 0.0, (logs[-1] - logs[0]) / (n - 1)
+    best = greedy(low)
+    for _ in range(40):  # bisect the largest gap that still leaves n plans
+        mid = (low + high) / 2
+        found = greedy(mid)
+        if found is not None:
+            low, best = mid, found
+        else:
+            high = mid
+    assert best is not None
+    return [plans[order[k]] for k in best[:n]]
+
+
 def plan_name(plan: Plan) -> str:
     sched = f"-{plan.schedule}" if plan.pp > 1 else ""
-    return f"tp{plan.tp}pp{plan.pp}dp{plan.dp}z{plan.zero}-mb{plan.micro_batch}x{plan.num_microbatches}{sched}"
+    modes = {m for m in plan.recompute_of_layer() if m != Recompute.NONE}
+    rec = f"-rc{'+'.join(sorted(str(m) for m in modes))}" if modes else ""
+    return (f"tp{plan.tp}pp{plan.pp}dp{plan.dp}z{plan.zero}-mb{plan.micro_batch}"
+            f"x{plan.num_microbatches}{sched}{rec}")
 
 
 def _rank_job(rank: int, world: int, model_name: str, seq_len: int, plans_json: list[str],
@@ -192,7 +230,7 @@ def run_validate(config: ValidateConfig) -> dict[str, object]:
 
     model = catalog_model(config.model, config.seq_len)
     plans = candidate_plans(model, config.nproc, config.global_batch,
-                            tensor_parallel=config.tensor_parallel)[:config.num_plans]
+                            tensor_parallel=config.tensor_parallel)
     if len(plans) < config.num_plans:
         raise ValueError(f"only {len(plans)} runnable plans of {config.model} on {config.nproc} "
                          f"processes with global batch {config.global_batch}; ask for fewer plans")
@@ -200,13 +238,16 @@ def run_validate(config: ValidateConfig) -> dict[str, object]:
     if config.profile_path is not None:
         profile = Profile.load(config.profile_path)
     else:
-        mbs = tuple(sorted({p.micro_batch for p in plans}))
+        mbs = tuple(sorted({p.micro_batch for p in plans}))  # every candidate's
         pconf = quick_config(config.nproc, (config.model,), config.seq_len) if config.quick_profile \
             else ProfileConfig(nproc=config.nproc, models=(config.model,), seq_len=config.seq_len)
-        pconf = replace(pconf, micro_batches=mbs)
+        pconf = replace(pconf, micro_batches=mbs, nice=config.nice)
         with Progress(console=console) as bar:
             task = bar.add_task("profiling", total=pconf.steps())
             profile = run_profile(pconf, on_progress=lambda d: bar.update(task, completed=d))
+    plans = spanning_plans(plans, [CostModel(model, parse_cluster(f"cpu:1x{config.nproc}"),
+                                             profile=profile).estimate(p).step_time_s
+                                   for p in plans], config.num_plans)
     with tempfile.TemporaryDirectory(prefix="meshmorph-validate-") as tmp:
         progress = Path(tmp) / "progress"
         with Progress(console=console) as bar:
@@ -219,7 +260,7 @@ def run_validate(config: ValidateConfig) -> dict[str, object]:
             spawn(_rank_job, config.nproc, (config.model, config.seq_len,
                                             [p.to_json() for p in plans], config.warmup,
                                             config.repeats, tmp),
-                  Path(tmp), timeout_s=600.0, poll=poll)
+                  Path(tmp), timeout_s=600.0, poll=poll, nice=config.nice)
         measured = json.loads((Path(tmp) / "measured.json").read_text())
     rows = []
     for plan, meas in zip(plans, measured, strict=True):

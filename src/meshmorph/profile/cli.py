@@ -4,6 +4,7 @@ against measured step times of several plans)."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from meshmorph.cli_args import positive_int
@@ -18,6 +19,7 @@ def _profile(args: argparse.Namespace) -> int:
     models = tuple(args.model)
     config = quick_config(args.nproc, models, args.seq_len) if args.quick else \
         ProfileConfig(nproc=args.nproc, models=models, seq_len=args.seq_len)
+    config = replace(config, nice=args.nice)
     console = Console(stderr=True)
     with Progress(TextColumn("profiling"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as bar:
@@ -43,10 +45,14 @@ def _validate(args: argparse.Namespace) -> int:
 
     config = ValidateConfig(num_plans=args.plans, nproc=args.nproc, model=args.model,
                             seq_len=args.seq_len, repeats=args.repeats, warmup=args.warmup,
-                            profile_path=args.profile, tensor_parallel=args.tp)
+                            profile_path=args.profile, tensor_parallel=args.tp, nice=args.nice)
     result = run_validate(config)
     report(result, json_path=args.json, png_path=args.png)
     return 0
+
+
+NICE_HELP = ("priority increment of the measuring processes (default 0; negative, where "
+             "privileged, runs them ahead of other work on the machine; the load is recorded)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -60,6 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="catalog model whose layers are timed (repeatable; default gpt-small)")
     prof.add_argument("--seq-len", type=positive_int, default=64,
                       help="sequence length of the layer timings (default 64)")
+    prof.add_argument("--nice", type=int, default=0, help=NICE_HELP)
     prof.add_argument("--quick", action="store_true", help="fewer repeats and sizes (well under a minute)")
     prof.set_defaults(func=lambda a: _profile(_defaults(a)))
 
@@ -77,6 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="use this Profile instead of profiling just before (default: profile first)")
     val.add_argument("--tp", action="store_true",
                      help="also run tensor-parallel plans (not profiled on CPU: marked outside)")
+    val.add_argument("--nice", type=int, default=0, help=NICE_HELP)
     val.add_argument("--json", type=Path, default=None, help="write the table as JSON")
     val.add_argument("--png", type=Path, default=None, help="write the predicted-vs-measured chart")
     val.set_defaults(func=_validate)

@@ -36,6 +36,11 @@ class ProfileConfig:
     """(M, N, K) of the timed GEMMs."""
     message_bytes: tuple[int, ...] = (4096, 65536, 1 << 20, 4 << 20, 16 << 20)
     """Message sizes of the collective timings (bytes of comm.py's M)."""
+    nice: int = 0
+    """Priority increment of the measuring processes (negative, where privileged: ahead of other
+    work sharing the cores, so the figures measure the hardware; the load is recorded either way)."""
+    fsdp_unit_blocks: int = 3
+    """FSDP2 units of 1..this many blocks of the first model are timed (profile/fsdp_units.py)."""
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -48,7 +53,8 @@ class ProfileConfig:
         sizes = len(self.message_bytes)
         coll = sum((4 if g == 2 else 3) * sizes for g in range(2, self.nproc + 1))
         layers = len(self.models) * len(self.micro_batches) * len(self.dtypes)
-        return len(self.dtypes) + coll + layers + len(self.models)
+        fsdp = self.fsdp_unit_blocks if self.nproc > 1 and self.models else 0
+        return len(self.dtypes) + coll + fsdp + layers + len(self.models)
 
 
 def quick_config(nproc: int, models: tuple[str, ...], seq_len: int | None) -> ProfileConfig:
@@ -61,6 +67,7 @@ def quick_config(nproc: int, models: tuple[str, ...], seq_len: int | None) -> Pr
 def _rank_job(rank: int, world: int, config: ProfileConfig, out_dir: str) -> None:
     import torch
 
+    from meshmorph.profile.fsdp_units import fsdp_unit_fits
     from meshmorph.profile.hardware import collective_fits, gemm_flops
     from meshmorph.profile.layers import layer_times, optimizer_fit
     from meshmorph.spec.catalog import catalog_model
@@ -83,6 +90,11 @@ def _rank_job(rank: int, world: int, config: ProfileConfig, out_dir: str) -> Non
     if world > 1:
         result["collectives"] = collective_fits(list(config.message_bytes), world, rank, device,
                                                 repeats=config.repeats, tick=tick)
+        if config.models:  # FSDP2's per-unit gather and reduce-scatter, copies included
+            result["collectives"].update(fsdp_unit_fits(
+                catalog_model(config.models[0], config.seq_len), world, device,
+                dtype=config.dtypes[0], repeats=config.repeats,
+                max_blocks=config.fsdp_unit_blocks, tick=tick))
     for name in config.models:
         model = catalog_model(name, config.seq_len)
         for micro_batch in config.micro_batches:
@@ -109,7 +121,8 @@ def run_profile(config: ProfileConfig, *, on_progress: Callable[[int], None] | N
                 if text:
                     on_progress(int(text))
 
-        spawn(_rank_job, config.nproc, (config, tmp), Path(tmp), timeout_s=timeout_s, poll=poll)
+        spawn(_rank_job, config.nproc, (config, tmp), Path(tmp), timeout_s=timeout_s, poll=poll,
+              nice=config.nice)
         result = json.loads((Path(tmp) / "rank0.json").read_text())
     return assemble(config, result)
 

@@ -37,13 +37,18 @@ def _free_port() -> int:
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, log: str,
                args: tuple[Any, ...], threads: int, backend: str,
-               collective_timeout_s: float) -> None:
+               collective_timeout_s: float, nice: int = 0) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       OMP_NUM_THREADS=str(threads))
+    if nice:
+        try:  # a negative increment needs privilege; without it the rank runs at its priority
+            os.nice(nice)
+        except PermissionError:
+            print(f"meshmorph: could not change the priority by {nice} (no privilege)", flush=True)
     import torch
     import torch.distributed as dist
 
@@ -73,12 +78,12 @@ def _outputs(logs: list[str]) -> str:
 
 def _run(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], logs: list[str], *,
          timeout_s: float, threads: int, backend: str, collective_timeout_s: float,
-         poll: Callable[[], None] | None) -> list[str]:
+         poll: Callable[[], None] | None, nice: int = 0) -> list[str]:
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(fn, r, world_size, port, logs[r], args, threads, backend,
-                               collective_timeout_s))
+                               collective_timeout_s, nice))
              for r in range(world_size)]
     for proc in procs:
         proc.start()
@@ -113,16 +118,20 @@ def _run(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], logs: l
 def spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (),
           log_dir: Path | None = None, *, timeout_s: float = 300.0, threads: int = 1,
           backend: str = "auto", collective_timeout_s: float = 300.0,
-          poll: Callable[[], None] | None = None) -> list[str]:
+          poll: Callable[[], None] | None = None, nice: int = 0) -> list[str]:
     """Run ``fn(rank, world_size, *args)`` (a module-level function) on ``world_size``
     processes and return each rank's output. ``log_dir``: where the rank logs go (default: a
     temporary folder removed afterwards); ``backend``: ``gloo``, ``nccl`` or ``auto``; ``poll``
-    is called every 0.05 s while they run (a progress bar reads files)."""
+    is called every 0.05 s while they run (a progress bar reads files); ``nice``: the ranks'
+    priority increment (negative: ahead of other work on the machine, where privileged), so that
+    timings measure the hardware rather than whatever else shares the cores."""
     if log_dir is not None:
         logs = [str(log_dir / f"rank{r}.log") for r in range(world_size)]
         return _run(fn, world_size, args, logs, timeout_s=timeout_s, threads=threads,
-                    backend=backend, collective_timeout_s=collective_timeout_s, poll=poll)
+                    backend=backend, collective_timeout_s=collective_timeout_s, poll=poll,
+                    nice=nice)
     with tempfile.TemporaryDirectory(prefix="spawn-") as tmp:
         logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
         return _run(fn, world_size, args, logs, timeout_s=timeout_s, threads=threads,
-                    backend=backend, collective_timeout_s=collective_timeout_s, poll=poll)
+                    backend=backend, collective_timeout_s=collective_timeout_s, poll=poll,
+                    nice=nice)

@@ -63,6 +63,11 @@ class TrainSection:
     """Seed of the model initialisation."""
     dtype: str = "fp32"
     """Training dtype of the default and searched plans (``fp32``, ``bf16``, ``fp16``)."""
+    compile: bool = False
+    """Compile each transformer block with ``torch.compile`` (run/compile.py)."""
+    compile_backend: str = "inductor"
+    """``torch.compile`` backend: ``inductor``, ``aot_eager`` or ``eager`` (inductor on a CPU
+    without a C++ compiler falls back to aot_eager and says so)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "micro_batch"):
@@ -75,6 +80,9 @@ class TrainSection:
             )
         if self.dtype not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"[train] dtype must be fp32, bf16 or fp16, got {self.dtype!r}")
+        if self.compile_backend not in ("inductor", "aot_eager", "eager"):
+            raise ValueError(f"[train] compile_backend must be inductor, aot_eager or eager, got "
+                             f"{self.compile_backend!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -134,6 +134,13 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
     model = load_model(job.model.source, job.model.seq_len)
     source = make_source(job, model)
     engine = build_engine(model, plan, job.optim, seed=job.train.seed, device=device)
+    if job.train.compile:  # torch.compile per block (run/compile.py)
+        from meshmorph.run.compile import compile_blocks, resolve_backend
+
+        choice = resolve_backend(job.train.compile_backend, device)
+        if rank == 0 and choice.note:
+            print(choice.note, flush=True)
+        compile_blocks(engine.model_parts, choice.backend)
     shard = DataShard(source, SampleOrder(len(source), job.data.seed),
                       global_batch=plan.global_batch, dp_rank=engine.dp_rank,
                       dp_size=engine.dp_size)

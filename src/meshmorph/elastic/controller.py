@@ -80,6 +80,12 @@ class ReshapeRequest:
     """Cluster shorthand the move time is predicted on (None: ``cpu:1x<devices>``)."""
     time_model: MoveTimeModel | None = None
     """Coefficients of the predicted move time (None: ``MoveTimeModel()``'s defaults)."""
+    lost: tuple[int, ...] = ()
+    """Plan A's ranks whose processes are gone with their state (an unplanned loss): what they
+    held comes from live replicas, or from ``checkpoint`` where no live holder is left."""
+    checkpoint: Path | None = None
+    """A committed checkpoint (a ``step-N`` folder) that pieces with no live holder are read
+    from, by a partial DCP read of just those pieces (None: such a move is refused)."""
 
 
 @dataclass(slots=True)
@@ -112,7 +118,9 @@ class ReshapeReport:
                 "from_checkpoint_bytes": move.checkpoint_bytes,
                 "predicted_time_s": self.predicted_time_s,
                 "measured_time_s": sum(self.times_s.values()),
-                "measured_transfer_s": self.times_s.get("transfer", 0.0)}
+                "measured_transfer_s": self.times_s.get("transfer", 0.0),
+                "sources": {"kept": sum(t.nbytes for t in move.local_copies),
+                            "peers": move.bytes_moved, "checkpoint": move.checkpoint_bytes}}
 
 
 def clear_mesh_caches() -> None:
@@ -159,7 +167,7 @@ def plan_the_move(request: ReshapeRequest) -> tuple[MovePlan, Layout, Layout, di
     process_of = dict(enumerate(request.processes_a))
     joiners = list(range(world_a, world_a + len(request.joining)))
     process_of.update(zip(joiners, request.joining, strict=True))
-    survivors = list(range(world_a))
+    survivors = [r for r in range(world_a) if r not in request.lost]
     hosts = None
     if request.staying is not None:  # the new ranks run on the devices that stay
         hosts = [d for d, p in sorted(process_of.items()) if p in request.staying]
@@ -239,29 +247,39 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
     if engine is not None:
         state = extract_state(engine, consumed_samples=consumed_samples, checksums=False)
     lap("extract")
-    members = sorted(set(request.processes_a) | set(request.joining))
+    alive_a = [p for r, p in enumerate(request.processes_a) if r not in request.lost]
+    members = sorted(set(alive_a) | set(request.joining))
     formed = 0
-    if not request.joining and _current_group_is(request.processes_a, me):
+    if not request.joining and not request.lost and _current_group_is(request.processes_a, me):
         members = list(request.processes_a)
     else:
         regroup(store_dir, f"{tag}-move", me, members)
         formed = 1
     lap("group")
     if me not in members:
-        raise ReshapeError(f"process {me} is neither in plan A {list(request.processes_a)} nor "
-                           f"joining {list(request.joining)}; only they take part in the move")
+        raise ReshapeError(f"process {me} is neither alive in plan A {alive_a} nor joining "
+                           f"{list(request.joining)}; only they take part in the move")
     move, process_of, shapes, small, predicted = _agree(
-        request, state, members.index(request.processes_a[0]), members, formed)
+        request, state, members.index(alive_a[0]), members, formed)
     processes_b = tuple(process_of[move.placement[r]] for r in range(request.plan_b.world_size))
     report = ReshapeReport(move, processes_b, times_s=times, predicted_time_s=predicted.total_s,
                            consumed_samples=small.consumed_samples, predicted=predicted)
     small.rng = state.small.rng if state is not None else torch.get_rng_state()
     lap("plan")
-    if move.from_checkpoint:
-        raise ReshapeError(f"{len(move.from_checkpoint)} pieces have no live holder; an in-memory"
-                           " move needs every piece alive (read them from the checkpoint)")
-    device_of = {p: d for d, p in process_of.items()}
+    device_of = {p: d for d, p in process_of.items() if d in move.devices}
     held = state.pieces if state is not None else {}
+    from_checkpoint = []
+    if move.from_checkpoint:
+        if request.checkpoint is None:
+            raise ReshapeError(f"{len(move.from_checkpoint)} pieces have no live holder; give "
+                               "the newest committed checkpoint to read them from, or resume "
+                               "from it (meshmorph run --resume --reshard)")
+        from meshmorph.elastic.checkpoint_pieces import read_pieces
+
+        from_checkpoint = read_pieces(request.checkpoint, [
+            (t.key, t.box) for t in move.from_checkpoint if t.dst_device == device_of[me]],
+            shapes)
+        lap("checkpoint")
     received, report.execution = execute_transfers(
         move.transfers, device_of[me], held, shapes,
         rank_of_device={d: members.index(p) for d, p in process_of.items() if p in members},
@@ -279,7 +297,7 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
         new_engine = build_engine(request.model, request.plan_b, request.optim, seed=request.seed,
                                   device=device or torch.device("cpu"))
         lap("build")
-        install_state(new_engine, merge_pieces(held, received), small)
+        install_state(new_engine, merge_pieces(held, received, from_checkpoint), small)
         lap("install")
     return new_engine, report
 

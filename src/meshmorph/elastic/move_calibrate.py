@@ -5,7 +5,8 @@ processes. What each ``MoveTimeModel`` field comes from:
 
 - ``p2p_alpha_s``, ``p2p_beta_s_per_byte``: the least-squares line (``profile.alpha_beta``)
   through the median times of one pair (ranks 0 and 1) exchanging messages both ways with one
-  ``batch_isend_irecv``, as the move does, at several sizes, every other process idle;
+  ``batch_isend_irecv`` into freshly allocated buffers, as the move does, at several sizes,
+  every other process idle;
 - ``host_streams``: the same exchange run by every pair at once (ranks 2i and 2i + 1); its slope
   against the lone pair's says how many messages the host carries at full speed together:
   ``2 * pairs * beta_alone / beta_all`` (each exchange is two messages);
@@ -39,9 +40,9 @@ def _exchange_s(nbytes: int, active: Sequence[int], repeats: int) -> float:
     pair, side = divmod(rank, 2)
     peer = rank + 1 if side == 0 else rank - 1
     out = torch.empty(nbytes // 4)
-    inbox = torch.empty_like(out)
     times = []
     for _ in range(repeats):
+        inbox = torch.empty_like(out)  # fresh pages, as the move's receive buffers are
         dist.barrier()
         start = time.perf_counter()
         if pair in active and peer < dist.get_world_size():

@@ -99,7 +99,7 @@ def restore_from_store(store: NodeStore, *, new_rank: int, old_rank: int | None,
     small: SmallState = (own or (first, ""))[0].state.small
     if own is None:
         small = SmallState(small.step, small.param_group, small.lr_scheduler,
-                           torch.get_rng_state(), small.consumed_samples)
+                           torch.get_rng_state(), small.consumed_samples, small.loss_scaler)
     install_state(engine, pieces, small)
     report.consumed_samples = small.consumed_samples
     report.time_s = time.perf_counter() - start

@@ -59,7 +59,8 @@ def to_bytes(rank: int, step: int, plan_json: str, state: LocalState) -> bytes:
     payload = {"rank": rank, "step": step, "plan": plan_json, "fingerprint": state.fingerprint,
                "pieces": pieces, "small": {"step": small.step, "param_group": small.param_group,
                                            "lr_scheduler": small.lr_scheduler, "rng": small.rng,
-                                           "consumed_samples": small.consumed_samples}}
+                                           "consumed_samples": small.consumed_samples,
+                                           "loss_scaler": small.loss_scaler}}
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     return buffer.getvalue()

@@ -1,0 +1,43 @@
+"""``[train] compile``: the job keys, and the backend chosen on a machine with or without a C++
+compiler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshmorph.run import compile as run_compile
+from meshmorph.run.job import parse_job
+
+BASE = {"model": {"source": "gpt-tiny", "seq_len": 16}, "train": {"steps": 1, "global_batch": 2}}
+
+
+def test_compile_is_off_unless_asked_and_takes_a_backend() -> None:
+    assert parse_job(BASE).train.compile is False
+    job = parse_job({**BASE, "train": {**BASE["train"], "compile": True,
+                                       "compile_backend": "aot_eager"}})
+    assert job.train.compile is True and job.train.compile_backend == "aot_eager"
+
+
+@pytest.mark.parametrize("train, message", [
+    ({"compile": "yes"}, "compile must be"),
+    ({"compile_backend": "tensorrt"}, "compile_backend must be inductor, aot_eager or eager"),
+])
+def test_bad_compile_keys_are_named(train: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_job({**BASE, "train": {**BASE["train"], **train}}, source="job.toml")
+
+
+def test_inductor_without_a_cpp_compiler_falls_back_to_aot_eager(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_compile.shutil, "which", lambda name: None)
+    choice = run_compile.resolve_backend("inductor", torch.device("cpu"))
+    assert choice.backend == "aot_eager"
+    assert choice.note is not None and "no C++ compiler" in choice.note
+
+
+def test_inductor_with_a_cpp_compiler_stays_inductor(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_compile.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert run_compile.resolve_backend("inductor", torch.device("cpu")) == \
+        run_compile.CompileChoice("inductor", None)
+    assert run_compile.resolve_backend("eager", torch.device("cpu")).note is None

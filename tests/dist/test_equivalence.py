@@ -146,6 +146,13 @@ def layouts() -> list[Layout]:
                                              global_batch=6, num_microbatches=3)),
         Layout("zb_pp2_dp2", gpt, _plan(gpt, pp=2, dp=2, zero=1, schedule=Schedule.ZERO_BUBBLE,
                                         global_batch=8, num_microbatches=4)),
+        # V placement: rank 0 holds chunks 0 and 3 (the embedding and its tied head), rank 1
+        # chunks 1 and 2
+        Layout("zbv_pp2_dp2", gpt, _plan(gpt, pp=2, dp=2, vpp=2, schedule=Schedule.ZBV,
+                                         global_batch=8, num_microbatches=4)),
+        Layout("dualpipev_pp2_dp2", gpt, _plan(gpt, pp=2, dp=2, vpp=2, zero=1,
+                                               schedule=Schedule.DUALPIPEV, global_batch=8,
+                                               num_microbatches=4)),
         Layout("zero3_tp2_dp2", gpt, _plan(gpt, tp=2, dp=2, zero=3, global_batch=8,
                                            num_microbatches=2, micro_batch=2)),
         Layout("tp4_sp", gpt, _plan(gpt, tp=4, sequence_parallel=True, global_batch=4,

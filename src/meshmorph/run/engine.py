@@ -39,7 +39,7 @@ from meshmorph.run.parallelize import TORCH_DTYPES, parallelize, uses_fsdp_preci
 from meshmorph.run.pipeline import build_schedule
 from meshmorph.run.zero1 import ShardedAdamW
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, Plan, PlanError, Schedule
 
 
 def validate_plan(model: ModelSpec, plan: Plan, world_size: int) -> None:
@@ -61,7 +61,8 @@ def validate_plan(model: ModelSpec, plan: Plan, world_size: int) -> None:
         from meshmorph.run.layerwise_engine import validate_layerwise
 
         validate_layerwise(model, plan)
-    if plan.schedule == Schedule.ZERO_BUBBLE and plan.pp > 1 and plan.dp > 1 and plan.zero == 3:
+    if plan.schedule in SPLIT_BACKWARD_SCHEDULES and plan.pp > 1 and plan.dp > 1 \
+            and plan.zero == 3:
         # measured with torch 2.13: the last stage's sharded parameters end the step without
         # gradients (its deferred weight-gradient pass and FSDP2's per-block resharding)
         raise PlanError(
@@ -124,7 +125,10 @@ class TrainEngine:
         if plan.pp > 1:
             self.schedule = build_schedule(runners, chunk_ids, spec, plan, mesh, device,
                                            self._scaled_loss)
-        self._tied_group = self._make_tied_group()
+        # under a V (zbv, dualpipev) pipeline rank 0 holds both the embedding and the head
+        self._tied_local = spec.tied_embeddings and plan.pp > 1 and \
+            plan.pp_rank_of_chunk(plan.num_chunks - 1) == 0
+        self._tied_group = None if self._tied_local else self._make_tied_group()
         self._grad_norm = float("nan")
         # FSDP2's MixedPrecisionPolicy casts zero 2/3's parameters; autocast everywhere else
         self._autocast = (partial(torch.autocast, device.type, dtype=TORCH_DTYPES[plan.dtype])
@@ -180,7 +184,15 @@ class TrainEngine:
                     param.grad = grad.redistribute(param.device_mesh, param.placements)
 
     def _sync_tied_grads(self) -> None:
-        """Sum the gradients of the embedding and its head copy (pipeline ranks 0 and pp-1)."""
+        """Sum the gradients of the embedding and its head copy (pipeline ranks 0 and pp-1,
+        or both on rank 0 under a V)."""
+        if self._tied_local:
+            copies = [_local(p.grad) for p in self._tied_copies() if p.grad is not None]
+            if len(copies) == 2:
+                total = copies[0] + copies[1]
+                for grad in copies:
+                    grad.copy_(total)
+            return
         if self._tied_group is None:
             return
         copies = [p for p in self._tied_copies() if p.grad is not None]
@@ -195,7 +207,7 @@ class TrainEngine:
     def _norm_params(self) -> list[nn.Parameter]:
         """Every parameter once: a head copy of a tied embedding on a later rank is not counted."""
         skip = set()
-        if self._tied_group is not None:
+        if self._tied_group is not None or self._tied_local:
             skip = {id(part.head.out.weight) for part in self.model_parts
                     if part.head is not None and part.embed is None}
         return [p for params in self._params for p in params

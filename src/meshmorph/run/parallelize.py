@@ -56,7 +56,7 @@ from meshmorph.run.mesh import TrainMesh
 from meshmorph.run.models import Transformer
 from meshmorph.run.recompute import apply_recompute
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import Plan, Schedule, StagePlan
+from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, Plan, StagePlan
 
 
 class ReplicateParallel(ParallelStyle):
@@ -208,7 +208,7 @@ def parallelize(chunk: Transformer, spec: ModelSpec, plan: Plan, stage: StagePla
     apply_recompute(chunk, stage.start, stage.recompute)
     runner: nn.Module = chunk
     if plan.dp > 1:
-        split_backward = plan.pp > 1 and plan.schedule == Schedule.ZERO_BUBBLE
+        split_backward = plan.pp > 1 and plan.schedule in SPLIT_BACKWARD_SCHEDULES
         runner = apply_dp(chunk, mesh.sub("dp"), plan, allow_ddp=not split_backward,
                           materialize=materialize)
     materialize()

@@ -1,15 +1,17 @@
 """Pipeline stages and schedules from ``torch.distributed.pipelining``.
 
-Chunk ``c`` of ``plan.stages`` runs on pipeline rank ``c % pp`` (Megatron's interleaved order).
-Schedules:
+Chunk ``c`` of ``plan.stages`` runs on pipeline rank ``plan.pp_rank_of_chunk(c)``: ``c % pp``
+(Megatron's interleaved order), or a V under zbv and dualpipev. Schedules:
 
 - ``gpipe``: ScheduleGPipe; ``1f1b``: Schedule1F1B (needs m >= pp);
 - ``interleaved``: ScheduleInterleaved1F1B over the ``vpp`` chunks each rank holds;
-- ``async`` is refused here: it runs in ``run/async_pipeline.py`` (no flush, own executor);
+- ``async`` is refused here: ``meshmorph run`` hands it to ``run/async_run.py`` (no flush, one
+  chunk per rank, its own executor);
 - ``zb``: ScheduleInterleavedZeroBubble (ZB-H1, Qi et al. 2023) with one chunk per rank. It splits
   each backward into the input-gradient part (B), which the previous stage waits for, and the
-  weight-gradient part (W), which fills the bubble. ZBVZeroBubble is not used: it needs two
-  chunks per rank in a V order, while a Plan's chunks go round-robin.
+  weight-gradient part (W), which fills the bubble;
+- ``zbv``: ScheduleZBVZeroBubble, ``dualpipev``: ScheduleDualPipeV, each rank holding chunks
+  ``r`` and ``2 pp - 1 - r`` (the V), which both need.
 
 Stage shapes are given up front (no shape-inference round trip): a chunk with the embedding takes
 tokens [b, s]; other chunks take the hidden state [b, s/t or s, h] (sliced by sequence under
@@ -34,7 +36,12 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
-from torch.distributed.pipelining.schedules import _PipelineSchedule, _PipelineScheduleRuntime
+from torch.distributed.pipelining.schedules import (
+    ScheduleDualPipeV,
+    ScheduleZBVZeroBubble,
+    _PipelineSchedule,
+    _PipelineScheduleRuntime,
+)
 
 from meshmorph.run.mesh import TrainMesh
 from meshmorph.run.parallelize import TORCH_DTYPES, uses_fsdp_precision
@@ -155,11 +162,11 @@ class RunTrace:
 
         ops, seen = [], set()
         for records_of_rank in gathered:  # the lowest global rank of each pipeline rank
-            pp_ranks = {stage % self.plan.pp for _, stage, *_ in records_of_rank}
+            pp_ranks = {self.plan.pp_rank_of_chunk(stage) for _, stage, *_ in records_of_rank}
             if not records_of_rank or pp_ranks & seen:
                 continue
             seen |= pp_ranks
-            ops += [(stage % self.plan.pp, kind, stage, mb, start, end)
+            ops += [(self.plan.pp_rank_of_chunk(stage), kind, stage, mb, start, end)
                     for kind, stage, mb, start, end in records_of_rank]
         steps = self.last - self.first + 1
         write_trace(self.path, timeline_events(sorted(ops, key=lambda op: op[4])),
@@ -205,8 +212,8 @@ def build_schedule(chunks: list[nn.Module], chunk_ids: list[int], spec: ModelSpe
     if plan.schedule == Schedule.ASYNC:
         raise PlanError(
             "schedule 'async' (1F1B without flush, stale or predicted weights) does not run "
-            "through torch's pipelining: it runs in meshmorph.run.async_pipeline.AsyncPipeline "
-            "(see examples/async_pipeline.py); for `meshmorph run` use schedule 1f1b or zb")
+            "through torch's pipelining: `meshmorph run` trains it with the asynchronous "
+            "executor (run/async_run.py), not through TrainEngine")
     group = mesh.group("pp")
     stages = []
     for chunk, index in zip(chunks, chunk_ids, strict=True):
@@ -234,5 +241,9 @@ def _torch_schedule(stages: list[PipelineStage], plan: Plan, m: int,
         return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
     if plan.schedule == Schedule.ZERO_BUBBLE:
         return ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss_fn)
+    if plan.schedule == Schedule.ZBV:
+        return ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn)
+    if plan.schedule == Schedule.DUALPIPEV:
+        return ScheduleDualPipeV(stages, m, loss_fn=loss_fn)
     raise ValueError(f"unknown pipeline schedule {plan.schedule!r}; use gpipe, 1f1b, "
-                     "interleaved or zb")
+                     "interleaved, zb, zbv or dualpipev")

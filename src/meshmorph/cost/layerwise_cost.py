@@ -16,7 +16,13 @@ A stage then costs, per step (m micro-batches):
 where each layer's per-micro-batch ZeRO traffic and its gradient sync are exposed against that
 layer's own compute (``comm.exposed``; the uniform ``CostModel`` exposes a whole chunk's against
 the chunk's, so a uniform layerwise plan is priced within a few per cent of it, never the same
-to the last digit). Sequence parallelism is not modelled for layerwise plans.
+to the last digit).
+
+Sequence parallelism (the plan's flag) applies to every layer at tp > 1: its activations are
+split along the sequence (``LayerCoster.layer`` with sp), and the transitions become all-to-alls
+(cost/transition.py). The zero-bubble schedule (ZB-H1) splits each chunk's backward into the
+input gradient (B: recompute, exposed communication and backward transitions included) and the
+weight gradient (W: ``LayerCost.wgrad_s``), as ``CostModel.assemble`` does.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class LayerTerms:
     """Forward per micro-batch, exposed TP and ZeRO-3 communication included."""
     bwd_s: float
     """Backward per micro-batch, recompute and exposed communication included."""
+    wgrad_s: float
+    """The weight-gradient part of bwd_s (the zero-bubble W op)."""
     compute_s: float
     """Forward + backward compute, no recompute or communication."""
     tail_s: float
@@ -72,7 +80,7 @@ def layer_plan(plan: Plan, strategy: LayerStrategy) -> Plan:
     micro = sequences // strategy.dp
     return replace(plan, tp=strategy.tp, dp=strategy.dp, zero=strategy.zero, micro_batch=micro,
                    global_batch=strategy.dp * micro * plan.num_microbatches,
-                   sequence_parallel=False, stages=())
+                   sequence_parallel=plan.sequence_parallel and strategy.tp > 1, stages=())
 
 
 def layer_terms(cost: CostModel, plan: Plan, pp_rank: int, index: int, strategy: LayerStrategy,
@@ -80,7 +88,8 @@ def layer_terms(cost: CostModel, plan: Plan, pp_rank: int, index: int, strategy:
     """The terms of layer ``index`` (module docstring); ``drop_tied``: the rank also holds the
     tied embedding, so the head's tied weights are not counted twice."""
     sub = layer_plan(plan, strategy)
-    cost_ = cost.coster(plan.dtype).layer(index, gpu, sub.micro_batch, strategy.tp, False, recompute)
+    cost_ = cost.coster(plan.dtype).layer(index, gpu, sub.micro_batch, strategy.tp,
+                                          sub.sequence_parallel, recompute)
     params = cost.chunk_params(index, index + 1, strategy.tp)
     if drop_tied:
         params -= cost.model.layers[index].tied_params / strategy.tp
@@ -91,7 +100,8 @@ def layer_terms(cost: CostModel, plan: Plan, pp_rank: int, index: int, strategy:
         b += comm.exposed(gathers / 2 + scatter, cost_.bwd_s, cost.coef.zero3_overlap)
     sync, optimizer = cost.rank_tail(sub, params, cost_.compute_s * 2 / 3, gpu)
     terms = rank_memory_terms(cost, sub, pp_rank, gpu)
-    return LayerTerms(fwd_s=f, bwd_s=b, compute_s=cost_.compute_s, tail_s=sync + optimizer,
+    return LayerTerms(fwd_s=f, bwd_s=b, wgrad_s=cost_.wgrad_s, compute_s=cost_.compute_s,
+                      tail_s=sync + optimizer,
                       param_bytes=params * terms.bytes_per_param,
                       stored_bytes=cost_.activation_bytes * terms.in_flight,
                       working_bytes=cost_.working_bytes,
@@ -131,6 +141,8 @@ class RankCost:
     """Forward per micro-batch of each chunk, transitions included."""
     bwd_s: tuple[float, ...]
     """Backward per micro-batch of each chunk, transitions included."""
+    wgrad_s: tuple[float, ...]
+    """The weight-gradient part of each chunk's backward (zero-bubble W)."""
     tail_s: float
     """Sum of the rank's layers' tails."""
     memory_bytes: float
@@ -138,6 +150,10 @@ class RankCost:
     transition_s: float
     """Forward + backward redistribution per micro-batch over all its chunks."""
 
+
+LAYERWISE_SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.GPIPE, Schedule.INTERLEAVED,
+                       Schedule.ZERO_BUBBLE)
+"""Schedules a layerwise plan may use (asynchronous 1F1B is not offered)."""
 
 Chunk = tuple[int, int, Sequence[LayerStrategy], Sequence[Recompute]]
 """(start, stop, strategy of each layer, recompute of each layer)."""
@@ -149,25 +165,27 @@ def rank_cost(cost: CostModel, plan: Plan, pp_rank: int, chunks: Sequence[Chunk]
     two chunks (the pipeline's send carries the activation)."""
     held = {i for start, stop, _, _ in chunks for i in range(start, stop)}
     tied = 0 in held and cost.model.num_layers - 1 in held
-    fwd, bwd = [], []
+    fwd, bwd, wgrad = [], [], []
     tail = params = stored = working = gather = moved = 0.0
     for start, stop, strategies, recompute in chunks:
-        f = b = 0.0
+        f = b = w = 0.0
         for offset, index in enumerate(range(start, stop)):
             t = layer_terms(cost, plan, pp_rank, index, strategies[offset], recompute[offset],
                             gpu, drop_tied=tied and index == cost.model.num_layers - 1)
-            f, b, tail = f + t.fwd_s, b + t.bwd_s, tail + t.tail_s
+            f, b, w, tail = f + t.fwd_s, b + t.bwd_s, w + t.wgrad_s, tail + t.tail_s
             params += t.param_bytes
             stored += t.stored_bytes
             working, gather = max(working, t.working_bytes), max(gather, t.gather_bytes)
             if offset:
                 step = transition(cost, strategies[offset - 1], strategies[offset],
-                                  plan.dp * plan.micro_batch, plan.dtype, gpu)
+                                  plan.dp * plan.micro_batch, plan.dtype, gpu,
+                                  sequence_parallel=plan.sequence_parallel)
                 f, b, moved = f + step.fwd_s, b + step.bwd_s, moved + step.fwd_s + step.bwd_s
         fwd.append(f)
         bwd.append(b)
+        wgrad.append(w)
     memory = params + stored + working + gather + reserved_bytes(cost, gpu)
-    return RankCost(tuple(fwd), tuple(bwd), tail, memory, moved)
+    return RankCost(tuple(fwd), tuple(bwd), tuple(wgrad), tail, memory, moved)
 
 
 def stage_cost(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int,
@@ -189,11 +207,9 @@ def stage_strategies(plan: Plan, index: int) -> tuple[LayerStrategy, ...]:
 def estimate_layerwise(cost: CostModel, plan: Plan) -> Estimate:
     """Step time and memory of a plan whose stages list layer strategies: the schedule simulated
     over the chunks' layerwise times, each rank's step ending with its layers' tails."""
-    if plan.schedule not in (Schedule.ONE_F_ONE_B, Schedule.GPIPE, Schedule.INTERLEAVED):
-        raise PlanError(f"layerwise plans run gpipe, 1f1b or interleaved, not {plan.schedule}; "
-                        "drop layer_strategies or change the schedule")
-    if plan.sequence_parallel:
-        raise PlanError("layerwise plans do not model sequence parallelism; set it false")
+    if plan.schedule not in LAYERWISE_SCHEDULES:
+        raise PlanError(f"layerwise plans run {', '.join(LAYERWISE_SCHEDULES)}, not "
+                        f"{plan.schedule}; drop layer_strategies or change the schedule")
     plan.check_against(cost.model)
     gpus = [cost.stage_gpu(stage) for stage in plan.stages]
     m, p = plan.num_microbatches, plan.pp
@@ -203,12 +219,14 @@ def estimate_layerwise(cost: CostModel, plan: Plan) -> Estimate:
         ranks.append(rank_cost(cost, plan, k, [
             (plan.stages[c].start, plan.stages[c].stop, stage_strategies(plan, c),
              plan.stages[c].recompute) for c in ids], gpus[ids[0]]))
-    fwd, bwd = [0.0] * plan.num_chunks, [0.0] * plan.num_chunks
+    zb = plan.schedule == Schedule.ZERO_BUBBLE
+    fwd, bwd, wgrad = ([0.0] * plan.num_chunks for _ in range(3))
     for k, r in enumerate(ranks):
-        for c, f, b in zip(plan.chunks_of(k), r.fwd_s, r.bwd_s, strict=True):
-            fwd[c], bwd[c] = f, b
+        for c, f, b, w in zip(plan.chunks_of(k), r.fwd_s, r.bwd_s, r.wgrad_s, strict=True):
+            fwd[c], bwd[c], wgrad[c] = f, b - w if zb else b, w
     p2p = tuple(cost.p2p_time(plan, g) for g in gpus)
-    timeline = simulate(plan.schedule, p, m, fwd, bwd, v=plan.vpp, p2p_s=p2p)
+    timeline = simulate(plan.schedule, p, m, fwd, bwd, v=plan.vpp, p2p_s=p2p,
+                        wgrad_s=wgrad if zb else None)
     ends = [timeline.rank_end_s[k] + ranks[k].tail_s for k in range(p)]
     step = max(ends)
     last = ends.index(step)
@@ -235,4 +253,5 @@ def estimate_layerwise(cost: CostModel, plan: Plan) -> Estimate:
             "transitions": m * crit.transition_s,
             "pp_bubble": timeline.rank_end_s[last] - timeline.rank_busy_s[last],
             "dp_sync_and_optimizer": crit.tail_s},
-        stage_times_s=tuple(zip(fwd, bwd, strict=True)))
+        stage_times_s=tuple((f, b + w if zb else b) for f, b, w in zip(fwd, bwd, wgrad,
+                                                                        strict=True)))

@@ -18,6 +18,13 @@ Both all-gathers run among k consecutive ranks, on the link ``CostModel.group_li
 group spanning max(tp_a, tp_b) ranks, priced by ``comm.all_gather`` (ring, M = gathered
 buffer). ZeRO stages do not change where activations live, so they need no transition. Two tp's
 that do not nest (2 and 3 on six devices) would need an all-to-all; they are refused.
+
+With sequence parallelism a layer's input and output are split along the sequence over its tp
+ranks (a layer at tp 1 holds whole sequences), so every rank holds B s h c / D bytes whatever its
+split. Between two tp's that nest each rank keeps 1/k of its buffer and trades the rest with the
+k - 1 other ranks of its group: an all-to-all among k ranks, forward and again backward, priced
+as (k - 1) alpha + (k - 1) / k x M / beta with M = B s h c / D (the ring all-gather's formula,
+``comm.all_gather``, with the buffer a rank already holds).
 """
 
 from __future__ import annotations
@@ -42,13 +49,14 @@ class Transition:
     bwd_s: float
     """Seconds of the backward (gradient) redistribution."""
     fwd_collective: str
-    """``none``, ``slice`` or ``all_gather``."""
+    """``none``, ``slice``, ``all_gather`` or ``all_to_all``."""
     bwd_collective: str
-    """``none``, ``slice`` or ``all_gather``."""
+    """``none``, ``slice``, ``all_gather`` or ``all_to_all``."""
     group_size: int
     """Ranks in the all-gather (k), 1 when nothing moves."""
     gathered_bytes: float
-    """The all-gather's gathered buffer on one rank (0 when nothing moves)."""
+    """The all-gather's gathered buffer on one rank, or the all-to-all's buffer (0 when nothing
+    moves)."""
 
 
 NONE = Transition(0.0, 0.0, "none", "none", 1, 0.0)
@@ -61,9 +69,10 @@ def activation_bytes(cost: CostModel, sequences: float, dtype: str) -> float:
 
 
 def transition(cost: CostModel, a: LayerStrategy, b: LayerStrategy, stage_sequences: int,
-               dtype: str, gpu: GPUSpec) -> Transition:
+               dtype: str, gpu: GPUSpec, *, sequence_parallel: bool = False) -> Transition:
     """The redistribution from layer strategy ``a`` to the next layer's ``b`` for a micro-batch of
-    ``stage_sequences`` sequences (plan dp x micro_batch) on a stage of ``gpu`` devices."""
+    ``stage_sequences`` sequences (plan dp x micro_batch) on a stage of ``gpu`` devices
+    (``sequence_parallel``: the layers' activations are split along the sequence)."""
     if a.tp == b.tp:
         return NONE
     low, high = sorted((a.tp, b.tp))
@@ -73,6 +82,10 @@ def transition(cost: CostModel, a: LayerStrategy, b: LayerStrategy, stage_sequen
                         "where one divides the other")
     k = high // low
     link = cost.group_link(gpu, high)
+    if sequence_parallel:  # B s h c / D on every rank, either way: trade all but 1/k of it
+        nbytes = activation_bytes(cost, stage_sequences / (a.tp * a.dp), dtype)
+        both = comm.all_gather(k, nbytes, link)
+        return Transition(both, both, "all_to_all", "all_to_all", k, nbytes)
     if b.tp < a.tp:  # dp grows: slice forward, gather the gradient backward
         nbytes = activation_bytes(cost, stage_sequences / a.dp, dtype)
         return Transition(0.0, comm.all_gather(k, nbytes, link), "slice", "all_gather", k, nbytes)

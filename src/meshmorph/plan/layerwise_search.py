@@ -1,20 +1,28 @@
 """``meshmorph plan --layerwise``: the fastest plan whose layers each choose their tp/dp/ZeRO.
 
-Configurations: pipeline degree pp (one GPU type; chunks split the blocks evenly, as
-``Plan.with_even_stages``), sequences per stage micro-batch B (dividing the global batch, m =
-batch / B micro-batches), schedule: 1F1B when m >= pp, else GPipe, and interleaved with v
-chunks per rank where the blocks split evenly and m is a multiple of pp. Each stage of D = world / pp devices
-offers every split D = tp x dp with tp inside a node and dividing the heads, dp dividing B and
-B / dp at most ``max_micro_batch``, under every ZeRO stage of the options. Each pipeline rank (all its
-chunks together) is solved by plan/layerwise.py, first with one strategy for all its layers
-(``uniform``), then per layer with the best uniform time as its bound; the plan is priced by
-``cost.layerwise_cost.estimate_layerwise``.
+Configurations: pipeline degree pp (one GPU type), sequences per stage micro-batch B (dividing
+the global batch, m = batch / B micro-batches), sequence parallelism on or off (on: every layer
+at tp > 1 splits its activations along the sequence), and the schedules the regular planner
+offers: GPipe, and when m >= pp 1F1B, zero-bubble (ZB-H1, no ZeRO-3 layer) and interleaved with
+v chunks per rank where the blocks split evenly and m is a multiple of pp. Each stage of
+D = world / pp devices offers every split D = tp x dp with tp inside a node and dividing the
+heads, dp dividing B and B / dp at most ``max_micro_batch``, under every ZeRO stage of the
+options. Plans are priced by ``cost.layerwise_cost.estimate_layerwise``.
 
-Exactness: with pp = 1 the stage's own time is the step, so the result is the optimum under
-the layerwise cost model over every per-layer assignment (tests/unit/test_layerwise_exact.py
-checks it against brute force). With pp > 1 each rank minimises its own m (f + b) + tail, the
-step then simulated; that is exact for the slowest stage's busy time, not for the pipeline's
-fill, which the stage partition (even here) dominates.
+Exactness under that cost model (tolerance 0, no node budget):
+
+- pp = 1: the stage's own time is the step; plan/layerwise.py's program gives the optimum over
+  every per-layer assignment (tests/unit/test_layerwise_exact.py).
+- pp > 1, GPipe, 1F1B and zero-bubble: plan/layerwise_partition.py searches every stage
+  partition and, per stage, every assignment on its front (plan/layerwise_front.py): the
+  optimum over all partitions and per-layer assignments
+  (tests/unit/test_layerwise_pipeline_exact.py).
+- interleaved: the blocks split evenly (Megatron's requirement, as the regular planner) and each
+  rank's chunks minimise the rank's own m (f + b) + tail together; not proven optimal over the
+  per-chunk trade-offs.
+
+Configurations are visited by a lower bound and cut when it reaches the best step found; with a
+tolerance or a node budget the result reports the least bound left open (``lower_bound_s``).
 """
 
 from __future__ import annotations
@@ -33,8 +41,11 @@ from meshmorph.plan.layerwise import (
     stage_choices,
     stage_lower_bound_s,
 )
+from meshmorph.plan.layerwise_front import StageFronts
+from meshmorph.plan.layerwise_partition import best_partition, rest_bounds
 from meshmorph.plan.space import SearchOptions, divisors, tp_degrees
 from meshmorph.spec.cluster import Cluster
+from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import LayerStrategy, Plan, PlanError, Schedule, StagePlan
 
@@ -61,17 +72,30 @@ class LayerwiseResult:
     """(pp, micro-batch) configurations in the space."""
     configurations_solved: int
     """Those solved (the others' lower bound could not beat the best found)."""
+    lower_bound_s: float = 0.0
+    """No layerwise plan of the space is faster than this (proven by the bounds)."""
+
+    @property
+    def optimality_gap(self) -> float:
+        """How much slower the best plan may be than the optimum, as a fraction."""
+        best = self.estimate.step_time_s
+        return max(0.0, (best - self.lower_bound_s) / best)
 
 
 def _strategies(model: ModelSpec, cluster: Cluster, options: SearchOptions, devices: int,
-                sequences: int) -> list[LayerStrategy]:
+                sequences: int, *, sequence_parallel: bool = False,
+                zero_bubble: bool = False) -> list[LayerStrategy]:
     out = []
     for tp in tp_degrees(model, cluster, options):
         dp = devices // tp
         if devices % tp or sequences % dp or sequences // dp > options.max_micro_batch:
             continue
-        out.extend(LayerStrategy(tp=tp, dp=dp, zero=z)
-                   for z in (options.zero_stages if dp > 1 else (0,)))
+        if sequence_parallel and model.seq_len % tp:
+            continue
+        zeros = options.zero_stages if dp > 1 else (0,)
+        if zero_bubble:  # torch's zero-bubble pipelining loses ZeRO-3's gradients
+            zeros = tuple(z for z in zeros if z != 3)
+        out.extend(LayerStrategy(tp=tp, dp=dp, zero=z) for z in zeros)
     return out
 
 
@@ -80,13 +104,29 @@ def _rank_chunks(plan: Plan, k: int) -> list[tuple[int, int]]:
     return [(plan.stages[c].start, plan.stages[c].stop) for c in plan.chunks_of(k)]
 
 
-def _assemble(cost: CostModel, plan: Plan, solved: list[StageSolution]) -> tuple[Plan, Estimate]:
-    """The plan of the ranks' solutions: its own tp/dp/zero the most common layer strategy,
-    stages listing layer strategies only where some layer differs from it."""
-    common = Counter(s for sol in solved for s in sol.strategies).most_common(1)[0][0]
+def _build(cost: CostModel, plan: Plan,
+           chunks: list[tuple[int, int, tuple[LayerStrategy, ...], tuple]]) -> tuple[Plan, Estimate]:
+    """The plan of ``chunks`` (start, stop, strategy and recompute of each layer, one per model
+    chunk in chunk order): its own tp/dp/zero the most common layer strategy (with sequence
+    parallelism, the most common at tp > 1), stages listing layer strategies only where some
+    layer differs from it."""
+    every = Counter(s for _, _, strategies, _ in chunks for s in strategies)
+    split = Counter({s: n for s, n in every.items() if s.tp > 1})
+    sp = plan.sequence_parallel and bool(split)
+    common = (split if sp else every).most_common(1)[0][0]
     sequences = plan.dp * plan.micro_batch
-    top = replace(plan, tp=common.tp, dp=common.dp, zero=common.zero,
+    top = replace(plan, tp=common.tp, dp=common.dp, zero=common.zero, sequence_parallel=sp,
                   micro_batch=sequences // common.dp, stages=())
+    stages = tuple(
+        StagePlan(start=a, stop=b, recompute=tuple(recompute),
+                  layer_strategies=None if set(strategies) == {common} else tuple(strategies))
+        for a, b, strategies, recompute in chunks)
+    final = replace(top, stages=stages)
+    return final, estimate_layerwise(cost, final)
+
+
+def _assemble(cost: CostModel, plan: Plan, solved: list[StageSolution]) -> tuple[Plan, Estimate]:
+    """The plan of the ranks' solutions over ``plan``'s stages (a rank's chunks in order)."""
     per_chunk: dict[int, tuple[tuple[LayerStrategy, ...], tuple]] = {}
     for k, sol in enumerate(solved):
         at = 0
@@ -94,12 +134,8 @@ def _assemble(cost: CostModel, plan: Plan, solved: list[StageSolution]) -> tuple
             n = plan.stages[c].num_layers
             per_chunk[c] = (sol.strategies[at:at + n], sol.recompute[at:at + n])
             at += n
-    stages = tuple(
-        StagePlan(start=st.start, stop=st.stop, recompute=per_chunk[c][1],
-                  layer_strategies=None if set(per_chunk[c][0]) == {common} else per_chunk[c][0])
-        for c, st in enumerate(plan.stages))
-    final = replace(top, stages=stages)
-    return final, estimate_layerwise(cost, final)
+    return _build(cost, plan, [(st.start, st.stop, *per_chunk[c])
+                               for c, st in enumerate(plan.stages)])
 
 
 def _solve_plan(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
@@ -136,6 +172,46 @@ def _solve_plan(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
     return one, (_assemble(cost, plan, mixed) if not uniform_only else one)
 
 
+def solve_partitioned(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
+                       options: SearchOptions, uniform_only: bool, bounds: tuple[float, float],
+                       cache: TermsCache) -> tuple[tuple[Plan, Estimate] | None,
+                                                   tuple[Plan, Estimate] | None, float]:
+    """(best uniform, best per layer, least bound left open) of a pp > 1 configuration with one
+    chunk per rank: the even split first (a quick incumbent), then every partition exactly
+    (plan/layerwise_partition.py), with one strategy per stage, then per layer."""
+    one, mixed = _solve_plan(cost, plan, strategies, options, uniform_only, bounds, cache)
+    gpu = cost.default_gpu()
+    open_bound = float("inf")
+
+    def build(stages: list) -> tuple[Plan, Estimate]:
+        chunks = []
+        for a, b, point in stages:
+            picked = point.assignment(strategies)
+            chunks.append((a, b, tuple(s for _, s, _ in picked), tuple(r for _, _, r in picked)))
+        return _build(cost, plan, chunks)
+
+    def step(found: tuple[Plan, Estimate] | None) -> float:
+        return found[1].step_time_s if found is not None else float("inf")
+
+    for uniform in (True, False):
+        if step(one) < step(mixed):  # a rank's least busy time is not always the least step
+            mixed = one
+        if not uniform and uniform_only:
+            break
+        bound = min(bounds[0], step(one)) if uniform else min(bounds[1], step(one), step(mixed))
+        fronts = StageFronts(cost, plan, strategies, options.recompute, gpu, cache,
+                             uniform=uniform)
+        out = best_partition(fronts, bound, options.tolerance, options.max_nodes)
+        open_bound = min(open_bound, out.open_bound_s)
+        if out.stages is not None:
+            found = build(out.stages)
+            if uniform:
+                one = found if step(found) < step(one) else one
+            if step(found) < step(mixed):
+                mixed = found
+    return one, (one if uniform_only else mixed), open_bound
+
+
 def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
                      options: SearchOptions | None = None, cost: CostModel | None = None,
                      uniform_only: bool = False) -> LayerwiseResult:
@@ -158,35 +234,52 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
         devices = world // pp
         for sequences in divisors(global_batch):
             m = global_batch // sequences
-            strategies = _strategies(model, cluster, options, devices, sequences)
-            if m > options.max_microbatches or not strategies:
+            if m > options.max_microbatches:
                 continue
-            first = strategies[0]
-            shapes = [(Schedule.ONE_F_ONE_B if pp == 1 or m >= pp else Schedule.GPIPE, 1)]
-            if pp > 1 and m >= pp and m % pp == 0 and Schedule.INTERLEAVED in options.schedules:
-                shapes += [(Schedule.INTERLEAVED, v) for v in range(2, options.max_vpp + 1)
-                           if model.num_blocks % (pp * v) == 0]
-            for schedule, vpp in shapes:
-                plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=global_batch,
-                            tp=first.tp, dp=first.dp, zero=first.zero, pp=pp,
-                            micro_batch=sequences // first.dp, num_microbatches=m,
-                            schedule=schedule, vpp=vpp, dtype=options.dtype
-                            ).with_even_stages(model)
-                # a step is never shorter than any rank's own time, each layer at its fastest
-                bound = max(stage_lower_bound_s(stage_choices(
-                    cost, plan, k, 0, 0, strategies, options.recompute, gpu, cache,
-                    _rank_chunks(plan, k))) for k in range(pp))
-                configs.append((bound, len(configs), plan, strategies))
+            shapes = [(Schedule.ONE_F_ONE_B, 1)] if pp == 1 else []
+            if pp > 1:
+                shapes += [(s, 1) for s in (Schedule.GPIPE, Schedule.ONE_F_ONE_B,
+                                            Schedule.ZERO_BUBBLE)
+                           if s in options.schedules and (m >= pp or s == Schedule.GPIPE)]
+                if m >= pp and m % pp == 0 and Schedule.INTERLEAVED in options.schedules:
+                    shapes += [(Schedule.INTERLEAVED, v) for v in range(2, options.max_vpp + 1)
+                               if model.num_blocks % (pp * v) == 0]
+            for sp in sorted(set(options.sequence_parallel)):
+                for schedule, vpp in shapes:
+                    strategies = _strategies(model, cluster, options, devices, sequences,
+                                             sequence_parallel=sp,
+                                             zero_bubble=schedule == Schedule.ZERO_BUBBLE)
+                    if not strategies or (sp and all(s.tp == 1 for s in strategies)):
+                        continue  # nothing to split along the sequence: the same as sp off
+                    first = strategies[0]
+                    plan = Plan(model=model.name, seq_len=model.seq_len,
+                                global_batch=global_batch, tp=first.tp, dp=first.dp,
+                                zero=first.zero, pp=pp, micro_batch=sequences // first.dp,
+                                num_microbatches=m, schedule=schedule, vpp=vpp,
+                                sequence_parallel=sp, dtype=options.dtype
+                                ).with_even_stages(model)
+                    plan = replace(plan, sequence_parallel=sp)
+                    configs.append((_config_bound(cost, plan, strategies, options, gpu, cache),
+                                    len(configs), plan, strategies))
     configs.sort(key=lambda c: (c[0], c[1]))
     solved = 0
+    proven = float("inf")
     for bound, _, plan, strategies in configs:
         uniform_step = best_uniform[1].step_time_s if best_uniform else float("inf")
         step = best[1].step_time_s if best else float("inf")
-        if bound >= (step if uniform_only else uniform_step):
+        if bound >= (step if uniform_only else uniform_step) * (1.0 - options.tolerance):
+            proven = min(proven, bound)
             break  # sorted by bound: no later configuration beats both bests
         solved += 1
-        one, mixed = _solve_plan(cost, plan, strategies, options, uniform_only,
-                                 (uniform_step, step), cache)
+        if plan.pp > 1 and plan.vpp == 1:
+            one, mixed, open_bound = solve_partitioned(cost, plan, strategies, options,
+                                                        uniform_only, (uniform_step, step), cache)
+            proven = min(proven, max(bound, open_bound))
+        else:
+            one, mixed = _solve_plan(cost, plan, strategies, options, uniform_only,
+                                     (uniform_step, step), cache)
+            if plan.pp > 1:  # interleaved: even chunks, each rank its own busy time
+                proven = min(proven, bound)
         if one is not None and (best_uniform is None
                                 or one[1].step_time_s < best_uniform[1].step_time_s):
             best_uniform = one
@@ -199,9 +292,22 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
             "use more or larger GPUs, a shorter sequence, or allow ZeRO-3 and full recompute")
     elapsed = time.perf_counter() - started
     plan, estimate = best
+    proven = min(proven, estimate.step_time_s * (1.0 - options.tolerance))
     plan = replace(plan, predicted={**estimate.to_dict(), "search_time_s": elapsed})
     return LayerwiseResult(plan=plan, estimate=estimate,
                            uniform_plan=best_uniform[0] if best_uniform else None,
                            uniform_estimate=best_uniform[1] if best_uniform else None,
                            search_time_s=elapsed, configurations=len(configs),
-                           configurations_solved=solved)
+                           configurations_solved=solved, lower_bound_s=proven)
+
+
+def _config_bound(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
+                  options: SearchOptions, gpu: GPUSpec, cache: TermsCache) -> float:
+    """No plan of the configuration is faster. One stage (pp = 1) or even chunks (interleaved):
+    each rank's own time with each layer at its fastest, no transition. Otherwise any partition:
+    the least over stage partitions of the largest rank bound (``rest_bounds``)."""
+    if plan.pp == 1 or plan.vpp > 1:
+        return max(stage_lower_bound_s(stage_choices(
+            cost, plan, k, 0, 0, strategies, options.recompute, gpu, cache,
+            _rank_chunks(plan, k))) for k in range(plan.pp))
+    return rest_bounds(StageFronts(cost, plan, strategies, options.recompute, gpu, cache))[0][0]

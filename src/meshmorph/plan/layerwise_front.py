@@ -1,0 +1,236 @@
+"""Pareto fronts of one pipeline stage's per-layer assignments, for the exact pp > 1 search.
+
+With pp > 1 the step is the schedule simulated over every stage's per-micro-batch forward and
+backward times (zero-bubble: input and weight gradient apart), each rank's end plus its tail
+(cost/layerwise_cost.py). The simulator is max-plus, so the step never decreases when one of
+those figures grows: of the assignments of a stage that fit its rank's memory, only those that no
+other beats on every one of (f, b, [w,] tail) can be part of an optimum — the stage's front.
+
+The front of every stage [start, stop) of rank k comes from one dynamic program over layers, run
+from ``start`` to the right (all stops at once), or for the last rank from the model's end to
+the left (all starts at once). Its state is the tp of the layer at the open end (the next
+transition depends only on it, cost/transition.py); its labels the Pareto set of (f, b, w, tail,
+additive memory, largest working set, largest gather buffer), so the memory cap is met exactly.
+A label is dropped when its memory already exceeds the device or when a lower bound on every
+step it can be part of (``label_bound``) reaches ``cut``, the best step already found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshmorph.cost.layerwise_cost import reserved_bytes
+from meshmorph.cost.model import CostModel
+from meshmorph.cost.transition import transition
+from meshmorph.plan.layerwise import TermsCache, stage_choices
+from meshmorph.spec.gpus import GPUSpec
+from meshmorph.spec.model import Recompute
+from meshmorph.spec.plan import LayerStrategy, Plan, PlanError, Schedule
+
+# a label: f, b, w, tail, additive memory, working set, gather buffer, parent, (layer, choice)
+_Label = tuple
+
+
+@dataclass(frozen=True, slots=True)
+class FrontPoint:
+    """One assignment of a stage on the front."""
+
+    fwd_s: float
+    """Forward per micro-batch, transitions included."""
+    bwd_s: float
+    """Backward per micro-batch (zero-bubble: the input gradient only), transitions included."""
+    wgrad_s: float
+    """Weight gradient per micro-batch under zero-bubble, else 0."""
+    tail_s: float
+    """The stage's layers' tails (gradient sync, parameter gathers, optimizer step)."""
+    memory_bytes: float
+    """Peak bytes of one rank, reserve included."""
+    node: _Label
+    """The program's label, from which the assignment is read back."""
+
+    def busy_s(self, m: int) -> float:
+        """The stage's own step time: m (f + b + w) + tail."""
+        return m * (self.fwd_s + self.bwd_s + self.wgrad_s) + self.tail_s
+
+    def assignment(self, strategies: Sequence[LayerStrategy]
+                   ) -> list[tuple[int, LayerStrategy, Recompute]]:
+        """(layer, strategy, recompute) of each layer, in layer order."""
+        out = []
+        node = self.node
+        while node is not None:
+            index, si, mode = node[8]
+            out.append((index, strategies[si], mode))
+            node = node[7]
+        return sorted(out, key=lambda x: x[0])
+
+
+def pareto(labels: list[_Label], dims: int = 7) -> list[_Label]:
+    """Labels no other beats or equals on the first ``dims`` figures (7: every figure of a label,
+    4: the times only). Sorted by the figures, a label can only be beaten by one kept before it."""
+    labels.sort(key=lambda x: x[:dims])
+    kept: list[_Label] = []
+    if dims == 4:
+        for x in labels:
+            for y in kept:
+                if y[1] <= x[1] and y[2] <= x[2] and y[3] <= x[3] and y[0] <= x[0]:
+                    break
+            else:
+                kept.append(x)
+        return kept
+    for x in labels:
+        for y in kept:
+            if (y[1] <= x[1] and y[4] <= x[4] and y[3] <= x[3] and y[2] <= x[2] and y[0] <= x[0]
+                    and y[5] <= x[5] and y[6] <= x[6]):
+                break
+        else:
+            kept.append(x)
+    return kept
+
+
+class StageFronts:
+    """The fronts of every stage of one pipeline configuration (pp > 1, one chunk per rank)."""
+
+    def __init__(self, cost: CostModel, plan: Plan, strategies: Sequence[LayerStrategy],
+                 recompute: Sequence[Recompute], gpu: GPUSpec, cache: TermsCache, *,
+                 uniform: bool = False):
+        if plan.pp < 2 or plan.vpp != 1:
+            raise PlanError("stage fronts are for pp > 1 with one chunk per rank")
+        self.cost, self.plan, self.gpu = cost, plan, gpu
+        self.strategies = list(strategies)
+        self.recompute = tuple(recompute)
+        self.cache = cache
+        self.uniform = uniform
+        self.p, self.m, self.L = plan.pp, plan.num_microbatches, cost.model.num_layers
+        self.zb = plan.schedule == Schedule.ZERO_BUBBLE
+        self.cap = gpu.memory_bytes - reserved_bytes(cost, gpu)
+        self._rows: dict[int, list[list[tuple]]] = {}
+        self._fronts: dict[tuple[int, int], tuple[float, dict[int, list[FrontPoint]]]] = {}
+        self._moves: dict[tuple[int, int], tuple[float, float]] = {}
+        self.programs = 0
+        """Dynamic programs run (each gives the fronts of many stages)."""
+        self.labels = 0
+        """Labels the programs kept in all (their work)."""
+        rows = self.rows(0)
+        # the least figures of each layer, whatever its strategy (the bounds read them)
+        self.least_f = [min(c[4].fwd_s for c in row) for row in rows]
+        self.least_b = [min(self._b(c[4]) for c in row) for row in rows]
+        self.least_w = [min(self._w(c[4]) for c in row) for row in rows]
+        self.least_busy = [min(c[2] for c in row) for row in rows]
+        self.least_tail = [min(c[4].tail_s for c in row) for row in rows]
+        self.prefix_f = [0.0]
+        self.prefix_b = [0.0]
+        for i in range(self.L):
+            self.prefix_f.append(self.prefix_f[-1] + self.least_f[i])
+            self.prefix_b.append(self.prefix_b[-1] + self.least_b[i])
+
+    def _b(self, t) -> float:  # type: ignore[no-untyped-def]
+        return t.bwd_s - t.wgrad_s if self.zb else t.bwd_s
+
+    def _w(self, t) -> float:  # type: ignore[no-untyped-def]
+        return t.wgrad_s if self.zb else 0.0
+
+    def rows(self, k: int) -> list[list[tuple]]:
+        """Each layer's choices on rank k (no rank of pp > 1 holds both tied ends)."""
+        if k not in self._rows:
+            plan, L = self.plan, self.L
+            self._rows[k] = [
+                *stage_choices(self.cost, plan, k, 0, L - 1, self.strategies, self.recompute,
+                               self.gpu, self.cache),
+                *stage_choices(self.cost, plan, k, L - 1, L, self.strategies, self.recompute,
+                               self.gpu, self.cache)]
+        return self._rows[k]
+
+    def move(self, a: int, b: int) -> tuple[float, float]:
+        """(forward, backward) seconds per micro-batch from a layer at tp ``a`` to one at ``b``."""
+        if (a, b) not in self._moves:
+            by_tp = {s.tp: s for s in self.strategies}
+            try:
+                step = transition(self.cost, by_tp[a], by_tp[b],
+                                  self.plan.dp * self.plan.micro_batch, self.plan.dtype, self.gpu,
+                                  sequence_parallel=self.plan.sequence_parallel)
+                self._moves[a, b] = (step.fwd_s, step.bwd_s)
+            except PlanError:  # tp's that do not nest cannot be neighbours
+                self._moves[a, b] = (float("inf"), float("inf"))
+        return self._moves[a, b]
+
+    def label_bound(self, start: int, f: float, b: float, w: float, tail: float) -> float:
+        """No step of a plan whose rank holding layers from ``start`` has at least these figures
+        is shorter: micro-batch 0 reaches the rank after the forwards of the layers before it,
+        the rank runs m forwards and backwards, then its tail beside the backward chain back to
+        rank 0 (zero-bubble: its W ops may follow its last B)."""
+        pf, pb, m = self.prefix_f[start], self.prefix_b[start], self.m
+        if self.zb:
+            return max(pf + m * (f + b + w) + tail, pf + m * (f + b) + pb)
+        return pf + m * (f + b) + max(tail, pb)
+
+    def front(self, k: int, start: int, stop: int, cut: float) -> list[FrontPoint]:
+        """The front of layers [start, stop) on rank k (points whose bound reaches ``cut`` may be
+        left out), sorted by busy time."""
+        last = k == self.p - 1
+        key = (k, -1 if last else start)
+        done = self._fronts.get(key)
+        if done is None or done[0] < cut:  # a program run under a looser cut serves this one
+            done = self._fronts[key] = (cut, self._run(k, start, cut, reverse=last))
+        fronts = done[1]
+        return [pt for pt in fronts.get(start if last else stop, [])
+                if self.label_bound(start, pt.fwd_s, pt.bwd_s, pt.wgrad_s, pt.tail_s) < cut]
+
+    def _run(self, k: int, start: int, cut: float, *, reverse: bool) -> dict[int, list[FrontPoint]]:
+        if not self.uniform:
+            return self._program(k, start, cut, list(range(len(self.strategies))), reverse)
+        merged: dict[int, list[FrontPoint]] = {}
+        for si in range(len(self.strategies)):
+            for at, points in self._program(k, start, cut, [si], reverse).items():
+                merged.setdefault(at, []).extend(points)
+        return {at: self._front_of([pt.node for pt in points]) for at, points in merged.items()}
+
+    def _front_of(self, labels: list[_Label]) -> list[FrontPoint]:
+        reserve = reserved_bytes(self.cost, self.gpu)
+        points = [FrontPoint(x[0], x[1], x[2], x[3], x[4] + x[5] + x[6] + reserve, x)
+                  for x in pareto(list(labels), dims=4)]
+        return sorted(points, key=lambda pt: pt.busy_s(self.m))
+
+    def _program(self, k: int, start: int, cut: float, allowed: list[int],
+                 reverse: bool) -> dict[int, list[FrontPoint]]:
+        """Forward from ``start`` (fronts by stop), or for the last rank backward from the
+        model's end (fronts by start; the bound then uses the earliest start, rank k's k)."""
+        self.programs += 1
+        rows = self.rows(k)
+        allowed_set = set(allowed)
+        order = list(range(self.L - 1, k - 1, -1)) if reverse else list(
+            range(start, self.L - (self.p - 1 - k)))
+        bound_start = k if reverse else start
+        strategies, cap = self.strategies, self.cap
+        fronts: dict[int, list[FrontPoint]] = {}
+        layer: dict[int, list[_Label]] = {}
+        for pos, index in enumerate(order):
+            choices = [c for c in rows[index] if c[0] in allowed_set]
+            nxt: dict[int, list[_Label]] = {}
+            for c in choices:
+                t, tp = c[4], strategies[c[0]].tp
+                cf, cb, cw = t.fwd_s, self._b(t), self._w(t)
+                sources = layer.items() if pos else [(tp, [None])]
+                for other, labs in sources:
+                    mf, mb = (0.0, 0.0) if not pos else (
+                        self.move(tp, other) if reverse else self.move(other, tp))
+                    if mf == float("inf"):
+                        continue
+                    out = nxt.setdefault(tp, [])
+                    for lab in labs:
+                        base = (0.0,) * 7 if lab is None else lab
+                        new = (base[0] + mf + cf, base[1] + mb + cb, base[2] + cw,
+                               base[3] + t.tail_s, base[4] + c[3], max(base[5], t.working_bytes),
+                               max(base[6], t.gather_bytes), lab, (index, c[0], c[1]))
+                        if new[4] + new[5] + new[6] > cap:
+                            continue
+                        if self.label_bound(bound_start, new[0], new[1], new[2], new[3]) >= cut:
+                            continue
+                        out.append(new)
+            layer = {tp: pareto(labs) for tp, labs in nxt.items() if labs}
+            self.labels += sum(len(labs) for labs in layer.values())
+            if not layer:
+                break
+            fronts[index if reverse else index + 1] = self._front_of(
+                [lab for labs in layer.values() for lab in labs])
+        return fronts

@@ -1,0 +1,242 @@
+"""With pp > 1 the layerwise search equals a brute force over every stage partition and every
+per-layer assignment (GPipe, 1F1B, zero-bubble; sequence parallelism on and off; random caps).
+
+The brute force is written here from the cost model's pieces alone (``layer_terms``,
+``transition``, ``reserved_bytes`` and the schedule simulator), independently of the planner's
+fronts and bounds: it enumerates the stage ends with itertools.combinations and every layer's
+(strategy, recompute) with itertools.product, and prices every combination.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshmorph.cost.layerwise_cost import estimate_layerwise, layer_terms, reserved_bytes
+from meshmorph.cost.model import CostModel
+from meshmorph.cost.pipeline import simulate
+from meshmorph.cost.transition import transition
+from meshmorph.plan.layerwise_search import search_layerwise, solve_partitioned
+from meshmorph.plan.space import SearchOptions
+from meshmorph.spec.catalog import load_model
+from meshmorph.spec.cluster import parse_cluster
+from meshmorph.spec.model import Recompute
+from meshmorph.spec.plan import LayerStrategy, Plan, Schedule
+
+MODES = (Recompute.NONE, Recompute.FULL)
+EXACT = dict(tolerance=0.0, max_nodes=None)
+
+
+def _cost(name: str, devices: int, memory_gib: float | None = None) -> CostModel:
+    cluster = parse_cluster(f"a100-40g:1x{devices}")
+    if memory_gib is not None:
+        group = cluster.groups[0]
+        cluster = replace(cluster, groups=(replace(group, gpu=replace(group.gpu,
+                                                                    memory_gib=memory_gib)),))
+    return CostModel(load_model(name), cluster)
+
+
+def _stage_options(cost: CostModel, plan: Plan, k: int, start: int, stop: int,
+                   strategies: list[LayerStrategy], *, capped: bool = True
+                   ) -> list[tuple[float, ...]]:
+    """(f, b, w, tail, memory) of every assignment of layers [start, stop) on rank k, summed
+    here from the per-layer terms and transitions (b: the input gradient under zero-bubble)."""
+    gpu = cost.default_gpu()
+    zb = plan.schedule == Schedule.ZERO_BUBBLE
+    last = cost.model.num_layers - 1
+    tied = start == 0 and stop == last + 1  # one rank holds both tied ends (pp = 1)
+    per_layer = []
+    for index in range(start, stop):
+        modes = [r for r in MODES if r in cost.model.layers[index].activation]
+        per_layer.append([(s, layer_terms(cost, plan, k, index, s, r, gpu,
+                                          drop_tied=tied and index == last))
+                          for s in strategies for r in modes])
+    out = []
+    for pick in itertools.product(*per_layer):
+        f = sum(t.fwd_s for _, t in pick)
+        b = sum(t.bwd_s - (t.wgrad_s if zb else 0.0) for _, t in pick)
+        w = sum(t.wgrad_s for _, t in pick) if zb else 0.0
+        for (a, _), (c, _) in itertools.pairwise(pick):
+            move = transition(cost, a, c, plan.dp * plan.micro_batch, plan.dtype, gpu,
+                              sequence_parallel=plan.sequence_parallel)
+            f, b = f + move.fwd_s, b + move.bwd_s
+        tail = sum(t.tail_s for _, t in pick)
+        memory = (sum(t.param_bytes + t.stored_bytes for _, t in pick)
+                  + max(t.working_bytes for _, t in pick) + max(t.gather_bytes for _, t in pick)
+                  + reserved_bytes(cost, gpu))
+        if memory <= gpu.memory_bytes or not capped:
+            out.append((f, b, w, tail, memory))
+    return out
+
+
+def brute_force(cost: CostModel, plan: Plan, strategies: list[LayerStrategy]) -> float | None:
+    """The least step over every stage partition and per-layer assignment that fits."""
+    p, m, L = plan.pp, plan.num_microbatches, cost.model.num_layers
+    zb = plan.schedule == Schedule.ZERO_BUBBLE
+    p2p = [cost.p2p_time(plan, cost.default_gpu())] * p
+    best = None
+    for cuts in itertools.combinations(range(1, L), p - 1):
+        ends = [0, *cuts, L]
+        stages = [_stage_options(cost, plan, k, ends[k], ends[k + 1], strategies)
+                  for k in range(p)]
+        for pick in itertools.product(*stages):
+            timeline = simulate(plan.schedule, p, m, [x[0] for x in pick], [x[1] for x in pick],
+                                wgrad_s=[x[2] for x in pick] if zb else None, p2p_s=p2p)
+            step = max(timeline.rank_end_s[k] + pick[k][3] for k in range(p))
+            best = step if best is None or step < best else best
+    return best
+
+
+def _plan(cost: CostModel, pp: int, m: int, sequences: int, schedule: Schedule,
+          sp: bool, strategies: list[LayerStrategy]) -> Plan:
+    first = strategies[0]
+    model = cost.model
+    plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=sequences * m,
+                tp=first.tp, dp=first.dp, zero=first.zero, pp=pp,
+                micro_batch=sequences // first.dp, num_microbatches=m, schedule=schedule,
+                sequence_parallel=sp).with_even_stages(model)
+    return replace(plan, sequence_parallel=sp)
+
+
+def _check(cost: CostModel, plan: Plan, strategies: list[LayerStrategy]) -> tuple[float | None,
+                                                                                   float | None]:
+    """(brute force, search) of one configuration; the search's plan priced again by
+    ``estimate_layerwise`` fits and costs what the search says."""
+    expected = brute_force(cost, plan, strategies)
+    options = SearchOptions(recompute=MODES, **EXACT)
+    one, mixed, open_bound = solve_partitioned(cost, plan, strategies, options, False,
+                                               (float("inf"), float("inf")), {})
+    assert open_bound == float("inf")  # no node budget: nothing left open
+    if mixed is None:
+        return expected, None
+    again = estimate_layerwise(cost, mixed[0])
+    assert again.fits
+    assert again.step_time_s == pytest.approx(mixed[1].step_time_s, rel=1e-12)
+    assert one is not None and one[1].step_time_s >= mixed[1].step_time_s * (1 - 1e-12)
+    return expected, mixed[1].step_time_s
+
+
+def _random_case(seed: int) -> tuple[CostModel, Plan, list[LayerStrategy]]:
+    """A seeded case: model, 4 or 8 devices, pp 2, schedule, sp, two or three strategies over
+    tp 1/2/4 and a ZeRO stage, and a memory cap at a random quantile of what the even split's
+    stage assignments need (so it binds, and in some cases leaves nothing)."""
+    rng = random.Random(seed)
+    name = rng.choice(["gpt-tiny", "llama-tiny"])
+    devices = rng.choice([4, 8])
+    pp = 2
+    d = devices // pp
+    schedule = rng.choice([Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE])
+    m = rng.choice([2, 4])
+    sp = rng.random() < 0.4
+    zeros = [0, 1, 2] if schedule == Schedule.ZERO_BUBBLE else [0, 1, 2, 3]
+    spec = load_model(name)
+    tps = [t for t in (1, 2, 4) if d % t == 0 and spec.num_kv_heads % t == 0
+           and spec.num_heads % t == 0 and spec.ffn_hidden_size % t == 0]
+    pool = [LayerStrategy(tp=t, dp=d // t, zero=z if d // t > 1 else 0) for t in tps for z in zeros]
+    strategies = sorted(set(rng.sample(pool, min(len(pool), rng.choice([2, 3])))),
+                        key=lambda s: (s.tp, s.zero))
+    if len(strategies) < 2:
+        strategies = sorted(set(pool), key=lambda s: (s.tp, s.zero))[:2]
+    free = _cost(name, devices)
+    plan = _plan(free, pp, m, 2 * d, schedule, sp, strategies)
+    # what every assignment of the even split's stages needs beyond the reserve, and a cap at
+    # a random quantile of it: the reserve is a fraction of the device, so solve
+    # memory = need + fraction x memory
+    reserve = reserved_bytes(free, free.default_gpu())
+    needs = sorted(x[4] - reserve for k, stage in enumerate(plan.stages)
+                   for x in _stage_options(free, plan, k, stage.start, stage.stop, strategies,
+                                           capped=False))
+    need = needs[int(rng.uniform(0.0, 0.7) * len(needs))] if rng.random() < 0.85 \
+        else needs[0] * 0.99  # below every assignment of the even split
+    frac = free.coef.memory_reserve_fraction
+    cap_bytes = (need + free.coef.context_bytes) / (1 - frac)
+    return _cost(name, devices, cap_bytes / 2**30), plan, strategies
+
+
+def _uncapped(cost: CostModel) -> CostModel:
+    return _cost(cost.model.name, cost.cluster.world_size)
+
+
+@pytest.mark.parametrize("capped", [True, False])
+@pytest.mark.parametrize("seed", range(12))
+def test_pipeline_search_equals_brute_force_over_partitions_and_assignments(seed: int,
+                                                                            capped: bool) -> None:
+    cost, plan, strategies = _random_case(seed)
+    expected, got = _check(cost if capped else _uncapped(cost), plan, strategies)
+    if expected is None:
+        assert got is None
+    else:
+        assert got == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_seeded_cases_are_not_trivial() -> None:
+    """Some cap leaves no plan, under some the optimum mixes strategies in a stage and beats
+    every plan with one strategy per stage, and without caps some optimum is an uneven split."""
+    none = mixed = uneven = 0
+    options = SearchOptions(recompute=MODES, **EXACT)
+    for seed in range(12):
+        cost, plan, strategies = _random_case(seed)
+        one, best, _ = solve_partitioned(cost, plan, strategies, options, False,
+                                         (float("inf"), float("inf")), {})
+        if best is None:
+            none += 1
+        else:
+            mixed += one is None or best[1].step_time_s < one[1].step_time_s * (1 - 1e-9)
+        _, free, _ = solve_partitioned(_uncapped(cost), plan, strategies, options, False,
+                                       (float("inf"), float("inf")), {})
+        assert free is not None
+        uneven += [s.num_layers for s in free[0].stages] != [s.num_layers for s in plan.stages]
+    assert none >= 1 and mixed >= 1 and uneven >= 1
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(100, 10_000))
+def test_pipeline_search_equals_brute_force_hypothesis(seed: int) -> None:
+    cost, plan, strategies = _random_case(seed)
+    expected, got = _check(cost, plan, strategies)
+    assert (expected is None) == (got is None)
+    if expected is not None:
+        assert got == pytest.approx(expected, rel=1e-9)
+
+
+def test_whole_search_with_pp_1_and_2_equals_brute_force_over_its_configurations() -> None:
+    """Every configuration of a small space (pp 1 and 2, every stage micro-batch, GPipe / 1F1B /
+    zero-bubble, sp off, ZeRO 0 or 2), brute-forced here, against search_layerwise with
+    tolerance 0; the device capped so that the cap binds."""
+    cost = _cost("gpt-tiny", 4, 1.06)
+    model = cost.model
+    options = SearchOptions(recompute=MODES, zero_stages=(0, 2), sequence_parallel=(False,),
+                            schedules=(Schedule.GPIPE, Schedule.ONE_F_ONE_B,
+                                       Schedule.ZERO_BUBBLE), tp_degrees=(1, 2),
+                            pp_degrees=(1, 2), **EXACT)
+    batch = 4
+    best = None
+    for pp in (1, 2):
+        d = 4 // pp
+        for sequences in (1, 2, 4):
+            m = batch // sequences
+            strategies = [LayerStrategy(tp=t, dp=d // t, zero=z)
+                          for t in (1, 2) for z in ((0, 2) if d // t > 1 else (0,))
+                          if d % t == 0 and sequences % (d // t) == 0]
+            if not strategies:
+                continue
+            schedules = [Schedule.ONE_F_ONE_B] if pp == 1 else [
+                s for s in (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE)
+                if m >= pp or s == Schedule.GPIPE]
+            for schedule in schedules:
+                plan = _plan(cost, pp, m, sequences, schedule, False, strategies)
+                found = brute_force(cost, plan, strategies)
+                if found is not None and (best is None or found < best):
+                    best = found
+    assert best is not None
+    result = search_layerwise(model, cost.cluster, global_batch=batch, options=options,
+                              cost=cost)
+    assert result.estimate.step_time_s == pytest.approx(best, rel=1e-9)
+    assert result.optimality_gap == 0.0
+
+

@@ -27,7 +27,7 @@ def test_quick_profile_then_validate_three_plans_reports_each_with_exact_state_b
         tmp_path: Path) -> None:
     profile = tmp_path / "profile.json"
     out = _cli(["profile", "--quick", "--nproc", "2", "--seq-len", "32", "--out", str(profile)], 180)
-    assert "all_reduce/2" in out
+    assert "all_reduce/2" in out and "fsdp_all_gather/2" in out and "fsdp_reduce_scatter/2" in out
     data = json.loads(profile.read_text())
     assert data["processes"] == 2 and len(data["layer_times"]) == 3 * 8  # mb 1, 2, 4 x 8 layers
     result = tmp_path / "validate.json"

@@ -1,7 +1,14 @@
 """The worker side of ``meshmorph run --elastic``: keep the state in the node-local store, and on a
 (re)start under torchrun's elastic agent rebuild it for the world torch gave us.
 
-- ``after_step``: every rank writes its pieces to the node store at each step boundary;
+- ``after_step``: every rank writes its pieces to the node store at each step boundary, and
+  where the job spans more than one node, every K steps sends its file to the same local rank of
+  the next node (``store.ring_copy``), so a lost node's pieces survive on its ring neighbour. K
+  comes from the overhead budget (``store.ring_interval_steps``: the copy of a node's state over
+  the cost model's inter-node link, spread over K measured step times, at most ``ring_budget``
+  of them), agreed by every rank (the largest). ``MESHMORPH_LOCAL_NODE_SIZE=N`` treats each
+  group of N consecutive ranks as a node (one machine standing in for several: tests, demos);
+  otherwise a node is torchrun's ``GROUP_RANK``;
 - ``restore``: a worker that finds state in the store (torchrun restarted the workers after a
   failure, or the membership changed) takes the newest step every old rank completed, re-plans
   when the world size changed (the planner; the global batch is kept, gradient accumulation
@@ -32,7 +39,7 @@ from meshmorph.elastic.local_state import extract_state
 from meshmorph.elastic.move_plan import plan_move
 from meshmorph.elastic.move_time import predict_move_time_s
 from meshmorph.elastic.restore_state import restore_from_store, restore_step
-from meshmorph.elastic.store import NodeStore
+from meshmorph.elastic.store import NodeStore, ring_copy, ring_interval_steps
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.plan import Plan
 
@@ -70,16 +77,65 @@ class ElasticSession:
     """The run folder (the failure marker lives there)."""
     failure: tuple[int, int] | None = None
     """(rank, step) to SIGKILL once, for tests and demos."""
+    ring_budget: float = 0.02
+    """Most fraction of the step time the ring copy may cost on average (it sets K)."""
+    node_size: int | None = None
+    """Ranks per node (None: ``MESHMORPH_LOCAL_NODE_SIZE`` if set, else torchrun's
+    ``LOCAL_WORLD_SIZE``, nodes being ``GROUP_RANK``)."""
+    ring_every: int | None = None
+    """K, steps between ring copies (None: chosen at the first step boundary)."""
+    ring_copies: int = 0
+    """Ring copies this rank took part in."""
     store: NodeStore = field(init=False)
-    """This node's store (node = torchrun's ``GROUP_RANK``)."""
+    """This node's store."""
+    _last: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
-        self.store = NodeStore(self.run_id, int(os.environ.get("GROUP_RANK", "0")))
+        local = os.environ.get("MESHMORPH_LOCAL_NODE_SIZE")
+        if self.node_size is None and local:
+            self.node_size = int(local)
+        if self.node_size is not None:
+            if self.node_size < 1:
+                raise ValueError(f"MESHMORPH_LOCAL_NODE_SIZE must be >= 1, got {self.node_size}")
+            node = int(os.environ.get("RANK", "0")) // self.node_size
+        else:
+            node = int(os.environ.get("GROUP_RANK", "0"))
+        self.store = NodeStore(self.run_id, node)
+        self._last = time.perf_counter()
+
+    def ranks_per_node(self) -> int:
+        return self.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
 
     def after_step(self, engine: Any, plan: Plan, step: int, consumed_samples: int) -> None:
-        """Write this rank's state at the boundary after ``step``."""
+        """Write this rank's state at the boundary after ``step`` (and its ring copy when due)."""
         state = extract_state(engine, consumed_samples=consumed_samples, checksums=False)
         self.store.save(dist.get_rank(), step, plan.to_json(), state)
+        self._ring(step, state.nbytes)
+
+    def _ring(self, step: int, state_bytes: int) -> None:
+        world, size = dist.get_world_size(), self.ranks_per_node()
+        nodes = world // size
+        now, step_s = time.perf_counter(), time.perf_counter() - self._last
+        self._last = now
+        if nodes < 2 or world % size:
+            return
+        if self.ring_every is None:  # K from the budget, the same on every rank (the largest)
+            from meshmorph.cost import comm
+            from meshmorph.cost.coefficients import CostCoefficients
+
+            link = comm.Link.from_spec(parse_cluster(f"cpu:{nodes}x{size}").inter_link,
+                                       CostCoefficients().link_efficiency)
+            k = ring_interval_steps(state_bytes * size, link.bandwidth_bps, max(step_s, 1e-6),
+                                    self.ring_budget)
+            agreed = torch.tensor([k], dtype=torch.int64)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            self.ring_every = int(agreed[0])
+        if step % self.ring_every:
+            return
+        rank = dist.get_rank()
+        ring_copy(self.store, rank, step, {"next": (rank + size) % world,
+                                           "prev": (rank - size) % world})
+        self.ring_copies += 1
 
     def arm_failure(self, engine: Any, step: int) -> None:
         """SIGKILL this worker during ``step`` if it is the injected failure (once per run)."""

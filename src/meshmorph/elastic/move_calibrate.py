@@ -13,6 +13,8 @@ processes. What each ``MoveTimeModel`` field comes from:
 - ``checksum_bps``: one process packing (``torch.cat``) and CRC-32-ing a message;
 - ``copy_bps``: one process copying a message into another tensor (the install);
 - ``group_s``: forming one process group over every process (``dist.new_group``);
+- ``fixed_s`` (unless given): agreeing on a MovePlan-sized object (``broadcast_object_list`` of
+  ``AGREE_ITEMS`` transfers from rank 0) and the barrier that ends the move;
 - ``build_s``: given by the caller (the measured build of the engine that runs now).
 """
 
@@ -31,6 +33,8 @@ from meshmorph.profile.alpha_beta import fit_alpha_beta
 
 SIZES = (1 << 20, 4 << 20, 16 << 20)
 """Message sizes the exchange is timed at (bytes)."""
+AGREE_ITEMS = 1000
+"""Transfers in the object broadcast that stands for a MovePlan (a 4-process GPT's has 1000s)."""
 
 
 def _exchange_s(nbytes: int, active: Sequence[int], repeats: int) -> float:
@@ -69,7 +73,7 @@ def calibrate_move_time(*, build_s: float = 0.0, repeats: int = 3,
                         fixed_s: float | None = None) -> MoveTimeModel:
     """Measured ``MoveTimeModel`` of this process group (collective; needs 2 processes or more);
     ``build_s``: the measured seconds of building the running engine; ``fixed_s``: the
-    agreement and barrier (None: ``MoveTimeModel``'s default)."""
+    agreement and barrier (None: measured)."""
     world = dist.get_world_size()
     if world < 2:
         raise ValueError("calibrating a move needs 2 processes at least (a point-to-point pair)")
@@ -91,11 +95,20 @@ def calibrate_move_time(*, build_s: float = 0.0, repeats: int = 3,
         dist.barrier(group=group)
         group_times.append(time.perf_counter() - start)
         dist.destroy_process_group(group)
-    local = [checksum, copy, statistics.median(group_times)]
+    agree_times = []
+    for _ in range(repeats):
+        payload: list[object] = [[(i, "exp_avg/blocks.0.attn.qkv.weight", (i, 0), (8, 512))
+                                  for i in range(AGREE_ITEMS)] if dist.get_rank() == 0 else None]
+        dist.barrier()
+        start = time.perf_counter()
+        dist.broadcast_object_list(payload, src=0)
+        dist.barrier()
+        agree_times.append(time.perf_counter() - start)
+    local = [checksum, copy, statistics.median(group_times), statistics.median(agree_times)]
     gathered: list[list[float]] = [[] for _ in range(world)]
     dist.all_gather_object(gathered, local)  # the slowest process sets each figure
     return MoveTimeModel(
-        fixed_s=MoveTimeModel().fixed_s if fixed_s is None else fixed_s, p2p_alpha_s=alone.alpha_s, p2p_beta_s_per_byte=alone.beta_s_per_byte,
+        fixed_s=max(g[3] for g in gathered) if fixed_s is None else fixed_s, p2p_alpha_s=alone.alpha_s, p2p_beta_s_per_byte=alone.beta_s_per_byte,
         host_streams=max(streams, 1.0), checksum_bps=min(g[0] for g in gathered),
         copy_bps=min(g[1] for g in gathered), group_s=max(g[2] for g in gathered),
         build_s=build_s)

@@ -5,12 +5,15 @@ fit where ``MoveTimeModel`` holds one (``p2p_alpha_s``/``p2p_beta_s_per_byte``: 
 profile``'s ``send_recv/2`` fit, ``MoveTimeModel.from_profile``, or the job's own calibration at
 its start, ``move_calibrate.calibrate_move_time``), else from the cost model's link between the
 two devices (intra-node or inter-node, at ``CostCoefficients.link_efficiency`` of nominal,
-``comm.p2p``). Links are full duplex; a device sends its batches one after another while it
-receives its own, and checksums every byte it sends and receives (``checksum_bps``). Processes
-of one host share its memory bandwidth and cores: at most ``host_streams`` messages run at full
-speed at once there, so the host's bytes take at least ``sum(bytes * beta) / host_streams``:
+``comm.p2p``). Links are full duplex; a device packs and checksums what it sends before sending
+it, sends its batches one after another while it receives its own, and checksums what it
+received after (``checksum_bps``, on the device's one core, so in series with the wire).
+Processes of one host share its memory bandwidth and cores: at most ``host_streams`` messages
+run at full speed at once there, so the host's bytes take at least
+``sum(bytes * beta) / host_streams``:
 
-    network = max(busiest direction of any device, busiest host's bytes * beta / host_streams)
+    device  = (sent + received) / checksum_bps + max(sum of its sends, sum of its receives)
+    network = max(busiest device, busiest host's bytes * beta / host_streams)
     time    = fixed_s + plan_s + groups * group_s + max(network, checkpoint) + build_s
               + install bytes of the fullest new rank / copy_bps
 
@@ -129,6 +132,7 @@ def move_time(move: MovePlan, cluster: Cluster, *,
     measured = model.p2p_alpha_s is not None and model.p2p_beta_s_per_byte is not None
     send = dict.fromkeys(move.devices, 0.0)
     recv = dict.fromkeys(move.devices, 0.0)
+    check = dict.fromkeys(move.devices, 0.0)
     host_wire: dict[int, float] = {}
     per_byte_check = 1.0 / model.checksum_bps if model.checksum_bps > 0 else 0.0
     for batch in move.batches:
@@ -139,13 +143,14 @@ def move_time(move: MovePlan, cluster: Cluster, *,
             seconds = comm.p2p(batch.nbytes, link_between(cluster, batch.src_device,
                                                           batch.dst_device, coefficients))
             wire = seconds
-        check = batch.nbytes * per_byte_check
-        send[batch.src_device] += seconds + check  # alpha + bytes * beta per message
-        recv[batch.dst_device] += seconds + check
+        send[batch.src_device] += seconds  # alpha + bytes * beta per message
+        recv[batch.dst_device] += seconds
+        check[batch.src_device] += batch.nbytes * per_byte_check  # pack and CRC before sending
+        check[batch.dst_device] += batch.nbytes * per_byte_check  # CRC after receiving
         for host in {_host_of(cluster, batch.src_device), _host_of(cluster, batch.dst_device)}:
             host_wire[host] = host_wire.get(host, 0.0) + wire
-    busiest = max(move.devices, key=lambda d: max(send[d], recv[d]), default=None)
-    network_s = max(send[busiest], recv[busiest]) if busiest is not None else 0.0
+    busiest = max(move.devices, key=lambda d: check[d] + max(send[d], recv[d]), default=None)
+    network_s = check[busiest] + max(send[busiest], recv[busiest]) if busiest is not None else 0.0
     if model.host_streams > 0 and host_wire:
         network_s = max(network_s, max(host_wire.values()) / model.host_streams)
     reads = dict.fromkeys(move.devices, 0)

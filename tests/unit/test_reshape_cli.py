@@ -86,3 +86,23 @@ def test_a_target_that_does_not_fit_memory_is_refused_before_anything_moves(
     err = capsys.readouterr().err
     assert "does not fit memory" in err and "the device has 4.0 GiB" in err
     assert not out.exists()
+
+
+def test_a_profile_prices_the_move_with_its_measured_point_to_point_fit(tmp_path: Path) -> None:
+    from meshmorph.cost.profile import Profile
+    from meshmorph.elastic.move_time import MoveTimeModel
+
+    profile = tmp_path / "profile.json"
+    Profile(collectives={"send_recv/2": {"alpha_s": 1e-3, "beta_s_per_byte": 1e-9, "r2": 1.0}}
+            ).save(profile)
+    out = tmp_path / "move.json"
+    assert main(["reshape", "--from", str(FROM), "--to", str(TO), "--profile", str(profile),
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    a, b = load_plan(FROM), load_plan(TO)
+    model = load_model(a.model, a.seq_len)
+    move = plan_move(layout_of(model, a), layout_of(model, b), [0, 1, 2, 3])
+    measured = MoveTimeModel(p2p_alpha_s=1e-3, p2p_beta_s_per_byte=1e-9)
+    assert data["predicted_time_s"] == pytest.approx(
+        predict_move_time_s(move, parse_cluster("cpu:1x4"), model=measured), rel=1e-12)
+    assert data["predicted_time_s"] > predict_move_time_s(move, parse_cluster("cpu:1x4"))

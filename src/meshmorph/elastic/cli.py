@@ -173,7 +173,14 @@ def _reshape(args: argparse.Namespace) -> int:
         raise ReshapeError(f"the move uses device {max(best.devices)} but cluster "
                            f"{cluster.describe()} has {cluster.world_size} devices; give a "
                            "larger --cluster")
-    best_s, naive_s = predict_move_time_s(best, cluster), predict_move_time_s(naive, cluster)
+    time_model = None
+    if args.profile is not None:  # measured point-to-point alpha/beta instead of the catalog's
+        from meshmorph.cost.profile import Profile
+        from meshmorph.elastic.move_time import MoveTimeModel
+
+        time_model = MoveTimeModel.from_profile(Profile.load(args.profile))
+    best_s = predict_move_time_s(best, cluster, model=time_model)
+    naive_s = predict_move_time_s(naive, cluster, model=time_model)
     headline = (f"reshape on {cluster.describe()}, survivors {','.join(map(str, best.survivors))}"
                 f"\n  from: {plan_headline(plan_a, model)}\n  to:   {plan_headline(plan_b, model)}")
     _print(best, naive, best_s, naive_s, headline)
@@ -210,6 +217,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "no memory check")
     parser.add_argument("--staging-mib", type=float, default=DEFAULT_STAGING_BYTES / 2**20,
                         help="largest batch a destination buffers, MiB (default 256)")
+    parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
+                        help="price messages with a measured profile's send_recv/2 alpha/beta "
+                             "(meshmorph profile --out FILE) instead of the catalog's links")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT",
                         help="write the move's figures as JSON")
     parser.add_argument("--png", type=Path, default=None, metavar="OUT",

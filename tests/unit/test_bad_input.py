@@ -96,6 +96,11 @@ JOB_CASES = [
     ("unknown model", JOB.replace('source = "gpt-tiny"', 'source = "gpt-9000"'),
      ["unknown model 'gpt-9000'", "known models"]),
     ("seq_len 0", JOB.replace("seq_len = 32", "seq_len = 0"), ["[model] seq_len must be at least 1"]),
+    ("compile not bool", JOB.replace("micro_batch = 2", 'micro_batch = 2\ncompile = "yes"'),
+     ["[train] compile must be bool, got 'yes'"]),
+    ("unknown compile backend", JOB.replace("micro_batch = 2",
+                                            'micro_batch = 2\ncompile_backend = "tensorrt"'),
+     ["[train] compile_backend must be inductor, aot_eager or eager, got 'tensorrt'"]),
 ]
 
 
@@ -135,6 +140,11 @@ PLAN_CASES = [
     ("float degree", json.dumps({**PLAN, "dp": 2.5}), ["dp must be an integer, got 2.5"]),
     ("unknown key", json.dumps({**PLAN, "fsdp": True}), ["plan has unknown keys: fsdp"]),
     ("negative dp", json.dumps({**PLAN, "dp": -2}), ["dp must be at least 1, got -2"]),
+    ("nan batch", json.dumps({**PLAN, "global_batch": float("nan")}),
+     ["global_batch must be an integer, got nan"]),
+    ("bool degree", json.dumps({**PLAN, "dp": True}), ["dp must be an integer, got True"]),
+    ("unknown dtype", json.dumps({**PLAN, "dtype": "fp8"}),
+     ["dtype must be one of bf16, fp16, fp32, got 'fp8'"]),
     ("missing keys", json.dumps({"model": "gpt-tiny"}), ["does not hold a valid plan", "seq_len"]),
     ("no plans", json.dumps({"plans": []}), ["lists no plans"]),
     ("bad stages", json.dumps({**PLAN, "stages": [{"layers": [0]}]}), ["does not hold a valid plan"]),
@@ -181,6 +191,10 @@ CLUSTER_CASES = [
      ["nodes in [[groups]] #1 must be a positive integer, got -2"]),
     ("unknown key", CLUSTER + "gpus = 3\n", ["unknown key 'gpus' in [[groups]] #1", "valid keys"]),
     ("unknown gpu", CLUSTER.replace('"h100"', '"h900"'), ["unknown gpu 'h900'", "valid GPUs"]),
+    ("wrong type", CLUSTER.replace("nodes = 2", 'nodes = "two"'),
+     ["nodes in [[groups]] #1 must be a positive integer, got 'two'"]),
+    ("negative bandwidth", CLUSTER + "intra_node_bandwidth_gbps = -5\n",
+     ["intra_node_bandwidth_gbps in [[groups]] #1 must be a positive number, got -5"]),
 ]
 
 
@@ -206,6 +220,8 @@ MODEL_CASES = [
      ["n_layer must be a positive integer, got nan"]),
     ("negative width", json.dumps({**HF_GPT, "n_embd": -64}),
      ["n_embd must be a positive integer, got -64"]),
+    ("wrong type", json.dumps({**HF_GPT, "n_layer": "two"}),
+     ["n_layer must be a positive integer, got 'two'"]),
     ("unknown layout", json.dumps({"layers": 2}), ["unknown config layout", "GPT-2 style"]),
     ("tying not bool", json.dumps({**HF_GPT, "tie_word_embeddings": "yes"}),
      ["tie_word_embeddings must be true or false, got 'yes'"]),

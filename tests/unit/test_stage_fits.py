@@ -1,4 +1,5 @@
-"""``StageSolver.fits`` answers exactly ``stage(...) is not None`` (the stage-reach test's shortcut).
+"""``StageSolver.fits`` answers exactly ``stage(...) is not None`` (the stage-reach test's shortcut),
+and the all-none stage memory both read is ``CostModel.rank_memory``'s.
 
 Every stage range on every pipeline rank of every configuration of small models whose memory
 binds (long sequences, small GPUs), with a fresh solver for each side so neither reads the
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from meshmorph.cost.model import CostModel
+from meshmorph.cost.rank_terms import rank_memory_terms
 from meshmorph.plan.fastest_layers import cluster_gpu
 from meshmorph.plan.space import SearchOptions, configurations
 from meshmorph.plan.stage_recompute import StageSolver
@@ -49,6 +51,12 @@ def test_fits_is_stage_not_none(case: tuple) -> None:
             for start in range(L):
                 for stop in range(start + 1, L + 1):
                     expected = timed.stage(k, start, stop) is not None
+                    # the fits test's all-none memory is CostModel.rank_memory's, to rounding
+                    none = cost.rank_memory(plan, k, [(start, stop, (Recompute.NONE,) * (
+                        stop - start))], gpus[k]).total
+                    shortcut = quick.none_total(rank_memory_terms(cost, plan, k, gpus[k]),
+                                                start, stop, gpus[k])
+                    assert abs(shortcut - none) <= 1e-12 * none, (shortcut, none)
                     assert quick.fits(k, start, stop) == expected, (
                         f"{plan.tp=} {plan.pp=} {plan.dp=} zero {plan.zero} mb "
                         f"{plan.micro_batch} {plan.schedule} rank {k} layers [{start}, {stop})")

@@ -62,6 +62,8 @@ class StageSolver:
         self._cache: dict[tuple, StageChoice | None] = {}
         self._by_range: dict[tuple[int, int, int], StageChoice | None] = {}
         self._fit_cache: dict[tuple, bool] = {}
+        self._terms: dict[int, RankMemoryTerms] = {}
+        self._figures: dict[str, _LayerFigures] = {}
         self._fit_by_range: dict[tuple[int, int, int], bool] = {}
         # layers whose recompute is a choice (more than one allowed mode keeps activations)
         self._flexible = [sum(1 for m in self.modes if m in layer.activation) > 1
@@ -240,10 +242,35 @@ class StageSolver:
         per = {mode: coster.layer(group[0], gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
                                   mode) for mode in self.modes
                if mode in self.model.layers[group[0]].activation}
+        terms = self._terms.get(k)
+        if terms is None:
+            terms = self._terms[k] = rank_memory_terms(self.cost, plan, k, gpu)
+        return _GroupMemory(self, k, start, stop, gpu, build, per,
+                            self.none_total(terms, start, stop, gpu), terms)
+
+    def none_total(self, terms: RankMemoryTerms, start: int, stop: int, gpu: GPUSpec) -> float:
+        """``CostModel.rank_memory`` of layers [start, stop) without recompute, added up by its
+        own terms (``RankMemoryTerms.total``) from per-layer figures: the same sums in the same
+        order as ``rank_memory`` but for its grouping, so the two differ by rounding alone (the
+        fits test defers to ``rank_memory`` within ``_EDGE`` of the budget)."""
+        layers = self._layer_figures(gpu)
+        params = sum(layers.params[start:stop])
+        if start == 0 and stop == self.L:  # CostModel.chunk_params: one tied copy
+            params -= self.model.layers[-1].tied_params / self.plan.tp
         # with no recompute no layer rematerialises anything: its working set is zero
-        none = self.cost.rank_memory(plan, k, [(start, stop, build([(0, 0)]))], gpu)
-        terms = rank_memory_terms(self.cost, plan, k, gpu)
-        return _GroupMemory(self, k, start, stop, gpu, build, per, none.total, terms)
+        return terms.total(params=params, stored=sum(layers.stored[start:stop]), working=0.0,
+                           largest_layer_params=max(layers.params[start:stop]))
+
+    def _layer_figures(self, gpu: GPUSpec) -> _LayerFigures:
+        figures = self._figures.get(gpu.name)
+        if figures is None:
+            plan, cost = self.plan, self.cost
+            coster = cost.coster(plan.dtype)
+            figures = self._figures[gpu.name] = _LayerFigures(
+                params=[cost.chunk_params(i, i + 1, plan.tp) for i in range(self.L)],
+                stored=[coster.layer(i, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
+                                     Recompute.NONE).activation_bytes for i in range(self.L)])
+        return figures
 
     def _one_group(self, k: int, start: int, stop: int, gpu: GPUSpec, group: list[int],
                    build: Build) -> Iterator[tuple[Recompute, ...]]:
@@ -274,6 +301,16 @@ class StageSolver:
             best_extra = min(best_extra, n_full * extra[Recompute.FULL]
                              + sels[lo] * extra[Recompute.SELECTIVE])
             yield build([(n_full, sels[lo])])
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerFigures:
+    """Per layer, what a rank's memory without recompute adds up (one GPU type)."""
+
+    params: list[float]
+    """Parameters on one tensor-parallel rank (``CostModel.chunk_params`` of the layer)."""
+    stored: list[float]
+    """Activation bytes kept per micro-batch without recompute."""
 
 
 @dataclass(slots=True)

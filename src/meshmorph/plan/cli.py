@@ -16,7 +16,7 @@ from meshmorph.cli_args import bounded_int, positive_int
 from meshmorph.cli_output import check_writable, unwritable, write_json
 from meshmorph.plan.report import report_console
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan import WEIGHT_PREDICTIONS, Plan, PlanError, Schedule
 from meshmorph.spec.plan_file import load_plan
 
 DTYPES = ("bf16", "fp16", "fp32")
@@ -67,7 +67,8 @@ def _plan(args: argparse.Namespace) -> int:
     cluster = parse_cluster(args.cluster)
     options = SearchOptions(top_k=args.top, dtype=args.dtype, max_micro_batch=args.max_micro_batch,
                             tolerance=args.tolerance, max_nodes=args.max_nodes or None,
-                            allow_async=args.allow_async)
+                            allow_async=args.allow_async,
+                            weight_prediction=args.weight_prediction)
     cost = CostModel(model, cluster, profile=Profile.load(args.profile) if args.profile else None)
     if args.layerwise or args.uniform:
         from meshmorph.plan.layerwise_cli import plan_layerwise
@@ -207,7 +208,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="the layerwise search restricted to one strategy per stage")
     plan.add_argument("--allow-async", action="store_true",
                       help="also consider schedule async (1F1B without flush, stale weights: "
-                           "not the same math as one device; priced without the flush bubble)")
+                           "not the same math as one device; priced by the event simulator in "
+                           "its steady state, an optimizer step per micro-batch)")
+    plan.add_argument("--weight-prediction", choices=WEIGHT_PREDICTIONS, default="none",
+                      help="with --allow-async: the async plans' weights (stash, 2bw, sgd and "
+                           "adam hold weight copies that count against memory)")
     plan.add_argument("--profile", type=Path, default=None,
                       help="a Profile JSON (meshmorph profile) replacing catalog figures")
     plan.add_argument("--json", type=Path, default=None, help="write the plans to this JSON file")

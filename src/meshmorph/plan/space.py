@@ -59,6 +59,10 @@ class SearchOptions:
     allow_async: bool = False
     """Also offer schedule ``async`` (1F1B without flush, PipeDream: no flush bubble, stale
     weights, so not the same math as one device) though ``schedules`` does not list it."""
+    weight_prediction: str = "none"
+    """Weights of the ``async`` plans (``none``, ``stash``, ``2bw``, ``sgd``, ``adam``): the
+    stashed or predicted copies count against memory, so the planner leaves out the async
+    layouts they do not fit."""
 
     def __post_init__(self) -> None:
         if self.dtype not in tuple(DType):
@@ -185,5 +189,6 @@ def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int,
                     plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=global_batch,
                                 tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=b, num_microbatches=m,
                                 schedule=schedule, vpp=vpp, sequence_parallel=sp,
-                                dtype=options.dtype)
+                                dtype=options.dtype, weight_prediction=options.weight_prediction
+                                if schedule == Schedule.ASYNC else "none")
                     yield Config(plan, gpus)

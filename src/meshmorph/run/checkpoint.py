@@ -210,18 +210,29 @@ def _engine_state(engine: Any) -> dict[str, Any]:
         get_optimizer_state_dict,
     )
 
-    if len(engine.model_parts) != len(engine.optimizers):
-        raise CheckpointError(
-            f"checkpoints need one optimizer per model part, the engine has "
-            f"{len(engine.model_parts)} parts and {len(engine.optimizers)} optimizers"
-        )
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
     model: dict[str, Any] = {}
     optim: dict[str, Any] = {}
-    for part, optimizer in zip(engine.model_parts, engine.optimizers, strict=True):
+    for part, optimizers in zip(engine.model_parts, part_optimizers(engine), strict=True):
         model.update(get_model_state_dict(part))
-        optim.update(get_optimizer_state_dict(part, optimizer, options=flat))
+        optim.update(get_optimizer_state_dict(part, optimizers, options=flat))
     return {"model": model, "optim": optim}
+
+
+def part_optimizers(engine: Any) -> list[list[Any]]:
+    """The optimizers of each model part: one per part, or the engine's ``part_optimizers``
+    where it keeps several over one part (a layerwise plan: one per mesh and kind of parameter);
+    their state goes into one state dict keyed by the parameters' fully-qualified names."""
+    grouped = getattr(engine, "part_optimizers", None)
+    if grouped is not None:
+        return [list(optimizers) for optimizers in grouped]
+    if len(engine.model_parts) != len(engine.optimizers):
+        raise CheckpointError(
+            f"checkpoints need one optimizer per model part (or the engine's part_optimizers), "
+            f"the engine has {len(engine.model_parts)} parts and {len(engine.optimizers)} "
+            "optimizers"
+        )
+    return [[optimizer] for optimizer in engine.optimizers]
 
 
 def _extra_state(engine: Any) -> dict[str, Any]:
@@ -360,9 +371,9 @@ def load_checkpoint(engine: Any, info: CheckpointInfo) -> None:
     dcp.load(request, checkpoint_id=str(info.path), no_dist=not _distributed())
     state = {section: {key: request[section][renamed[section].get(key, key)] for key in values}
              for section, values in state.items()}
-    for part, optimizer in zip(engine.model_parts, engine.optimizers, strict=True):
+    for part, optimizers in zip(engine.model_parts, part_optimizers(engine), strict=True):
         set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-        set_optimizer_state_dict(part, optimizer, state["optim"],
+        set_optimizer_state_dict(part, optimizers, state["optim"],
                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
     own = info.path / f"extra-rank{rank}.pt"
     saved_world = int(info.plan.get("world_size", 0))

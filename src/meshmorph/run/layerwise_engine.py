@@ -108,6 +108,9 @@ class LayerwiseEngine(TrainEngine):
         self.chunk_ids = [0]
         self._params = [[p for unit in self.units for p in unit.params]]
         self.optimizers, self.lr_schedulers = self._make_optimizers()
+        self.part_optimizers = [self.optimizers]
+        """The optimizers over each model part, for checkpoints (run/checkpoint.py): all of
+        them over the one chunk, saved as one state dict keyed by parameter names."""
         self.has_first = self.has_last = True
         self.scaler = None
         self.schedule = None

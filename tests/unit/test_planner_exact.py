@@ -238,5 +238,5 @@ def test_zero_bubble_planner_finds_the_brute_force_partition_on_two_ranks() -> N
                         schedules=(Schedule.ZERO_BUBBLE,), sequence_parallel=(False,),
                         max_micro_batch=1, tp_degrees=(1,), pp_degrees=(2,))
     brute = _brute_step(instance)
-    assert brute == pytest.approx(49.244245302989874, rel=1e-9)
+    assert brute == pytest.approx(36.64281243342222, rel=1e-9)
     assert _planner_step(instance, tolerance=0.0) == pytest.approx(brute, rel=1e-9)

@@ -1,8 +1,10 @@
 """The few coefficients of the cost model, shared by every estimate.
 
-Defaults were chosen once against Narayanan et al. 2021 Table 1 (A100-80GB, ten rows from 1.7B
-to 1T parameters) and are used unchanged for every row and every other GPU; see
-docs/cost-model.md for how. A Profile measured on real hardware overrides them.
+The three fitted ones (matmul_efficiency, elementwise_passes, link_efficiency) are least-squares
+fits, rounded, over 32 published runs (Narayanan et al. 2021 Table 1, the Megatron-LM README
+tables of 2020-09 and 2021-01; ``python bench/calibrate.py`` reports their in-sample and
+leave-one-out error) and are used unchanged for every GPU; see docs/cost-model.md for the source
+of every coefficient. A Profile measured on real hardware overrides them.
 """
 
 from __future__ import annotations
@@ -14,14 +16,24 @@ from dataclasses import dataclass
 class CostCoefficients:
     """Achieved fractions of peak and the overlap each kind of communication gets."""
 
-    matmul_efficiency: float = 0.62
+    matmul_efficiency: float = 0.63
     """Fraction of dense peak FLOP/s a large transformer GEMM reaches (the curve's ceiling)."""
-    efficiency_half_width: float = 160.0
+    efficiency_half_width: float = 0.0
     """Per-GPU GEMM width (h / tp) at which efficiency falls to half its ceiling; models the
-    drop of small, thin matmuls: eff = ceiling * w / (w + half_width)."""
-    efficiency_half_tokens: float = 64.0
-    """Tokens per micro-batch (b * s) at which efficiency halves (small micro-batches)."""
-    link_efficiency: float = 0.7
+    drop of small, thin matmuls: eff = ceiling * w / (w + half_width). 0 (default): off, the
+    GEMM roofline with wave quantisation (cost/gemm.py) prices shape instead."""
+    efficiency_half_tokens: float = 0.0
+    """Tokens per micro-batch (b * s) at which efficiency halves (small micro-batches); 0: off."""
+    elementwise_passes: float = 4.0
+    """HBM passes over a layer's saved activations per forward + backward (memory-bound kernels:
+    LayerNorm, dropout, GeLU, softmax, residual adds, bias). Time = passes * activation bytes per
+    token (no recompute, this rank's share) * tokens / HBM bandwidth; a third in forward (it
+    writes them), two thirds in backward (reads them, writes their gradients), a recomputed
+    forward repeats the forward's third. Physically about 3."""
+    gemm_tile: int = 128
+    """Output tile edge of a tensor-core GEMM threadblock (CUTLASS's default 128 x 128); with the
+    GPU's SM count it sets the wave quantisation of each GEMM (cost/gemm.py)."""
+    link_efficiency: float = 0.9
     """Achieved fraction of a link's nominal bandwidth for large collectives."""
     dp_overlap: float = 0.0
     """Fraction of data-parallel gradient communication hidden behind backward (0 = none, as in
@@ -46,3 +58,8 @@ class CostCoefficients:
             value = getattr(self, name)
             if not 0 <= value < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {value}")
+        for name in ("elementwise_passes", "efficiency_half_width", "efficiency_half_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.gemm_tile < 0:
+            raise ValueError(f"gemm_tile must be >= 0 (0: no wave quantisation), got {self.gemm_tile}")

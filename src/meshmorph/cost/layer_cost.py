@@ -11,6 +11,7 @@ from functools import lru_cache
 
 from meshmorph.cost import comm
 from meshmorph.cost.coefficients import CostCoefficients
+from meshmorph.cost.gemm import layer_efficiency
 from meshmorph.cost.profile import Profile
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import LayerSpec, ModelSpec, Recompute
@@ -66,6 +67,8 @@ def _same(a: LayerSpec, b: LayerSpec) -> bool:
 
 def matmul_efficiency(coef: CostCoefficients, ceiling: float, width: float, tokens: float) -> float:
     """Achieved fraction of peak: eff = ceiling * w/(w + w_half) * n/(n + n_half)."""
+    if width <= 0 or tokens <= 0:
+        return ceiling
     return ceiling * width / (width + coef.efficiency_half_width) * tokens / (
         tokens + coef.efficiency_half_tokens)
 
@@ -98,12 +101,26 @@ class LayerCoster:
         gpu = self.gpus[gpu_name]
         tokens = micro_batch * self.model.seq_len
         peak = gpu.peak_flops(self.dtype)
-        eff = matmul_efficiency(self.coef, self.efficiency[gpu.name], self.model.hidden_size / tp,
-                                tokens)
+        element_bytes = self.model.dtype_bytes * self.act_scale
+        # GEMMs at their roofline rate with wave quantisation (cost/gemm.py), times the optional
+        # thin-GEMM and small-batch curve (off when its half points are 0)
+        eff = layer_efficiency(self.model, layer, tp, tokens, gpu, self.dtype, element_bytes,
+                               self.efficiency[gpu.name], self.coef.gemm_tile)
+        eff = matmul_efficiency(self.coef, eff, self.model.hidden_size / tp, tokens)
         fwd_flops = layer.fwd_flops_per_token * tokens / tp
         re_flops = layer.recompute_flops_per_token.get(recompute, 0.0) * tokens / tp
-        fwd_c = fwd_flops / (peak * eff)
-        re_c = re_flops / (peak * eff)
+        # memory-bound kernels: passes over the saved activations at HBM bandwidth (with SP the
+        # LayerNorm/dropout share is this rank's 1/t, as its activations are)
+        act_none = layer.activation[Recompute.NONE].per_rank(tp, sp) * tokens * self.act_scale
+        hbm = gpu.hbm_gbps * 1e9
+        mem_pass = self.coef.elementwise_passes / 3 * act_none / hbm
+        fwd_c = fwd_flops / (peak * eff) + mem_pass
+        # a recompute rewrites what it did not keep: selective the attention core's softmax and
+        # dropout over the scores (the 5as/h term), full everything but the layer input
+        act_kept = layer.activation[recompute].per_rank(tp, sp) * tokens * self.act_scale
+        re_mem = self.coef.elementwise_passes / 3 * max(act_none - act_kept, 0.0) / hbm \
+            if recompute != Recompute.NONE else 0.0
+        re_c = re_flops / (peak * eff) + re_mem
         wgrad_c = fwd_c  # backward = 2x forward FLOPs: input gradient ~ forward, weight ~ forward
         measured = self.profile.layer_time(self.model.name, self.model.seq_len, micro_batch,
                                            self.dtype, index) if self.profile else None

@@ -1,0 +1,74 @@
+"""The cost model's error against every published run, in sample and leave-one-out.
+
+For each run of meshmorph.cost.calibration.published_runs (Narayanan et al. 2021 Table 1, the
+Megatron-LM README tables of 2020-09 and 2021-01): the error of the shipped default coefficients,
+of coefficients fitted on all runs (in sample), and of coefficients fitted on all other runs
+(leave-one-out: the error to expect on a run the model has not seen). Fits choose FIT_SPACE's
+coefficients by least squares on log(predicted / published).
+
+Run: ``python bench/calibrate.py``; writes bench/results/calibration.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from meshmorph.cost.calibration import FIT_SPACE, errors, fit, leave_one_out, published_runs
+from meshmorph.cost.coefficients import CostCoefficients
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def summary(errs: list[float]) -> dict[str, float]:
+    return {"mape": statistics.fmean(abs(e) for e in errs), "max_abs": max(abs(e) for e in errs),
+            "mean_signed": statistics.fmean(errs)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULTS / "calibration.json")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    runs = published_runs()
+    default = CostCoefficients()
+    default_errs = errors(runs, default)
+    fitted = fit(runs, FIT_SPACE, default)
+    fitted_errs = errors(runs, fitted)
+    loo = leave_one_out(runs, FIT_SPACE, fitted)
+    loo_errs = [e for e, _ in loo]
+    rows = []
+    print(f"{'run':44s} {'layout':34s} {'pub':>6s} {'default':>8s} {'fitted':>8s} {'LOO':>8s}")
+    for run, d, f, (o, coef) in zip(runs, default_errs, fitted_errs, loo, strict=True):
+        p = run.plan
+        layout = (f"{run.cluster.name} t{p.tp} p{p.pp} d{p.dp} mb{p.micro_batch}x"
+                  f"{p.num_microbatches} {p.schedule.value}{'' if p.vpp == 1 else p.vpp}")
+        rows.append({"id": run.id, "source": run.source, "layout": layout,
+                     "published_tflops": run.published_tflops,
+                     "default_error": d, "fitted_error": f, "leave_one_out_error": o,
+                     "leave_one_out_coefficients": {n: getattr(coef, n) for n in FIT_SPACE.names}})
+        print(f"{run.id:44s} {layout:34s} {run.published_tflops:6.1f} {d:+8.1%} {f:+8.1%} {o:+8.1%}")
+    result = {
+        "machine": platform.platform(), "runs": len(runs), "fit_space": asdict(FIT_SPACE),
+        "default_coefficients": {n: getattr(default, n) for n in FIT_SPACE.names},
+        "fitted_coefficients": {n: getattr(fitted, n) for n in FIT_SPACE.names},
+        "default": summary(default_errs), "in_sample": summary(fitted_errs),
+        "leave_one_out": summary(loo_errs), "rows": rows,
+        "seconds": time.perf_counter() - started,
+    }
+    for key in ("default", "in_sample", "leave_one_out"):
+        s = result[key]
+        print(f"{key:14s} MAPE {s['mape']:.1%}  max {s['max_abs']:.1%}  mean {s['mean_signed']:+.1%}")
+    print("fitted:", result["fitted_coefficients"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out} in {result['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

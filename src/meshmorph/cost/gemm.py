@@ -1,0 +1,65 @@
+"""Achieved GEMM throughput by shape and dtype: a roofline with wave quantisation.
+
+A GEMM of M x K by K x N on a GPU with S streaming multiprocessors is cut into
+ceil(M / T) * ceil(N / T) output tiles of T x T (CUTLASS's default tensor-core threadblock
+tile, T = 128); the tiles run in waves of S, so a last, partly filled wave wastes
+1 - tiles / (waves * S) of the machine. The achieved rate is the lower of
+ceiling * peak * tiles / (waves * S) (compute bound) and the arithmetic intensity
+2MNK / (c (MK + KN + MN)) times HBM bandwidth (memory bound), c the element bytes.
+
+Each layer's GEMMs are read from the ModelSpec's shape (GPT and Llama blocks, the head); FLOPs
+no GEMM accounts for (the attention core, a custom model's layers) run at the ceiling.
+"""
+
+from __future__ import annotations
+
+import math
+
+from meshmorph.spec.gpus import GPUSpec
+from meshmorph.spec.model import LayerKind, LayerSpec, ModelSpec
+
+
+def wave_efficiency(m: int, n: int, tile: int, sms: int) -> float:
+    """Share of the SMs' tile slots doing work: tiles / (waves * SMs); 1 without an SM count."""
+    if sms <= 0 or tile <= 0:
+        return 1.0
+    tiles = math.ceil(m / tile) * math.ceil(n / tile)
+    return tiles / (math.ceil(tiles / sms) * sms)
+
+
+def gemm_time(m: int, n: int, k: int, gpu: GPUSpec, dtype: str, element_bytes: float,
+              ceiling: float, tile: int) -> float:
+    """Seconds of one M x K by K x N GEMM (roofline with wave quantisation)."""
+    flops = 2.0 * m * n * k
+    compute = gpu.peak_flops(dtype) * ceiling * wave_efficiency(m, n, tile, int(gpu.sm_count))
+    memory = element_bytes * (m * k + k * n + m * n) / (gpu.hbm_gbps * 1e9)
+    return max(flops / compute, memory)
+
+
+def layer_gemms(model: ModelSpec, layer: LayerSpec, tp: int) -> tuple[tuple[int, int], ...]:
+    """(N, K) of each forward GEMM of one layer on one tensor-parallel rank (M = tokens)."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    if layer.kind == LayerKind.HEAD:
+        return ((model.padded_vocab_size // tp, h),)
+    if layer.kind != LayerKind.BLOCK or model.arch not in ("gpt", "llama"):
+        return ()
+    kv = h * model.num_kv_heads // model.num_heads
+    up = 2 * f if model.arch == "llama" else f  # SwiGLU: gate and up projections
+    return (((h + 2 * kv) // tp, h), (h, h // tp), (up // tp, h), (h, f // tp))
+
+
+def layer_efficiency(model: ModelSpec, layer: LayerSpec, tp: int, tokens: int, gpu: GPUSpec,
+                     dtype: str, element_bytes: float, ceiling: float, tile: int) -> float:
+    """Achieved fraction of peak over the layer's forward FLOPs on one TP rank: the GEMMs at their
+    roofline rate, the rest at the ceiling (FLOP-weighted harmonic mean)."""
+    total = layer.fwd_flops_per_token * tokens / tp
+    if total <= 0:
+        return ceiling
+    peak = gpu.peak_flops(dtype)
+    seconds, gemm_flops = 0.0, 0.0
+    for n, k in layer_gemms(model, layer, tp):
+        seconds += gemm_time(tokens, n, k, gpu, dtype, element_bytes, ceiling, tile)
+        gemm_flops += 2.0 * tokens * n * k
+    rest = max(total - gemm_flops, 0.0)
+    seconds += rest / (peak * ceiling)
+    return total / (peak * seconds)

@@ -102,14 +102,16 @@ def fsdp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:
 
 def tp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:
     """Tensor parallelism over every rank: q/k/v and fc1 by columns, wo and fc2 by rows, the
-    embedding and head by vocabulary; norms stay plain (replicated) tensors."""
-    from contextlib import nullcontext
-
+    embedding and head by vocabulary; norms stay plain (replicated) tensors. The logits stay
+    sharded on the vocabulary and the loss runs under torch's ``loss_parallel`` (the pattern of
+    torch's tensor-parallel tutorial)."""
+    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
+        loss_parallel,
         parallelize_module,
     )
 
@@ -117,7 +119,7 @@ def tp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     plan: dict[str, Any] = {
         "embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "head.out": ColwiseParallel(output_layouts=Replicate()),
+        "head.out": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     }
     for key in model.blocks:
         for name in ("wq", "wk", "wv"):
@@ -133,7 +135,13 @@ def tp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:
 
     def step(tokens: torch.Tensor) -> float:
         opt.zero_grad(set_to_none=True)
-        total = _accumulate(model, tokens, m, lambda i: nullcontext())
+        total = torch.zeros((), dtype=torch.float64)
+        for mb in tokens.chunk(m):
+            with loss_parallel():
+                logits = model(mb[:, :-1])
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), mb[:, 1:].flatten())
+                (loss / m).backward()
+            total += loss.to_local().detach().double()
         squares = torch.zeros((), dtype=torch.float64)
         for p in params:
             g = p.grad

@@ -22,7 +22,8 @@ nothing), ``m`` micro-batches of ``b`` sequences of ``s`` tokens:
   without sequence parallelism, an all-reduce of ``b s h`` after the vocabulary-parallel
   embedding and after each row-parallel layer (2 per block) in forward, one per column-parallel
   layer's input gradient in backward (q, k, v and the first MLP projection(s)), one for the
-  head's input gradient, and the all-gather of the head's logits ``b s V/t``; with sequence
+  head's input gradient, and loss_parallel's three fp32 all-reduces of ``b s`` values over the
+  vocabulary-sharded logits (no gather of the logits); with sequence
   parallelism the row-parallel all-reduces become reduce-scatters of ``b s h`` and the block
   inputs all-gathers of ``b s/t h`` (forward and backward), and the norms' gradients are
   all-reduced once per step;
@@ -54,6 +55,10 @@ NORM_PP_BYTES = 8
 """run/grad_norm.py: the float64 norm, all-reduced over pp when pp > 1."""
 HANDSHAKE_BYTES = 4
 """torch pipelining's first-step neighbour check: one float32 per neighbouring stage."""
+LOSS_PARALLEL_REDUCTIONS = 3
+"""torch's loss_parallel over vocabulary-sharded logits: three fp32 all-reduces of one value per
+token in forward (the max, the sum of exponentials, the target's log-probability), none in
+backward."""
 
 
 def _rows_rest(tensor: ParamTensor, tp: int) -> tuple[int, int]:
@@ -178,8 +183,8 @@ def _activation_traffic(model: ModelSpec, plan: Plan, chunks: list) -> dict[str,
                 # column-parallel input gradients, in the dtype of the input
                 out["all_reduce"] += (3 + up) * m * bsh * hidden_b
             else:  # head
-                if split:
-                    out["all_gather"] += m * b * s * model.padded_vocab_size // t * tp_b
+                if split:  # loss_parallel (run/loss.py): max, sum of exponentials, target logit
+                    out["all_reduce"] += m * LOSS_PARALLEL_REDUCTIONS * b * s * 4
                     if sp:
                         out["all_gather"] += m * bsh // t * hidden_b
                         out["reduce_scatter"] += m * bsh * hidden_b

@@ -3,7 +3,9 @@
 A ``TorchDispatchMode`` sees every c10d op (``c10d.allreduce_``, ``c10d._allgather_base_``, ...:
 what ``torch.distributed``'s functions, DDP's comm hooks, FSDP2 and pipelining call) and every
 functional collective (``_c10d_functional.*``: what DTensor redistributions call). The op list is
-the one ``torch.distributed.tensor.debug.CommDebugMode`` uses.
+the one ``torch.distributed.tensor.debug.CommDebugMode`` uses, and like it the mode lets DTensor
+desugar an op first, so collectives issued inside a DTensor op (``loss_parallel``'s reductions)
+are counted too.
 
 "Sent" is defined once, here, and the cost model predicts the same quantity (cost/rank_state.py):
 the bytes of the collective's input buffer on this rank. An all-reduce sends its whole tensor, an
@@ -19,6 +21,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "broadcast")
@@ -72,6 +75,11 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
+        if any(t is DTensor for t in types):
+            # let DTensor desugar the op first (as CommDebugMode does): the collectives it issues
+            # inside an op (loss_parallel's reductions, implicit redistributions) then come back
+            # through this mode on plain tensors
+            return NotImplemented
         namespace = func.namespace
         if namespace in _NAMESPACES:
             name = func._schema.name.split("::")[-1]

@@ -18,7 +18,9 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from meshmorph.run.loss import mask_padded_vocab
 from meshmorph.spec.model import ModelSpec
 
 INIT_STD = 0.02
@@ -163,6 +165,8 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.out(self.norm(x))
+        if isinstance(logits, DTensor):  # sharded on the vocabulary, for loss_parallel
+            return mask_padded_vocab(logits, self.vocab_size) if self.padded else logits
         return logits[..., : self.vocab_size] if self.padded else logits
 
 

@@ -90,9 +90,11 @@ class ReplicateParallel(ParallelStyle):
 
 
 def tp_plan(chunk: Transformer, spec: ModelSpec, tp_degree: int,
-            sequence_parallel: bool) -> dict[str, ParallelStyle]:
+            sequence_parallel: bool, vocab_parallel_loss: bool = False) -> dict[str, ParallelStyle]:
     """Module name -> parallel style for the layers this chunk holds (Megatron's split: q/k/v,
-    fc1 (or w1/w3) by columns, wo and fc2 (or w2) by rows, embedding and head by vocabulary)."""
+    fc1 (or w1/w3) by columns, wo and fc2 (or w2) by rows, embedding and head by vocabulary).
+    ``vocab_parallel_loss``: a vocabulary-parallel head hands back its logits sharded on the
+    vocabulary (a DTensor) for ``loss_parallel`` (run/loss.py), instead of gathering them."""
     seq = Shard(1)  # activations between tensor-parallel regions: by sequence with SP
     norm: ParallelStyle = SequenceParallel() if sequence_parallel else ReplicateParallel()
     between = seq if sequence_parallel else Replicate()
@@ -126,7 +128,10 @@ def tp_plan(chunk: Transformer, spec: ModelSpec, tp_degree: int,
         plan[f"{block}.mlp.{down}"] = RowwiseParallel(output_layouts=between)
     if chunk.head is not None:
         plan["head.norm"] = norm
-        plan["head.out"] = (ColwiseParallel(input_layouts=between, output_layouts=Replicate())
+        plan["head.out"] = (ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
+                                            use_local_output=False)
+                            if vocab_split and vocab_parallel_loss else
+                            ColwiseParallel(input_layouts=between, output_layouts=Replicate())
                             if vocab_split else ReplicateParallel())
     return plan
 
@@ -135,7 +140,8 @@ def apply_tp(chunk: Transformer, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_
     """Tensor (and sequence) parallelism over ``tp_mesh``; a tied head is re-tied afterwards
     (both halves are split by vocabulary rows, so they stay one DTensor)."""
     # every rank built the same weights from the same seed: no broadcast needed (src_data_rank None)
-    parallelize_module(chunk, tp_mesh, tp_plan(chunk, spec, tp_mesh.size(), sequence_parallel), src_data_rank=None)
+    parallelize_module(chunk, tp_mesh, tp_plan(chunk, spec, tp_mesh.size(), sequence_parallel,
+                                               vocab_parallel_loss=True), src_data_rank=None)
     if spec.tied_embeddings and chunk.embed is not None and chunk.head is not None:
         chunk.head.out.weight = chunk.embed.tok.weight
 

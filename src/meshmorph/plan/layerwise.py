@@ -85,9 +85,9 @@ def _pareto(labels: list[_Label]) -> list[_Label]:
 
 
 _Choice = tuple[int, Recompute, float, float, LayerTerms]
-TermsCache = dict[tuple, LayerTerms]
-"""Layer terms already computed, by (layer class, strategy, recompute, stage shape): identical
-blocks and repeated stage shapes cost one evaluation."""
+TermsCache = dict[tuple, "LayerTerms | list[_Choice]"]
+"""Layer terms already computed, by (layer class, strategy, recompute, stage shape), and whole
+rows of choices: identical blocks and repeated stage shapes cost one evaluation."""
 
 
 def stage_choices(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int,
@@ -106,10 +106,16 @@ def stage_choices(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: i
     shape = (plan.num_microbatches, plan.dp * plan.micro_batch, plan.schedule, plan.pp, pp_rank,
              plan.dtype, gpu.name)
     choices: list[list[_Choice]] = []
+    offered = (tuple(strategies), tuple(recompute))
     for index in layers:
-        modes = [r for r in recompute if r in cost.model.layers[index].activation]
         drop = tied and index == last
-        row = []
+        row_key = ("row", classes[index], drop, shape, offered)  # identical blocks: one row
+        done = cache.get(row_key)
+        if done is not None:
+            choices.append(done)
+            continue
+        modes = [r for r in recompute if r in cost.model.layers[index].activation]
+        row = cache[row_key] = []
         for si, strategy in enumerate(strategies):
             own = []
             for mode in modes:

@@ -88,12 +88,17 @@ def pareto(labels: list[_Label], dims: int = 7) -> list[_Label]:
     return kept
 
 
+class FrontBudgetExceeded(PlanError):
+    """A stage's program kept more labels than its budget (the search then reports the
+    configuration's bound as unproven instead of running on)."""
+
+
 class StageFronts:
     """The fronts of every stage of one pipeline configuration (pp > 1, one chunk per rank)."""
 
     def __init__(self, cost: CostModel, plan: Plan, strategies: Sequence[LayerStrategy],
                  recompute: Sequence[Recompute], gpu: GPUSpec, cache: TermsCache, *,
-                 uniform: bool = False):
+                 uniform: bool = False, max_labels: int | None = None):
         if plan.pp < 2 or plan.vpp != 1:
             raise PlanError("stage fronts are for pp > 1 with one chunk per rank")
         self.cost, self.plan, self.gpu = cost, plan, gpu
@@ -120,9 +125,17 @@ class StageFronts:
         self.least_tail = [min(c[4].tail_s for c in row) for row in rows]
         self.prefix_f = [0.0]
         self.prefix_b = [0.0]
+        self.prefix_busy = [0.0]
         for i in range(self.L):
             self.prefix_f.append(self.prefix_f[-1] + self.least_f[i])
             self.prefix_b.append(self.prefix_b[-1] + self.least_b[i])
+            self.prefix_busy.append(self.prefix_busy[-1] + self.least_busy[i])
+        # the last rank holding [a, L) waits prefix_f[a] and runs the layers [a, pos) before a
+        # label that starts at pos: at least the least of that over its possible starts
+        self.lead = [min((self.prefix_f[a] + self.prefix_busy[pos] - self.prefix_busy[a]
+                          for a in range(self.p - 1, pos + 1)), default=0.0)
+                     for pos in range(self.L + 1)]
+        self.max_labels = max_labels
 
     def _b(self, t) -> float:  # type: ignore[no-untyped-def]
         return t.bwd_s - t.wgrad_s if self.zb else t.bwd_s
@@ -131,15 +144,33 @@ class StageFronts:
         return t.wgrad_s if self.zb else 0.0
 
     def rows(self, k: int) -> list[list[tuple]]:
-        """Each layer's choices on rank k (no rank of pp > 1 holds both tied ends)."""
+        """Each layer's choices on rank k (no rank of pp > 1 holds both tied ends), less those
+        another choice at the same tp (so the same transitions) beats or equals on every
+        figure: forward, backward, weight gradient, tail and the three memory terms (under
+        pipeline parallelism ZeRO-3 holds what ZeRO-2 holds and gathers more, for one)."""
         if k not in self._rows:
             plan, L = self.plan, self.L
-            self._rows[k] = [
-                *stage_choices(self.cost, plan, k, 0, L - 1, self.strategies, self.recompute,
-                               self.gpu, self.cache),
-                *stage_choices(self.cost, plan, k, L - 1, L, self.strategies, self.recompute,
-                               self.gpu, self.cache)]
+            every = [*stage_choices(self.cost, plan, k, 0, L - 1, self.strategies,
+                                    self.recompute, self.gpu, self.cache),
+                     *stage_choices(self.cost, plan, k, L - 1, L, self.strategies,
+                                    self.recompute, self.gpu, self.cache)]
+            self._rows[k] = [self._undominated(row) for row in every]
         return self._rows[k]
+
+    def _undominated(self, row: list[tuple]) -> list[tuple]:
+        def figures(c: tuple) -> tuple:
+            t = c[4]
+            return (self.strategies[c[0]].tp, t.fwd_s, self._b(t), self._w(t), t.tail_s, c[3],
+                    t.working_bytes, t.gather_bytes)
+
+        keyed = sorted(((figures(c), i, c) for i, c in enumerate(row)), key=lambda x: (x[0], x[1]))
+        kept: list[tuple] = []
+        for fig, _, c in keyed:
+            if any(o[0] == fig[0] and all(a <= b for a, b in zip(o[1:], fig[1:], strict=True))
+                   for o, _ in kept):
+                continue
+            kept.append((fig, c))
+        return [c for _, c in kept]
 
     def move(self, a: int, b: int) -> tuple[float, float]:
         """(forward, backward) seconds per micro-batch from a layer at tp ``a`` to one at ``b``."""
@@ -163,6 +194,25 @@ class StageFronts:
         if self.zb:
             return max(pf + m * (f + b + w) + tail, pf + m * (f + b) + pb)
         return pf + m * (f + b) + max(tail, pb)
+
+    def _spread_bound(self, k: int, start: int, index: int, reverse: bool, lab: _Label) -> float:
+        """A bound that also places the layers outside the label. Forward (the label holds
+        [start, index]): the rank runs x more of the least busy time R of the layers after, the
+        left later ranks share R - x after the forward chain reaches them, so the step is at least
+        min_x max(A + x, C - x / left) with A = its start's forward chain + its busy time and
+        C = A's chain + the label's forward + R / left. Backward (last rank, [index, L)): the
+        least over its starts a of the chain to a plus the layers [a, index), plus its busy."""
+        m = self.m
+        busy = m * (lab[0] + lab[1] + lab[2]) + lab[3]
+        if reverse:
+            return self.lead[index] + busy
+        left = self.p - 1 - k
+        if left == 0:
+            return self.prefix_f[start] + busy
+        a = self.prefix_f[start] + busy
+        c = self.prefix_f[start] + lab[0] + (self.prefix_busy[self.L]
+                                             - self.prefix_busy[index + 1]) / left
+        return a + max(0.0, (c - a) * left / (left + 1))
 
     def front(self, k: int, start: int, stop: int, cut: float) -> list[FrontPoint]:
         """The front of layers [start, stop) on rank k (points whose bound reaches ``cut`` may be
@@ -226,9 +276,14 @@ class StageFronts:
                             continue
                         if self.label_bound(bound_start, new[0], new[1], new[2], new[3]) >= cut:
                             continue
+                        if self._spread_bound(k, start, index, reverse, new) >= cut:
+                            continue
                         out.append(new)
             layer = {tp: pareto(labs) for tp, labs in nxt.items() if labs}
-            self.labels += sum(len(labs) for labs in layer.values())
+            kept = sum(len(labs) for labs in layer.values())
+            self.labels += kept
+            if self.max_labels is not None and kept > self.max_labels:
+                raise FrontBudgetExceeded(f"{kept} labels after layer {index} on rank {k}")
             if not layer:
                 break
             fronts[index if reverse else index + 1] = self._front_of(

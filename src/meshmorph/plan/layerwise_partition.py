@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshmorph.cost.pipeline import simulate
+from meshmorph.plan.layerwise_bounds import rest_bounds
 from meshmorph.plan.layerwise_front import FrontPoint, StageFronts
 from meshmorph.spec.plan import Schedule
 
@@ -38,44 +39,6 @@ class PartitionOutcome:
     """Least lower bound of the branches left when the node budget ran out (inf if none)."""
     nodes: int
     """Branch-and-bound nodes visited."""
-
-
-def rest_bounds(fronts: StageFronts) -> list[list[float]]:
-    """``table[k][a]``: no completion in which ranks k.. hold layers [a, L) is faster, whatever the
-    ranks before hold: the least over their partitions of the largest rank bound, each rank's
-    figures the sums of its layers' least ones (the forward and backward chains before a rank
-    too), so the table holds for every assignment (a min-max program over stage ends)."""
-    p, m, L, zb = fronts.p, fronts.m, fronts.L, fronts.zb
-    one_f_one_b = fronts.plan.schedule == Schedule.ONE_F_ONE_B
-
-    def prefix(values: list[float]) -> list[float]:
-        out = [0.0]
-        for v in values:
-            out.append(out[-1] + v)
-        return out
-
-    F, B = prefix(fronts.least_f), prefix(fronts.least_b)
-    T, U = prefix(fronts.least_tail), prefix(fronts.least_busy)
-
-    def rank(k: int, a: int, b: int) -> float:
-        pf, pb = F[a], B[a]
-        f, bb, tail, busy = F[b] - F[a], B[b] - B[a], T[b] - T[a], U[b] - U[a]
-        bound = max(pf + busy, pf + m * (f + bb) + pb)
-        if one_f_one_b and not zb:
-            lag = min(p - k - 1, m)
-            after = F[L] - F[b] + B[L] - B[b]
-            bound = max(bound, pf + m * f + (m - lag) * bb + max(after, lag * bb) + max(tail, pb))
-        return bound
-
-    inf = float("inf")
-    table = [[inf] * (L + 1) for _ in range(p + 1)]
-    for a in range(p - 1, L):
-        table[p - 1][a] = rank(p - 1, a, L)
-    for k in range(p - 2, -1, -1):
-        for a in range(k, L - (p - 1 - k)):
-            table[k][a] = min((max(rank(k, a, b), table[k + 1][b])
-                               for b in range(a + 1, L - (p - 2 - k))), default=inf)
-    return table
 
 
 def best_partition(fronts: StageFronts, bound: float, tolerance: float = 0.0,

@@ -27,12 +27,13 @@ tolerance or a node budget the result reports the least bound left open (``lower
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
 from meshmorph.cost.estimate import Estimate
-from meshmorph.cost.layerwise_cost import estimate_layerwise
+from meshmorph.cost.layerwise_cost import estimate_layerwise, reserved_bytes
 from meshmorph.cost.model import CostModel
 from meshmorph.plan.layerwise import (
     StageSolution,
@@ -41,8 +42,9 @@ from meshmorph.plan.layerwise import (
     stage_choices,
     stage_lower_bound_s,
 )
-from meshmorph.plan.layerwise_front import StageFronts
-from meshmorph.plan.layerwise_partition import best_partition, rest_bounds
+from meshmorph.plan.layerwise_bounds import MemoryRelaxation, rest_bounds
+from meshmorph.plan.layerwise_front import FrontBudgetExceeded, StageFronts
+from meshmorph.plan.layerwise_partition import best_partition
 from meshmorph.plan.space import SearchOptions, divisors, tp_degrees
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.gpus import GPUSpec
@@ -172,10 +174,15 @@ def _solve_plan(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
     return one, (_assemble(cost, plan, mixed) if not uniform_only else one)
 
 
+LABELS_PER_NODE = 1
+"""A stage program may keep this many labels per branch-and-bound node of the options' budget
+(``SearchOptions.max_nodes``; None: no budget) before its configuration is left open."""
+
+
 def solve_partitioned(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
-                       options: SearchOptions, uniform_only: bool, bounds: tuple[float, float],
-                       cache: TermsCache) -> tuple[tuple[Plan, Estimate] | None,
-                                                   tuple[Plan, Estimate] | None, float]:
+                      options: SearchOptions, uniform_only: bool, bounds: tuple[float, float],
+                      cache: TermsCache, config_bound: float = 0.0) -> tuple[tuple[Plan, Estimate] | None,
+                                                  tuple[Plan, Estimate] | None, float]:
     """(best uniform, best per layer, least bound left open) of a pp > 1 configuration with one
     chunk per rank: the even split first (a quick incumbent), then every partition exactly
     (plan/layerwise_partition.py), with one strategy per stage, then per layer."""
@@ -200,8 +207,13 @@ def solve_partitioned(cost: CostModel, plan: Plan, strategies: list[LayerStrateg
             break
         bound = min(bounds[0], step(one)) if uniform else min(bounds[1], step(one), step(mixed))
         fronts = StageFronts(cost, plan, strategies, options.recompute, gpu, cache,
-                             uniform=uniform)
-        out = best_partition(fronts, bound, options.tolerance, options.max_nodes)
+                             uniform=uniform, max_labels=None if options.max_nodes is None
+                             else LABELS_PER_NODE * options.max_nodes)
+        try:
+            out = best_partition(fronts, bound, options.tolerance, options.max_nodes)
+        except FrontBudgetExceeded:  # left open: its bound stays unproven
+            open_bound = min(open_bound, config_bound)
+            continue
         open_bound = min(open_bound, out.open_bound_s)
         if out.stages is not None:
             found = build(out.stages)
@@ -259,21 +271,32 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
                                 sequence_parallel=sp, dtype=options.dtype
                                 ).with_even_stages(model)
                     plan = replace(plan, sequence_parallel=sp)
-                    configs.append((_config_bound(cost, plan, strategies, options, gpu, cache),
-                                    len(configs), plan, strategies))
-    configs.sort(key=lambda c: (c[0], c[1]))
+                    configs.append((plan, strategies))
+    # lazily tightened, as the regular planner: every configuration enters with its time-only
+    # bound; when it comes first it gets the memory-aware one, and only then is it solved
+    queue = [(_config_bound(cost, plan, strategies, options, gpu, cache, memory=False), 0, i)
+             for i, (plan, strategies) in enumerate(configs)]
+    heapq.heapify(queue)
     solved = 0
     proven = float("inf")
-    for bound, _, plan, strategies in configs:
+    while queue:
+        bound, level, index = heapq.heappop(queue)
+        plan, strategies = configs[index]
         uniform_step = best_uniform[1].step_time_s if best_uniform else float("inf")
         step = best[1].step_time_s if best else float("inf")
         if bound >= (step if uniform_only else uniform_step) * (1.0 - options.tolerance):
             proven = min(proven, bound)
-            break  # sorted by bound: no later configuration beats both bests
+            break  # by bound: no later configuration beats both bests
+        if level == 0:
+            tighter = _config_bound(cost, plan, strategies, options, gpu, cache, memory=True)
+            if tighter < float("inf"):  # infinite: nothing of this configuration fits
+                heapq.heappush(queue, (max(bound, tighter), 1, index))
+            continue
         solved += 1
         if plan.pp > 1 and plan.vpp == 1:
             one, mixed, open_bound = solve_partitioned(cost, plan, strategies, options,
-                                                        uniform_only, (uniform_step, step), cache)
+                                                       uniform_only, (uniform_step, step), cache,
+                                                       bound)
             proven = min(proven, max(bound, open_bound))
         else:
             one, mixed = _solve_plan(cost, plan, strategies, options, uniform_only,
@@ -302,12 +325,24 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
 
 
 def _config_bound(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
-                  options: SearchOptions, gpu: GPUSpec, cache: TermsCache) -> float:
+                  options: SearchOptions, gpu: GPUSpec, cache: TermsCache, *,
+                  memory: bool) -> float:
     """No plan of the configuration is faster. One stage (pp = 1) or even chunks (interleaved):
-    each rank's own time with each layer at its fastest, no transition. Otherwise any partition:
-    the least over stage partitions of the largest rank bound (``rest_bounds``)."""
+    each rank's own time with each layer at its fastest, no transition, and with ``memory`` its
+    memory relaxation (plan/layerwise_bounds.py). Otherwise any partition: some rank runs at
+    least 1/pp of the layers' least busy time, and with ``memory`` the least over stage
+    partitions of the largest rank bound (``rest_bounds``)."""
     if plan.pp == 1 or plan.vpp > 1:
-        return max(stage_lower_bound_s(stage_choices(
-            cost, plan, k, 0, 0, strategies, options.recompute, gpu, cache,
-            _rank_chunks(plan, k))) for k in range(plan.pp))
-    return rest_bounds(StageFronts(cost, plan, strategies, options.recompute, gpu, cache))[0][0]
+        cap = gpu.memory_bytes - reserved_bytes(cost, gpu)
+        bound = 0.0
+        for k in range(plan.pp):
+            rows = stage_choices(cost, plan, k, 0, 0, strategies, options.recompute, gpu, cache,
+                                 _rank_chunks(plan, k))
+            bound = max(bound, stage_lower_bound_s(rows))
+            if memory:
+                bound = max(bound, MemoryRelaxation(rows, cap).busy(0, len(rows)))
+        return bound
+    fronts = StageFronts(cost, plan, strategies, options.recompute, gpu, cache)
+    if not memory:
+        return max(sum(fronts.least_busy) / plan.pp, max(fronts.least_busy))
+    return rest_bounds(fronts)[0][0]

@@ -91,8 +91,11 @@ def test_tp2_pp2_ranks_hold_their_stage_and_send_megatron_activations(gpt: Model
     # stage 1: 2 blocks, the head's norm and its copy of the embedding shard
     last = predict_rank_state(gpt, plan, 2)
     assert last["params_bytes"] == 4 * (2 * 25_184 + 128 + 8_192)
-    assert last["comm_bytes"]["all_gather"] == 4 * SEQ * 128 * 4  # logits, vocabulary halves
-    assert last["comm_bytes"]["all_reduce"] == 4 * bsh * (1 + 2 * 6) + 4 * 8_192 + 8 + 32 + 8
+    # the logits stay vocabulary halves: loss_parallel's three fp32 all-reduces of one value per
+    # token (max, sum of exponentials, target log-probability) replace their all-gather
+    assert last["comm_bytes"]["all_gather"] == 0
+    assert last["comm_bytes"]["all_reduce"] == 4 * bsh * (1 + 2 * 6) + 4 * 8_192 + 8 + 32 + 8 \
+        + 4 * 3 * SEQ * 4
 
 
 def test_estimate_ranks_list_every_rank_in_order(gpt: ModelSpec) -> None:

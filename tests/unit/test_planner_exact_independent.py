@@ -10,11 +10,13 @@ from the model and the cluster, and scores every plan with ``CostModel.estimate`
 - ZeRO stages (dp > 1), sequence parallelism (tp > 1, tp divides the sequence), micro-batch
   sizes dividing the per-rank batch up to the cap; GPipe always, 1F1B and ZB-H1 when m >= pp,
   interleaved with v in 2..max_vpp when m >= pp, pp divides m and pp v divides the blocks;
+  ZBV (and DualPipeV when m >= 2 pp) with two chunks per rank in a V when there are at least
+  2 pp blocks; no zero-bubble schedule (ZB-H1, ZBV, DualPipeV) with ZeRO-3;
 - every contiguous split of the layers into pp stages and every per-layer recompute: layers
   with identical figures in one stage are interchangeable (the estimate sums and maxes their
   figures), so per stage each multiset of modes over them is one assignment
   (``test_multisets_of_modes_find_the_per_layer_optimum`` checks this against the plain product);
-  interleaved plans split the blocks evenly with one mode for all blocks.
+  interleaved and V plans split the blocks evenly with one mode for all blocks.
 
 Instances: GPT or Llama with 1-10 blocks (3-12 layers), cpu or A100 clusters of 1-8 devices
 (one mixed A100 + V100), device memory drawn around the model's footprint so that it binds:
@@ -37,7 +39,7 @@ from meshmorph.plan.search import PlanDoesNotFit, search
 from meshmorph.plan.space import SearchOptions
 from meshmorph.spec.cluster import Cluster, parse_cluster
 from meshmorph.spec.model import LayerSpec, ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, Schedule, StagePlan
+from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, Plan, Schedule, StagePlan
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
 CASES = 200
@@ -130,8 +132,11 @@ def _shapes(model: ModelSpec, cluster: Cluster, batch: int,
                         continue
                     m = batch // dp // b
                     schedules = [(Schedule.ONE_F_ONE_B, 1)] if pp == 1 else [
-                        (s, 1) for s in options.schedules
-                        if s == Schedule.GPIPE or (s != Schedule.INTERLEAVED and m >= pp)]
+                        (s, 1) for s in options.schedules if s not in V_SCHEDULES
+                        and (s == Schedule.GPIPE or (s != Schedule.INTERLEAVED and m >= pp))]
+                    if pp > 1 and blocks >= 2 * pp:  # two chunks per rank in a V
+                        schedules += [(s, 2) for s in options.schedules if s in V_SCHEDULES
+                                      and (s == Schedule.ZBV or m >= 2 * pp)]
                     if pp > 1 and Schedule.INTERLEAVED in options.schedules and m >= pp \
                             and m % pp == 0:
                         schedules += [(Schedule.INTERLEAVED, v) for v in range(2, options.max_vpp + 1)
@@ -141,7 +146,7 @@ def _shapes(model: ModelSpec, cluster: Cluster, batch: int,
                             if sp and model.seq_len % tp:
                                 continue
                             for schedule, v in schedules:
-                                if schedule == Schedule.ZERO_BUBBLE and zero == 3:
+                                if schedule in SPLIT_BACKWARD_SCHEDULES and zero == 3:
                                     continue  # the runtime refuses it (torch loses gradients)
                                 yield Plan(model=model.name, seq_len=model.seq_len,
                                            global_batch=batch, tp=tp, pp=pp, dp=dp, zero=zero,
@@ -161,12 +166,13 @@ def every_plan(model: ModelSpec, cluster: Cluster, batch: int, options: SearchOp
     """Every complete Plan of the documented search space (module docstring)."""
     mixed = len({g.gpu.name for g in cluster.groups}) > 1
     for shape, gpus in _shapes(model, cluster, batch, options):
-        if shape.schedule == Schedule.INTERLEAVED:
+        if shape.num_chunks > shape.pp:  # interleaved or a V: blocks split evenly
             for mode in options.recompute:
                 plan = shape.with_even_stages(model, mode)
                 if mixed:
-                    plan = replace(plan, stages=tuple(replace(s, gpu=gpus[c % shape.pp])
-                                                      for c, s in enumerate(plan.stages)))
+                    plan = replace(plan, stages=tuple(
+                        replace(s, gpu=gpus[shape.pp_rank_of_chunk(c)])
+                        for c, s in enumerate(plan.stages)))
                 yield plan
             continue
         for split in _splits(model.num_layers, shape.pp):
@@ -193,7 +199,7 @@ def count_plans(case: Case) -> int:
     """Plans brute force would score, without scoring them."""
     total = 0
     for shape, _ in _shapes(case.model, case.cluster, case.global_batch, case.options):
-        if shape.schedule == Schedule.INTERLEAVED:
+        if shape.num_chunks > shape.pp:
             total += len(case.options.recompute)
             continue
         for split in _splits(case.model.num_layers, shape.pp):

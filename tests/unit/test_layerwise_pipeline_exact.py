@@ -206,11 +206,12 @@ def test_pipeline_search_equals_brute_force_hypothesis(seed: int) -> None:
 
 def test_whole_search_with_pp_1_and_2_equals_brute_force_over_its_configurations() -> None:
     """Every configuration of a small space (pp 1 and 2, every stage micro-batch, GPipe / 1F1B /
-    zero-bubble, sp off, ZeRO 0 or 2), brute-forced here, against search_layerwise with
-    tolerance 0; the device capped so that the cap binds."""
+    zero-bubble, sp off and on, ZeRO 0 or 2), brute-forced here, against search_layerwise with
+    tolerance 0 (one cache of layer terms across configurations, as in real searches); the
+    device capped so that the cap binds."""
     cost = _cost("gpt-tiny", 4, 1.06)
     model = cost.model
-    options = SearchOptions(recompute=MODES, zero_stages=(0, 2), sequence_parallel=(False,),
+    options = SearchOptions(recompute=MODES, zero_stages=(0, 2), sequence_parallel=(False, True),
                             schedules=(Schedule.GPIPE, Schedule.ONE_F_ONE_B,
                                        Schedule.ZERO_BUBBLE), tp_degrees=(1, 2),
                             pp_degrees=(1, 2), **EXACT)
@@ -228,8 +229,10 @@ def test_whole_search_with_pp_1_and_2_equals_brute_force_over_its_configurations
             schedules = [Schedule.ONE_F_ONE_B] if pp == 1 else [
                 s for s in (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE)
                 if m >= pp or s == Schedule.GPIPE]
-            for schedule in schedules:
-                plan = _plan(cost, pp, m, sequences, schedule, False, strategies)
+            for schedule, sp in itertools.product(schedules, (False, True)):
+                if sp and all(s.tp == 1 for s in strategies):
+                    continue
+                plan = _plan(cost, pp, m, sequences, schedule, sp, strategies)
                 found = brute_force(cost, plan, strategies)
                 if found is not None and (best is None or found < best):
                     best = found

@@ -104,7 +104,7 @@ def stage_choices(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: i
     tied = 0 in layers and last in layers
     classes = cost.coster(plan.dtype).classes
     shape = (plan.num_microbatches, plan.dp * plan.micro_batch, plan.schedule, plan.pp, pp_rank,
-             plan.dtype, gpu.name)
+             plan.dtype, gpu.name, plan.sequence_parallel)
     choices: list[list[_Choice]] = []
     offered = (tuple(strategies), tuple(recompute))
     for index in layers:

@@ -243,3 +243,25 @@ def test_whole_search_with_pp_1_and_2_equals_brute_force_over_its_configurations
     assert result.optimality_gap == 0.0
 
 
+
+
+@pytest.mark.parametrize(("name", "devices", "batch", "memory_gib"), [
+    ("gpt-tiny", 4, 8, None), ("gpt-tiny", 4, 8, 1.06), ("llama-tiny", 8, 8, None),
+    ("llama-tiny", 8, 16, 1.055)])
+def test_layerwise_best_never_slower_than_the_regular_plan_under_the_same_model(
+        name: str, devices: int, batch: int, memory_gib: float | None) -> None:
+    """The layerwise space contains the regular planner's (tp, dp, ZeRO, sp, GPipe / 1F1B /
+    zero-bubble, uneven stages, per-layer recompute): priced by the layerwise cost model the
+    regular planner's best plan is never faster than the exact layerwise search's."""
+    from meshmorph.plan.search import search
+
+    cost = _cost(name, devices, memory_gib)
+    schedules = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE)
+    options = SearchOptions(top_k=1, schedules=schedules, pp_degrees=(1, 2), **EXACT)
+    regular = search(cost.model, cost.cluster, global_batch=batch, options=options, cost=cost)
+    theirs = estimate_layerwise(cost, regular.plans[0])
+    assert theirs.fits
+    ours = search_layerwise(cost.model, cost.cluster, global_batch=batch, options=options,
+                            cost=cost)
+    assert ours.optimality_gap == 0.0
+    assert ours.estimate.step_time_s <= theirs.step_time_s * (1 + 1e-12)

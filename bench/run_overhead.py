@@ -142,7 +142,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per family (section 1)")
     parser.add_argument("--matrix-steps", type=int, default=6, help="timed steps (section 2)")
-    parser.add_argument("--skip-matrix", action="store_true", help="section 1 only")
+    parser.add_argument("--skip-matrix", action="store_true",
+                        help="section 1 only (the JSON keeps the last recorded section 2)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         overhead_file, matrix_file = f"{tmp}/overhead.json", f"{tmp}/matrix.json"
@@ -150,6 +151,9 @@ def main() -> None:
         spawn(overhead_job, 2, (args.steps, overhead_file), timeout_s=900)
         overhead = json.loads(Path(overhead_file).read_text())
         matrix = {}
+        previous = ROOT / "bench" / "results" / "run_overhead.json"
+        if args.skip_matrix and previous.exists():  # keep the last recorded section 2
+            matrix = json.loads(previous.read_text()).get("matrix", {})
         if not args.skip_matrix:
             spawn(matrix_job, 4, (args.matrix_steps, matrix_file), timeout_s=600)
             matrix = json.loads(Path(matrix_file).read_text())

@@ -89,3 +89,15 @@ def test_planner_refuses_async_where_the_weight_copies_do_not_fit() -> None:
     for mode in ("stash", "2bw", "sgd"):  # their copies do not, whatever the recompute
         with pytest.raises(PlanDoesNotFit):
             best(mode)
+
+
+def test_v_schedules_in_flight_equals_the_simulated_peak_of_their_lists() -> None:
+    from meshmorph.cost.rank_terms import in_flight_microbatches
+    from meshmorph.schedule.simulator import schedule_program
+
+    for schedule in (Schedule.ZBV, Schedule.DUALPIPEV):
+        for p in range(2, 7):  # (pp 1 holds one micro-batch: gradient accumulation)
+            for m in range(2 * p if schedule == Schedule.DUALPIPEV else 1, 4 * p + 2):
+                peaks = schedule_program(str(schedule), p, m, 2).peak_activations
+                assert [in_flight_microbatches(schedule, p, k, m, 2) for k in range(p)] == \
+                    [peak / 2 for peak in peaks], (schedule, p, m)

@@ -43,8 +43,12 @@ def in_flight_microbatches(schedule: Schedule, pp: int, pp_rank: int, m: int, vp
         units = min(m * vpp, (pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1)
         return units / vpp
     if schedule in V_SCHEDULES:
-        # two chunks per rank, each half the rank's layers: the simulator's peak (stage,
-        # micro-batch) pairs of the V's action list, in units of the whole rank
+        # two chunks per rank, each half the rank's layers: the peak (stage, micro-batch) pairs
+        # of the V's action list, in units of the whole rank; with m >= 2pp that peak is 2pp
+        # (zbv) or 2pp + 1 (dualpipev) on every rank (tests/unit/test_schedule_simulator.py),
+        # else the simulator's, from the compiled list
+        if m >= 2 * pp:
+            return (2 * pp + (schedule == Schedule.DUALPIPEV)) / 2
         return schedule_program(str(schedule), pp, m, 2).peak_activations[pp_rank] / 2
     if schedule == Schedule.ZERO_BUBBLE:
         return float(min(m, pp))  # ZB-H1 keeps the peak of 1F1B's first stage on every rank

@@ -6,9 +6,12 @@ llama2-7b, seq 2048, bf16, on 8 x A100 40 GB and 80 GB (global batch 16-64), the
 capped at 16 GB (Galvatron's memory-constrained cases), and 16-64 x A100 80 GB. For each case:
 the best plan with a strategy per layer, the best with one strategy per stage (both under
 cost/layerwise_cost.py, the layerwise search with ``uniform_only``), meshmorph's regular planner
-(cost/model.py; its own cost model, printed for context), and the layerwise search's wall-clock
-and CPU seconds beside Galvatron's measured search times on its own llama2-7b profiles
-(40 s on 4 GPUs, 105-300 s on 8-16 GPUs, 25 min with the batch size searched too).
+(cost/model.py, its own cost model) and the regular planner's plan priced by the layerwise cost
+model (the same plan under the model the layerwise search minimises: the layerwise best is never
+slower than it, up to the reported optimality gap), the proven optimality gap, and the layerwise
+search's wall-clock and CPU seconds beside Galvatron's measured search times on its own
+llama2-7b profiles (40 s on 4 GPUs, 105-300 s on 8-16 GPUs, 25 min with the batch size searched
+too).
 Writes bench/results/plan_layerwise.json.
 """
 
@@ -21,6 +24,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from meshmorph.cost.layerwise_cost import LAYERWISE_SCHEDULES, estimate_layerwise
 from meshmorph.cost.model import CostModel
 from meshmorph.plan.layerwise_search import search_layerwise
 from meshmorph.plan.report import layer_strategy_summary, recompute_summary
@@ -37,6 +41,7 @@ CASES = [  # (cluster, memory cap GiB or None, global batch)
     ("a100-40g:1x8", None, 16), ("a100-40g:1x8", None, 32), ("a100-40g:1x8", None, 64),
     ("a100-80g:1x8", None, 16), ("a100-80g:1x8", None, 32), ("a100-80g:1x8", None, 64),
     ("a100-40g:1x8", 16, 16), ("a100-40g:1x8", 16, 32), ("a100-40g:1x8", 16, 64),
+    ("a100-40g:1x8", 24, 32),
     ("a100-80g:2x8", None, 64), ("a100-80g:4x8", None, 64), ("a100-80g:8x8", None, 64),
 ]
 
@@ -66,6 +71,7 @@ def run_case(shorthand: str, cap: float | None, batch: int, regular: bool) -> di
     row["search_cpu_s"] = time.process_time() - cpu
     row["configurations"] = result.configurations
     row["configurations_solved"] = result.configurations_solved
+    row["optimality_gap"] = result.optimality_gap
     row["layerwise_tokens_per_s"] = result.estimate.tokens_per_s
     row["uniform_best_tokens_per_s"] = (result.uniform_estimate.tokens_per_s
                                         if result.uniform_estimate else None)
@@ -80,6 +86,9 @@ def run_case(shorthand: str, cap: float | None, batch: int, regular: bool) -> di
             best = search(model, cluster, global_batch=batch, options=options, cost=cost)
             row["regular_planner_tokens_per_s"] = best.estimates[0].tokens_per_s
             p = best.plans[0]
+            if p.schedule in LAYERWISE_SCHEDULES:
+                row["regular_plan_layerwise_tokens_per_s"] = estimate_layerwise(
+                    cost, p).tokens_per_s
             row["regular_plan"] = (f"tp{p.tp} pp{p.pp} dp{p.dp} z{p.zero} sp{int(p.sequence_parallel)}"
                                    f" {p.schedule} v{p.vpp} mb{p.micro_batch}x{p.num_microbatches}"
                                    f" recompute {recompute_summary(p, model)}")
@@ -98,7 +107,8 @@ def main() -> None:
     rows = [run_case(*case, regular=not args.no_regular)
             for case in (CASES[:4] if args.quick else CASES)]
     print(f"{'cluster':<14}{'GiB':>5}{'B':>4}  {'layerwise':>10} {'uniform':>10} {'gain':>7} "
-          f"{'regular':>10}  {'search s':>8} {'cpu s':>6} {'Galvatron s':>11}  plan")
+          f"{'regular':>10} {'reg@lw':>10} {'gap':>6}  {'search s':>8} {'cpu s':>6} "
+          f"{'Galvatron s':>11}  plan")
     for r in rows:
         if "layerwise_tokens_per_s" not in r:
             print(f"{r['cluster']:<14}{r['memory_gib']:>5g}{r['global_batch']:>4}  {r['layerwise']}")
@@ -108,7 +118,9 @@ def main() -> None:
         reg = r.get("regular_planner_tokens_per_s")
         galv = r["galvatron_search_s"]
         print(f"{r['cluster']:<14}{r['memory_gib']:>5g}{r['global_batch']:>4}  {lw:>10,.0f} "
-              f"{un or 0:>10,.0f} {gain:>7} {reg or 0:>10,.0f}  {r['search_wall_s']:>8.2f} "
+              f"{un or 0:>10,.0f} {gain:>7} {reg or 0:>10,.0f} "
+              f"{r.get('regular_plan_layerwise_tokens_per_s') or 0:>10,.0f} "
+              f"{r['optimality_gap']:>6.2%}  {r['search_wall_s']:>8.2f} "
               f"{r['search_cpu_s']:>6.2f} {galv if galv else '-':>11}  {r['layerwise_plan']}")
     out = Path(__file__).parent / "results" / "plan_layerwise.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,8 +25,11 @@ class AsyncPipelineConfig:
     """Micro-batches per optimizer step under ``synchronous`` and ``2bw``: each batch is cut into
     this many (the other async modes step once per batch, a batch being one micro-batch)."""
     optimizer: str = "sgd"
-    """``sgd`` (momentum SGD) or ``adam``; ``sgd`` prediction needs ``sgd``, ``adam`` needs
-    ``adam``."""
+    """``sgd`` (momentum SGD), ``adam`` or ``adamw`` (``meshmorph run``'s optimizer); ``sgd``
+    prediction needs ``sgd``, ``adam`` prediction ``adam`` or ``adamw`` (the decoupled weight
+    decay is not extrapolated)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay of ``adamw``."""
     lr: float = 0.05
     """Constant learning rate."""
     momentum: float = 0.9
@@ -48,9 +51,10 @@ class AsyncPipelineConfig:
         if self.weight_prediction not in WEIGHT_PREDICTIONS:
             raise ValueError(f"weight_prediction must be one of {', '.join(WEIGHT_PREDICTIONS)}, "
                              f"got {self.weight_prediction!r}")
-        if self.optimizer not in ("sgd", "adam"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
-        if self.weight_prediction in ("sgd", "adam") and self.optimizer != self.weight_prediction:
+        if self.optimizer not in ("sgd", "adam", "adamw"):
+            raise ValueError(f"optimizer must be 'sgd', 'adam' or 'adamw', got {self.optimizer!r}")
+        if self.weight_prediction in ("sgd", "adam") and \
+                self.optimizer.rstrip("w") != self.weight_prediction:
             raise ValueError(f"weight_prediction {self.weight_prediction!r} predicts the "
                              f"{self.weight_prediction} update but the optimizer is "
                              f"{self.optimizer!r}; use optimizer {self.weight_prediction!r}")

@@ -23,6 +23,7 @@ in-flight micro-batches drain with stashing and the rest of the run flushes (syn
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -71,8 +72,14 @@ class AsyncPipeline:
 
     def __init__(self, stage: nn.Module, config: AsyncPipelineConfig, *,
                  feature_shapes: Sequence[tuple[int, ...]],
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        """``feature_shapes[k]``: shape of one sample entering stage ``k`` (k >= 1)."""
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 lr_at: Callable[[int], float] | None = None,
+                 forward_context: Callable[[], contextlib.AbstractContextManager[object]]
+                 = contextlib.nullcontext) -> None:
+        """``feature_shapes[k]``: shape of one sample entering stage ``k`` (k >= 1);
+        ``lr_at(version)``: the learning rate of the stage's update number ``version`` (None:
+        ``config.lr`` throughout); ``forward_context``: what each forward runs under (autocast)."""
+        self.forward_context = forward_context
         self.k, self.p = dist.get_rank(), dist.get_world_size()
         if len(feature_shapes) != self.p:
             raise ValueError(f"feature_shapes lists {len(feature_shapes)} stages for a pipeline "
@@ -84,13 +91,16 @@ class AsyncPipeline:
         if config.optimizer == "sgd":
             self.optimizer: torch.optim.Optimizer = torch.optim.SGD(
                 self.params, lr=config.lr, momentum=config.momentum)
+        elif config.optimizer == "adamw":
+            self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas,
+                                               eps=config.eps, weight_decay=config.weight_decay)
         else:
             self.optimizer = torch.optim.Adam(self.params, lr=config.lr, betas=config.betas,
                                               eps=config.eps)
         guarded = config.predicts and config.guard_threshold is not None
         self.guard = PredictionGuard(threshold=config.guard_threshold or 0.0) if guarded else None
         self.guard_group = dist.new_group(backend="gloo") if guarded else None
-        self.weights = WeightSource(self.params, self.optimizer)
+        self.weights = WeightSource(self.params, self.optimizer, lr_at=lr_at)
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
 
     # --- transport ---------------------------------------------------------------------------
@@ -110,8 +120,10 @@ class AsyncPipeline:
         self._pending.clear()
 
     # --- the loop ----------------------------------------------------------------------------
-    def train(self, batches: Batches, num_batches: int, batch_size: int) -> AsyncResult:
-        """Train on batches ``0 .. num_batches - 1`` of ``batch_size`` samples each."""
+    def train(self, batches: Batches, num_batches: int, batch_size: int,
+              on_loss: Callable[[int, float], None] | None = None) -> AsyncResult:
+        """Train on batches ``0 .. num_batches - 1`` of ``batch_size`` samples each;
+        ``on_loss(batch, loss)`` is called on the last stage as each batch's loss is known."""
         cfg, p, k = self.config, self.p, self.k
         per = cfg.per_batch
         cuts = cfg.num_microbatches if per > 1 or self.guard is not None else 1  # flushed steps
@@ -147,6 +159,8 @@ class AsyncPipeline:
                 self._backward(j, result)
                 if k == p - 1 and (j + 1) % self._segment(j)[2] == 0:
                     result.losses.append(self._loss_sum)
+                    if on_loss is not None:
+                        on_loss(len(result.losses) - 1, self._loss_sum)
                     self._loss_sum = 0.0
                 if self._check_due(j, num_batches, result):
                     n_async = drain_point(p, j)
@@ -182,9 +196,11 @@ class AsyncPipeline:
         if k > 0:
             x = self._recv((len(y), *self.feature_shapes[k]), k - 1).requires_grad_()
         leaves = self.weights.for_forward("alias" if sync or mode == "none" else mode, steps)
-        out = functional_call(self.stage, dict(zip(self.names, leaves, strict=True)), (x,))
+        with self.forward_context():
+            out = functional_call(self.stage, dict(zip(self.names, leaves, strict=True)), (x,))
+            if k == p - 1:
+                out = self.loss_fn(out, y) / self._segment(j)[2]
         if k == p - 1:
-            out = self.loss_fn(out, y) / self._segment(j)[2]
             self._loss_sum += float(out.detach())
         else:
             self._send(out, k + 1)

@@ -14,6 +14,8 @@ them (``torch.func.functional_call``) and the backward leaves its weight gradien
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from meshmorph.run.async_prediction import predict
@@ -25,8 +27,11 @@ MODES = ("alias", "stash", "2bw", "sgd", "adam")
 class WeightSource:
     """Hands out the forward's weights of one stage and counts its weight versions."""
 
-    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, *,
+                 lr_at: Callable[[int], float] | None = None) -> None:
         self.params, self.optimizer = params, optimizer
+        self.lr_at = lr_at
+        """The learning rate of update number ``version`` (None: the optimizer's own)."""
         self.version = 0
         """Optimizer steps taken so far."""
         self._snapshot: tuple[int, list[torch.Tensor]] | None = None
@@ -48,6 +53,9 @@ class WeightSource:
 
     def step(self) -> None:
         """Apply the accumulated gradient (one optimizer step) and clear it."""
+        if self.lr_at is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr_at(self.version)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
         self.version += 1

@@ -57,6 +57,11 @@ def validate_plan(model: ModelSpec, plan: Plan, world_size: int) -> None:
         )
     if plan.pp == 1 and plan.num_chunks > 1:
         raise PlanError(f"vpp {plan.vpp} needs pp > 1; set vpp 1 or raise pp")
+    if plan.schedule == Schedule.ASYNC:  # runs in the asynchronous executor (run/async_run.py)
+        from meshmorph.run.async_run import check_async_plan
+
+        check_async_plan(model, plan)
+        return
     if any(stage.layer_strategies is not None for stage in plan.stages):
         from meshmorph.run.layerwise_engine import validate_layerwise
 

@@ -133,6 +133,13 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
         return 0
     model = load_model(job.model.source, job.model.seq_len)
     source = make_source(job, model)
+    if plan.schedule == "async":  # no flush: the asynchronous executor (run/async_run.py)
+        from meshmorph.run.async_run import run_async_job
+
+        return run_async_job(model=model, plan=plan, optim=job.optim, source=source,
+                             data_seed=job.data.seed, steps=job.train.steps,
+                             seed=job.train.seed, out_dir=out_dir, device=device,
+                             resume=resume, elastic=elastic)
     engine = build_engine(model, plan, job.optim, seed=job.train.seed, device=device)
     if job.train.compile:  # torch.compile per block (run/compile.py)
         from meshmorph.run.compile import compile_blocks, resolve_backend

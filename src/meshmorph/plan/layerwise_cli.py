@@ -31,8 +31,8 @@ def plan_layerwise(args: argparse.Namespace, model: ModelSpec, cluster: Cluster,
     console.print(f"best {best:,.0f} tokens/s; best with one strategy per stage "
                   f"{'none fits' if uniform is None else f'{uniform:,.0f} tokens/s'}{gain}")
     console.print(f"{result.configurations} configurations, {result.configurations_solved} "
-                  f"solved, in {result.search_time_s:.2f} s (exact per stage under the "
-                  "layerwise cost model)")
+                  f"solved, in {result.search_time_s:.2f} s; proven within "
+                  f"{result.optimality_gap:.2%} of the optimum under the layerwise cost model")
     if args.json:
         try:
             args.json.write_text(json.dumps({
@@ -41,6 +41,8 @@ def plan_layerwise(args: argparse.Namespace, model: ModelSpec, cluster: Cluster,
                 "layerwise": not args.uniform,
                 "configurations": result.configurations,
                 "configurations_solved": result.configurations_solved,
+                "lower_bound_s": result.lower_bound_s,
+                "optimality_gap": result.optimality_gap,
                 "uniform_best_tokens_per_s": uniform,
                 "plans": [result.plan.to_dict()],
             }, indent=2))

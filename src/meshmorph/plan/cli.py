@@ -16,7 +16,7 @@ from meshmorph.cli_args import bounded_int, positive_int
 from meshmorph.cli_output import check_writable, unwritable, write_json
 from meshmorph.plan.report import report_console
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import WEIGHT_PREDICTIONS, Plan, PlanError, Schedule
+from meshmorph.spec.plan import V_SCHEDULES, WEIGHT_PREDICTIONS, Plan, PlanError, Schedule
 from meshmorph.spec.plan_file import load_plan
 
 DTYPES = ("bf16", "fp16", "fp32")
@@ -120,6 +120,8 @@ def build_plan(args: argparse.Namespace, model) -> Plan:  # type: ignore[no-unty
     vpp = args.vpp
     schedule = Schedule(args.schedule) if args.schedule else (
         Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B)
+    if schedule in V_SCHEDULES:  # two chunks per rank in a V, whatever --vpp says
+        vpp = 2
     # default batch: one micro-batch per pipeline stage on every data-parallel rank
     global_batch = args.global_batch or dp * micro * pp
     if global_batch % (dp * micro):

@@ -40,11 +40,73 @@ def test_the_committed_example_is_accepted() -> None:
     validate_plan(catalog_model("gpt-small"), Plan.load(EXAMPLE), 4)
 
 
-def test_pipeline_parallel_layerwise_plans_are_refused() -> None:
-    plan = _mixed([(1, 2, 0), (2, 1, 0), (1, 2, 0), (2, 1, 0), (1, 2, 0), (1, 2, 0)], dp=2, pp=2,
-                  global_batch=4)
-    with pytest.raises(PlanError, match="layerwise plans run with pp 1 only"):
+def _llama() -> ModelSpec:
+    return catalog_model("llama-tiny", seq_len=16)
+
+
+def _mixed_llama(strategies: list[tuple[int, int, int]], **kw: object) -> Plan:
+    plan = _mixed(strategies, **kw)
+    return replace(plan, model="llama-tiny")
+
+
+PP2_MIXED = [(1, 2, 0), (2, 1, 0), (1, 2, 3), (2, 1, 0), (1, 2, 2), (1, 2, 1)]
+
+
+def test_a_pipeline_of_layerwise_stages_is_accepted_under_gpipe_and_1f1b() -> None:
+    for schedule in ("gpipe", "1f1b"):
+        plan = _mixed_llama(PP2_MIXED, dp=2, pp=2, global_batch=4, schedule=schedule)
+        validate_plan(_llama(), plan, 4)
+
+
+def test_layerwise_pipelines_under_other_schedules_are_refused() -> None:
+    for schedule, kw in (("interleaved", {"vpp": 2}), ("zb", {})):
+        plan = Plan(model="llama-tiny", seq_len=16, dp=2, pp=2, global_batch=8,
+                    num_microbatches=4, dtype="fp32", schedule=schedule,
+                    **kw).with_even_stages(_llama())  # type: ignore[arg-type]
+        plan = replace(plan, stages=tuple(replace(stage, layer_strategies=tuple(
+            LayerStrategy(tp=1, dp=2, zero=0) for _ in range(stage.stop - stage.start)))
+            for stage in plan.stages))
+        with pytest.raises(PlanError, match="gpipe or 1f1b with one chunk"):
+            validate_plan(_llama(), plan, 4)
+
+
+def test_a_tied_embedding_in_a_layerwise_pipeline_is_refused() -> None:
+    plan = _mixed(PP2_MIXED, dp=2, pp=2, global_batch=4)
+    with pytest.raises(PlanError, match="need untied embeddings"):
         validate_plan(_gpt(), plan, 4)
+
+
+def test_a_layerwise_pipeline_of_one_strategy_predicts_what_the_uniform_pipeline_does() -> None:
+    model = _llama()
+    for uniform in ({"dp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 3},
+                    {"tp": 2, "dp": 1, "micro_batch": 2}):
+        tp, dp, zero = uniform.get("tp", 1), uniform["dp"], uniform.get("zero", 0)
+        layerwise = _mixed_llama([(tp, dp, zero)] * 6, pp=2, global_batch=4,
+                                 **uniform)  # type: ignore[arg-type]
+        flat = replace(layerwise, stages=tuple(replace(s, layer_strategies=None)
+                                               for s in layerwise.stages))
+        for rank in range(4):
+            got = predict_layerwise_rank_state(model, layerwise, rank)
+            want = predict_rank_state(model, flat, rank)
+            for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+                assert got[key] == pytest.approx(want[key]), (uniform, rank, key)
+            assert got["comm_bytes"]["send_recv"] == pytest.approx(  # type: ignore[index]
+                want["comm_bytes"]["send_recv"]), (uniform, rank)  # type: ignore[index]
+
+
+def test_a_stage_ending_in_another_tp_moves_its_output_back_to_the_data_layout() -> None:
+    model = _llama()
+    base = predict_layerwise_rank_state(model, _mixed_llama([(1, 2, 0)] * 6, dp=2, pp=2,
+                                                            global_batch=4), 0)
+    mixed = predict_layerwise_rank_state(model, _mixed_llama(
+        [(1, 2, 0), (1, 2, 0), (2, 1, 0), (1, 2, 0), (1, 2, 0), (1, 2, 0)], dp=2, pp=2,
+        global_batch=4), 0)
+    # stage 0's last layer runs tp 2: the forward all-gather into it sends this rank's one
+    # sequence (16 x 64 fp32) per micro-batch, and leaving it for the data layout (tp 1) the
+    # backward all-gather sends the gradient of the one sequence of the data layout's block
+    m, s, h = 2, 16, 64
+    gathered = mixed["comm_bytes"]["all_gather"] - base["comm_bytes"]["all_gather"]  # type: ignore[index]
+    assert gathered == m * (1 + 1) * s * h * 4
 
 
 def test_a_tied_embedding_and_head_under_different_strategies_are_refused() -> None:

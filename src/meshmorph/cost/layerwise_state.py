@@ -33,7 +33,14 @@ from __future__ import annotations
 
 import math
 
-from meshmorph.cost.rank_state import COMM_KINDS, GRAD, LOSS_BYTES, MASTER, MOMENTS
+from meshmorph.cost.rank_state import (
+    COMM_KINDS,
+    GRAD,
+    HANDSHAKE_BYTES,
+    LOSS_BYTES,
+    MASTER,
+    MOMENTS,
+)
 from meshmorph.cost.state import compute_bytes, data_parallel_traffic
 from meshmorph.cost.tensor_shapes import layer_tensors, vocab_split
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
@@ -58,16 +65,55 @@ def _hidden_bytes(plan: Plan, strategy: LayerStrategy) -> float:
     return compute_bytes(plan.dtype) if fsdp and plan.dtype != "fp32" else 4.0
 
 
+def _pipeline_traffic(model: ModelSpec, plan: Plan, pp_rank: int) -> dict[str, float]:
+    """A pipeline stage's traffic at its ends (pp > 1): the tokens moved into the first layer's
+    layout (stage 0) or the received hidden state (later stages), the output moved back to the
+    data layout (the hidden state, or the logits on the last stage, whose labels stay in the data
+    layout), and torch pipelining's sends of ``b s h`` per micro-batch to each neighbour plus its
+    first step's handshake."""
+    out = dict.fromkeys(COMM_KINDS, 0.0)
+    strategies = plan.stages[pp_rank].layer_strategies
+    assert strategies is not None
+    m, s, b = plan.num_microbatches, plan.seq_len, plan.micro_batch
+    sequences = plan.dp * b
+    c = compute_bytes(plan.dtype)
+    fsdp_precision = plan.dp > 1 and plan.zero >= 2  # run/pipeline.py's io_dtypes
+    hidden = c if plan.dtype != "fp32" and fsdp_precision else 4.0
+    first, last = pp_rank == 0, pp_rank == plan.pp - 1
+
+    def moved(tp_a: int, dp_a: int, tp_b: int, dp_b: int, width: float) -> None:
+        if tp_b > tp_a:  # forward all-gather of this rank's B / dp_a sequences
+            out["all_gather"] += m * sequences // dp_a * s * width
+        elif tp_b < tp_a:  # backward all-gather of the gradient of B / dp_b sequences
+            out["all_gather"] += m * sequences // dp_b * s * width
+
+    head, tail = strategies[0], strategies[-1]
+    if first:
+        if head.tp > plan.tp:
+            out["all_gather"] += m * b * s * TOKEN_BYTES
+    else:
+        moved(plan.tp, plan.dp, head.tp, head.dp, model.hidden_size * hidden)
+    logits = 4.0 if plan.dtype == "fp32" else c
+    width = model.vocab_size * logits if last else model.hidden_size * hidden
+    moved(tail.tp, tail.dp, plan.tp, plan.dp, width)
+    neighbours = (not first) + (not last)
+    out["send_recv"] += HANDSHAKE_BYTES * neighbours \
+        + m * neighbours * b * s * model.hidden_size * hidden
+    return out
+
+
 def predict_layerwise_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, object]:
     """``params_bytes``, ``grads_bytes``, ``optimizer_bytes`` and ``comm_bytes`` (by kind) of
     ``rank`` of a layerwise ``plan`` (module docstring)."""
-    if plan.pp != 1 or len(plan.stages) != 1 or plan.stages[0].layer_strategies is None:
-        raise PlanError("the layerwise state prediction covers pp 1 plans whose stage lists "
-                        "layer_strategies; use cost.rank_state for the others")
+    if plan.num_chunks != plan.pp or any(st.layer_strategies is None for st in plan.stages):
+        raise PlanError("the layerwise state prediction covers plans with one chunk per pipeline "
+                        "rank whose stages list layer_strategies; use cost.rank_state for the "
+                        "others")
     if not 0 <= rank < plan.world_size:
         raise ValueError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
     model = model.with_seq_len(plan.seq_len)
-    stage = plan.stages[0]
+    pp_rank, rank = divmod(rank, plan.tp * plan.dp)  # the stage, and the rank within it
+    stage = plan.stages[pp_rank]
     strategies = stage.layer_strategies
     assert strategies is not None
     m, s, h = plan.num_microbatches, plan.seq_len, model.hidden_size
@@ -129,9 +175,13 @@ def predict_layerwise_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dic
                 comm["all_gather"] += m * sequences // before.dp * s * h * hidden
             elif t < before.tp:  # backward all-gather of the gradient of B / dp_b sequences
                 comm["all_gather"] += m * sequences // d * s * h * hidden
-    for layer_tp in (strategies[0].tp, strategies[-1].tp):  # tokens in, labels out
-        if layer_tp > plan.tp:
-            comm["all_gather"] += m * plan.micro_batch * s * TOKEN_BYTES
+    if plan.pp == 1:
+        for layer_tp in (strategies[0].tp, strategies[-1].tp):  # tokens in, labels out
+            if layer_tp > plan.tp:
+                comm["all_gather"] += m * plan.micro_batch * s * TOKEN_BYTES
+    else:
+        for kind, nbytes in _pipeline_traffic(model, plan, pp_rank).items():
+            comm[kind] += nbytes
     comm["all_reduce"] += LOSS_BYTES + NORM_BYTES
     return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": moments,
             "comm_bytes": comm}

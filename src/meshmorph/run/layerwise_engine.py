@@ -44,9 +44,14 @@ from meshmorph.run.loss import token_cross_entropy
 from meshmorph.run.mesh import build_mesh
 from meshmorph.run.models import build_chunk
 from meshmorph.run.parallelize import TORCH_DTYPES
+from meshmorph.run.pipeline import build_schedule, io_dtypes
 from meshmorph.run.zero1 import ShardedAdamW
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan, PlanError, Schedule
+
+PIPELINE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+"""The pipeline schedules a layerwise plan with pp > 1 runs (one chunk per pipeline rank, one
+backward per micro-batch)."""
 
 
 def is_layerwise(plan: Plan) -> bool:
@@ -56,25 +61,32 @@ def is_layerwise(plan: Plan) -> bool:
 
 def validate_layerwise(model: ModelSpec, plan: Plan) -> None:
     """Refuse the layerwise plans this runtime cannot run (module docstring), naming a way out."""
-    if plan.pp > 1 or plan.num_chunks > 1:
+    if plan.num_chunks > plan.pp or (plan.pp > 1 and plan.schedule not in PIPELINE_SCHEDULES):
         raise PlanError(
-            f"layerwise plans run with pp 1 only (this one has pp {plan.pp}, vpp {plan.vpp}): the "
-            "pipeline hands activations between stages in one layout; drop layer_strategies, or "
-            "plan pp 1 (meshmorph plan --layerwise with a cluster that fits one stage)")
+            f"layerwise plans run pp 1, or pp > 1 under schedule gpipe or 1f1b with one chunk per "
+            f"pipeline rank (this one has pp {plan.pp}, vpp {plan.vpp}, schedule "
+            f"{plan.schedule}); set schedule '1f1b' and vpp 1, or drop layer_strategies")
+    if plan.pp > 1 and model.tied_embeddings:
+        raise PlanError(
+            f"{model.name} ties its embedding and head, which a layerwise pipeline puts on "
+            "different stages under their own layouts; layerwise plans with pp > 1 need untied "
+            "embeddings (a llama-style model), or plan pp 1")
     if plan.schedule == Schedule.ASYNC:
         raise PlanError("layerwise plans run the synchronous step; use schedule '1f1b'")
     if plan.sequence_parallel:
         raise PlanError("layerwise plans do not run sequence parallelism; set it false")
     if plan.dtype == "fp16":
         raise PlanError("layerwise plans run fp32 or bf16 (no fp16 loss scaling); use bf16")
-    stage = plan.stages[0]
-    strategies = stage.layer_strategies
-    assert strategies is not None
+    if any(stage.layer_strategies is None for stage in plan.stages):
+        raise PlanError("a layerwise plan lists layer_strategies on every stage or on none; "
+                        "give the other stages theirs (one per layer: the stage's tp/dp/zero)")
     degrees = sorted(stage_degrees(plan))
     for low, high in zip(degrees, degrees[1:], strict=False):
         if high % low:
             raise PlanError(f"layer tp degrees {low} and {high} do not nest; the runtime moves "
                             "activations only between tp's where one divides the other")
+    strategies = plan.stages[0].layer_strategies
+    assert strategies is not None
     embed, head = strategies[0], strategies[-1]
     if model.tied_embeddings and (embed.tp, embed.zero) != (head.tp, head.zero):
         raise PlanError(
@@ -96,24 +108,36 @@ class LayerwiseEngine(TrainEngine):
         mesh = build_mesh(plan, device.type)
         self.train_mesh, self.mesh = mesh, mesh.mesh
         self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp  # the trainer's data layout
-        self.layouts = LayerLayouts(plan.tp * plan.dp, stage_degrees(plan), device.type)
-        stage = plan.stages[0]
+        self.layouts = LayerLayouts(plan.tp * plan.dp, stage_degrees(plan), device.type,
+                                    pp=plan.pp, pp_rank=mesh.pp_rank)
+        stage = plan.stages[mesh.pp_rank]
         chunk = build_chunk(spec, stage.start, stage.stop, seed=seed, device="meta")
         self.units: list[LayerUnit] = parallelize_layerwise(chunk, spec, plan, stage,
                                                             self.layouts, seed=seed,
                                                             device=device)
-        self.runner = LayerwiseRunner(chunk, self.units, self.layouts, plan.tp)
+        boundary = None
+        if plan.pp > 1:  # the dtype torch pipelining sends (hidden state or logits)
+            hidden, logits = io_dtypes(plan)
+            boundary = logits if mesh.pp_rank == plan.pp - 1 else hidden
+        self.runner = LayerwiseRunner(chunk, self.units, self.layouts, plan.tp,
+                                      boundary_dtype=boundary)
         self.model_parts = [chunk]
         self._runners = [self.runner]
-        self.chunk_ids = [0]
+        self.chunk_ids = [mesh.pp_rank]
         self._params = [[p for unit in self.units for p in unit.params]]
         self.optimizers, self.lr_schedulers = self._make_optimizers()
         self.part_optimizers = [self.optimizers]
         """The optimizers over each model part, for checkpoints (run/checkpoint.py): all of
         them over the one chunk, saved as one state dict keyed by parameter names."""
-        self.has_first = self.has_last = True
+        self.has_first, self.has_last = mesh.pp_rank == 0, mesh.pp_rank == plan.pp - 1
         self.scaler = None
         self.schedule = None
+        if plan.pp > 1:
+            self.schedule = build_schedule([self.runner], self.chunk_ids, spec, plan, mesh,
+                                           device, self._stage_loss)
+            # the loss carries the 1/m (as without a pipeline): torch's own division runs over
+            # the parameters registered at the step's end, which are not ZeRO-2's sharded ones
+            self.schedule.scale_grads = False
         self._tied_group = None
         self._grad_norm = float("nan")
         self._autocast = (partial(torch.autocast, device.type, dtype=TORCH_DTYPES[plan.dtype])
@@ -169,6 +193,27 @@ class LayerwiseEngine(TrainEngine):
             total += loss.detach().double()
         return total
 
+    def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """A pipeline micro-batch's loss as the last stage back-propagates it: its mean over this
+        rank's dp block of the data layout, over m x dp, this block's exact share of the mean
+        over the global batch (the gradients are sums over each layer's dp group)."""
+        return token_cross_entropy(logits, labels) / (self.plan.num_microbatches * self.plan.dp)
+
+    def _pipelined(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One step through torch pipelining; returns this rank's sum of its micro-batch mean
+        losses (zero off the last stage)."""
+        for module in self._zero2:
+            module.set_reshard_after_backward(False)  # gathered once, kept to the step's end
+        losses: list[torch.Tensor] = []
+        with self._autocast():
+            self.schedule.step(*((inputs,) if self.has_first else ()),  # type: ignore[union-attr]
+                               target=labels if self.has_last else None,
+                               losses=losses if self.has_last else None)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for loss in losses:
+            total += loss.detach().double() * (self.plan.num_microbatches * self.plan.dp)
+        return total
+
     def _step(self, tokens: torch.Tensor) -> float:
         plan = self.plan
         expected = (plan.global_batch // plan.dp, plan.seq_len + 1)
@@ -179,7 +224,8 @@ class LayerwiseEngine(TrainEngine):
         inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        loss_sum = self._accumulate(inputs, labels)
+        loss_sum = (self._accumulate(inputs, labels) if self.schedule is None
+                    else self._pipelined(inputs, labels))
         reduce_layer_grads(self.units, plan.reduce_dtype)
         if self.capture_state:  # the end of backward (its reductions included)
             self.captured_state = state_line.held_bytes(self)

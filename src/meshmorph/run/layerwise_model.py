@@ -7,7 +7,10 @@ its tp ranks. The runner takes this rank's micro-batch share as the trainer cuts
 own (tp, dp) layout), moves the tokens to the first layer's layout, runs every layer, moving the
 hidden state between neighbours whose tp differs (run/layerwise_redistribute.py: a local slice
 or an all-gather of the batch dim, and the reverse in backward), and hands back the last
-layer's logits with the labels moved to the same layout.
+layer's logits with the labels moved to the same layout. A pipeline stage (pp > 1) instead
+ends in the data layout, the one every stage's input comes in: torch pipelining sends each
+rank's output to the rank of the same (dp, tp) coordinate on the next stage, which receives
+it in the stage's base layout, and sends the gradient back the same way.
 """
 
 from __future__ import annotations
@@ -24,18 +27,23 @@ class LayerwiseRunner(nn.Module):
     parameters keep the plain model's names."""
 
     def __init__(self, chunk: nn.Module, units: list[LayerUnit], layouts: LayerLayouts,
-                 data_tp: int) -> None:
+                 data_tp: int, *, boundary_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.chunk = chunk
         self.units = units
         self.layouts = layouts
         self.data_tp = data_tp
         """tp degree of the layout the trainer cuts the batch in (the plan's tp)."""
+        self.boundary_dtype = boundary_dtype
+        """A pipeline stage's output dtype (the one torch pipelining's receiver expects); the
+        output then also moves back to the data layout, in which pipeline stages hand over
+        activations. None without a pipeline: the logits stay in the last layer's layout."""
 
     @property
     def out_tp(self) -> int:
-        """tp degree of the layout the logits come out in (the last layer's)."""
-        return self.units[-1].strategy.tp
+        """tp degree of the layout the output comes out in: the last layer's, or the data
+        layout's at a pipeline stage boundary."""
+        return self.data_tp if self.boundary_dtype is not None else self.units[-1].strategy.tp
 
     def labels(self, labels: torch.Tensor) -> torch.Tensor:
         """This rank's labels moved from the data layout to the logits' layout."""
@@ -53,4 +61,6 @@ class LayerwiseRunner(nn.Module):
                         x = redistribute(x, tp, unit.strategy.tp, self.layouts.groups)
                 tp = unit.strategy.tp
             x = unit.module(x)
+        if self.boundary_dtype is not None:  # a pipeline stage's output, in the data layout
+            x = redistribute(x.to(self.boundary_dtype), tp, self.data_tp, self.layouts.groups)
         return x

@@ -54,33 +54,41 @@ class Layout:
     dp: int
     """Data-parallel degree (stage devices / tp)."""
     mesh: DeviceMesh
-    """2-D mesh with dims ("dp", "tp")."""
-
-    @property
-    def tp_mesh(self) -> DeviceMesh:
-        return self.mesh["tp"]
-
-    @property
-    def dp_mesh(self) -> DeviceMesh:
-        return self.mesh["dp"]
+    """2-D mesh with dims ("dp", "tp") over this rank's stage."""
+    tp_mesh: DeviceMesh
+    """Its "tp" dim through this rank."""
+    dp_mesh: DeviceMesh
+    """Its "dp" dim through this rank."""
 
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel block: the sequences of a micro-batch it runs."""
-        return self.mesh.get_local_rank("dp")
+        return self.dp_mesh.get_local_rank()
 
 
 class LayerLayouts:
     """The meshes of every tp degree a stage uses, and the groups that move activations between
-    them; made collectively at construction (every rank, same order)."""
+    them; made collectively at construction (every rank, same order). Under pipeline
+    parallelism (``pp`` stages of ``devices`` ranks, stage-major as run/mesh.py numbers them)
+    each degree's mesh is a ("pp", "dp", "tp") mesh of the job, and a rank keeps its stage's
+    ("dp", "tp") slice."""
 
-    def __init__(self, devices: int, degrees: set[int], device_type: str) -> None:
+    def __init__(self, devices: int, degrees: set[int], device_type: str, *, pp: int = 1,
+                 pp_rank: int = 0) -> None:
         self.devices = devices
         self.layouts: dict[int, Layout] = {}
         for tp in sorted(degrees):
-            mesh = init_device_mesh(device_type, (devices // tp, tp), mesh_dim_names=("dp", "tp"))
-            self.layouts[tp] = Layout(tp=tp, dp=devices // tp, mesh=mesh)
-        self.groups = LayoutGroups(0, devices)
+            if pp == 1:
+                mesh = init_device_mesh(device_type, (devices // tp, tp),
+                                        mesh_dim_names=("dp", "tp"))
+                stage = mesh
+            else:
+                mesh = init_device_mesh(device_type, (pp, devices // tp, tp),
+                                        mesh_dim_names=("pp", "dp", "tp"))
+                stage = mesh["dp", "tp"]
+            self.layouts[tp] = Layout(tp=tp, dp=devices // tp, mesh=stage, tp_mesh=mesh["tp"],
+                                      dp_mesh=mesh["dp"])
+        self.groups = LayoutGroups(pp_rank * devices, devices, pp)
         ordered = sorted(degrees)
         for i, low in enumerate(ordered):  # every pair's all-gather groups, in one order
             for high in ordered[i + 1:]:

@@ -26,11 +26,14 @@ import torch.distributed as dist
 class LayoutGroups:
     """The all-gather groups of every pair of tp degrees on one stage of ranks [first, first +
     devices); made lazily but collectively: call ``groups(low, high)`` on every rank of the job
-    in the same order (before the first forward)."""
+    in the same order (before the first forward). With ``stages`` > 1 (pipeline stages of
+    ``devices`` ranks each, stage s on ranks [s devices, (s + 1) devices)) every rank makes
+    every stage's groups, as ``new_group`` requires, and keeps its own stage's."""
 
-    def __init__(self, first: int, devices: int):
+    def __init__(self, first: int, devices: int, stages: int = 1):
         self.first = first
         self.devices = devices
+        self.stages = stages
         self._made: dict[tuple[int, int], dict[int, Any]] = {}
 
     def groups(self, low: int, high: int) -> dict[int, Any]:
@@ -41,12 +44,15 @@ class LayoutGroups:
                              "choose tp degrees where one divides the other and the stage")
         if (low, high) not in self._made:
             mine: dict[int, Any] = {}
-            for block in range(self.devices // high):
-                for lane in range(low):
-                    local = [block * high + q * low + lane for q in range(high // low)]
-                    group = dist.new_group([self.first + r for r in local])
-                    for r in local:
-                        mine[r] = group
+            for stage in range(self.stages):
+                base = stage * self.devices
+                for block in range(self.devices // high):
+                    for lane in range(low):
+                        local = [block * high + q * low + lane for q in range(high // low)]
+                        group = dist.new_group([base + r for r in local])
+                        if base == self.first:
+                            for r in local:
+                                mine[r] = group
             self._made[low, high] = mine
         return self._made[low, high]
 

@@ -265,3 +265,73 @@ def test_layerwise_best_never_slower_than_the_regular_plan_under_the_same_model(
                             cost=cost)
     assert ours.optimality_gap == 0.0
     assert ours.estimate.step_time_s <= theirs.step_time_s * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_one_chunk_configuration_bounds_never_exceed_brute_force(seed: int) -> None:
+    """The configuration bounds the search cuts by (time-only, memory-aware, and the bubble
+    bound m x_k + S_k inside both) are never above the brute-force optimum of the seeded
+    case, capped and not."""
+    from meshmorph.plan.layerwise_front import StageFronts
+    from meshmorph.plan.layerwise_search import _bubble_bound, _config_bound
+
+    options = SearchOptions(recompute=MODES, **EXACT)
+    for cost in _random_case(seed)[0], _uncapped(_random_case(seed)[0]):
+        _, plan, strategies = _random_case(seed)
+        expected = brute_force(cost, plan, strategies)
+        if expected is None:
+            continue
+        gpu = cost.default_gpu()
+        bubble = _bubble_bound(StageFronts(cost, plan, strategies, MODES, gpu, {}))
+        assert 0.0 < bubble <= expected * (1 + 1e-12)
+        for memory in (False, True):
+            bound = _config_bound(cost, plan, strategies, options, gpu, {}, memory=memory)
+            assert bound <= expected * (1 + 1e-12)
+
+
+def _v_brute_force(cost: CostModel, plan: Plan, strategies: list[LayerStrategy]) -> float | None:
+    """The least step over every per-layer assignment of a plan's even chunks that fits."""
+    per_layer = [[(s, r) for s in strategies for r in MODES if r in layer.activation]
+                 for layer in cost.model.layers]
+    best = None
+    for pick in itertools.product(*per_layer):
+        stages = tuple(replace(st, layer_strategies=tuple(s for s, _ in pick[st.start:st.stop]),
+                               recompute=tuple(r for _, r in pick[st.start:st.stop]))
+                       for st in plan.stages)
+        found = estimate_layerwise(cost, replace(plan, stages=stages))
+        if found.fits and (best is None or found.step_time_s < best):
+            best = found.step_time_s
+    return best
+
+
+@pytest.mark.parametrize(("name", "schedule", "memory_gib"), [
+    ("gpt-tiny", Schedule.ZBV, None), ("llama-tiny", Schedule.DUALPIPEV, None),
+    ("gpt-tiny", Schedule.DUALPIPEV, 1.06), ("llama-tiny", Schedule.ZBV, 1.055)])
+def test_v_schedule_bound_and_plan_against_brute_force(name: str, schedule: Schedule,
+                                                       memory_gib: float | None) -> None:
+    """zbv / dualpipev, pp 2 on 4 devices (even chunks, two per rank in a V): the
+    configuration's bound (each rank's memory relaxation and the schedule simulated at every
+    chunk's least figures) is never above the brute force over every per-layer assignment,
+    and the plan the search builds fits and is never faster than it."""
+    from meshmorph.plan.layerwise_search import _config_bound, _solve_plan
+
+    cost = _cost(name, 4, memory_gib)
+    strategies = [LayerStrategy(tp=1, dp=2, zero=1), LayerStrategy(tp=2, dp=1, zero=0)]
+    first = strategies[0]
+    plan = Plan(model=name, seq_len=cost.model.seq_len, global_batch=8, tp=first.tp, dp=first.dp,
+                zero=first.zero, pp=2, micro_batch=1, num_microbatches=4, schedule=schedule,
+                vpp=2).with_even_stages(cost.model)
+    assert [plan.chunks_of(k) for k in range(2)] == [[0, 3], [1, 2]]
+    expected = _v_brute_force(cost, plan, strategies)
+    assert expected is not None
+    options = SearchOptions(recompute=MODES, **EXACT)
+    gpu = cost.default_gpu()
+    bound = _config_bound(cost, plan, strategies, options, gpu, {}, memory=True)
+    assert 0.0 < bound <= expected * (1 + 1e-12)
+    _, mixed = _solve_plan(cost, plan, strategies, options, False,
+                           (float("inf"), float("inf")), {})
+    assert mixed is not None
+    again = estimate_layerwise(cost, mixed[0])
+    assert again.fits
+    assert again.step_time_s == pytest.approx(mixed[1].step_time_s, rel=1e-12)
+    assert mixed[1].step_time_s >= expected * (1 - 1e-12)

@@ -38,7 +38,13 @@ from meshmorph.cost.rank_terms import rank_memory_terms
 from meshmorph.cost.transition import transition
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import LayerStrategy, Plan, PlanError, Schedule
+from meshmorph.spec.plan import (
+    SPLIT_BACKWARD_SCHEDULES,
+    LayerStrategy,
+    Plan,
+    PlanError,
+    Schedule,
+)
 
 if TYPE_CHECKING:
     from meshmorph.cost.model import CostModel
@@ -152,7 +158,7 @@ class RankCost:
 
 
 LAYERWISE_SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.GPIPE, Schedule.INTERLEAVED,
-                       Schedule.ZERO_BUBBLE)
+                       Schedule.ZERO_BUBBLE, Schedule.ZBV, Schedule.DUALPIPEV)
 """Schedules a layerwise plan may use (asynchronous 1F1B is not offered)."""
 
 Chunk = tuple[int, int, Sequence[LayerStrategy], Sequence[Recompute]]
@@ -219,7 +225,7 @@ def estimate_layerwise(cost: CostModel, plan: Plan) -> Estimate:
         ranks.append(rank_cost(cost, plan, k, [
             (plan.stages[c].start, plan.stages[c].stop, stage_strategies(plan, c),
              plan.stages[c].recompute) for c in ids], gpus[ids[0]]))
-    zb = plan.schedule == Schedule.ZERO_BUBBLE
+    zb = plan.schedule in SPLIT_BACKWARD_SCHEDULES  # input and weight gradients apart
     fwd, bwd, wgrad = ([0.0] * plan.num_chunks for _ in range(3))
     for k, r in enumerate(ranks):
         for c, f, b, w in zip(plan.chunks_of(k), r.fwd_s, r.bwd_s, r.wgrad_s, strict=True):

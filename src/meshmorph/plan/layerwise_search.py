@@ -33,8 +33,9 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from meshmorph.cost.estimate import Estimate
-from meshmorph.cost.layerwise_cost import estimate_layerwise, reserved_bytes
+from meshmorph.cost.layerwise_cost import estimate_layerwise, layer_plan, reserved_bytes
 from meshmorph.cost.model import CostModel
+from meshmorph.cost.pipeline import simulate
 from meshmorph.plan.layerwise import (
     StageSolution,
     TermsCache,
@@ -49,7 +50,14 @@ from meshmorph.plan.space import SearchOptions, divisors, tp_degrees
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import LayerStrategy, Plan, PlanError, Schedule, StagePlan
+from meshmorph.spec.plan import (
+    SPLIT_BACKWARD_SCHEDULES,
+    LayerStrategy,
+    Plan,
+    PlanError,
+    Schedule,
+    StagePlan,
+)
 
 
 class LayerwiseDoesNotFit(PlanError):
@@ -256,11 +264,15 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
                 if m >= pp and m % pp == 0 and Schedule.INTERLEAVED in options.schedules:
                     shapes += [(Schedule.INTERLEAVED, v) for v in range(2, options.max_vpp + 1)
                                if model.num_blocks % (pp * v) == 0]
+                # the V schedules, as the regular planner offers them: two chunks per rank
+                shapes += [(s, 2) for s in (Schedule.ZBV, Schedule.DUALPIPEV)
+                           if s in options.schedules and model.num_blocks >= 2 * pp
+                           and (s == Schedule.ZBV or m >= 2 * pp)]
             for sp in sorted(set(options.sequence_parallel)):
                 for schedule, vpp in shapes:
                     strategies = _strategies(model, cluster, options, devices, sequences,
                                              sequence_parallel=sp,
-                                             zero_bubble=schedule == Schedule.ZERO_BUBBLE)
+                                             zero_bubble=schedule in SPLIT_BACKWARD_SCHEDULES)
                     if not strategies or (sp and all(s.tp == 1 for s in strategies)):
                         continue  # nothing to split along the sequence: the same as sp off
                     first = strategies[0]
@@ -341,8 +353,54 @@ def _config_bound(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
             bound = max(bound, stage_lower_bound_s(rows))
             if memory:
                 bound = max(bound, MemoryRelaxation(rows, cap).busy(0, len(rows)))
+        if memory and plan.pp > 1:
+            bound = max(bound, _simulated_bound(cost, plan, strategies, options, gpu, cache))
         return bound
     fronts = StageFronts(cost, plan, strategies, options.recompute, gpu, cache)
+    bubble = _bubble_bound(fronts)
     if not memory:
-        return max(sum(fronts.least_busy) / plan.pp, max(fronts.least_busy))
-    return rest_bounds(fronts)[0][0]
+        return max(sum(fronts.least_busy) / plan.pp, max(fronts.least_busy), bubble)
+    return max(rest_bounds(fronts)[0][0], bubble)
+
+
+def _bubble_bound(fronts: StageFronts) -> float:
+    """No partition of a one-chunk pipeline (GPipe, 1F1B, zero-bubble) is faster. Let x_k be
+    stage k's forward plus backward (the input gradient under zero-bubble) per micro-batch and
+    S_k = x_0 + ... + x_{k-1}: stage k cannot start before micro-batch 0's forwards of the
+    stages before it, runs m forwards and backwards, and rank 0 cannot end before micro-batch
+    m - 1's backward came back through those stages, so the step is at least m x_k + S_k for
+    every k. Over all x >= 0 summing to X, the least of max_k (m x_k + S_k) is
+    X / (1 - (1 - 1/m)^p) (stage by stage, as large as the bound allows, gives the most
+    work under it), and X is at least the layers' least forwards and backwards."""
+    m, p = fronts.m, fronts.p
+    work = fronts.prefix_f[-1] + fronts.prefix_b[-1]
+    return work / (1.0 - (1.0 - 1.0 / m) ** p)
+
+
+def _simulated_bound(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
+                     options: SearchOptions, gpu: GPUSpec, cache: TermsCache) -> float:
+    """No plan of an even-chunk configuration (interleaved, zbv, dualpipev) is faster: the
+    schedule simulated with every chunk's forward, backward (input gradient under a split
+    backward) and weight gradient each at the sum of its layers' least, no transition, and each
+    rank's tail at its layers' least. Every assignment's figures are at least these and the
+    simulator is max-plus (never faster when a figure grows), so its step is at least this."""
+    split = plan.schedule in SPLIT_BACKWARD_SCHEDULES
+    chunks = plan.num_chunks
+    fwd, bwd, wgrad = ([0.0] * chunks for _ in range(3))
+    tails = []
+    for k in range(plan.pp):
+        tail = 0.0
+        rows = iter(stage_choices(cost, plan, k, 0, 0, strategies, options.recompute, gpu, cache,
+                                  _rank_chunks(plan, k)))  # the rank's chunks, in order
+        for c in plan.chunks_of(k):
+            for row in (next(rows) for _ in range(plan.stages[c].num_layers)):
+                fwd[c] += min(x[4].fwd_s for x in row)
+                bwd[c] += min(x[4].bwd_s - (x[4].wgrad_s if split else 0.0) for x in row)
+                wgrad[c] += min(x[4].wgrad_s for x in row)
+                tail += min(x[4].tail_s for x in row)
+        tails.append(tail)
+    send = min(cost.p2p_time(layer_plan(plan, s), gpu) for s in strategies)
+    p2p = (send,) * chunks
+    timeline = simulate(plan.schedule, plan.pp, plan.num_microbatches, fwd, bwd, v=plan.vpp,
+                        p2p_s=p2p, wgrad_s=wgrad if split else None)
+    return max(timeline.rank_end_s[k] + tails[k] for k in range(plan.pp))

@@ -15,7 +15,12 @@ cost/layerwise_state.py (within 2%, per rank).
   micro-batches;
 - ``llama_gathers_tokens_and_labels``: data cut dp4, an untied tp2 x dp2 embedding (ZeRO-3) and
   head (tokens and labels all-gathered into their layout), ZeRO-3 tp2 x dp2, ZeRO-1 dp4, full
-  recompute, ZeRO-2 tp2 x dp2 with selective recompute.
+  recompute, ZeRO-2 tp2 x dp2 with selective recompute;
+- ``llama_pp2_1f1b_mixed_stages``, ``llama_pp2_gpipe_tp_data``: two pipeline stages of 2 ranks,
+  each stage's layers under their own strategies, activations handed over in the data layout
+  (dp2, and tp2);
+- ``llama_bf16_mixed``, ``llama_bf16_pp2_1f1b``: bf16 (autocast and FSDP2's mixed precision side
+  by side), held to the matrix's bf16 rule against the bf16 one-device run.
 
 The same job then checkpoints (run/checkpoint.py, DCP): ``gpt_tp4_zero123_tied`` trains four
 steps and saves after the second; a fresh layerwise engine loads the checkpoint and trains steps
@@ -36,7 +41,17 @@ from pathlib import Path
 import pytest
 import torch
 from reference import ReferenceRun, deviation, reference_run
-from test_equivalence import FLOOR_FP32, K_FP32, OPTIM, Expectation, _worst, violations
+from test_equivalence import (
+    FLOOR_BF16,
+    FLOOR_FP32,
+    K_BF16,
+    K_FP32,
+    OPTIM,
+    Expectation,
+    _worst,
+    bf16_not_shown,
+    violations,
+)
 
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import ModelSpec, Recompute
@@ -87,6 +102,13 @@ def layouts() -> dict[str, tuple[ModelSpec, Plan]]:
         "llama_pp2_gpipe_tp_data": (llama, _mixed_stages(
             llama, [[(1, 2, 2), (2, 1, 0), (1, 2, 0)], [(1, 2, 3), (1, 2, 1), (1, 2, 0)]],
             tp=2, schedule="gpipe", micro_batch=2, num_microbatches=2, global_batch=4)),
+        "llama_bf16_mixed": (llama, replace(_mixed(
+            llama, [(2, 2, 3), (1, 4, 0), (2, 2, 0), (1, 4, 2), (1, 4, 1), (2, 2, 0)],
+            dp=4, micro_batch=1, num_microbatches=2, global_batch=8), dtype="bf16")),
+        "llama_bf16_pp2_1f1b": (llama, replace(_mixed_stages(
+            llama, [[(2, 1, 0), (1, 2, 3), (1, 2, 1)], [(1, 2, 2), (2, 1, 0), (1, 2, 0)]],
+            dp=2, schedule="1f1b", micro_batch=1, num_microbatches=4, global_batch=8),
+            dtype="bf16")),
     }
 
 
@@ -222,9 +244,16 @@ def _reports(out: Path) -> list[dict]:
 
 
 def _expectation(model: ModelSpec, plan: Plan) -> Expectation:
+    """The equivalence matrix's truth and noise for ``plan``'s precision: the fp64 one-device run
+    and three fp32 ones (fp32), or the bf16 one-device run and its distance from fp64 (bf16)."""
     data = batches(model, plan)
     fp64 = reference_run(model, OPTIM, data, seed=SEED, micro_batch=plan.micro_batch,
                          precision="fp64")
+    if plan.dtype == "bf16":
+        bf16 = reference_run(model, OPTIM, data, seed=SEED, micro_batch=plan.micro_batch,
+                             precision="bf16")
+        return Expectation(bf16, "bf16 one-device", fp64, deviation(bf16, fp64, OPTIM), K_BF16,
+                           FLOOR_BF16)
     fp32 = [reference_run(model, OPTIM, data, seed=SEED, micro_batch=mb, precision="fp32")
             for mb in sorted({1, plan.micro_batch, plan.global_batch})]
     return Expectation(fp64, "fp64 one-device", fp64,
@@ -245,7 +274,11 @@ def test_layerwise_plan_matches_one_device_within_measured_noise(name: str,
     for path in sorted((results / name).glob("params_pp*.pt")):
         params.update(torch.load(path))
     run = ReferenceRun(tuple(reports[0]["losses"]), tuple(reports[0]["grad_norms"]), params)
-    found = violations(run, _expectation(model, plan))
+    expectation = _expectation(model, plan)
+    found = violations(run, expectation)
+    if plan.dtype == "bf16":
+        why = bf16_not_shown(run, expectation)
+        found += [why] if why else []
     assert not found, f"{name}: {len(found)} figures out of tolerance:\n" + "\n".join(found)
 
 

@@ -22,7 +22,9 @@ compute dtype's bytes):
   output and the head's input gradient) and the head's all-gather of ``b s V / tp_i`` logits;
 - between neighbours whose tp differs, per micro-batch (run/layerwise_redistribute.py): the
   forward all-gather input ``(B / dp_a) s h`` when tp grows, the backward all-gather of the
-  gradient ``(B / dp_b) s h`` when it shrinks;
+  gradient ``(B / dp_b) s h`` when it shrinks, in the residual stream's dtype there (fp32 from
+  the embedding under autocast, 16-bit from the first layer FSDP2's mixed precision casts on:
+  autocast keeps a 16-bit stream 16-bit); a tensor-parallel layer's input gradients likewise;
 - the data: the trainer cuts the batch in the plan's (tp, dp) layout, so the token ids (int64)
   of ``B / dp`` sequences are all-gathered into the first layer's layout when its tp is larger,
   and the labels into the last layer's;
@@ -58,11 +60,18 @@ def _own_rows(rows: int, dp: int, dp_rank: int) -> int:
     return min(start + size, rows) - start
 
 
-def _hidden_bytes(plan: Plan, strategy: LayerStrategy) -> float:
-    """Bytes per element of a layer's residual-stream input and output: fp32 under autocast, the
-    compute dtype where FSDP2's mixed precision casts the layer's parameters."""
-    fsdp = strategy.dp > 1 and strategy.zero >= 2
-    return compute_bytes(plan.dtype) if fsdp and plan.dtype != "fp32" else 4.0
+def _casts(plan: Plan, strategy: LayerStrategy) -> bool:
+    """Whether FSDP2's mixed precision casts the layer's inputs (and so its output) to the
+    compute dtype; under autocast alone the residual stream keeps the dtype it comes in."""
+    return strategy.dp > 1 and strategy.zero >= 2 and plan.dtype != "fp32"
+
+
+def _boundary_bytes(plan: Plan) -> float:
+    """Bytes per element of the hidden state between pipeline stages (run/pipeline.py's
+    ``io_dtypes``: the compute dtype under the plan's FSDP2 mixed precision, else fp32)."""
+    if plan.dtype != "fp32" and plan.dp > 1 and plan.zero >= 2:
+        return compute_bytes(plan.dtype)
+    return 4.0
 
 
 def _pipeline_traffic(model: ModelSpec, plan: Plan, pp_rank: int) -> dict[str, float]:
@@ -77,8 +86,7 @@ def _pipeline_traffic(model: ModelSpec, plan: Plan, pp_rank: int) -> dict[str, f
     m, s, b = plan.num_microbatches, plan.seq_len, plan.micro_batch
     sequences = plan.dp * b
     c = compute_bytes(plan.dtype)
-    fsdp_precision = plan.dp > 1 and plan.zero >= 2  # run/pipeline.py's io_dtypes
-    hidden = c if plan.dtype != "fp32" and fsdp_precision else 4.0
+    hidden = _boundary_bytes(plan)
     first, last = pp_rank == 0, pp_rank == plan.pp - 1
 
     def moved(tp_a: int, dp_a: int, tp_b: int, dp_b: int, width: float) -> None:
@@ -122,6 +130,9 @@ def predict_layerwise_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dic
     comm = dict.fromkeys(COMM_KINDS, 0.0)
     params = grads = moments = 0.0
     up = 1 if model.arch == "gpt" else 2
+    # bytes per element of the residual stream coming into the layer: the embedding's output is
+    # fp32 unless FSDP2 casts it; a cast layer's output is 16-bit and stays so downstream
+    stream = 4.0 if pp_rank == 0 else _boundary_bytes(plan)
     for offset, strategy in enumerate(strategies):
         index = stage.start + offset
         t, d, zero = strategy.tp, strategy.dp, strategy.zero
@@ -159,7 +170,9 @@ def predict_layerwise_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dic
                                    + m * traffic.reduce_scatter_per_microbatch) * d * padded
         if t > 1:  # tensor-parallel activations, per micro-batch of B / dp sequences
             bsh = sequences // d * s * h
-            hidden = _hidden_bytes(plan, strategy)
+            # the embedding's output, or the layer's input (cast, or as it came)
+            hidden = c if _casts(plan, strategy) else 4.0 if kind == LayerKind.EMBEDDING \
+                else stream
             if kind == LayerKind.EMBEDDING and vocab_split(model, t):
                 comm["all_reduce"] += m * bsh * hidden
             elif kind == LayerKind.BLOCK:
@@ -170,11 +183,11 @@ def predict_layerwise_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dic
                 comm["all_reduce"] += m * bsh * hidden
         if offset:  # the hidden state moved from the previous layer's layout
             before = strategies[offset - 1]
-            hidden = _hidden_bytes(plan, before)
             if t > before.tp:  # forward all-gather of this rank's B / dp_a sequences
-                comm["all_gather"] += m * sequences // before.dp * s * h * hidden
+                comm["all_gather"] += m * sequences // before.dp * s * h * stream
             elif t < before.tp:  # backward all-gather of the gradient of B / dp_b sequences
-                comm["all_gather"] += m * sequences // d * s * h * hidden
+                comm["all_gather"] += m * sequences // d * s * h * stream
+        stream = c if _casts(plan, strategy) else 4.0 if kind == LayerKind.EMBEDDING else stream
     if plan.pp == 1:
         for layer_tp in (strategies[0].tp, strategies[-1].tp):  # tokens in, labels out
             if layer_tp > plan.tp:

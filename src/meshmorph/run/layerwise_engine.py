@@ -13,9 +13,18 @@ gradients are clipped and one AdamW per mesh (a ``ShardedAdamW`` over the layer'
 ZeRO-1 layers) steps; ZeRO-2 layers keep their gathered parameters to the end of the step, as in
 the uniform engine.
 
-Refused here (a clear PlanError before any process group work): pipeline parallelism (the
-pipeline path hands activations between stages in one layout per stage), sequence parallelism,
-fp16 loss scaling, a tied embedding and head under different tp or ZeRO, or under ZeRO 2/3.
+With pp > 1 (gpipe or 1f1b, one chunk per pipeline rank) each rank builds its stage's chunk on
+its stage's slices of the layouts' meshes and torch pipelining runs the micro-batches: every
+stage's output moves back to the data layout (run/layerwise_model.py), the last stage's loss is
+its data-layout block's mean over m x dp, and torch's own 1/m division is off (it would miss
+ZeRO-2's sharded gradients, whose gathered copies are registered at the step's end).
+
+Checkpoints: ``part_optimizers`` lists every optimizer over the one chunk, so run/checkpoint.py
+saves them as one state dict keyed by parameter names, which any other plan loads.
+
+Refused here (a clear PlanError before any process group work): pipelines under interleaved,
+zero-bubble or V schedules, a tied embedding and head with pp > 1, sequence parallelism, fp16
+loss scaling, a tied embedding and head under different tp or ZeRO, or under ZeRO 2/3.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ MODEL = build_transformer(TransformerShape(name="gpt-6h", arch="gpt", num_layers
 def plans(draw: st.DrawFn) -> Plan:
     tp, pp, dp = (draw(st.integers(1, 4)) for _ in range(3))
     schedule = draw(st.sampled_from(tuple(Schedule)))
-    vpp = draw(st.integers(2, 3)) if schedule == Schedule.INTERLEAVED else 1
+    vpp = draw(st.integers(2, 3)) if schedule == Schedule.INTERLEAVED else \
+        2 if schedule in (Schedule.ZBV, Schedule.DUALPIPEV) else 1  # a V: two chunks per rank
     micro_batch, m = draw(st.integers(1, 4)), draw(st.integers(1, 8))
     chunks = pp * vpp
     num_layers = chunks + draw(st.integers(0, 6))

@@ -170,8 +170,10 @@ def test_cost_model_prices_async_as_1f1b_without_the_flush_bubble() -> None:
     sync = cost.estimate(base)
     asyn = cost.estimate(replace(base, schedule=Schedule.ASYNC, weight_prediction="sgd"))
     assert asyn.step_time_s < sync.step_time_s
-    # the critical rank is the slowest stage: it idles in 1F1B's fill and drain, never in async
-    assert asyn.breakdown_s["pp_bubble"] == 0.0 < sync.breakdown_s["pp_bubble"]
+    # the critical rank is the slowest stage: it idles in 1F1B's fill and drain; in async's
+    # simulated steady state only for the transfers on its loop (about 0.1% of the step here)
+    assert asyn.breakdown_s["pp_bubble"] < 0.01 * asyn.step_time_s
+    assert asyn.breakdown_s["pp_bubble"] < 0.01 * sync.breakdown_s["pp_bubble"]
 
 
 def test_plan_takes_weight_prediction_only_with_the_async_schedule() -> None:

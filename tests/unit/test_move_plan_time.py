@@ -6,14 +6,16 @@ from __future__ import annotations
 import pytest
 from test_layout import plan_for
 
+from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.elastic.layout import layout_of
 from meshmorph.elastic.move_plan import plan_move
 from meshmorph.elastic.move_time import MoveTimeModel, move_time, node_of, predict_move_time_s
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.cluster import parse_cluster
 
-NDR = 400 / 8 * 1e9 * 0.7  # ib-ndr per GPU, at the cost model's 0.7 link efficiency
-NVLINK4 = 450e9 * 0.7
+EFFICIENCY = CostCoefficients().link_efficiency  # the cost model's achieved fraction of nominal
+NDR = 400 / 8 * 1e9 * EFFICIENCY  # ib-ndr per GPU
+NVLINK4 = 450e9 * EFFICIENCY
 
 
 def _replicas_to_four():  # type: ignore[no-untyped-def]

@@ -5,6 +5,11 @@ The job trains gpt-small on the synthetic task for three steps with the equivale
 optimizer; the one-device oracle (tests/dist/reference.py) trains the same global batches (the
 trainer's DataShard with one data-parallel rank) in float64, and the logged losses and gradient
 norms are held to the matrix's rule: K x the largest deviation of three fp32 one-device runs.
+
+A second test trains a mixed layerwise plan (ZeRO-1/2/3, tp4, a tied embedding) four steps with
+a checkpoint every two, then resumes copies of the run folder from the step-2 checkpoint: under
+the same plan (steps 3-4 bit for bit the uninterrupted losses) and under a uniform tp2 x dp2
+ZeRO-3 plan with ``--reshard`` (within fp32 rounding).
 """
 
 from __future__ import annotations
@@ -101,3 +106,69 @@ def test_meshmorph_run_trains_the_layerwise_example_like_one_device(tmp_path: Pa
             want = predicted["comm_bytes"].get(kind, 0)
             assert abs(sent - want) <= TOLERANCE * max(want, 1), (record["rank"], kind, sent, want)
     assert "largest gap 0.00%" in output, output
+
+
+RESUME_JOB = """
+[model]
+source = "gpt-tiny"
+seq_len = 16
+[data]
+kind = "synthetic"
+seed = 1
+[train]
+steps = 4
+global_batch = 8
+micro_batch = 2
+seed = 2
+dtype = "fp32"
+[optim]
+lr = 3e-3
+warmup_steps = 1
+decay_steps = 4
+[checkpoint]
+every = 2
+keep = 3
+"""
+
+
+def _losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in rows if "event" not in row]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(420)
+def test_meshmorph_run_resumes_a_layerwise_checkpoint_and_reshards_it_into_a_uniform_plan(
+        tmp_path: Path) -> None:
+    import shutil
+
+    from test_layerwise_equivalence import CKPT_LAYOUT, ckpt_uniform, layouts
+
+    model, plan = layouts()[CKPT_LAYOUT]
+    job, mixed, uniform = tmp_path / "job.toml", tmp_path / "mixed.json", tmp_path / "uni.json"
+    job.write_text(RESUME_JOB)
+    mixed.write_text(json.dumps(plan.to_dict()))
+    uniform.write_text(json.dumps(ckpt_uniform(model, plan).to_dict()))
+
+    def run(plan_file: Path, out: Path, *extra: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "meshmorph.cli", "run", "--config", str(job),
+                               "--plan", str(plan_file), "--nproc", "4", "--out", str(out),
+                               *extra], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout + done.stderr
+
+    full = tmp_path / "full"
+    run(mixed, full)
+    truth = _losses(full)
+    assert len(truth) == 4
+    for name, plan_file, extra in (("resumed", mixed, ()), ("resharded", uniform, ("--reshard",))):
+        out = tmp_path / name
+        shutil.copytree(full, out)
+        shutil.rmtree(out / "checkpoints" / "step-4")  # as if stopped after the step-2 save
+        output = run(plan_file, out, "--resume", *extra)
+        assert "resumed from" in output and "(step 2, 16 samples consumed)" in output, output
+        got = _losses(out)[2:]
+        if name == "resumed":
+            assert got == truth[2:], f"resumed {got} vs uninterrupted {truth[2:]}"
+        else:  # the same weights and moments, another summation order in fp32
+            assert got == pytest.approx(truth[2:], rel=1e-6, abs=0), (got, truth[2:])

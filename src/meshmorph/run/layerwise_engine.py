@@ -38,6 +38,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from meshmorph.plan.layerwise_runnable import (
+    RUNNABLE_PIPELINE_SCHEDULES,
+    check_layerwise_runnable,
+)
 from meshmorph.run import state_line
 from meshmorph.run.config import OptimConfig
 from meshmorph.run.engine import TrainEngine
@@ -56,9 +60,9 @@ from meshmorph.run.parallelize import TORCH_DTYPES
 from meshmorph.run.pipeline import build_schedule, io_dtypes
 from meshmorph.run.zero1 import ShardedAdamW
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan import Plan
 
-PIPELINE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+PIPELINE_SCHEDULES = RUNNABLE_PIPELINE_SCHEDULES
 """The pipeline schedules a layerwise plan with pp > 1 runs (one chunk per pipeline rank, one
 backward per micro-batch)."""
 
@@ -69,43 +73,9 @@ def is_layerwise(plan: Plan) -> bool:
 
 
 def validate_layerwise(model: ModelSpec, plan: Plan) -> None:
-    """Refuse the layerwise plans this runtime cannot run (module docstring), naming a way out."""
-    if plan.num_chunks > plan.pp or (plan.pp > 1 and plan.schedule not in PIPELINE_SCHEDULES):
-        raise PlanError(
-            f"layerwise plans run pp 1, or pp > 1 under schedule gpipe or 1f1b with one chunk per "
-            f"pipeline rank (this one has pp {plan.pp}, vpp {plan.vpp}, schedule "
-            f"{plan.schedule}); set schedule '1f1b' and vpp 1, or drop layer_strategies")
-    if plan.pp > 1 and model.tied_embeddings:
-        raise PlanError(
-            f"{model.name} ties its embedding and head, which a layerwise pipeline puts on "
-            "different stages under their own layouts; layerwise plans with pp > 1 need untied "
-            "embeddings (a llama-style model), or plan pp 1")
-    if plan.schedule == Schedule.ASYNC:
-        raise PlanError("layerwise plans run the synchronous step; use schedule '1f1b'")
-    if plan.sequence_parallel:
-        raise PlanError("layerwise plans do not run sequence parallelism; set it false")
-    if plan.dtype == "fp16":
-        raise PlanError("layerwise plans run fp32 or bf16 (no fp16 loss scaling); use bf16")
-    if any(stage.layer_strategies is None for stage in plan.stages):
-        raise PlanError("a layerwise plan lists layer_strategies on every stage or on none; "
-                        "give the other stages theirs (one per layer: the stage's tp/dp/zero)")
-    degrees = sorted(stage_degrees(plan))
-    for low, high in zip(degrees, degrees[1:], strict=False):
-        if high % low:
-            raise PlanError(f"layer tp degrees {low} and {high} do not nest; the runtime moves "
-                            "activations only between tp's where one divides the other")
-    strategies = plan.stages[0].layer_strategies
-    assert strategies is not None
-    embed, head = strategies[0], strategies[-1]
-    if model.tied_embeddings and (embed.tp, embed.zero) != (head.tp, head.zero):
-        raise PlanError(
-            f"{model.name} ties its embedding and head (one matrix), but they have tp "
-            f"{embed.tp} / zero {embed.zero} and tp {head.tp} / zero {head.zero}; give both "
-            "layers the same tp and ZeRO stage")
-    if model.tied_embeddings and embed.zero >= 2 and embed.dp > 1:
-        raise PlanError(
-            f"{model.name} ties its embedding and head, and FSDP2 cannot shard one matrix for two "
-            f"layers run apart (zero {embed.zero}); give the embedding and head zero 0 or 1")
+    """Refuse the layerwise plans this runtime cannot run (module docstring), naming a way out:
+    the rule the planner reads too (plan/layerwise_runnable.py)."""
+    check_layerwise_runnable(model, plan)
 
 
 class LayerwiseEngine(TrainEngine):

@@ -129,7 +129,7 @@ def test_single_stage_search_step_equals_its_stage_time_and_beats_uniform() -> N
     cost = _cost("gpt-tiny", 4)
     options = SearchOptions(pp_degrees=(1,), recompute=MODES, zero_stages=(0, 3))
     result = search_layerwise(cost.model, cost.cluster, global_batch=8, options=options,
-                              cost=cost)
+                              cost=cost, runnable=False)
     assert result.uniform_estimate is not None
     assert result.estimate.step_time_s <= result.uniform_estimate.step_time_s
     plan = result.plan
@@ -186,6 +186,6 @@ def test_whole_search_equals_brute_force_over_batches_and_assignments(name: str,
     else:
         assert expected > FREE_STEP_S[name] * 1.01  # the cap binds
     result = search_layerwise(cost.model, cost.cluster, global_batch=8, options=options,
-                              cost=cost)
+                              cost=cost, runnable=False)
     assert result.estimate.step_time_s == pytest.approx(expected, rel=1e-12)
     assert result.estimate.fits

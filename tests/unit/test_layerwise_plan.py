@@ -130,11 +130,15 @@ def test_plan_cli_layerwise_writes_uniform_best_beside_the_best_plan(tmp_path: P
         assert code == 0
         data = json.loads(out.read_text())
         figures[flag] = (data["plans"][0]["predicted"]["tokens_per_s"],
-                         data["uniform_best_tokens_per_s"])
+                         data["uniform_best_tokens_per_s"], data["layerwise_best_tokens_per_s"],
+                         data["regular_best_tokens_per_s"])
+        assert data["runnable"] and data["layerwise_schedules"] == "runnable"
         Plan.from_dict(data["plans"][0])  # loads back
-    best, uniform = figures["--layerwise"]
-    assert best > uniform  # the embedding takes tp 2 while the blocks keep tp 1
-    assert figures["--uniform"] == (uniform, uniform)
+    best, uniform, layerwise, regular = figures["--layerwise"]
+    assert layerwise > uniform  # the embedding takes tp 2 while the blocks keep tp 1
+    assert best == max(layerwise, regular)  # never worse than the regular planner
+    assert figures["--uniform"][1:3] == (uniform, uniform)
+    assert figures["--uniform"][0] == max(uniform, regular)
 
 
 def test_layer_tp_that_does_not_divide_the_heads_is_refused() -> None:

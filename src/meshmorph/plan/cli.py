@@ -205,9 +205,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            "with its bound (the proven gap is printed); 0 = no limit")
     plan.add_argument("--layerwise", action="store_true",
                       help="let each layer of a stage choose its own tp/dp/ZeRO (exact Pareto "
-                           "program; gpipe/1f1b, even stages, no sequence parallel)")
+                           "program); returns the regular planner's plan where it is faster")
     plan.add_argument("--uniform", action="store_true",
                       help="the layerwise search restricted to one strategy per stage")
+    plan.add_argument("--layerwise-schedules", choices=("runnable", "all"), default="runnable",
+                      help="with --layerwise: 'runnable' (default) searches only plans meshmorph "
+                           "runs (gpipe/1f1b, no sequence parallel, pp 1 for tied embeddings); "
+                           "'all' also prices interleaved, zero-bubble, zbv and dualpipev "
+                           "layerwise plans, which the runtime does not run yet")
     plan.add_argument("--allow-async", action="store_true",
                       help="also consider schedule async (1F1B without flush, stale weights: "
                            "not the same math as one device; priced by the event simulator in "

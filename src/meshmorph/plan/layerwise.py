@@ -144,11 +144,14 @@ def solve_stage(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int
                 gpu: GPUSpec, *, upper_bound_s: float = float("inf"),
                 cache: TermsCache | None = None,
                 memory_cap_bytes: float | None = None,
-                chunks: Sequence[tuple[int, int]] | None = None) -> StageSolution | None:
+                chunks: Sequence[tuple[int, int]] | None = None,
+                ends: tuple[int, int] | None = None) -> StageSolution | None:
     """The fastest per-layer (strategy, recompute) of layers [start, stop) whose memory fits
     ``gpu`` (or ``memory_cap_bytes``, reserve included), or None when none fits (or none beats
     ``upper_bound_s``). With ``chunks`` (a rank's interleaved chunks, in order) the program
-    runs over their layers together, no transition between two chunks."""
+    runs over their layers together, no transition between two chunks. With ``ends`` (tp, zero)
+    the first and last layer of the stage use only strategies of that tp and ZeRO stage (a tied
+    embedding and head, plan/layerwise_runnable.py)."""
     if not strategies:
         raise PlanError("solve_stage needs at least one layer strategy")
     m = plan.num_microbatches
@@ -156,6 +159,12 @@ def solve_stage(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int
         - reserved_bytes(cost, gpu)
     choices = stage_choices(cost, plan, pp_rank, start, stop, strategies, recompute, gpu, cache,
                             chunks)
+    if ends is not None:
+        pinned = {i for i, s in enumerate(strategies) if (s.tp, s.zero) == ends}
+        for at in {0, len(choices) - 1}:
+            choices[at] = [c for c in choices[at] if c[0] in pinned]
+        if not choices[0] or not choices[-1]:
+            return None
     starts: set[int] = set()  # positions where a chunk starts: nothing to redistribute there
     position = 0
     for a, b in chunks or [(start, stop)]:

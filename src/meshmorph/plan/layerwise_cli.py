@@ -1,52 +1,85 @@
-"""``meshmorph plan --layerwise`` / ``--uniform``: print and write the layerwise search's result."""
+"""``meshmorph plan --layerwise`` / ``--uniform``: print and write the faster of the layerwise
+search's best plan and the regular planner's (plan/layerwise_choice.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+from meshmorph.cost.layerwise_cost import LAYERWISE_SCHEDULES, estimate_layerwise
 from meshmorph.cost.model import CostModel
-from meshmorph.plan.layerwise_search import search_layerwise
+from meshmorph.plan.layerwise_choice import choose_layerwise
 from meshmorph.plan.report import layer_strategy_summary, print_plans, report_console
 from meshmorph.plan.space import SearchOptions
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.model import ModelSpec
 
 
+def _figure(tokens_per_s: float | None) -> str:
+    return "none fits" if tokens_per_s is None else f"{tokens_per_s:,.0f} tokens/s"
+
+
 def plan_layerwise(args: argparse.Namespace, model: ModelSpec, cluster: Cluster,
                    options: SearchOptions, cost: CostModel) -> int:
-    """Search, print the best plan beside the best uniform one, write ``--json``."""
-    result = search_layerwise(model, cluster, global_batch=args.global_batch, options=options,
-                              cost=cost, uniform_only=args.uniform)
+    """Search both ways, print the returned plan beside the best uniform and regular ones,
+    write ``--json``."""
+    runnable = getattr(args, "layerwise_schedules", "runnable") == "runnable"
+    choice = choose_layerwise(model, cluster, global_batch=args.global_batch, options=options,
+                              cost=cost, uniform_only=args.uniform, runnable=runnable)
+    result = choice.layerwise
     console = report_console()
     console.print(f"[bold]{model.name}[/] (seq {model.seq_len}) on {cluster.describe()} "
                   f"({cluster.world_size} GPUs), global batch {args.global_batch}, "
-                  f"{'one strategy per stage' if args.uniform else 'a strategy per layer'}")
-    print_plans([result.plan], console, model=model, title="best plan")
-    for line in layer_strategy_summary(result.plan):
+                  f"{'one strategy per stage' if args.uniform else 'a strategy per layer'}, "
+                  f"{'runnable schedules' if runnable else 'every schedule (priced only)'}")
+    print_plans([choice.plan], console, model=model,
+                title=f"best plan (from the {choice.source} search)")
+    for line in layer_strategy_summary(choice.plan):
         console.print(f"layer strategies, {line}")
-    uniform = result.uniform_estimate.tokens_per_s if result.uniform_estimate else None
-    best = result.estimate.tokens_per_s
-    gain = f" ({best / uniform - 1:+.2%})" if uniform else ""
-    console.print(f"best {best:,.0f} tokens/s; best with one strategy per stage "
-                  f"{'none fits' if uniform is None else f'{uniform:,.0f} tokens/s'}{gain}")
-    console.print(f"{result.configurations} configurations, {result.configurations_solved} "
-                  f"solved, in {result.search_time_s:.2f} s; proven within "
-                  f"{result.optimality_gap:.2%} of the optimum under the layerwise cost model")
+    best = choice.estimate.tokens_per_s
+    layerwise = result.estimate.tokens_per_s if result else None
+    uniform, regular = choice.uniform_tokens_per_s, choice.regular_tokens_per_s
+    regular_lw = None  # the regular plan under the layerwise cost model, where it prices it
+    if choice.regular is not None and choice.regular.plans[0].schedule in LAYERWISE_SCHEDULES:
+        regular_lw = estimate_layerwise(cost, choice.regular.plans[0]).tokens_per_s
+    console.print(f"returned the {choice.source} plan, {best:,.0f} tokens/s; layerwise search "
+                  f"{_figure(layerwise)}, its best with one strategy per stage "
+                  f"{_figure(uniform)}; regular planner {_figure(regular)}")
+    if choice.layerwise_error:
+        console.print(f"layerwise search: {choice.layerwise_error}")
+    if not choice.runnable:
+        console.print("[yellow]this plan cannot be run yet[/]: the layerwise runtime runs "
+                      "gpipe/1f1b pipelines without sequence parallelism; plan with "
+                      "--layerwise-schedules runnable for one it runs")
+    if result is not None:
+        console.print(f"layerwise: {result.configurations} configurations, "
+                      f"{result.configurations_solved} solved, in {result.search_time_s:.2f} s; "
+                      f"proven within {result.optimality_gap:.2%} of the optimum under the "
+                      "layerwise cost model")
     if args.json:
         try:
             args.json.write_text(json.dumps({
-                "search_time_s": result.search_time_s,
+                "search_time_s": result.search_time_s if result else None,
+                "regular_search_time_s": choice.regular.search_time_s if choice.regular else None,
                 "cluster": cluster.describe(),
                 "layerwise": not args.uniform,
-                "configurations": result.configurations,
-                "configurations_solved": result.configurations_solved,
-                "lower_bound_s": result.lower_bound_s,
-                "optimality_gap": result.optimality_gap,
+                "layerwise_schedules": "runnable" if runnable else "all",
+                "returned": choice.source,
+                "runnable": choice.runnable,
+                "configurations": result.configurations if result else None,
+                "configurations_solved": result.configurations_solved if result else None,
+                "lower_bound_s": result.lower_bound_s if result else None,
+                "optimality_gap": result.optimality_gap if result else None,
+                "layerwise_best_tokens_per_s": layerwise,
                 "uniform_best_tokens_per_s": uniform,
-                "plans": [result.plan.to_dict()],
+                "regular_best_tokens_per_s": regular,
+                "regular_best_layerwise_cost_tokens_per_s": regular_lw,
+                "plans": [choice.plan.to_dict()],
             }, indent=2))
         except OSError as exc:
             raise ValueError(f"cannot write --json {args.json}: {exc.strerror}") from None
         console.print(f"plans written to {args.json}")
     return 0
+
+
+

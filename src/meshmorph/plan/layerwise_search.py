@@ -46,6 +46,11 @@ from meshmorph.plan.layerwise import (
 from meshmorph.plan.layerwise_bounds import MemoryRelaxation, rest_bounds
 from meshmorph.plan.layerwise_front import FrontBudgetExceeded, StageFronts
 from meshmorph.plan.layerwise_partition import best_partition
+from meshmorph.plan.layerwise_runnable import (
+    RUNNABLE_PIPELINE_SCHEDULES,
+    layerwise_runnable,
+    tied_ends_refusal,
+)
 from meshmorph.plan.space import SearchOptions, divisors, tp_degrees
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.gpus import GPUSpec
@@ -84,6 +89,9 @@ class LayerwiseResult:
     """Those solved (the others' lower bound could not beat the best found)."""
     lower_bound_s: float = 0.0
     """No layerwise plan of the space is faster than this (proven by the bounds)."""
+    runnable: bool = True
+    """Whether meshmorph runs ``plan`` (plan/layerwise_runnable.py); False only from the wide
+    search (``runnable=False``), which prices schedules the layerwise runtime does not run."""
 
     @property
     def optimality_gap(self) -> float:
@@ -127,9 +135,10 @@ def _build(cost: CostModel, plan: Plan,
     sequences = plan.dp * plan.micro_batch
     top = replace(plan, tp=common.tp, dp=common.dp, zero=common.zero, sequence_parallel=sp,
                   micro_batch=sequences // common.dp, stages=())
-    stages = tuple(
+    mixed = any(set(strategies) != {common} for _, _, strategies, _ in chunks)
+    stages = tuple(  # every stage lists its strategies or none does (the runtime's rule)
         StagePlan(start=a, stop=b, recompute=tuple(recompute),
-                  layer_strategies=None if set(strategies) == {common} else tuple(strategies))
+                  layer_strategies=tuple(strategies) if mixed else None)
         for a, b, strategies, recompute in chunks)
     final = replace(top, stages=stages)
     return final, estimate_layerwise(cost, final)
@@ -150,11 +159,13 @@ def _assemble(cost: CostModel, plan: Plan, solved: list[StageSolution]) -> tuple
 
 def _solve_plan(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
                 options: SearchOptions, uniform_only: bool, bounds: tuple[float, float],
-                cache: TermsCache) -> tuple[tuple[Plan, Estimate] | None,
-                                            tuple[Plan, Estimate] | None]:
+                cache: TermsCache, ends: list[tuple[int, int]] | None = None
+                ) -> tuple[tuple[Plan, Estimate] | None, tuple[Plan, Estimate] | None]:
     """(best with one strategy per rank, best per layer) of one configuration; a rank slower
     than ``bounds`` (the best uniform and per-layer steps found so far: a step is never shorter
-    than any rank's own time) cannot make a better plan and is not finished."""
+    than any rank's own time) cannot make a better plan and is not finished. With ``ends``
+    (pp = 1, a tied embedding and head) the per-layer program gives the first and last layer
+    one of these (tp, zero) pairs, each tried in turn."""
     gpu = cost.default_gpu()
     uniform: list[StageSolution] = []
     mixed: list[StageSolution] = []
@@ -171,8 +182,12 @@ def _solve_plan(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
         if uniform_only:
             continue
         bound = min(best.busy_s if best is not None else float("inf"), bounds[1])
-        per_layer = solve_stage(cost, plan, k, 0, 0, strategies, options.recompute, gpu,
-                                upper_bound_s=bound, cache=cache, chunks=chunks)
+        per_layer = None
+        for pair in ends if ends is not None else [None]:
+            found = solve_stage(cost, plan, k, 0, 0, strategies, options.recompute, gpu,
+                                upper_bound_s=bound, cache=cache, chunks=chunks, ends=pair)
+            if found is not None and (per_layer is None or found.busy_s < per_layer.busy_s):
+                per_layer, bound = found, min(bound, found.busy_s)
         if per_layer is not None and (best is None or per_layer.busy_s < best.busy_s):
             best = per_layer
         if best is None:
@@ -234,13 +249,19 @@ def solve_partitioned(cost: CostModel, plan: Plan, strategies: list[LayerStrateg
 
 def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
                      options: SearchOptions | None = None, cost: CostModel | None = None,
-                     uniform_only: bool = False) -> LayerwiseResult:
-    """The fastest layerwise plan and the fastest uniform-per-stage plan (module docstring)."""
+                     uniform_only: bool = False, runnable: bool = True) -> LayerwiseResult:
+    """The fastest layerwise plan and the fastest uniform-per-stage plan (module docstring).
+    With ``runnable`` (the default) only plans meshmorph runs (plan/layerwise_runnable.py):
+    GPipe and 1F1B pipelines, no sequence parallelism, pp 1 for a tied embedding and head under
+    one runnable (tp, zero); without it every schedule of the options, priced only."""
     options = options or SearchOptions()
     started = time.perf_counter()
     if len({g.gpu.name for g in cluster.groups}) > 1:
         raise PlanError("layerwise planning needs one GPU type; plan mixed clusters without "
                         "--layerwise")
+    if runnable and options.dtype == "fp16":
+        raise PlanError("layerwise plans run fp32 or bf16 (no fp16 loss scaling); plan with "
+                        "--dtype bf16, or without --layerwise")
     cost = cost or CostModel(model, cluster)
     world = cluster.world_size
     best: tuple[Plan, Estimate] | None = None
@@ -257,7 +278,10 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
             if m > options.max_microbatches:
                 continue
             shapes = [(Schedule.ONE_F_ONE_B, 1)] if pp == 1 else []
-            if pp > 1:
+            if pp > 1 and runnable and not model.tied_embeddings:
+                shapes += [(s, 1) for s in RUNNABLE_PIPELINE_SCHEDULES
+                           if s in options.schedules and (m >= pp or s == Schedule.GPIPE)]
+            elif pp > 1 and not runnable:
                 shapes += [(s, 1) for s in (Schedule.GPIPE, Schedule.ONE_F_ONE_B,
                                             Schedule.ZERO_BUBBLE)
                            if s in options.schedules and (m >= pp or s == Schedule.GPIPE)]
@@ -268,7 +292,7 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
                 shapes += [(s, 2) for s in (Schedule.ZBV, Schedule.DUALPIPEV)
                            if s in options.schedules and model.num_blocks >= 2 * pp
                            and (s == Schedule.ZBV or m >= 2 * pp)]
-            for sp in sorted(set(options.sequence_parallel)):
+            for sp in sorted(set(options.sequence_parallel) - ({True} if runnable else set())):
                 for schedule, vpp in shapes:
                     strategies = _strategies(model, cluster, options, devices, sequences,
                                              sequence_parallel=sp,
@@ -283,17 +307,23 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
                                 sequence_parallel=sp, dtype=options.dtype
                                 ).with_even_stages(model)
                     plan = replace(plan, sequence_parallel=sp)
-                    configs.append((plan, strategies))
+                    ends = None
+                    if runnable and model.tied_embeddings:  # one runnable layout for both
+                        ends = sorted({(s.tp, s.zero) for s in strategies
+                                       if tied_ends_refusal(model, s, s) is None})
+                        if not ends:
+                            continue
+                    configs.append((plan, strategies, ends))
     # lazily tightened, as the regular planner: every configuration enters with its time-only
     # bound; when it comes first it gets the memory-aware one, and only then is it solved
     queue = [(_config_bound(cost, plan, strategies, options, gpu, cache, memory=False), 0, i)
-             for i, (plan, strategies) in enumerate(configs)]
+             for i, (plan, strategies, _) in enumerate(configs)]
     heapq.heapify(queue)
     solved = 0
     proven = float("inf")
     while queue:
         bound, level, index = heapq.heappop(queue)
-        plan, strategies = configs[index]
+        plan, strategies, ends = configs[index]
         uniform_step = best_uniform[1].step_time_s if best_uniform else float("inf")
         step = best[1].step_time_s if best else float("inf")
         if bound >= (step if uniform_only else uniform_step) * (1.0 - options.tolerance):
@@ -312,13 +342,15 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
             proven = min(proven, max(bound, open_bound))
         else:
             one, mixed = _solve_plan(cost, plan, strategies, options, uniform_only,
-                                     (uniform_step, step), cache)
+                                     (uniform_step, step), cache, ends)
             if plan.pp > 1:  # interleaved: even chunks, each rank its own busy time
                 proven = min(proven, bound)
         if one is not None and (best_uniform is None
                                 or one[1].step_time_s < best_uniform[1].step_time_s):
             best_uniform = one
         for found in (one, mixed):
+            if runnable and found is not None and not layerwise_runnable(model, found[0]):
+                continue  # tp degrees that do not nest across stages or around a layer
             if found is not None and (best is None or found[1].step_time_s < best[1].step_time_s):
                 best = found
     if best is None:
@@ -333,7 +365,8 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
                            uniform_plan=best_uniform[0] if best_uniform else None,
                            uniform_estimate=best_uniform[1] if best_uniform else None,
                            search_time_s=elapsed, configurations=len(configs),
-                           configurations_solved=solved, lower_bound_s=proven)
+                           configurations_solved=solved, lower_bound_s=proven,
+                           runnable=layerwise_runnable(model, plan))
 
 
 def _config_bound(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],

@@ -1,0 +1,167 @@
+"""``plan --layerwise`` offers only plans meshmorph runs, by the rule the runtime itself reads, and
+never returns a plan slower than the regular planner's best."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+
+from meshmorph.cost.model import CostModel
+from meshmorph.plan.layerwise_choice import REGULAR, choose_layerwise
+from meshmorph.plan.layerwise_runnable import (
+    RUNNABLE_PIPELINE_SCHEDULES,
+    layerwise_refusal,
+    layerwise_runnable,
+)
+from meshmorph.plan.layerwise_search import search_layerwise
+from meshmorph.plan.space import SearchOptions
+from meshmorph.spec.catalog import catalog_model, load_model
+from meshmorph.spec.cluster import parse_cluster
+from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import (
+    SPLIT_BACKWARD_SCHEDULES,
+    V_SCHEDULES,
+    LayerStrategy,
+    Plan,
+    PlanError,
+)
+
+
+def _plans(model: ModelSpec) -> list[Plan]:
+    """Plans of 4 devices over many shapes and per-layer assignments, runnable or not."""
+    out = []
+    shapes = [dict(pp=1, dp=4), dict(pp=2, dp=2, schedule="gpipe"),
+              dict(pp=2, dp=2, schedule="1f1b"), dict(pp=2, dp=2, schedule="zb"),
+              dict(pp=2, dp=2, schedule="interleaved", vpp=2),
+              dict(pp=2, dp=2, schedule="zbv", vpp=2), dict(pp=1, dp=4, dtype="fp16"),
+              dict(pp=1, dp=2, tp=2, sequence_parallel=True), dict(pp=1, dp=4, schedule="async")]
+    layers = model.num_layers
+    for shape in shapes:
+        devices = 4 // shape["pp"]
+        plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=8,
+                    num_microbatches=2, micro_batch=4 // shape["dp"],
+                    **{"dtype": "fp32", **shape}  # type: ignore[arg-type]
+                    ).with_even_stages(model)
+        choices = [LayerStrategy(tp=t, dp=devices // t, zero=z) for t in (1, 2)
+                   if devices % t == 0 for z in ((0, 1, 2, 3) if devices // t > 1 else (0,))]
+        for embed, head in itertools.product(choices, repeat=2):
+            body = choices[len(out) % len(choices)]
+            strategies = [embed] + [body] * (layers - 2) + [head]
+            stages = tuple(replace(st, layer_strategies=tuple(strategies[st.start:st.stop]))
+                           for st in plan.stages)
+            out.append(replace(plan, stages=stages))
+        if plan.pp > 1:  # one stage without its strategies
+            out.append(replace(out[-1], stages=(replace(out[-1].stages[0],
+                                                        layer_strategies=None),
+                                                *out[-1].stages[1:])))
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_the_predicate_agrees_with_the_runtime_validation(name: str) -> None:
+    from meshmorph.run.layerwise_engine import validate_layerwise
+
+    model = catalog_model(name, seq_len=16)
+    plans = _plans(model)
+    verdicts = []
+    for plan in plans:
+        try:
+            validate_layerwise(model, plan)
+            runs = True
+        except PlanError as exc:
+            runs = False
+            assert str(exc) == layerwise_refusal(model, plan)
+        assert layerwise_runnable(model, plan) == runs, plan
+        verdicts.append(runs)
+    assert any(verdicts) and not all(verdicts)  # both kinds among the plans
+
+
+def test_the_wide_search_picks_a_v_plan_and_the_default_a_runnable_one() -> None:
+    model = load_model("llama2-7b", 2048)
+    cluster = parse_cluster("a100-80g:2x8")
+    cost = CostModel(model, cluster)
+    options = SearchOptions(top_k=1)
+    wide = search_layerwise(model, cluster, global_batch=64, options=options, cost=cost,
+                            runnable=False)
+    assert wide.plan.schedule in V_SCHEDULES | SPLIT_BACKWARD_SCHEDULES
+    default = search_layerwise(model, cluster, global_batch=64, options=options, cost=cost)
+    assert default.runnable
+    assert default.plan.pp == 1 or default.plan.schedule in RUNNABLE_PIPELINE_SCHEDULES
+    assert not default.plan.sequence_parallel
+    assert default.estimate.step_time_s >= wide.estimate.step_time_s  # a smaller space
+
+
+def test_a_sequence_parallel_layerwise_plan_is_priced_but_flagged_not_runnable() -> None:
+    from meshmorph.run.layerwise_engine import validate_layerwise
+
+    model = load_model("llama2-7b")  # seq 4096
+    cluster = parse_cluster("a100-40g:1x4")
+    cost = CostModel(model, cluster)
+    options = SearchOptions(top_k=1)
+    wide = search_layerwise(model, cluster, global_batch=16, options=options, cost=cost,
+                            runnable=False)
+    assert not wide.runnable and wide.plan.sequence_parallel
+    with pytest.raises(PlanError):
+        validate_layerwise(model, wide.plan)
+    default = search_layerwise(model, cluster, global_batch=16, options=options, cost=cost)
+    assert default.runnable
+    validate_layerwise(model, default.plan)
+    assert default.estimate.step_time_s > wide.estimate.step_time_s
+
+
+@pytest.mark.parametrize("zeros", [(0, 3), (3,), (2,)])
+def test_a_tied_embedding_gets_one_runnable_layout_for_embedding_and_head(zeros: tuple) -> None:
+    from meshmorph.run.layerwise_engine import validate_layerwise
+
+    model = catalog_model("gpt-tiny")
+    cluster = parse_cluster("a100-80g:1x4")
+    cost = CostModel(model, cluster)
+    options = SearchOptions(top_k=1, zero_stages=zeros, max_micro_batch=8)
+    wide = search_layerwise(model, cluster, global_batch=8, options=options, cost=cost,
+                            runnable=False)
+    default = search_layerwise(model, cluster, global_batch=8, options=options, cost=cost)
+    assert default.runnable and default.plan.pp == 1
+    if any(st.layer_strategies for st in default.plan.stages):
+        validate_layerwise(model, default.plan)
+    assert default.estimate.step_time_s >= wide.estimate.step_time_s
+
+
+def test_the_regular_plan_is_returned_where_it_is_faster() -> None:
+    model = load_model("llama2-7b", 2048)
+    cluster = parse_cluster("a100-80g:2x8")
+    cost = CostModel(model, cluster)
+    choice = choose_layerwise(model, cluster, global_batch=64, options=SearchOptions(top_k=1),
+                              cost=cost)
+    assert choice.layerwise is not None and choice.regular is not None
+    assert choice.regular_tokens_per_s > choice.layerwise.estimate.tokens_per_s
+    assert choice.source == REGULAR and choice.runnable
+    assert choice.plan == choice.regular.plans[0]
+    assert all(st.layer_strategies is None for st in choice.plan.stages)
+    assert choice.estimate.tokens_per_s == choice.regular_tokens_per_s
+
+
+def test_the_layerwise_plan_is_returned_where_it_is_faster() -> None:
+    model = load_model("llama2-7b", 2048)
+    cluster = parse_cluster("a100-40g:1x8")
+    cost = CostModel(model, cluster)
+    choice = choose_layerwise(model, cluster, global_batch=16, options=SearchOptions(top_k=1),
+                              cost=cost)
+    assert choice.layerwise is not None and choice.regular_tokens_per_s is not None
+    best = max(choice.layerwise.estimate.tokens_per_s, choice.regular_tokens_per_s)
+    assert choice.estimate.tokens_per_s == best
+    assert choice.source == ("layerwise" if choice.layerwise.estimate.tokens_per_s
+                             > choice.regular_tokens_per_s else REGULAR)
+
+
+def test_fp16_layerwise_search_is_refused_and_the_regular_plan_returned() -> None:
+    model = catalog_model("llama-tiny")
+    cluster = parse_cluster("a100-80g:1x4")
+    cost = CostModel(model, cluster)
+    options = SearchOptions(top_k=1, dtype="fp16")
+    with pytest.raises(PlanError, match="fp32 or bf16"):
+        search_layerwise(model, cluster, global_batch=8, options=options, cost=cost)
+    choice = choose_layerwise(model, cluster, global_batch=8, options=options, cost=cost)
+    assert choice.source == REGULAR and choice.layerwise is None
+    assert choice.layerwise_error is not None and "fp16" in choice.layerwise_error

@@ -4,7 +4,9 @@
 
 llama2-7b, seq 2048, bf16, on 8 x A100 40 GB and 80 GB (global batch 16-64), the same A100s
 capped at 16 GB (Galvatron's memory-constrained cases), and 16-64 x A100 80 GB. For each case:
-the best plan with a strategy per layer, the best with one strategy per stage (both under
+what ``plan --layerwise`` returns (the faster of the runnable layerwise search's best and the
+regular planner's, plan/layerwise_choice.py), the wide search's best (every schedule, priced
+only: ``--layerwise-schedules all``), the runnable search's best plan with a strategy per layer, the best with one strategy per stage (both under
 cost/layerwise_cost.py, the layerwise search with ``uniform_only``), meshmorph's regular planner
 (cost/model.py, its own cost model) and the regular planner's plan priced by the layerwise cost
 model (the same plan under the model the layerwise search minimises: the layerwise best is never
@@ -69,6 +71,12 @@ def run_case(shorthand: str, cap: float | None, batch: int, regular: bool) -> di
         return row
     row["search_wall_s"] = time.perf_counter() - wall
     row["search_cpu_s"] = time.process_time() - cpu
+    row["runnable"] = result.runnable
+    wide = search_layerwise(model, cluster, global_batch=batch, options=options, cost=cost,
+                            runnable=False)
+    row["wide_tokens_per_s"] = wide.estimate.tokens_per_s
+    row["wide_runnable"] = wide.runnable
+    row["wide_plan"] = f"pp{wide.plan.pp} {wide.plan.schedule} v{wide.plan.vpp} sp{int(wide.plan.sequence_parallel)}"
     row["configurations"] = result.configurations
     row["configurations_solved"] = result.configurations_solved
     row["optimality_gap"] = result.optimality_gap
@@ -85,6 +93,10 @@ def run_case(shorthand: str, cap: float | None, batch: int, regular: bool) -> di
         try:
             best = search(model, cluster, global_batch=batch, options=options, cost=cost)
             row["regular_planner_tokens_per_s"] = best.estimates[0].tokens_per_s
+            faster = best.estimates[0].tokens_per_s >= result.estimate.tokens_per_s
+            row["returned"] = "regular" if faster else "layerwise"  # plan --layerwise's rule
+            row["returned_tokens_per_s"] = max(best.estimates[0].tokens_per_s,
+                                               result.estimate.tokens_per_s)
             p = best.plans[0]
             if p.schedule in LAYERWISE_SCHEDULES:
                 row["regular_plan_layerwise_tokens_per_s"] = estimate_layerwise(
@@ -106,7 +118,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = [run_case(*case, regular=not args.no_regular)
             for case in (CASES[:4] if args.quick else CASES)]
-    print(f"{'cluster':<14}{'GiB':>5}{'B':>4}  {'layerwise':>10} {'uniform':>10} {'gain':>7} "
+    print(f"{'cluster':<14}{'GiB':>5}{'B':>4}  {'returned':>10} {'from':>9} {'wide':>10} "
+          f"{'layerwise':>10} {'uniform':>10} {'gain':>7} "
           f"{'regular':>10} {'reg@lw':>10} {'gap':>6}  {'search s':>8} {'cpu s':>6} "
           f"{'Galvatron s':>11}  plan")
     for r in rows:
@@ -117,7 +130,9 @@ def main() -> None:
         gain = f"{lw / un - 1:+.2%}" if un else "n/a"
         reg = r.get("regular_planner_tokens_per_s")
         galv = r["galvatron_search_s"]
-        print(f"{r['cluster']:<14}{r['memory_gib']:>5g}{r['global_batch']:>4}  {lw:>10,.0f} "
+        print(f"{r['cluster']:<14}{r['memory_gib']:>5g}{r['global_batch']:>4}  "
+              f"{r.get('returned_tokens_per_s') or 0:>10,.0f} {r.get('returned', '-'):>9} "
+              f"{r['wide_tokens_per_s']:>10,.0f} {lw:>10,.0f} "
               f"{un or 0:>10,.0f} {gain:>7} {reg or 0:>10,.0f} "
               f"{r.get('regular_plan_layerwise_tokens_per_s') or 0:>10,.0f} "
               f"{r['optimality_gap']:>6.2%}  {r['search_wall_s']:>8.2f} "
@@ -127,6 +142,9 @@ def main() -> None:
     out.write_text(json.dumps({"python": platform.python_version(), "machine": platform.machine(),
                                "model": "llama2-7b", "seq_len": 2048, "cases": rows},
                               indent=2) + "\n")
+    for r in rows:
+        print(f"wide search (priced only), {r['cluster']} {r['memory_gib']:g} GiB "
+              f"B={r['global_batch']}: {r.get('wide_plan')}, runs: {r.get('wide_runnable')}")
     for r in rows:
         if r.get("regular_plan"):
             print(f"regular planner, {r['cluster']} {r['memory_gib']:g} GiB B={r['global_batch']}: "

@@ -33,17 +33,15 @@ compute dtype's bytes):
 
 from __future__ import annotations
 
-import math
-
 from meshmorph.cost.rank_state import (
     COMM_KINDS,
     GRAD,
     HANDSHAKE_BYTES,
     LOSS_BYTES,
-    MASTER,
-    MOMENTS,
+    add_data_parallel_comm,
+    held_state,
 )
-from meshmorph.cost.state import compute_bytes, data_parallel_traffic
+from meshmorph.cost.state import compute_bytes
 from meshmorph.cost.tensor_shapes import layer_tensors, vocab_split
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
 from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
@@ -52,12 +50,6 @@ NORM_BYTES = 8
 """run/layerwise_grads.py: one float64 sum of squares, all-reduced over the stage."""
 TOKEN_BYTES = 8
 """A token id (int64)."""
-
-
-def _own_rows(rows: int, dp: int, dp_rank: int) -> int:
-    size = math.ceil(rows / dp)
-    start = min(dp_rank * size, rows)
-    return min(start + size, rows) - start
 
 
 def _casts(plan: Plan, strategy: LayerStrategy) -> bool:
@@ -142,32 +134,16 @@ def predict_layerwise_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dic
         tensors = layer_tensors(model, index, t)
         if kind == LayerKind.HEAD and model.tied_embeddings:
             tensors = [x for x in tensors if x.name != "out.weight"]  # the embedding's matrix
-        whole = padded = 0.0
-        for tensor in tensors:
-            shape = tensor.local_shape(t)
-            rows, rest = shape[0], math.prod(shape[1:])
-            whole += rows * rest
-            padded += math.ceil(rows / d) * rest
-            own = _own_rows(rows, d, dp_rank) * rest
-            if fsdp:
-                params += MASTER * math.ceil(rows / d) * rest
-                grads += GRAD * math.ceil(rows / d) * rest
-                moments += MOMENTS * own
-            else:
-                params += MASTER * rows * rest
-                grads += GRAD * rows * rest
-                moments += MOMENTS * (own if zero == 1 and d > 1 else rows * rest)
+        held_params, held_grads, held_moments, whole, padded = held_state(tensors, t, d,
+                                                                          dp_rank, zero)
+        params += held_params
+        grads += held_grads
+        moments += held_moments
         if fsdp and zero == 2:
             params += c * padded * d  # gathered once, kept to the end of the step
         if kind == LayerKind.EMBEDDING and vocab_split(model, t) and d == 1:
             grads += GRAD * tensors[0].local_numel(t)  # torch's double-size local gradient
-        traffic = data_parallel_traffic(zero=zero, dp=d, pp=1, dtype=plan.dtype,
-                                        reduce_dtype=plan.reduce_dtype)
-        comm["all_reduce"] += traffic.all_reduce_per_step * whole
-        comm["all_gather"] += (traffic.all_gather_per_step
-                               + m * traffic.all_gather_per_microbatch) * d * padded
-        comm["reduce_scatter"] += (traffic.reduce_scatter_per_step
-                                   + m * traffic.reduce_scatter_per_microbatch) * d * padded
+        add_data_parallel_comm(comm, plan, zero=zero, dp=d, pp=1, whole=whole, padded=padded)
         if t > 1:  # tensor-parallel activations, per micro-batch of B / dp sequences
             bsh = sequences // d * s * h
             # the embedding's output, or the layer's input (cast, or as it came)

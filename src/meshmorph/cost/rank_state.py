@@ -73,6 +73,46 @@ def _own_rows(rows: int, dp: int, dp_rank: int) -> int:
     return min(start + size, rows) - start
 
 
+def held_state(tensors: list[ParamTensor], tp: int, dp: int, dp_rank: int,
+               zero: int) -> tuple[float, float, float, float, float]:
+    """What one rank holds of ``tensors`` at the end of backward: (params, grads, moments) bytes,
+    plus the elements of the whole local tensors and of their padded dim-0 shards. FSDP2 (ZeRO-2/3
+    over dp > 1) holds padded dim-0 shards of everything; otherwise whole tensors, with AdamW's
+    moments sharded by rows under ZeRO-1."""
+    fsdp = dp > 1 and zero >= 2
+    params = grads = moments = whole = padded = 0.0
+    for tensor in tensors:
+        rows, rest = _rows_rest(tensor, tp)
+        whole += rows * rest
+        padded += math.ceil(rows / dp) * rest
+        own = _own_rows(rows, dp, dp_rank) * rest
+        if fsdp:
+            params += MASTER * math.ceil(rows / dp) * rest
+            grads += GRAD * math.ceil(rows / dp) * rest
+            moments += MOMENTS * own
+        else:
+            params += MASTER * rows * rest
+            grads += GRAD * rows * rest
+            moments += MOMENTS * (own if zero == 1 and dp > 1 else rows * rest)
+    return params, grads, moments, whole, padded
+
+
+def add_data_parallel_comm(comm: dict[str, float], plan: Plan, *, zero: int, dp: int, pp: int,
+                           whole: float, padded: float) -> None:
+    """Add to ``comm`` the bytes one rank sends per step for data parallelism over ``dp`` ranks
+    at ``zero``: cost/state.py's multiples applied to ``whole`` local elements (all-reduce) and to
+    the ``padded`` dim-0 shards torch moves (an all-gather sends a padded shard, a reduce-scatter
+    dp of them)."""
+    traffic = data_parallel_traffic(zero=zero, dp=dp, pp=pp, dtype=plan.dtype,
+                                    reduce_dtype=plan.reduce_dtype)
+    m = plan.num_microbatches
+    comm["all_reduce"] += traffic.all_reduce_per_step * whole
+    comm["all_gather"] += (traffic.all_gather_per_step
+                           + m * traffic.all_gather_per_microbatch) * dp * padded
+    comm["reduce_scatter"] += (traffic.reduce_scatter_per_step
+                               + m * traffic.reduce_scatter_per_microbatch) * dp * padded
+
+
 def _coords(plan: Plan, rank: int) -> tuple[int, int, int]:
     """(pp_rank, dp_rank, tp_rank) of a global rank (tensor parallel innermost)."""
     if not 0 <= rank < plan.world_size:
@@ -86,27 +126,14 @@ def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, obj
     pp_rank, dp_rank, _ = _coords(plan, rank)
     chunks = [plan.stages[c] for c in plan.chunks_of(pp_rank)]
     ranges = [(stage.start, stage.stop) for stage in chunks]
-    t, d, m = plan.tp, plan.dp, plan.num_microbatches
+    t, d = plan.tp, plan.dp
     c = compute_bytes(plan.dtype)
     fsdp = d > 1 and plan.zero >= 2
     comm = dict.fromkeys(COMM_KINDS, 0.0)
 
-    params = grads = moments = 0.0
-    whole = padded_shard = 0.0  # elements: whole local tensors, padded dim-0 shards
     tensors = rank_tensors(model, ranges, t)
-    for tensor in tensors:
-        rows, rest = _rows_rest(tensor, t)
-        whole += rows * rest
-        padded_shard += math.ceil(rows / d) * rest
-        own = _own_rows(rows, d, dp_rank) * rest
-        if fsdp:
-            params += MASTER * math.ceil(rows / d) * rest
-            grads += GRAD * math.ceil(rows / d) * rest
-            moments += MOMENTS * own
-        else:
-            params += MASTER * rows * rest
-            grads += GRAD * rows * rest
-            moments += MOMENTS * (own if plan.zero == 1 and d > 1 else rows * rest)
+    # elements: whole local tensors, padded dim-0 shards
+    params, grads, moments, whole, padded_shard = held_state(tensors, t, d, dp_rank, plan.zero)
     if fsdp and plan.zero == 2 and plan.pp == 1:
         params += c * padded_shard * d  # gathered once, kept to the end of the step
     holds_embed = any(start == 0 for start, _ in ranges)
@@ -119,13 +146,8 @@ def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, obj
     # --- data parallel -----------------------------------------------------------------------
     # cost/state.py's multiples (bytes per parameter, all-gathers of 1/d shards), applied to the
     # padded shards torch moves: an all-gather sends a padded shard, a reduce-scatter d of them
-    dp_traffic = data_parallel_traffic(zero=plan.zero, dp=d, pp=plan.pp, dtype=plan.dtype,
-                                       reduce_dtype=plan.reduce_dtype)
-    comm["all_reduce"] += dp_traffic.all_reduce_per_step * whole
-    comm["all_gather"] += (dp_traffic.all_gather_per_step
-                           + m * dp_traffic.all_gather_per_microbatch) * d * padded_shard
-    comm["reduce_scatter"] += (dp_traffic.reduce_scatter_per_step
-                               + m * dp_traffic.reduce_scatter_per_microbatch) * d * padded_shard
+    add_data_parallel_comm(comm, plan, zero=plan.zero, dp=d, pp=plan.pp, whole=whole,
+                           padded=padded_shard)
 
     # --- the tied embedding's two copies across pipeline ranks ---------------------------------
     holds_head = any(stop == model.num_layers for _, stop in ranges)

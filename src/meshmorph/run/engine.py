@@ -265,7 +265,9 @@ class TrainEngine:
         self.capture_state = False
         return loss
 
-    def _step(self, tokens: torch.Tensor) -> float:
+    def _forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Check the step's tokens, clear the gradients, run every micro-batch's forward and
+        backward (accumulated or pipelined); returns this rank's loss sum."""
         plan = self.plan
         expected = (plan.global_batch // plan.dp, plan.seq_len + 1)
         if tuple(tokens.shape) != expected:
@@ -276,9 +278,12 @@ class TrainEngine:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         if self.schedule is None:
-            loss_sum = self._accumulate(inputs, labels)
-        else:
-            loss_sum = self._pipelined(inputs, labels)
+            return self._accumulate(inputs, labels)
+        return self._pipelined(inputs, labels)
+
+    def _step(self, tokens: torch.Tensor) -> float:
+        plan = self.plan
+        loss_sum = self._forward_backward(tokens)
         if self.capture_state:  # the end of backward, before anything touches the gradients
             self.captured_state = state_line.held_bytes(self)
         self._align_grads()

@@ -195,16 +195,7 @@ class LayerwiseEngine(TrainEngine):
 
     def _step(self, tokens: torch.Tensor) -> float:
         plan = self.plan
-        expected = (plan.global_batch // plan.dp, plan.seq_len + 1)
-        if tuple(tokens.shape) != expected:
-            raise ValueError(f"step() takes tokens of shape {list(expected)} (global_batch / dp, "
-                             f"seq_len + 1), got {list(tokens.shape)}")
-        tokens = tokens.to(self.device)
-        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
-        loss_sum = (self._accumulate(inputs, labels) if self.schedule is None
-                    else self._pipelined(inputs, labels))
+        loss_sum = self._forward_backward(tokens)
         reduce_layer_grads(self.units, plan.reduce_dtype)
         if self.capture_state:  # the end of backward (its reductions included)
             self.captured_state = state_line.held_bytes(self)

@@ -15,54 +15,32 @@ from typing import Any
 import pytest
 
 from meshmorph.cost import CostModel, Estimate
+from meshmorph.cost.calibration import published_runs
 from meshmorph.plan.search import search
 from meshmorph.plan.space import SearchOptions
-from meshmorph.spec.cluster import Cluster, parse_cluster
-from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, Schedule
-from meshmorph.spec.transformer import TransformerShape, build_transformer
+from meshmorph.spec.cluster import Cluster
+from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import Plan
 
 TOLERANCE = 0.15
 ROWS: list[dict[str, Any]] = json.loads(
     files("meshmorph").joinpath("data/narayanan2021_table1.json").read_text())["entries"]
 IDS = [row["id"] for row in ROWS]
+RUNS = {run.id: run for run in published_runs() if run.source == "narayanan2021_table1.json"}
+"""Each row's model, cluster and layout as Megatron-LM ran it (cost/calibration.py builds them)."""
 
 
 def _model(row: dict[str, Any]) -> ModelSpec:
-    shape = row["model"]
-    return build_transformer(TransformerShape(
-        name=row["id"], arch="gpt", num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
-        num_heads=shape["num_attention_heads"], ffn_hidden_size=shape["ffn_hidden_size"],
-        vocab_size=51200, seq_len=2048, tied_embeddings=True))
+    return RUNS[row["id"]].model
 
 
 def _cluster(row: dict[str, Any]) -> Cluster:
-    return parse_cluster(f"a100-80g:{row['hardware']['total_gpus'] // 8}x8")
-
-
-def _published_plan(row: dict[str, Any], model: ModelSpec) -> Plan:
-    par = row["parallel"]
-    tp, pp, dp, batch = (par["tensor_parallel"], par["pipeline_parallel"], par["data_parallel"],
-                         par["global_batch"])
-    m = batch // dp
-    schedule, vpp = Schedule.ONE_F_ONE_B, 1
-    if pp > 1:
-        # the smallest v that splits the layers evenly (the paper does not state it)
-        for v in range(2, 7):
-            if model.num_blocks % (pp * v) == 0 and m % pp == 0:
-                schedule, vpp = Schedule.INTERLEAVED, v
-                break
-    # Megatron-LM 2021 trained in fp16 and all-reduced fp16 gradients
-    plan = Plan(model=row["id"], seq_len=2048, global_batch=batch, tp=tp, pp=pp, dp=dp,
-                micro_batch=1, num_microbatches=m, schedule=schedule, vpp=vpp, dtype="fp16",
-                reduce_dtype="fp16")
-    return plan.with_even_stages(model, Recompute.FULL)
+    return RUNS[row["id"]].cluster
 
 
 def _estimate(row: dict[str, Any]) -> tuple[Plan, Estimate]:
-    model = _model(row)
-    plan = _published_plan(row, model)
-    return plan, CostModel(model, _cluster(row)).estimate(plan)
+    run = RUNS[row["id"]]
+    return run.plan, CostModel(run.model, run.cluster).estimate(run.plan)
 
 
 @cache

@@ -47,6 +47,16 @@ def test_profile_with_an_unknown_key_is_refused_naming_it(tmp_path: Path) -> Non
         Profile.load(tmp_path / "p.json")
 
 
+@pytest.mark.parametrize(("content", "problem"), [
+    (b'{"source":', "is not JSON"), (b"\xb5\x00\xff", "is not JSON"),
+    (b"[1, 2]", "holds list, not a JSON object")])
+def test_a_broken_profile_file_is_refused_naming_it_and_a_way_out(
+        tmp_path: Path, content: bytes, problem: str) -> None:
+    (tmp_path / "p.json").write_bytes(content)
+    with pytest.raises(ValueError, match=f"profile file .*p.json {problem}.*meshmorph profile"):
+        Profile.load(tmp_path / "p.json")
+
+
 def test_alpha_beta_fit_recovers_alpha_and_beta_from_noisy_timings() -> None:
     rng = np.random.default_rng(0)
     sizes = np.repeat([4e3, 6.5e4, 1e6, 4e6, 1.6e7], 5)

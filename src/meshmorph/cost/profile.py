@@ -111,4 +111,12 @@ class Profile:
         if not path.is_file():
             raise FileNotFoundError(f"profile file {path} does not exist; make one with "
                                     "meshmorph profile --out FILE")
-        return cls.from_dict(json.loads(path.read_text()), f"profile {path}")
+        try:
+            data = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"profile file {path} is not JSON ({exc}); make a new one with "
+                             "meshmorph profile --out FILE") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"profile file {path} holds {type(data).__name__}, not a JSON "
+                             "object; make a new one with meshmorph profile --out FILE")
+        return cls.from_dict(data, f"profile {path}")

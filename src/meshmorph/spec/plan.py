@@ -1,7 +1,11 @@
 """Plan: the whole parallel layout of one training job, serialised to JSON exactly.
 
-Ranks are laid out with tensor parallel innermost, then data parallel, then pipeline
-(``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``), so tp groups stay inside a node.
+Ranks are laid out as Megatron-Core does: tensor parallel innermost, then context parallel, then
+data parallel, then pipeline (``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``),
+so tp groups, and then tp x cp groups, stay inside a node. Context parallelism (``cp``) splits each
+sequence over cp ranks (ring attention with causal load balancing: every rank holds two chunks of
+``seq_len / (2 cp)`` tokens); its ranks share the same sequences, so ``global_batch`` counts dp
+alone, and parameters are replicated (gradients reduced) over dp x cp.
 With ``vpp`` virtual stages, ``stages`` holds ``pp * vpp`` model chunks and chunk ``c`` runs on
 pipeline rank ``c % pp`` (Megatron's interleaved order), except under the V schedules (zbv,
 dualpipev: vpp 2), where rank ``r`` holds chunks ``r`` and ``2 pp - 1 - r``.
@@ -142,6 +146,9 @@ class Plan:
     """Pipeline-parallel degree."""
     dp: int = 1
     """Data-parallel degree."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks (ring attention, causal load
+    balancing: two chunks of seq_len / (2 cp) tokens per rank); 1 = off."""
     zero: int = 0
     """ZeRO stage over the data-parallel group: 0 replicate, 1 optimizer, 2 +grads, 3 +params (FSDP)."""
     micro_batch: int = 1
@@ -171,7 +178,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", _member("schedule", Schedule, self.schedule))
-        for name in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "vpp", "seq_len",
+        for name in ("tp", "pp", "dp", "cp", "micro_batch", "num_microbatches", "vpp", "seq_len",
                      "global_batch"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -185,6 +192,10 @@ class Plan:
                 f" x num_microbatches {self.num_microbatches}"
                 f" = {self.dp * self.micro_batch * self.num_microbatches}"
             )
+        if self.cp > 1 and self.seq_len % (2 * self.cp):
+            raise PlanError(
+                f"cp {self.cp} needs seq_len {self.seq_len} to split into 2 x cp = {2 * self.cp} "
+                f"equal chunks (causal load balancing); choose a cp with 2 cp dividing seq_len")
         if self.weight_prediction not in WEIGHT_PREDICTIONS:
             raise PlanError(f"weight_prediction must be one of {', '.join(WEIGHT_PREDICTIONS)}, "
                             f"got {self.weight_prediction!r}")
@@ -205,6 +216,10 @@ class Plan:
                 f"{len(self.stages)} stages listed for pp {self.pp} x vpp {self.vpp} = "
                 f"{self.pp * self.vpp} model chunks"
             )
+        if self.cp > 1 and any(stage.layer_strategies for stage in self.stages):
+            raise PlanError(f"cp {self.cp} with per-layer strategies: layerwise plans split "
+                            f"the stage's devices by tp and dp only; use cp 1 or drop the "
+                            f"layer strategies")
         for index, stage in enumerate(self.stages):
             for offset, strategy in enumerate(stage.layer_strategies or ()):
                 if strategy.tp * strategy.dp != self.tp * self.dp:
@@ -222,14 +237,34 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.dp * self.pp
+
+    def degrees(self) -> str:
+        """``tp T x pp P x dp D`` (`` x cp C`` when context parallel): the world's factors."""
+        return f"tp {self.tp} x pp {self.pp} x dp {self.dp}" + \
+            (f" x cp {self.cp}" if self.cp > 1 else "")
+
+    @property
+    def grad_replicas(self) -> int:
+        """Ranks holding the same parameters (dp x cp): gradients are reduced, and ZeRO shards
+        its state, over this group."""
+        return self.dp * self.cp
 
     @property
     def num_chunks(self) -> int:
         return self.pp * self.vpp
 
-    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
+
+    def coords_of(self, rank: int) -> tuple[int, int, int, int]:
+        """(pp_rank, dp_rank, cp_rank, tp_rank) of a global rank (``rank_of`` inverted)."""
+        if not 0 <= rank < self.world_size:
+            raise PlanError(f"rank {rank} is outside the plan's {self.world_size} ranks")
+        rest, tp_rank = divmod(rank, self.tp)
+        rest, cp_rank = divmod(rest, self.cp)
+        pp_rank, dp_rank = divmod(rest, self.dp)
+        return pp_rank, dp_rank, cp_rank, tp_rank
 
     def chunks_of(self, pp_rank: int) -> list[int]:
         """Model chunks held by one pipeline rank: looped (c % pp), or a V for zbv/dualpipev."""
@@ -250,7 +285,7 @@ class Plan:
         """Refuse a plan this model or world cannot run; the message names the mismatch."""
         if world_size is not None and self.world_size != world_size:
             raise PlanError(
-                f"tp {self.tp} x pp {self.pp} x dp {self.dp} = {self.world_size} ranks, but the "
+                f"{self.degrees()} = {self.world_size} ranks, but the "
                 f"job has {world_size}; change a degree or the number of processes"
             )
         if not self.stages:
@@ -290,6 +325,9 @@ class Plan:
                         f"a layer strategy's tp {tp} does not divide {what} {value} of "
                         f"{model.name}; choose layer tp degrees that divide it"
                     )
+        if self.cp > 1 and model.arch == "custom":
+            raise PlanError(f"cp {self.cp}: model {model.name} is a traced module whose attention "
+                            f"meshmorph cannot split over the sequence; use cp 1")
         if self.sequence_parallel and self.seq_len % self.tp:
             raise PlanError(f"sequence parallel needs tp {self.tp} to divide seq_len {self.seq_len}")
         if self.schedule in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.INTERLEAVED) \
@@ -362,7 +400,8 @@ class Plan:
         plan = cls(**kwargs, stages=stages)
         if "world_size" in data and data["world_size"] != plan.world_size:
             raise PlanError(
-                f"plan says world_size {data['world_size']} but tp x pp x dp = {plan.world_size}"
+                f"plan says world_size {data['world_size']} but tp x pp x dp"
+                f"{' x cp' if plan.cp > 1 else ''} = {plan.world_size}"
             )
         return plan
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from meshmorph.spec.plan import Plan, PlanError
 
-_INTEGERS = ("seq_len", "global_batch", "tp", "pp", "dp", "zero", "micro_batch",
+_INTEGERS = ("seq_len", "global_batch", "tp", "pp", "dp", "cp", "zero", "micro_batch",
              "num_microbatches", "vpp", "world_size")
 
 _WAY_OUT = ("write it with 'meshmorph plan --json' or 'meshmorph estimate --json', or fix it by "

@@ -173,6 +173,17 @@ class Plan:
     """Weights under ``schedule = "async"``: ``none`` (stale), ``stash`` (the backward uses the
     forward's weights), ``2bw`` (PipeDream-2BW), ``sgd`` (SpecTrain's momentum-SGD prediction) or
     ``adam`` (Adam's update direction extrapolated); must stay ``none`` with other schedules."""
+    overlap_grad_reduce: bool = True
+    """Data-parallel gradient reduction overlapped with the last backward, bucket by bucket
+    (torch DDP's and FSDP2's default, Megatron-LM's ``--overlap-grad-reduce``); False: gradients
+    reduced after the backward, the collective fully exposed."""
+    tp_comm_overlap: bool = False
+    """Tensor-parallel communication overlapped with the GEMMs it feeds (Megatron-LM's
+    ``--tp-comm-overlap``, TransformerEngine's userbuffers); needs sequence parallelism.
+    meshmorph's runtime does not realise it (it refuses the plan)."""
+    fsdp_prefetch: bool = True
+    """ZeRO-3: the next unit's all-gather issued while this unit computes (FSDP2's forward and
+    backward prefetch), one more gathered unit held; False: each gather on the critical path."""
     predicted: dict[str, Any] | None = field(default=None, compare=False)
     """Predicted figures (step_time_s, tokens_per_s, ...) from the cost model, if any."""
 
@@ -211,6 +222,12 @@ class Plan:
             raise PlanError(f"vpp {self.vpp} > 1 needs schedule 'interleaved', not '{self.schedule}'")
         if self.sequence_parallel and self.tp == 1:
             object.__setattr__(self, "sequence_parallel", False)
+        if self.tp_comm_overlap and self.tp == 1:
+            object.__setattr__(self, "tp_comm_overlap", False)
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise PlanError(f"tp_comm_overlap overlaps sequence parallelism's all-gathers and "
+                            f"reduce-scatters with the GEMMs: set sequence_parallel true with "
+                            f"tp {self.tp}, or tp_comm_overlap false")
         if self.stages and len(self.stages) != self.pp * self.vpp:
             raise PlanError(
                 f"{len(self.stages)} stages listed for pp {self.pp} x vpp {self.vpp} = "

@@ -122,11 +122,16 @@ def _shapes(model: ModelSpec, cluster: Cluster, batch: int,
         if node % tp or model.num_heads % tp or model.num_kv_heads % tp \
                 or model.ffn_hidden_size % tp or world % tp:
             continue
-        for pp in range(1, min(world // tp, model.num_layers) + 1):
-            if (world // tp) % pp or batch % (world // (tp * pp)):
+        # context parallel: 1, and for long sequences powers of two whose 2 cp chunks split
+        # the sequence and that divide the ranks per tp group
+        cps = [1] + [c for c in (2, 4, 8, 16) if model.seq_len >= options.cp_min_seq_len
+                     and (world // tp) % c == 0 and model.seq_len % (2 * c) == 0
+                     and (options.cp_max is None or c <= options.cp_max)]
+        for cp, pp in product(cps, range(1, model.num_layers + 1)):
+            if (world // tp) % (cp * pp) or batch % (world // (tp * cp * pp)):
                 continue
-            dp = world // (tp * pp)
-            for gpus in _rank_gpu_orders(cluster, tp * dp, pp):
+            dp = world // (tp * cp * pp)
+            for gpus in _rank_gpu_orders(cluster, tp * cp * dp, pp):
                 for b in range(1, min(options.max_micro_batch, batch // dp) + 1):
                     if (batch // dp) % b:
                         continue
@@ -143,13 +148,14 @@ def _shapes(model: ModelSpec, cluster: Cluster, batch: int,
                                       if blocks % (pp * v) == 0]
                     for zero in options.zero_stages if dp > 1 else (0,):
                         for sp in options.sequence_parallel if tp > 1 else (False,):
-                            if sp and model.seq_len % tp:
+                            if sp and (model.seq_len // cp) % tp:
                                 continue
                             for schedule, v in schedules:
                                 if schedule in SPLIT_BACKWARD_SCHEDULES and zero == 3:
                                     continue  # the runtime refuses it (torch loses gradients)
                                 yield Plan(model=model.name, seq_len=model.seq_len,
-                                           global_batch=batch, tp=tp, pp=pp, dp=dp, zero=zero,
+                                           global_batch=batch, tp=tp, pp=pp, dp=dp, cp=cp,
+                                           zero=zero,
                                            micro_batch=b, num_microbatches=m, schedule=schedule,
                                            vpp=v, sequence_parallel=sp,
                                            dtype=options.dtype), gpus

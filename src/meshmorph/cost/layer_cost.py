@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from meshmorph.cost import comm
+from meshmorph.cost import comm, context_parallel
 from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.gemm import layer_efficiency
 from meshmorph.cost.profile import Profile
 from meshmorph.spec.gpus import GPUSpec
-from meshmorph.spec.model import LayerSpec, ModelSpec, Recompute
+from meshmorph.spec.model import LayerKind, LayerSpec, ModelSpec, Recompute
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,9 @@ class LayerCost:
     """Extra bytes while the layer's backward rematerialises activations."""
     flops: float
     """Hardware FLOPs on this rank (recompute included)."""
+    cp_comm_s: float = 0.0
+    """Exposed context-parallel ring exchange (cost/context_parallel.py), forward + backward +
+    recompute; included in fwd_s and bgrad_s."""
 
 
 def layer_classes(model: ModelSpec) -> tuple[int, ...]:
@@ -78,7 +81,8 @@ class LayerCoster:
 
     def __init__(self, model: ModelSpec, coef: CostCoefficients, *, dtype: str,
                  efficiency: dict[str, float], tp_link: dict[str, comm.Link],
-                 profile: Profile | None = None):
+                 profile: Profile | None = None, cp: int = 1,
+                 inter_link: comm.Link | None = None, gpus_per_node: int = 0):
         self.model = model
         self.coef = coef
         self.dtype = dtype
@@ -87,8 +91,18 @@ class LayerCoster:
         self.tp_link = tp_link  # GPU name -> intra-node link
         self.classes = layer_classes(model)
         self.profile = profile  # measured layer times replace FLOPs / (peak x efficiency)
+        self.cp = cp  # context parallel: each rank holds b s / cp tokens of every micro-batch
+        self.inter_link = inter_link  # the cp ring's link once tp x cp spans nodes
+        self.gpus_per_node = gpus_per_node
         self.gpus: dict[str, GPUSpec] = {}
         self.cost = lru_cache(maxsize=None)(self._cost)
+
+    def cp_link(self, gpu_name: str, tp: int) -> comm.Link:
+        """The context-parallel ring's link: the node's while the tp x cp ranks it spans (tp
+        innermost, then cp) fit in one node, else the NIC's."""
+        if self.inter_link is None or tp * self.cp <= self.gpus_per_node:
+            return self.tp_link[gpu_name]
+        return self.inter_link
 
     def layer(self, index: int, gpu: GPUSpec, micro_batch: int, tp: int, sp: bool,
               recompute: Recompute) -> LayerCost:
@@ -99,7 +113,7 @@ class LayerCoster:
               recompute: Recompute) -> LayerCost:
         layer = self.model.layers[index]
         gpu = self.gpus[gpu_name]
-        tokens = micro_batch * self.model.seq_len
+        tokens = context_parallel.local_tokens(micro_batch, self.model.seq_len, self.cp)
         peak = gpu.peak_flops(self.dtype)
         element_bytes = self.model.dtype_bytes * self.act_scale
         # GEMMs at their roofline rate with wave quantisation (cost/gemm.py), times the optional
@@ -127,9 +141,9 @@ class LayerCoster:
         if measured is not None:
             # measured at tp = 1: tensor parallelism splits every GEMM of the layer tp ways;
             # recompute repeats the share of the forward its FLOPs say
-            fwd_c = measured.fwd_s / tp
+            fwd_c = measured.fwd_s / tp / self.cp
             re_c = fwd_c * re_flops / fwd_flops if fwd_flops else 0.0
-            wgrad_c = measured.bwd_s / tp / 2
+            wgrad_c = measured.bwd_s / tp / self.cp / 2
         # TP: each forward all-reduce (or reduce-scatter + all-gather with SP, the same volume)
         # moves the b*s*h hidden state; backward has as many; full recompute repeats the forward's
         if tp > 1:
@@ -140,12 +154,21 @@ class LayerCoster:
         n_fwd = layer.tp_allreduces_fwd
         n_re = n_fwd if recompute == Recompute.FULL else 0
         fwd_comm, bwd_comm = n_fwd * one, (n_fwd + n_re) * one
-        bgrad = wgrad_c + re_c + bwd_comm
+        # context parallel: the ring's K/V exchange beyond each step's attention block
+        ring = context_parallel.ring_time(
+            self.model, micro_batch=micro_batch, tp=tp, cp=self.cp, element_bytes=element_bytes,
+            flops_per_s=peak * eff, link=self.cp_link(gpu.name, tp)) \
+            if self.cp > 1 and layer.kind == LayerKind.BLOCK else None
+        ring_f = ring_b = ring_buffer = 0.0
+        if ring is not None:
+            ring_f, ring_buffer = ring.fwd_exposed_s, ring.buffer_bytes
+            ring_b = ring.bwd_exposed_s + (ring_f if recompute != Recompute.NONE else 0.0)
+        bgrad = wgrad_c + re_c + bwd_comm + ring_b
         wgrad = wgrad_c
         act = layer.activation[recompute].per_rank(tp, sp) * tokens * self.act_scale
         full = layer.activation[Recompute.NONE].per_rank(tp, sp) * tokens * self.act_scale
         return LayerCost(
-            fwd_s=fwd_c + fwd_comm,
+            fwd_s=fwd_c + fwd_comm + ring_f,
             bwd_s=bgrad + wgrad,
             bgrad_s=bgrad,
             wgrad_s=wgrad,
@@ -153,6 +176,7 @@ class LayerCoster:
             recompute_s=re_c,
             tp_comm_s=fwd_comm + bwd_comm,
             activation_bytes=act,
-            working_bytes=max(0.0, full - act),
+            working_bytes=max(0.0, full - act) + ring_buffer,
             flops=3 * fwd_flops + re_flops,
+            cp_comm_s=ring_f + ring_b,
         )

@@ -1,8 +1,9 @@
 """CostModel: a Plan in, an Estimate out (time by simulating the schedule, memory per stage).
 
-Rank placement follows the Plan: tensor parallel innermost (inside a node), then data parallel,
-then pipeline. A collective runs over NVLink/PCIe while its group fits in a node, otherwise at
-the inter-node NIC's speed.
+Rank placement follows the Plan: tensor parallel innermost (inside a node), then context
+parallel, then data parallel, then pipeline. A collective runs over NVLink/PCIe while its group
+fits in a node, otherwise at the inter-node NIC's speed. Parameters are replicated over dp x cp
+(``Plan.grad_replicas``): gradient reductions and ZeRO sharding span that group.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class ChunkTime:
     """Exposed per-micro-batch ZeRO gathers and reduce-scatters (ZeRO-3; ZeRO-2's scatters)."""
     params: float
     """Parameters of the chunk on one tensor-parallel rank (before ZeRO sharding)."""
+    cp_comm_s: float = 0.0
+    """Exposed context-parallel ring exchange (in fwd_s and bwd_s)."""
 
 
 class CostModel:
@@ -94,12 +97,16 @@ class CostModel:
         return comm.Link(lat * 1e-6 if lat is not None else link.latency_s,
                          bw * 1e9 if bw is not None else link.bandwidth_bps)
 
-    def coster(self, dtype: str) -> LayerCoster:
-        if dtype not in self._costers:
-            self._costers[dtype] = LayerCoster(self.model, self.coef, dtype=dtype,
-                                               efficiency=self.efficiency, tp_link=self.intra,
-                                               profile=self.profile)
-        return self._costers[dtype]
+    def coster(self, dtype: str, cp: int = 1) -> LayerCoster:
+        """Per-layer costs in ``dtype`` with each sequence split over ``cp`` ranks."""
+        key = dtype if cp == 1 else f"{dtype}/cp{cp}"
+        if key not in self._costers:
+            self._costers[key] = LayerCoster(self.model, self.coef, dtype=dtype,
+                                             efficiency=self.efficiency, tp_link=self.intra,
+                                             profile=self.profile, cp=cp,
+                                             inter_link=self.inter,
+                                             gpus_per_node=self.cluster.gpus_per_node)
+        return self._costers[key]
 
     # --- placement --------------------------------------------------------------------------
     def group_link(self, gpu: GPUSpec, span: int) -> comm.Link:
@@ -121,7 +128,8 @@ class CostModel:
     @staticmethod
     def held(plan: Plan) -> HeldBytes:
         """Bytes per parameter a rank of ``plan`` holds (cost/state.py: what the runtime holds)."""
-        return held_bytes_per_param(zero=plan.zero, dp=plan.dp, pp=plan.pp, dtype=plan.dtype)
+        return held_bytes_per_param(zero=plan.zero, dp=plan.grad_replicas, pp=plan.pp,
+                                    dtype=plan.dtype)
 
     # --- pieces the planner reuses ------------------------------------------------------------
     def chunk_params(self, start: int, stop: int, tp: int) -> float:
@@ -135,8 +143,8 @@ class CostModel:
 
     def chunk_time(self, plan: Plan, start: int, stop: int, recompute: Sequence[Recompute],
                    gpu: GPUSpec) -> ChunkTime:
-        coster = self.coster(plan.dtype)
-        f = b = bg = wg = comp = re = tpc = 0.0
+        coster = self.coster(plan.dtype, plan.cp)
+        f = b = bg = wg = comp = re = tpc = cpc = 0.0
         for offset, index in enumerate(range(start, stop)):
             cost = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
                                 recompute[offset])
@@ -147,6 +155,7 @@ class CostModel:
             comp += cost.compute_s
             re += cost.recompute_s
             tpc += cost.tp_comm_s
+            cpc += cost.cp_comm_s
         params = self.chunk_params(start, stop, plan.tp)
         z3 = 0.0
         gathers, scatter = self.microbatch_dp_traffic(plan, params, gpu)
@@ -167,13 +176,14 @@ class CostModel:
             ef = comm.exposed(gathers / 2, f, self.coef.zero3_overlap)
             eb = comm.exposed(gathers / 2 + scatter, b, self.coef.zero3_overlap)
             f, b, bg, z3 = f + ef, b + eb, bg + eb, ef + eb
-        return ChunkTime(f, b, bg, wg, comp, re, tpc, z3, params)
+        return ChunkTime(f, b, bg, wg, comp, re, tpc, z3, params, cpc)
 
     def fsdp_measured(self, plan: Plan) -> bool:
         """Whether the Profile measured FSDP2's per-unit calls for this plan's dp group."""
-        return plan.zero >= 2 and plan.dp > 1 and \
-            f"fsdp_all_gather/{plan.dp}" in self.profile.collectives and \
-            f"fsdp_reduce_scatter/{plan.dp}" in self.profile.collectives
+        d = plan.grad_replicas
+        return plan.zero >= 2 and d > 1 and \
+            f"fsdp_all_gather/{d}" in self.profile.collectives and \
+            f"fsdp_reduce_scatter/{d}" in self.profile.collectives
 
     def fsdp_units(self, start: int, stop: int) -> int:
         """FSDP2 units of a chunk of layers [start, stop): each block and the chunk's root."""
@@ -191,29 +201,32 @@ class CostModel:
         """(all-gather, reduce-scatter) seconds of the data-parallel collectives inside one
         micro-batch over ``params`` (ZeRO-3's gathers in forward and backward, ZeRO-2/3's
         gradient reduce-scatter; none under pipeline parallelism, see cost/state.py). ``units``
-        > 0 prices them as that many FSDP2 units from the Profile's measured per-unit fits."""
-        traffic = data_parallel_traffic(zero=plan.zero, dp=plan.dp, pp=plan.pp, dtype=plan.dtype,
+        > 0 prices them as that many FSDP2 units from the Profile's measured per-unit fits.
+        The group is dp x cp (``Plan.grad_replicas``: context-parallel ranks hold the same
+        parameters)."""
+        d = plan.grad_replicas
+        traffic = data_parallel_traffic(zero=plan.zero, dp=d, pp=plan.pp, dtype=plan.dtype,
                                         reduce_dtype=plan.reduce_dtype)
-        if plan.dp == 1:
+        if d == 1:
             return 0.0, 0.0
         if units > 0:
             c = gather_bytes_per_param(plan.dtype)
-            return (self.fsdp_calls("all_gather", plan.dp,
-                                    traffic.all_gather_per_microbatch * plan.dp / c, params * c, units),
-                    self.fsdp_calls("reduce_scatter", plan.dp, 1.0,
+            return (self.fsdp_calls("all_gather", d,
+                                    traffic.all_gather_per_microbatch * d / c, params * c, units),
+                    self.fsdp_calls("reduce_scatter", d, 1.0,
                                     params * traffic.reduce_scatter_per_microbatch, units))
-        link = self.group_link(gpu, plan.tp * plan.dp)
+        link = self.group_link(gpu, plan.tp * d)
         # an all-gather's input is 1/d of the buffer it fills: the buffer is d x the input
-        gathered = params * traffic.all_gather_per_microbatch * plan.dp
-        return (self.collective("all_gather", plan.dp, gathered, link),
-                self.collective("reduce_scatter", plan.dp,
+        gathered = params * traffic.all_gather_per_microbatch * d
+        return (self.collective("all_gather", d, gathered, link),
+                self.collective("reduce_scatter", d,
                                 params * traffic.reduce_scatter_per_microbatch, link))
 
     def rank_memory(self, plan: Plan, pp_rank: int, chunks: Sequence[tuple[int, int, Sequence[Recompute]]],
                     gpu: GPUSpec) -> StageMemory:
         """Peak memory of one rank of pipeline rank ``pp_rank`` holding ``chunks``, added up from
         ``rank_memory_terms`` (cost/rank_terms.py), the terms the planner's bounds read."""
-        coster = self.coster(plan.dtype)
+        coster = self.coster(plan.dtype, plan.cp)
         held = self.held(plan)
         terms = rank_memory_terms(self, plan, pp_rank, gpu)
         params = stored = working = biggest = 0.0
@@ -243,27 +256,29 @@ class CostModel:
     def rank_tail(self, plan: Plan, params: float, last_bwd_s: float, gpu: GPUSpec,
                   units: int = 1) -> tuple[float, float]:
         """(exposed data-parallel gradient sync, optimizer step) after a rank's last backward;
-        ``units``: the rank's FSDP2 units (priced per unit where the Profile measured them)."""
-        traffic = data_parallel_traffic(zero=plan.zero, dp=plan.dp, pp=plan.pp, dtype=plan.dtype,
+        ``units``: the rank's FSDP2 units (priced per unit where the Profile measured them).
+        Gradients are reduced over dp x cp (``Plan.grad_replicas``)."""
+        d = plan.grad_replicas
+        traffic = data_parallel_traffic(zero=plan.zero, dp=d, pp=plan.pp, dtype=plan.dtype,
                                         reduce_dtype=plan.reduce_dtype)
-        link = self.group_link(gpu, plan.tp * plan.dp)
+        link = self.group_link(gpu, plan.tp * d)
         # gradient reductions overlap the last backward; parameter gathers (ZeRO-1 after the
         # update, ZeRO-2 before the first forward) do not
-        reduce = self.collective("all_reduce", plan.dp, params * traffic.all_reduce_per_step, link)
+        reduce = self.collective("all_reduce", d, params * traffic.all_reduce_per_step, link)
         if self.fsdp_measured(plan):  # ZeRO-2/3: FSDP2's per-step gathers and reduce-scatters
-            reduce += self.fsdp_calls("reduce_scatter", plan.dp, 1.0,
+            reduce += self.fsdp_calls("reduce_scatter", d, 1.0,
                                       params * traffic.reduce_scatter_per_step, units)
-            gather = self.fsdp_calls("all_gather", plan.dp, 1.0,
-                                     params * traffic.all_gather_per_step * plan.dp, units)
+            gather = self.fsdp_calls("all_gather", d, 1.0,
+                                     params * traffic.all_gather_per_step * d, units)
         else:
-            reduce += self.collective("reduce_scatter", plan.dp,
+            reduce += self.collective("reduce_scatter", d,
                                       params * traffic.reduce_scatter_per_step, link)
-            gather = self.collective("all_gather", plan.dp,
-                                     params * traffic.all_gather_per_step * plan.dp, link)
+            gather = self.collective("all_gather", d,
+                                     params * traffic.all_gather_per_step * d, link)
         exposed = comm.exposed(reduce, last_bwd_s, self.coef.dp_overlap) + gather
         if self.profile.collectives:  # the step's two scalar all-reduces (loss, gradient norm)
             exposed += 2 * (self.profile.collective_s("all_reduce", plan.world_size, 8.0) or 0.0)
-        shard = plan.dp if plan.zero >= 1 else 1
+        shard = d if plan.zero >= 1 else 1
         optimizer = params / shard * self.coef.optimizer_bytes_per_param / (gpu.hbm_gbps * 1e9)
         if self.profile.optimizer_s_per_param > 0:  # measured: fixed + per-parameter tail
             optimizer = self.profile.optimizer_fixed_s + params / shard * self.profile.optimizer_s_per_param
@@ -281,12 +296,12 @@ class CostModel:
 
     def p2p_time(self, plan: Plan, gpu: GPUSpec) -> float:
         """Sending one micro-batch's hidden state to the next stage (split over tp ranks, as
-        Megatron's scatter/gather does)."""
+        Megatron's scatter/gather does, and over cp ranks, each sending its own tokens)."""
         nbytes = plan.micro_batch * self.model.seq_len * self.model.hidden_size * \
-            self.model.dtype_bytes * (2 if plan.dtype == "fp32" else 1) / plan.tp
+            self.model.dtype_bytes * (2 if plan.dtype == "fp32" else 1) / plan.tp / plan.cp
         measured = self.profile.collective_s("send_recv", 2, nbytes)
         return measured if measured is not None else \
-            comm.p2p(nbytes, self.group_link(gpu, plan.tp * plan.dp * plan.pp))
+            comm.p2p(nbytes, self.group_link(gpu, plan.world_size))
 
     # --- the whole plan ------------------------------------------------------------------------
     def estimate(self, plan: Plan) -> Estimate:
@@ -355,6 +370,8 @@ class CostModel:
             "dp_comm_exposed": tails[crit][0],
             "optimizer": tails[crit][1],
         }
+        if plan.cp > 1:  # the ring's K/V exchange beyond each step's attention block
+            breakdown["cp_comm_exposed"] = sum(times[c].cp_comm_s for c in crit_chunks) * m
         tokens = plan.global_batch * plan.seq_len
         model_flops = tokens * self.model.model_flops_per_token()
         hw_flops = tokens * sum(

@@ -31,12 +31,20 @@ nothing), ``m`` micro-batches of ``b`` sequences of ``s`` tokens:
   the next chunk and its gradient to the previous one, plus torch's one 4-byte handshake per
   neighbour in the first step;
 - meshmorph's own reductions: the loss and the global gradient norm (8 bytes each).
+
+Context parallelism (``cp`` > 1; priced, not run): ``d`` is dp x cp (``Plan.grad_replicas``:
+parameters are replicated over both, the shard index is ``dp_rank * cp + cp_rank``), every
+activation figure above counts the rank's ``s / cp`` tokens, and each block sends its K and V
+(``2 b (s/cp) h_kv / t`` elements in the compute dtype) ``cp - 1`` times per micro-batch in
+forward and K, V and their gradients ``cp - 1`` times in backward (cost/context_parallel.py),
+the forward's ring again under recompute.
 """
 
 from __future__ import annotations
 
 import math
 
+from meshmorph.cost.context_parallel import kv_bytes
 from meshmorph.cost.state import compute_bytes, data_parallel_traffic
 from meshmorph.cost.tensor_shapes import ParamTensor, layer_tensors, rank_tensors, vocab_split
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
@@ -114,10 +122,12 @@ def add_data_parallel_comm(comm: dict[str, float], plan: Plan, *, zero: int, dp:
 
 
 def _coords(plan: Plan, rank: int) -> tuple[int, int, int]:
-    """(pp_rank, dp_rank, tp_rank) of a global rank (tensor parallel innermost)."""
+    """(pp_rank, replica rank, tp_rank) of a global rank (``Plan.coords_of``); the replica rank
+    is the rank's place in its dp x cp group (``dp_rank * cp + cp_rank``), the ZeRO shard it owns."""
     if not 0 <= rank < plan.world_size:
         raise ValueError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
-    return rank // (plan.dp * plan.tp), rank // plan.tp % plan.dp, rank % plan.tp
+    pp_rank, dp_rank, cp_rank, tp_rank = plan.coords_of(rank)
+    return pp_rank, dp_rank * plan.cp + cp_rank, tp_rank
 
 
 def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, object]:
@@ -126,7 +136,7 @@ def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, obj
     pp_rank, dp_rank, _ = _coords(plan, rank)
     chunks = [plan.stages[c] for c in plan.chunks_of(pp_rank)]
     ranges = [(stage.start, stage.stop) for stage in chunks]
-    t, d = plan.tp, plan.dp
+    t, d = plan.tp, plan.grad_replicas
     c = compute_bytes(plan.dtype)
     fsdp = d > 1 and plan.zero >= 2
     comm = dict.fromkeys(COMM_KINDS, 0.0)
@@ -169,7 +179,7 @@ def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, obj
 def _activation_traffic(model: ModelSpec, plan: Plan, chunks: list) -> dict[str, float]:
     """Tensor-parallel and pipeline bytes one rank sends per step for its activations."""
     out = dict.fromkeys(COMM_KINDS, 0.0)
-    t, m, b, s, h = plan.tp, plan.num_microbatches, plan.micro_batch, plan.seq_len, \
+    t, m, b, s, h = plan.tp, plan.num_microbatches, plan.micro_batch, plan.seq_len // plan.cp, \
         model.hidden_size
     sp = plan.sequence_parallel
     tp_b = _tp_activation_bytes(plan)
@@ -179,6 +189,13 @@ def _activation_traffic(model: ModelSpec, plan: Plan, chunks: list) -> dict[str,
     split = vocab_split(model, t)
     for stage in chunks:
         index = plan.stages.index(stage)
+        if plan.cp > 1:  # the ring: K, V forward (again under recompute), with gradients back
+            kv = kv_bytes(model.with_seq_len(plan.seq_len), b, t, plan.cp,
+                          compute_bytes(plan.dtype))
+            for offset, layer_index in enumerate(range(stage.start, stage.stop)):
+                if model.layers[layer_index].kind == LayerKind.BLOCK:
+                    rings = 3 + (stage.recompute[offset] != Recompute.NONE)
+                    out["send_recv"] += m * (plan.cp - 1) * rings * kv
         first, last = index == 0, index == plan.num_chunks - 1
         if plan.pp > 1:
             neighbours = (not first) + (not last)
@@ -232,7 +249,7 @@ def _hidden_bytes(plan: Plan) -> float:
     compute dtype under FSDP2's mixed precision."""
     if plan.dtype == "fp32":
         return 4.0
-    return compute_bytes(plan.dtype) if plan.dp > 1 and plan.zero >= 2 else 4.0
+    return compute_bytes(plan.dtype) if plan.grad_replicas > 1 and plan.zero >= 2 else 4.0
 
 
 def predict_ranks(model: ModelSpec, plan: Plan) -> list[dict[str, object]]:

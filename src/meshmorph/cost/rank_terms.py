@@ -89,7 +89,7 @@ class RankMemoryTerms:
 
 def rank_memory_terms(cost: CostModel, plan: Plan, pp_rank: int, gpu: GPUSpec) -> RankMemoryTerms:
     """What ``cost.rank_memory(plan, pp_rank, ..., gpu)`` multiplies and adds, for any layers."""
-    gathering = plan.zero == 3 and plan.dp > 1 and plan.pp == 1
+    gathering = plan.zero == 3 and plan.grad_replicas > 1 and plan.pp == 1
     copies = weight_copies(plan.schedule, plan.weight_prediction, plan.pp, pp_rank,
                            plan.num_microbatches)
     return RankMemoryTerms(

@@ -70,7 +70,7 @@ class ConfigBounds:
         return max(memory, self.lower_bound(config))
 
     def _sums_of(self, plan: Plan, gpus: list[GPUSpec]) -> _Sums:
-        key = (plan.dtype, plan.micro_batch, plan.tp, plan.sequence_parallel,
+        key = (plan.dtype, plan.micro_batch, plan.tp, plan.cp, plan.sequence_parallel,
                plan.schedule in SPLIT_BACKWARD_SCHEDULES, tuple(g.name for g in gpus))
         sums = self._sums.get(key)
         if sums is None:
@@ -219,7 +219,7 @@ class ConfigBounds:
         in_flight = in_flight_microbatches(plan.schedule, p, k, plan.num_microbatches, plan.vpp)
         # everything RankBound reads of the plan and the rank (pp only through pp == 1)
         key = (gpu_name, plan.dtype, plan.reduce_dtype, plan.micro_batch, plan.tp,
-               plan.sequence_parallel, plan.dp, plan.zero, plan.num_microbatches, in_flight,
+               plan.sequence_parallel, plan.dp, plan.cp, plan.zero, plan.num_microbatches, in_flight,
                k == 0, k == p - 1, p == 1)
         rank = self._ranks.get(key)
         if rank is None:

@@ -1,7 +1,8 @@
 """The search space of the planner: every layout it considers, as plain configurations.
 
 A configuration fixes everything but the stage boundaries and per-layer recompute: tp (inside a
-node, dividing heads and FFN), pp, dp = world / (tp * pp) dividing the batch, ZeRO stage,
+node, dividing heads and FFN), cp (context parallel, for long sequences: ``cp_degrees``), pp,
+dp = world / (tp * cp * pp) dividing the batch, ZeRO stage,
 sequence parallel, micro-batch size (at most ``max_microbatches`` micro-batches per step),
 schedule (GPipe, 1F1B, ZB-H1; ZBV and DualPipeV with two chunks per rank in a V; interleaved
 with v chunks when the blocks split evenly into
@@ -59,6 +60,13 @@ class SearchOptions:
     allow_async: bool = False
     """Also offer schedule ``async`` (1F1B without flush, PipeDream: no flush bubble, stale
     weights, so not the same math as one device) though ``schedules`` does not list it."""
+    cp_min_seq_len: int = 16_384
+    """Context-parallel degrees are searched only for sequences at least this long. Below it
+    (Llama 3 pretrained its 8K stage without CP and used CP 16 for 128K; Megatron-Core presents
+    CP for long context) one sequence's activations fit beside tp and recompute, and the ring
+    only adds traffic; skipping cp there keeps the search as small as it was."""
+    cp_max: int | None = None
+    """Largest context-parallel degree tried (None: up to what the world allows)."""
     weight_prediction: str = "none"
     """Weights of the ``async`` plans (``none``, ``stash``, ``2bw``, ``sgd``, ``adam``): the
     stashed or predicted copies count against memory, so the planner leaves out the async
@@ -82,6 +90,8 @@ class SearchOptions:
             raise ValueError(f"max_micro_batch must be at least 1, got {self.max_micro_batch}")
         if self.allow_async and Schedule.ASYNC not in self.schedules:
             object.__setattr__(self, "schedules", (*self.schedules, Schedule.ASYNC))
+        if self.cp_max is not None and self.cp_max < 1:
+            raise ValueError(f"cp_max must be at least 1 (or None: no cap), got {self.cp_max}")
         if self.max_microbatches < 1:
             raise ValueError(f"max_microbatches must be at least 1, got {self.max_microbatches}")
 
@@ -124,9 +134,25 @@ def tp_degrees(model: ModelSpec, cluster: Cluster, options: SearchOptions) -> li
     return out
 
 
-def rank_gpu_orders(cluster: Cluster, tp: int, dp: int, pp: int) -> list[tuple[str, ...]]:
-    """GPU type per pipeline rank: each group hosts (its GPUs) / (tp * dp) ranks."""
-    width = tp * dp
+def cp_degrees(model: ModelSpec, devices: int, options: SearchOptions) -> list[int]:
+    """Context-parallel degrees for ``devices`` ranks per tp group: 1, and for sequences of at
+    least ``options.cp_min_seq_len`` tokens every power of two dividing ``devices`` whose 2 cp
+    equal chunks split the sequence (causal load balancing), up to ``options.cp_max``."""
+    out = [1]
+    if model.seq_len < options.cp_min_seq_len or model.arch == "custom":
+        return out
+    cp = 2
+    while devices % cp == 0 and model.seq_len % (2 * cp) == 0 and (
+            options.cp_max is None or cp <= options.cp_max):
+        out.append(cp)
+        cp *= 2
+    return out
+
+
+def rank_gpu_orders(cluster: Cluster, tp: int, dp: int, pp: int,
+                    cp: int = 1) -> list[tuple[str, ...]]:
+    """GPU type per pipeline rank: each group hosts (its GPUs) / (tp * cp * dp) ranks."""
+    width = tp * cp * dp
     if any(group.num_gpus % width for group in cluster.groups):
         return []
     counts: dict[str, int] = {}
@@ -145,20 +171,21 @@ def configurations(model: ModelSpec, cluster: Cluster, global_batch: int,
     world = cluster.world_size
     blocks = model.num_blocks
     for tp in tp_degrees(model, cluster, options):
-        for pp in divisors(world // tp) if world % tp == 0 else []:
-            if options.pp_degrees is not None and pp not in options.pp_degrees:
-                continue
-            if pp > model.num_layers:
-                continue
-            dp = world // (tp * pp)
-            if global_batch % dp:
-                continue
-            for gpus in rank_gpu_orders(cluster, tp, dp, pp):
-                yield from _inner(model, global_batch, options, tp, pp, dp, gpus, blocks)
+        for cp in cp_degrees(model, world // tp, options) if world % tp == 0 else []:
+            for pp in divisors(world // (tp * cp)):
+                if options.pp_degrees is not None and pp not in options.pp_degrees:
+                    continue
+                if pp > model.num_layers:
+                    continue
+                dp = world // (tp * cp * pp)
+                if global_batch % dp:
+                    continue
+                for gpus in rank_gpu_orders(cluster, tp, dp, pp, cp):
+                    yield from _inner(model, global_batch, options, tp, pp, dp, gpus, blocks, cp)
 
 
 def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int, pp: int, dp: int,
-           gpus: tuple[str, ...], blocks: int) -> Iterator[Config]:
+           gpus: tuple[str, ...], blocks: int, cp: int = 1) -> Iterator[Config]:
     per_rank = global_batch // dp
     for b in divisors(per_rank, up_to=options.max_micro_batch):
         m = per_rank // b
@@ -181,13 +208,13 @@ def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int,
                     schedules.append((schedule, 2))  # two chunks per rank in a V
         for zero in options.zero_stages if dp > 1 else (0,):
             for sp in options.sequence_parallel if tp > 1 else (False,):
-                if sp and model.seq_len % tp:
+                if sp and (model.seq_len // cp) % tp:
                     continue
                 for schedule, vpp in schedules:
                     if schedule in SPLIT_BACKWARD_SCHEDULES and zero == 3:
                         continue  # torch's zero-bubble pipelining loses ZeRO-3's gradients
                     plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=global_batch,
-                                tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=b, num_microbatches=m,
+                                tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, micro_batch=b, num_microbatches=m,
                                 schedule=schedule, vpp=vpp, sequence_parallel=sp,
                                 dtype=options.dtype, weight_prediction=options.weight_prediction
                                 if schedule == Schedule.ASYNC else "none")

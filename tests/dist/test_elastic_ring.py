@@ -109,3 +109,52 @@ def test_a_lost_node_is_restored_from_its_ring_copy(tmp_path: Path) -> None:
     assert changed == [], f"{len(changed)} tensors changed: {changed[:5]}"
     names = {name for rank_sources in after["sources"] for name in rank_sources}
     assert {"ring-rank2", "ring-rank3"} <= names and not any("node-rank2" in n for n in names)
+
+
+def _node_memory(out_dir: str, rank: int) -> None:
+    """Each simulated node keeps its store under its own root: no node can read another's."""
+    os.environ["MESHMORPH_LOCAL_NODE_SIZE"] = "2"
+    os.environ["MESHMORPH_STORE_ROOT"] = str(Path(out_dir) / f"memory-node{rank // 2}")
+
+
+def train_apart(rank: int, world_size: int, out_dir: str, run_id: str) -> None:
+    _node_memory(out_dir, rank)
+    train(rank, world_size, out_dir, run_id)
+
+
+def rejoin(rank: int, world_size: int, out_dir: str, run_id: str) -> None:
+    _node_memory(out_dir, rank)
+    survive(rank, world_size, out_dir, run_id)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_a_node_that_lost_its_memory_pulls_its_ring_copy_over_the_network(
+        tmp_path: Path) -> None:
+    """Node 1 restarts with an empty store (its memory is gone) and the job goes on at 4 ranks:
+    its workers get old ranks 2 and 3 from the ring copy on node 0 by point-to-point transfer,
+    not from node 0's memory (each node's store lives under its own root)."""
+    from spawn import spawn
+
+    torch.set_num_threads(1)
+    run_id = f"pull-test-{uuid.uuid4().hex[:8]}"
+    spawn(train_apart, 4, (str(tmp_path), run_id), timeout_s=200, collective_timeout_s=60)
+    before = json.loads((tmp_path / "before.json").read_text())
+    memory1 = tmp_path / "memory-node1"
+    assert memory1.is_dir() and str(tmp_path / "memory-node0") in before["store"]
+    shutil.rmtree(memory1)  # node 1 restarts with nothing in memory
+    spawn(rejoin, 4, (str(tmp_path), run_id), timeout_s=200, collective_timeout_s=60)
+    errors = sorted(tmp_path.glob("error*.txt"))
+    assert not errors, "\n".join(e.read_text() for e in errors)
+    after = json.loads((tmp_path / "after.json").read_text())
+    assert after["world"] == 4 and after["step"] == STEPS
+    changed = sorted(k for k in before["hashes"] if after["hashes"].get(k) != before["hashes"][k])
+    assert changed == [], f"{len(changed)} tensors changed: {changed[:5]}"
+    assert after["sources"][0] == after["sources"][1] == {"own": after["sources"][0]["own"]}
+    assert set(after["sources"][2]) == {"net-ring-rank2"}
+    assert set(after["sources"][3]) == {"net-ring-rank3"}
+    # the store was written again under the plan that runs now: node 1 holds its ranks once more
+    from meshmorph.elastic.store import NodeStore
+
+    node1 = NodeStore(run_id, 1, root=memory1)
+    assert node1.steps() == {2: [STEPS], 3: [STEPS]}

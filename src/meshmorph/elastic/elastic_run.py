@@ -38,10 +38,21 @@ from meshmorph.elastic.layout import layout_of
 from meshmorph.elastic.local_state import extract_state
 from meshmorph.elastic.move_plan import plan_move
 from meshmorph.elastic.move_time import predict_move_time_s
-from meshmorph.elastic.restore_state import restore_from_store, restore_step
+from meshmorph.elastic.restore_state import old_ranks_read, restore_from_store
 from meshmorph.elastic.store import NodeStore, ring_copy, ring_interval_steps
+from meshmorph.elastic.store_pull import (
+    Inventory,
+    claim_old_ranks,
+    common_step,
+    gather_inventories,
+    pull_files,
+)
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.plan import Plan
+
+NODE_ID_ENV = "MESHMORPH_NODE_ID"
+"""This node's number (``meshmorph run --node-rank``): it names the node's store, which outlives
+the node's workers whatever group ranks torchrun's rendezvous hands out next."""
 
 
 def parse_failure(text: str | None) -> tuple[int, int] | None:
@@ -90,16 +101,26 @@ class ElasticSession:
     """This node's store."""
     _last: float = field(init=False, default=0.0)
 
+    local: int = field(init=False, default=0)
+    """This worker's index among its node's workers."""
+
     def __post_init__(self) -> None:
         local = os.environ.get("MESHMORPH_LOCAL_NODE_SIZE")
         if self.node_size is None and local:
             self.node_size = int(local)
-        if self.node_size is not None:
+        named = os.environ.get(NODE_ID_ENV)
+        if named is not None:  # a node of its own (meshmorph run --node-rank)
+            if not named.isdigit():
+                raise ValueError(f"{NODE_ID_ENV} must be a node number (0, 1, ...), got {named!r}")
+            node, self.local = int(named), int(os.environ.get("LOCAL_RANK", "0"))
+        elif self.node_size is not None:
             if self.node_size < 1:
                 raise ValueError(f"MESHMORPH_LOCAL_NODE_SIZE must be >= 1, got {self.node_size}")
-            node = int(os.environ.get("RANK", "0")) // self.node_size
+            rank = int(os.environ.get("RANK", "0"))
+            node, self.local = rank // self.node_size, rank % self.node_size
         else:
             node = int(os.environ.get("GROUP_RANK", "0"))
+            self.local = int(os.environ.get("LOCAL_RANK", "0"))
         self.store = NodeStore(self.run_id, node)
         self._last = time.perf_counter()
 
@@ -135,6 +156,7 @@ class ElasticSession:
         rank = dist.get_rank()
         ring_copy(self.store, rank, step, {"next": (rank + size) % world,
                                            "prev": (rank - size) % world})
+        self.store.pinned = {step}  # a lost node comes back at this step: keep ours of it too
         self.ring_copies += 1
 
     def arm_failure(self, engine: Any, step: int) -> None:
@@ -160,25 +182,25 @@ class ElasticSession:
     def restore(self, model: Any, optim: Any, *, seed: int, device: torch.device,
                 total_steps: int | None = None
                 ) -> tuple[Any, Plan, int, int, dict[str, Any]] | None:
-        """(engine, plan, step, consumed samples, reshape record) from the store; None when it
-        holds nothing of this run (a fresh start). When the world size changed, the new plan is
-        the one with the least predicted time to finish, its move included (``choose_plan``,
-        over the ``total_steps`` left; without them, the planner's fastest)."""
+        """(engine, plan, step, consumed samples, reshape record) from the node stores; None
+        when no node holds anything of this run (a fresh start). Collective over the default
+        group. The workers agree on the newest step every old rank is stored at on some node;
+        each takes up an old rank (``store_pull.claim_old_ranks``) and pulls the files its node
+        lacks from a node that holds them (``store_pull.pull_files``, point to point). When the
+        world size changed, the new plan is the one with the least predicted time to finish,
+        its move included (``choose_plan``, over the ``total_steps`` left; without them, the
+        planner's fastest). The store then holds the new plan's state at that step alone."""
         from meshmorph.run.engine import build_engine
 
-        stored = self.store.steps()
-        if not stored:
+        inventories = gather_inventories(self.store, self.local)
+        if all(inv.empty for inv in inventories):
             return None
         start = time.perf_counter()
         rank, world = dist.get_rank(), dist.get_world_size()
-        first = self.store.load(min(stored), max(stored[min(stored)]))
-        plan_a = Plan.from_json(first.plan_json)
-        step = restore_step(self.store, list(range(plan_a.world_size)))
-        if step is None:
-            raise ValueError(f"the node store {self.store.dir} holds no step every rank of the "
-                             f"old plan completed ({stored}); resume from the newest checkpoint "
-                             "(meshmorph run --resume --reshard)")
-        survivors = list(range(min(world, plan_a.world_size)))
+        plan_a, step = self._agree_step(inventories)
+        claims = claim_old_ranks(inventories, step, plan_a.world_size)
+        survivors = sorted({r for inv in inventories for r, s in inv.own.items()
+                            if step in s and r < plan_a.world_size})
         if plan_a.world_size == world:
             plan_b = plan_a
         elif total_steps is not None:
@@ -186,25 +208,75 @@ class ElasticSession:
                                  steps_left=max(total_steps - step, 0)).plan
         else:
             plan_b = replan(model, world, global_batch=plan_a.global_batch, dtype=plan_a.dtype)
+        mine = inventories[rank]
+        local = {r for r in range(plan_a.world_size) if mine.has(r, step)}
+        old_rank = claims.get(rank)
+        wanted = [r for r in old_ranks_read(model, plan_a, plan_b, new_rank=rank,
+                                            old_rank=old_rank, local=local) if r not in local]
+        pulled = pull_files(self.store, inventories, step, wanted)
         engine = build_engine(model, plan_b, optim, seed=seed, device=device)
-        report = restore_from_store(self.store, new_rank=rank,
-                                    old_rank=rank if rank < plan_a.world_size else None,
-                                    step=step, model=model, plan_b=plan_b, engine=engine)
+        report = restore_from_store(self.store, new_rank=rank, old_rank=old_rank, step=step,
+                                    model=model, plan_b=plan_b, engine=engine, plan_a=plan_a,
+                                    pulled=pulled, local_ranks=local)
         dist.barrier()
+        self._reseed(engine, plan_b, step, report.consumed_samples, inventories)
         move = plan_move(layout_of(model, plan_a), layout_of(model, plan_b), survivors)
+        sources: list[Any] = [None] * world
+        dist.all_gather_object(sources, report.bytes_from)
+        by_source: dict[str, int] = {}
+        for each in sources:
+            for name, nbytes in (each or {}).items():
+                by_source[name] = by_source.get(name, 0) + nbytes
         record = {"event": "reshape", "at_step": step, "from": plan_a.to_dict(),
                   "to": plan_b.to_dict(), "bytes_moved": move.bytes_moved,
                   "lower_bound_bytes": move.lower_bound_bytes, "naive_bytes": move.naive_bytes,
                   "busiest_device_bytes": move.busiest_device_bytes,
                   "predicted_time_s": predict_move_time_s(
-                      move, parse_cluster(f"cpu:1x{len(move.devices)}")),
+                      move, parse_cluster(f"cpu:1x{max(move.devices) + 1}")),
                   "measured_time_s": time.perf_counter() - start,
-                  "sources": report.bytes_from, "consumed_samples": report.consumed_samples}
+                  "sources": report.bytes_from, "sources_all_ranks": by_source,
+                  "survivors": survivors, "lost": sorted(set(range(plan_a.world_size))
+                                                         - set(survivors)),
+                  "consumed_samples": report.consumed_samples}
         if rank == 0:
             print(f"meshmorph: reshape at step {step}: {_plan_line(plan_a)} -> {_plan_line(plan_b)}"
                   f"; {move.bytes_moved / 1e6:.2f} MB between devices (lower bound "
                   f"{move.lower_bound_bytes / 1e6:.2f}, rank order {move.naive_bytes / 1e6:.2f})"
-                  f", {record['measured_time_s']:.2f} s; rank 0's pieces from "
-                  + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in report.bytes_from.items()),
+                  f", {record['measured_time_s']:.2f} s; pieces from "
+                  + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sorted(by_source.items())),
                   flush=True)
         return engine, plan_b, step, report.consumed_samples, record
+
+    def _agree_step(self, inventories: list[Inventory]) -> tuple[Plan, int]:
+        """Plan A (from the newest file of the lowest worker holding one) and the newest step
+        every one of its ranks is stored at on some node, broadcast from that worker."""
+        root = next(inv.rank for inv in inventories if not inv.empty)
+        box: list[Any] = [None]
+        if dist.get_rank() == root:
+            mine = inventories[root]
+            newest = max(((s, r, "node") for r, steps in mine.own.items() for s in steps),
+                         default=None) or max((s, r, "ring") for r, steps in mine.ring.items()
+                                              for s in steps)
+            folder = self.store.dir if newest[2] == "node" else self.store.replicas
+            plan_json = self.store.load(newest[1], newest[0], folder).plan_json
+            box = [(plan_json, common_step(inventories, Plan.from_json(plan_json).world_size))]
+        dist.broadcast_object_list(box, src=root)
+        plan_json, step = box[0]
+        if step is None:
+            held = {inv.node: (inv.own, inv.ring) for inv in inventories}
+            raise ValueError(f"no step is stored for every rank of the old plan on the live nodes "
+                             f"(node -> (own, ring copy) steps: {held}); resume from the newest "
+                             "checkpoint (meshmorph run --resume --reshard)")
+        return Plan.from_json(plan_json), step
+
+    def _reseed(self, engine: Any, plan: Plan, step: int, consumed: int,
+                inventories: list[Inventory]) -> None:
+        """Write the restored state at ``step`` under the new plan and drop every older file of
+        this node (the old plan's, the ring copy), so the store never mixes two plans."""
+        state = extract_state(engine, consumed_samples=consumed, checksums=False)
+        self.store.save(dist.get_rank(), step, plan.to_json(), state)
+        dist.barrier()
+        if self.local == 0:
+            self.store.keep_only({inv.rank for inv in inventories
+                                  if inv.node == self.store.node}, step)
+        dist.barrier()

@@ -52,23 +52,61 @@ def _find(store: NodeStore, rank: int, step: int) -> tuple[StoredState, str]:
                        "(meshmorph run --resume --reshard)")
 
 
+def _order(old_rank: int | None, local: set[int] | None) -> Any:
+    """Holders read first: this worker's old rank, then ranks its node holds, then the lowest."""
+    return lambda held: (held[0] != old_rank, local is not None and held[0] not in local,
+                         held[0])
+
+
+def old_ranks_read(model: ModelSpec, plan_a: Plan, plan_b: Plan, *, new_rank: int,
+                   old_rank: int | None, local: set[int]) -> list[int]:
+    """The old ranks whose stored files ``restore_from_store`` reads for ``new_rank`` when its
+    node holds those of ``local`` (the others must be pulled from another node first)."""
+    layout_a, layout_b = layout_of(model, plan_a), layout_of(model, plan_b)
+    read: list[int] = []
+    for piece in layout_b.held[new_rank]:
+        if not is_tensor_key(piece.key) or not piece.box.numel:
+            continue
+        remaining = [piece.box]
+        for rank, box in sorted(layout_a.holders(piece.key), key=_order(old_rank, local)):
+            if not remaining:
+                break
+            overlaps = [part.intersect(box) for part in remaining]
+            if all(o is None for o in overlaps):
+                continue
+            read += [rank] if rank not in read else []
+            remaining = [rest for part, common in zip(remaining, overlaps, strict=True)
+                         for rest in (part.minus(common) if common is not None else [part])]
+    if old_rank is not None and old_rank not in read:
+        read.append(old_rank)  # its small state (step, schedule, RNG stream)
+    return read
+
+
 def restore_from_store(store: NodeStore, *, new_rank: int, old_rank: int | None, step: int,
-                       model: ModelSpec, plan_b: Plan, engine: Any) -> RestoreReport:
+                       model: ModelSpec, plan_b: Plan, engine: Any, plan_a: Plan | None = None,
+                       pulled: dict[int, tuple[StoredState, str]] | None = None,
+                       local_ranks: set[int] | None = None) -> RestoreReport:
     """Fill ``engine`` (Plan B, rank ``new_rank``, freshly built) from the state the old ranks
-    stored at ``step``; ``old_rank`` is the rank this worker held before (None: it joined)."""
+    stored at ``step``; ``old_rank`` is the rank this worker takes up (None: it joined).
+    ``pulled``: old rank -> (state, source) already fetched from another node
+    (``store_pull.pull_files``); ``local_ranks``: the old ranks this node holds (read before
+    the others)."""
     start = time.perf_counter()
     report = RestoreReport(step)
-    first = _find(store, old_rank if old_rank is not None else 0, step)[0]
-    plan_a = Plan.from_json(first.plan_json)
+    loaded: dict[int, tuple[StoredState, str]] = dict(pulled or {})
+    if plan_a is None:
+        first_rank = old_rank if old_rank is not None else 0
+        if first_rank not in loaded:
+            loaded[first_rank] = _find(store, first_rank, step)
+        plan_a = Plan.from_json(loaded[first_rank][0].plan_json)
+    first = next(iter(loaded.values()), None)
     layout_a, layout_b = layout_of(model, plan_a), layout_of(model, plan_b)
-    loaded: dict[int, tuple[StoredState, str]] = {first.rank: (first, "node")}
     pieces: dict[str, list[HeldPiece]] = {}
     for piece in layout_b.held[new_rank]:
         if not is_tensor_key(piece.key) or not piece.box.numel:
             continue
         remaining = [piece.box]
-        holders = sorted(layout_a.holders(piece.key),
-                         key=lambda held: (held[0] != old_rank, held[0]))
+        holders = sorted(layout_a.holders(piece.key), key=_order(old_rank, local_ranks))
         for rank, box in holders:
             if not remaining:
                 break
@@ -78,7 +116,7 @@ def restore_from_store(store: NodeStore, *, new_rank: int, old_rank: int | None,
             if rank not in loaded:
                 loaded[rank] = _find(store, rank, step)
             stored, where = loaded[rank]
-            source = "own" if rank == old_rank else f"{where}-rank{rank}"
+            source = "own" if rank == old_rank and where == "node" else f"{where}-rank{rank}"
             for common in overlaps:
                 if common is None:
                     continue
@@ -95,8 +133,12 @@ def restore_from_store(store: NodeStore, *, new_rank: int, old_rank: int | None,
         if remaining:
             raise ReshapeError(f"{piece.key} {remaining[0]} is held by no old rank of plan A; "
                                "the stored plan and this model disagree")
+    if old_rank is not None and old_rank not in loaded:
+        loaded[old_rank] = _find(store, old_rank, step)
     own = loaded.get(old_rank) if old_rank is not None else None
-    small: SmallState = (own or (first, ""))[0].state.small
+    if first is None:
+        first = next(iter(loaded.values()))
+    small: SmallState = (own or first)[0].state.small
     if own is None:
         small = SmallState(small.step, small.param_group, small.lr_scheduler,
                            torch.get_rng_state(), small.consumed_samples, small.loss_scaler)

@@ -30,6 +30,15 @@ from meshmorph.elastic.local_state import HeldPiece, LocalState, SmallState
 
 SHM_ROOT = Path("/dev/shm")
 """Where node-local stores live: a memory file system."""
+STORE_ROOT_ENV = "MESHMORPH_STORE_ROOT"
+"""Names another root for this node's stores (one machine standing in for several nodes gives
+each its own, so no node can read another's memory; tests, demos)."""
+
+
+def store_root() -> Path:
+    """``MESHMORPH_STORE_ROOT`` if set, else ``/dev/shm``."""
+    root = os.environ.get(STORE_ROOT_ENV)
+    return Path(root) if root else SHM_ROOT
 _FILE = re.compile(r"^rank(\d+)-step(\d+)\.pt$")
 
 
@@ -79,12 +88,16 @@ def from_bytes(data: bytes) -> StoredState:
 class NodeStore:
     """The state of one node's ranks (and its ring neighbour's copy) in shared memory."""
 
-    def __init__(self, run_id: str, node: int, *, root: Path = SHM_ROOT, keep: int = 2) -> None:
+    def __init__(self, run_id: str, node: int, *, root: Path | None = None, keep: int = 2
+                 ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1 (steps kept per rank), got {keep}")
-        self.run_dir = root / f"meshmorph-{_safe(run_id)}"
+        self.run_dir = (root or store_root()) / f"meshmorph-{_safe(run_id)}"
         self.dir = self.run_dir / f"node{node}"
         self.node, self.keep = node, keep
+        self.pinned: set[int] = set()
+        """Steps kept past ``keep`` (the newest ring-copied step: the lost node's copy is of that
+        step, so the survivors need their own files of it too)."""
 
     @property
     def replicas(self) -> Path:
@@ -100,6 +113,8 @@ class NodeStore:
         staging.write_bytes(data)
         os.replace(staging, final)
         for old in self.steps(folder).get(rank, [])[:-self.keep]:
+            if old in self.pinned and folder == self.dir:
+                continue
             (folder / f"rank{rank}-step{old}.pt").unlink(missing_ok=True)
         return final
 
@@ -134,6 +149,16 @@ class NodeStore:
                                     f"step {step} (it holds {self.steps(folder)}); recover from "
                                     "the ring copy or the newest checkpoint")
         return from_bytes(path.read_bytes())
+
+    def keep_only(self, ranks: set[int], step: int) -> None:
+        """Remove every file but those of ``ranks`` at ``step`` from this node's folder, and the
+        ring copies (after a reshape the store holds the new plan's state alone)."""
+        for entry in self.dir.iterdir() if self.dir.is_dir() else ():
+            match = _FILE.match(entry.name)
+            if match and (int(match[1]) not in ranks or int(match[2]) != step):
+                entry.unlink(missing_ok=True)
+        shutil.rmtree(self.replicas, ignore_errors=True)
+        self.pinned = set()
 
     def clear(self) -> None:
         """Remove this run's stores on this node (at the end of a run)."""

@@ -83,7 +83,7 @@ def candidate_plans(model: ModelSpec, world_size: int, *, global_batch: int,
     from meshmorph.spec.plan import PlanError
 
     result = search(model, parse_cluster(cluster or f"cpu:1x{world_size}"),
-                    global_batch=global_batch, options=SearchOptions(dtype=dtype, top_k=top_k))
+                    global_batch=global_batch, options=SearchOptions(dtype=dtype, top_k=top_k, cp_max=1))
     out = []
     for plan, estimate in zip(result.plans, result.estimates, strict=True):
         plan = plan if plan.stages else plan.with_even_stages(model)

@@ -312,7 +312,7 @@ def replan(model: ModelSpec, world_size: int, *, global_batch: int, dtype: str =
     from meshmorph.spec.plan import PlanError
 
     result = search(model, parse_cluster(cluster or f"cpu:1x{world_size}"),
-                    global_batch=global_batch, options=SearchOptions(dtype=dtype, top_k=8))
+                    global_batch=global_batch, options=SearchOptions(dtype=dtype, top_k=8, cp_max=1))
     refused = []
     for plan in result.plans:
         plan = plan if plan.stages else plan.with_even_stages(model)

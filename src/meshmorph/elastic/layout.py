@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from meshmorph.cost.tensor_shapes import layer_tensors
 from meshmorph.elastic.box import Box
+from meshmorph.spec.cp_runtime import refuse_context_parallel
 from meshmorph.spec.model import LayerKind, ModelSpec
 from meshmorph.spec.plan import Plan, PlanError
 
@@ -167,6 +168,7 @@ def layout_of(model: ModelSpec, plan: Plan) -> Layout:
         raise PlanError("elastic layouts and reshapes cover plans with one tp/dp/ZeRO per stage; "
                         "this plan lists layer_strategies (a layerwise plan): drop them, or "
                         "re-plan with meshmorph plan --uniform")
+    refuse_context_parallel(plan, "elastic layouts and reshapes")
     plan.check_against(model)
     tensors: dict[str, StateTensor] = {}
     held: dict[int, list[Piece]] = {}

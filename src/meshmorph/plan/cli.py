@@ -68,7 +68,7 @@ def _plan(args: argparse.Namespace) -> int:
     options = SearchOptions(top_k=args.top, dtype=args.dtype, max_micro_batch=args.max_micro_batch,
                             tolerance=args.tolerance, max_nodes=args.max_nodes or None,
                             allow_async=args.allow_async,
-                            weight_prediction=args.weight_prediction)
+                            weight_prediction=args.weight_prediction, cp_max=args.max_cp)
     cost = CostModel(model, cluster, profile=Profile.load(args.profile) if args.profile else None)
     if args.layerwise or args.uniform:
         from meshmorph.plan.layerwise_cli import plan_layerwise
@@ -203,6 +203,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--max-nodes", type=int, default=300,
                       help="branch-and-bound nodes per configuration before the rest is left "
                            "with its bound (the proven gap is printed); 0 = no limit")
+    plan.add_argument("--max-cp", type=positive_int, default=None,
+                      help="largest context-parallel degree (ring attention) tried for "
+                           "sequences of 16K tokens and more (default: what the GPUs allow; "
+                           "1 = none, the plans meshmorph run accepts)")
     plan.add_argument("--layerwise", action="store_true",
                       help="let each layer of a stage choose its own tp/dp/ZeRO (exact Pareto "
                            "program); returns the regular planner's plan where it is faster")

@@ -78,8 +78,9 @@ def print_plans(plans: list[Plan], console: Console, *, title: str | None = None
     """A table of plans, best first, with their predicted figures (``plan.predicted``)."""
     table = Table(title=title or "best plans, fastest first", title_justify="left",
                   box=box.SIMPLE_HEAD)
+    context = any(plan.cp > 1 for plan in plans)  # a cp column only where some plan has cp > 1
     for name, justify in (("#", "right"), ("tp pp dp", "right"),
-                          ("ZeRO", "right"), ("SP", "center"), ("schedule", "left"),
+                          *((("cp", "right"),) if context else ()), ("ZeRO", "right"), ("SP", "center"), ("schedule", "left"),
                           ("mb x m", "right"), ("recompute", "left"), ("step", "right"),
                           ("tokens/s", "right"), ("TFLOP/s/GPU", "right"), ("MFU", "right"),
                           ("peak GiB", "right"), ("bubble", "right")):
@@ -87,7 +88,8 @@ def print_plans(plans: list[Plan], console: Console, *, title: str | None = None
     for rank, plan in enumerate(plans, start=1):
         predicted = plan.predicted or {}
         table.add_row(
-            str(rank), f"{plan.tp} {plan.pp} {plan.dp}", str(plan.zero),
+            str(rank), f"{plan.tp} {plan.pp} {plan.dp}", *((str(plan.cp),) if context else ()),
+            str(plan.zero),
             "yes" if plan.sequence_parallel else "-", schedule_label(plan),
             f"{plan.micro_batch} x {plan.num_microbatches}", recompute_summary(plan, model),
             _seconds(predicted.get("step_time_s")), _tokens(predicted.get("tokens_per_s")),
@@ -103,8 +105,8 @@ def print_plans(plans: list[Plan], console: Console, *, title: str | None = None
 
 def plan_headline(plan: Plan, model: ModelSpec | None = None) -> str:
     """One line naming a plan's layout."""
-    return (f"{plan.model}, seq {plan.seq_len}, global batch {plan.global_batch}: tp {plan.tp} x "
-            f"pp {plan.pp} x dp {plan.dp} = {plan.world_size} GPUs, ZeRO {plan.zero}, "
+    return (f"{plan.model}, seq {plan.seq_len}, global batch {plan.global_batch}: "
+            f"{plan.degrees()} = {plan.world_size} GPUs, ZeRO {plan.zero}, "
             f"SP {'on' if plan.sequence_parallel else 'off'}, schedule {schedule_label(plan)}, "
             f"micro-batch {plan.micro_batch} x {plan.num_microbatches}, "
             f"recompute {recompute_summary(plan, model)}, {plan.dtype}")

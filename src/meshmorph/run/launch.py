@@ -27,6 +27,7 @@ from pathlib import Path
 from meshmorph.run.checkpoint import CheckpointInfo
 from meshmorph.run.job import JobConfig, load_job
 from meshmorph.spec.catalog import load_model
+from meshmorph.spec.cp_runtime import refuse_context_parallel
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan, PlanError
 from meshmorph.spec.plan_file import load_plan
@@ -95,7 +96,7 @@ def searched_plans(job: JobConfig, model: ModelSpec, nproc: int) -> tuple[list[P
     from meshmorph.plan.space import SearchOptions
     from meshmorph.spec.cluster import parse_cluster
 
-    options = SearchOptions(dtype=job.train.dtype, top_k=8)
+    options = SearchOptions(dtype=job.train.dtype, top_k=8, cp_max=1)  # the runtime runs cp 1
     result = search(model, parse_cluster(f"cpu:1x{nproc}"), global_batch=job.train.global_batch,
                     options=options)
     plans = [plan if plan.stages else plan.with_even_stages(model) for plan in result.plans]
@@ -164,6 +165,7 @@ def prepare_run(job_path: Path, *, nproc: int | None, plan_arg: str | None, resu
     else:
         plan = default_plan(job, model, nproc or 1)
     nproc = plan.world_size if nproc is None else nproc
+    refuse_context_parallel(plan)  # before any process starts
     check_plan_for_job(plan, job, model, nproc)
     out_dir = out or job.out_dir()
     info, differs = None, False

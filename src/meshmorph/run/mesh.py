@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshmorph.spec.cp_runtime import refuse_context_parallel
 from meshmorph.spec.plan import Plan
 
 MESH_DIMS = ("pp", "dp", "tp")
@@ -53,6 +54,7 @@ class TrainMesh:
 
 def build_mesh(plan: Plan, device_type: str) -> TrainMesh:
     """The mesh for ``plan`` over the initialised default process group."""
+    refuse_context_parallel(plan)
     world = dist.get_world_size()
     if world != plan.world_size:
         raise ValueError(

@@ -1,0 +1,182 @@
+"""Context parallelism (cp): the Plan field, its pricing by hand, the planner at 128K tokens, and
+the runtime's refusal."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from meshmorph.cost import comm
+from meshmorph.cost.context_parallel import kv_bytes, ring_step_flops, ring_time
+from meshmorph.cost.model import CostModel
+from meshmorph.cost.rank_state import predict_rank_state
+from meshmorph.elastic.layout import layout_of
+from meshmorph.plan.search import search
+from meshmorph.plan.space import SearchOptions, configurations
+from meshmorph.spec.catalog import catalog_model
+from meshmorph.spec.cluster import parse_cluster
+from meshmorph.spec.cp_runtime import refuse_context_parallel
+from meshmorph.spec.model import LayerKind, Recompute
+from meshmorph.spec.plan import Plan, PlanError
+from meshmorph.spec.transformer import TransformerShape, build_transformer
+
+SEQ = 32_768
+MODEL = build_transformer(TransformerShape(name="cp-llama", arch="llama", num_layers=2,
+                                           hidden_size=512, num_heads=8, num_kv_heads=2,
+                                           vocab_size=1024, seq_len=SEQ))
+BLOCK = next(i for i, layer in enumerate(MODEL.layers) if layer.kind == LayerKind.BLOCK)
+
+
+def _plan(**changes: object) -> Plan:
+    base = Plan(model=MODEL.name, seq_len=SEQ, global_batch=2, dp=2)
+    return replace(base, **changes).with_even_stages(MODEL)
+
+
+# --- the Plan field ---------------------------------------------------------------------------
+def test_world_size_rank_order_and_json_without_cp() -> None:
+    plan = Plan(model="m", seq_len=64, global_batch=4, tp=2, cp=4, dp=2, pp=2,
+                num_microbatches=2)
+    assert plan.world_size == 2 * 4 * 2 * 2
+    # tp innermost, then cp, then dp, then pp (Megatron-Core's order)
+    assert plan.rank_of(pp_rank=1, dp_rank=1, tp_rank=1, cp_rank=2) == ((1 * 2 + 1) * 4 + 2) * 2 + 1
+    assert [plan.coords_of(r) for r in (0, 1, 2, 8, 16)] == [
+        (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0), (1, 0, 0, 0)]
+    assert all(plan.rank_of(p, d, t, c) == r
+               for r in range(plan.world_size) for p, d, c, t in [plan.coords_of(r)])
+    data = Plan(model="m", seq_len=64, global_batch=2, dp=2).to_dict()
+    del data["cp"]
+    data["world_size"] = 2
+    assert Plan.from_dict(data).cp == 1
+    assert Plan.from_dict(plan.to_dict()) == plan
+
+
+@pytest.mark.parametrize("cp, match", [(0, "cp must be at least 1"),
+                                       (3, r"2 x cp = 6 equal chunks"),
+                                       (32, r"2 x cp = 64 equal chunks")])
+def test_bad_cp_is_refused_naming_the_constraint(cp: int, match: str) -> None:
+    with pytest.raises(PlanError, match=match):
+        Plan(model="m", seq_len=1000 if cp != 32 else 32, global_batch=1, cp=cp)
+
+
+# --- pricing by hand --------------------------------------------------------------------------
+def test_cp_1_prices_as_a_plan_that_never_names_cp() -> None:
+    cost = CostModel(MODEL, parse_cluster("h100:1x8"))
+    named = cost.estimate(_plan(cp=1))
+    data = _plan().to_dict()
+    del data["cp"]
+    unnamed = cost.estimate(Plan.from_dict(data))
+    assert named.to_dict() == unnamed.to_dict()
+    assert "cp_comm_exposed" not in named.breakdown_s
+    # the layer coster for cp 1 is the one built before cp existed (no ring, full tokens)
+    legacy = cost.coster("bf16")
+    gpu = cost.default_gpu()
+    assert cost.coster("bf16", 1) is legacy
+    assert legacy.layer(BLOCK, gpu, 1, 1, False, Recompute.NONE).cp_comm_s == 0.0
+
+
+def test_cp_2_halves_activation_bytes_and_flops() -> None:
+    cost = CostModel(MODEL, parse_cluster("h100:1x8"))
+    gpu = cost.default_gpu()
+    for index in range(MODEL.num_layers):
+        one = cost.coster("bf16", 1).layer(index, gpu, 1, 1, False, Recompute.NONE)
+        two = cost.coster("bf16", 2).layer(index, gpu, 1, 1, False, Recompute.NONE)
+        assert two.activation_bytes == one.activation_bytes / 2
+        assert two.flops == one.flops / 2
+    one = cost.estimate(_plan(cp=1, dp=2))
+    two = cost.estimate(_plan(cp=2, dp=1, global_batch=1))
+    # half the stored bytes, plus the ring's receive buffers (next K/V and their gradients)
+    buffers = 2 * kv_bytes(MODEL, 1, 1, 2, 2.0)
+    assert two.memory[0].activations == pytest.approx(one.memory[0].activations / 2 + buffers,
+                                                      rel=1e-12)
+
+
+def test_the_ring_by_hand_on_a_slow_link() -> None:
+    """cp 2, tp 1, bf16, one sequence of 32768 tokens: each rank holds 16384 tokens; a block's K
+    and V are 2 x 16384 x (2 kv heads x 64) x 2 bytes; one step (cp - 1 = 1) sends them forward and
+    twice that backward; exposed = transfer - the step's causal attention block."""
+    link = comm.Link(latency_s=1e-5, bandwidth_bps=1e9)
+    nbytes = 2 * 16_384 * 128 * 2
+    assert kv_bytes(MODEL, 1, 1, 2, 2.0) == nbytes
+    flops = 2.0 * 16_384 * 16_384 * 512  # QK^T and AV over half of a 16384 x 16384 block
+    assert ring_step_flops(MODEL, 1, 1, 2) == flops
+    rate = 1e15
+    ring = ring_time(MODEL, micro_batch=1, tp=1, cp=2, element_bytes=2.0, flops_per_s=rate,
+                     link=link)
+    fwd = 1e-5 + nbytes / 1e9
+    bwd = 1e-5 + 2 * nbytes / 1e9
+    assert ring.fwd_transfer_s == pytest.approx(fwd)
+    assert ring.fwd_exposed_s == pytest.approx(fwd - flops / rate)
+    assert ring.bwd_exposed_s == pytest.approx(bwd - 2 * flops / rate)
+    # a fast enough kernel hides all of it; cp 1 has no ring
+    assert ring_time(MODEL, micro_batch=1, tp=1, cp=2, element_bytes=2.0, flops_per_s=1e12,
+                     link=link).fwd_exposed_s == 0.0
+    assert ring_time(MODEL, micro_batch=1, tp=1, cp=1, element_bytes=2.0, flops_per_s=rate,
+                     link=link).fwd_transfer_s == 0.0
+
+
+def test_the_ring_crosses_nodes_once_tp_x_cp_leaves_one() -> None:
+    cost = CostModel(MODEL, parse_cluster("h100:2x4"))
+    gpu = cost.default_gpu()
+    assert cost.coster("bf16", 4).cp_link(gpu.name, 1) == cost.intra[gpu.name]
+    assert cost.coster("bf16", 4).cp_link(gpu.name, 2) == cost.inter
+    slow = cost.coster("bf16", 4).layer(BLOCK, gpu, 1, 2, False, Recompute.NONE)
+    fast = cost.coster("bf16", 4).layer(BLOCK, gpu, 1, 1, False, Recompute.NONE)
+    assert slow.cp_comm_s >= 0.0 and fast.cp_comm_s >= 0.0
+
+
+def test_rank_state_sends_the_ring_and_shards_over_dp_x_cp() -> None:
+    plan = _plan(cp=2, dp=1, global_batch=1, zero=3)
+    one = _plan(cp=1, dp=2, global_batch=2, zero=3)
+    with_cp = predict_rank_state(MODEL, plan, 1)
+    with_dp = predict_rank_state(MODEL, one, 1)
+    # ZeRO-3 over dp x cp = 2 either way: the same shard of the same parameters
+    assert with_cp["params_bytes"] == with_dp["params_bytes"]
+    blocks = MODEL.num_blocks
+    ring = 1 * (2 - 1) * 3 * kv_bytes(MODEL, 1, 1, 2, 2.0) * blocks  # K/V fwd, K/V + grads bwd
+    assert with_cp["comm_bytes"]["send_recv"] == pytest.approx(ring)
+
+
+def test_a_plan_that_does_not_fit_at_cp_1_fits_at_cp_4() -> None:
+    model = catalog_model("llama3-8b", seq_len=131_072)
+    cost = CostModel(model, parse_cluster("h100:8x8"))
+    base = Plan(model=model.name, seq_len=131_072, global_batch=8, tp=8, dp=8, zero=3,
+                sequence_parallel=True).with_even_stages(model)
+    assert not cost.estimate(base).fits
+    four = replace(base, dp=2, cp=4, num_microbatches=4)
+    estimate = cost.estimate(four)
+    assert estimate.fits
+    assert estimate.breakdown_s["cp_comm_exposed"] >= 0.0
+
+
+# --- the planner ------------------------------------------------------------------------------
+def test_the_planner_picks_cp_for_128k_tokens_of_llama3_8b_on_64_h100s() -> None:
+    model = catalog_model("llama3-8b", seq_len=131_072)
+    result = search(model, parse_cluster("h100:8x8"), global_batch=16,
+                    options=SearchOptions(top_k=1))
+    best, estimate = result.plans[0], result.estimates[0]
+    assert best.cp > 1 and estimate.fits
+    assert best.world_size == 64
+    assert all(m.total <= b for m, b in zip(estimate.memory, estimate.memory_budget_bytes,
+                                            strict=True))
+
+
+def test_cp_is_searched_only_for_long_sequences_and_within_cp_max() -> None:
+    short = catalog_model("llama3-8b", seq_len=8192)
+    long = catalog_model("llama3-8b", seq_len=131_072)
+    cluster = parse_cluster("h100:2x8")
+    options = SearchOptions(zero_stages=(3,), schedules=(), max_micro_batch=1)
+    assert {c.plan.cp for c in configurations(short, cluster, 16, options)} == {1}
+    assert {c.plan.cp for c in configurations(long, cluster, 16, options)} == {1, 2, 4, 8, 16}
+    capped = replace(options, cp_max=4)
+    assert {c.plan.cp for c in configurations(long, cluster, 16, capped)} == {1, 2, 4}
+
+
+# --- the runtime ------------------------------------------------------------------------------
+def test_the_runtime_refuses_cp_before_launching() -> None:
+    plan = _plan(cp=2, dp=1, global_batch=1)
+    with pytest.raises(PlanError, match=r"cp 2 .*--max-cp 1"):
+        refuse_context_parallel(plan)
+    with pytest.raises(PlanError, match="elastic layouts and reshapes does not run context"):
+        layout_of(MODEL, plan)
+    refuse_context_parallel(_plan())  # cp 1 passes

@@ -16,7 +16,8 @@ def _run(args: argparse.Namespace) -> int:
         os.environ[TRACE_ENV] = str(args.trace)
     return run_job(args.config, nproc=args.nproc, plan_arg=args.plan, resume=args.resume,
                    out=args.out, reshard=args.reshard, elastic=args.elastic,
-                   inject_failure=args.inject_failure)
+                   inject_failure=args.inject_failure, node_rank=args.node_rank,
+                   rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -53,6 +54,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "node-local store and is reshaped to the new world")
     run.add_argument("--inject-failure", default=None, metavar="RANK@STEP",
                      help="with --elastic: SIGKILL that rank's worker once, in that step")
+    run.add_argument("--node-rank", type=int, default=None, metavar="K",
+                     help="with --elastic: this machine is node K of several, --nproc workers "
+                          "each (node 0 hosts the rendezvous at --rdzv-endpoint)")
+    run.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                     help="with --node-rank: node 0's address and a free port there, the same on "
+                          "every node")
+    run.add_argument("--rdzv-id", default=None, metavar="ID",
+                     help="with --node-rank: the job's id, the same on every node (default: "
+                          "from the endpoint)")
     run.set_defaults(func=_run)
 
     demo = subparsers.add_parser(

@@ -64,6 +64,48 @@ class PreparedRun:
     state kept in the node-local store; None: a fixed set of processes."""
     inject_failure: str | None = None
     """``RANK@STEP``: SIGKILL that rank's worker once in that step (tests and demos)."""
+    node: ElasticNode | None = None
+    """With ``elastic``: this machine is one node of several (``--node-rank``); None: one
+    node, rendezvous on a free local port."""
+
+
+@dataclass(frozen=True, slots=True)
+class ElasticNode:
+    """One node of a multi-node ``--elastic`` run: every node gives the same endpoint and id."""
+
+    rank: int
+    """This node's number, 0 on the node whose address is the endpoint (it hosts the
+    rendezvous store); it names the node's store, which outlives its workers."""
+    endpoint: str
+    """``HOST:PORT`` of the c10d rendezvous (node 0's address, a free port there)."""
+    run_id: str | None = None
+    """The rendezvous id and the node stores' name (None: derived from the endpoint)."""
+
+    def resolved_id(self) -> str:
+        return self.run_id or "meshmorph-" + self.endpoint.replace(":", "-").replace(".", "-")
+
+
+def parse_node(node_rank: int | None, endpoint: str | None, run_id: str | None,
+               elastic: str | None, nproc: int, plan: Plan) -> ElasticNode | None:
+    """The node a ``--node-rank`` run is, checked (None without ``--node-rank``)."""
+    if node_rank is None and endpoint is None and run_id is None:
+        return None
+    from meshmorph.elastic.elastic_run import parse_elastic
+
+    if elastic is None or node_rank is None or endpoint is None:
+        raise ValueError("--node-rank and --rdzv-endpoint go together, with --elastic MIN:MAX "
+                         "(e.g. --elastic 1:2 --node-rank 0 --rdzv-endpoint node0:29500)")
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"--rdzv-endpoint takes HOST:PORT, got {endpoint!r}")
+    _, high = parse_elastic(elastic)
+    if not 0 <= node_rank < high:
+        raise ValueError(f"--node-rank {node_rank} must be below the --elastic maximum {high}")
+    if plan.world_size != nproc * high:
+        raise ValueError(f"the plan has {plan.world_size} ranks but {high} nodes x --nproc "
+                         f"{nproc} make {nproc * high}; the job starts on every node at once "
+                         "and shrinks from there (give a plan for the full world)")
+    return ElasticNode(node_rank, endpoint, run_id)
 
 
 def default_plan(job: JobConfig, model: ModelSpec, nproc: int) -> Plan:
@@ -143,7 +185,8 @@ def check_resume_point(job: JobConfig, model: ModelSpec, plan: Plan, out_dir: Pa
 
 def prepare_run(job_path: Path, *, nproc: int | None, plan_arg: str | None, resume: bool,
                 out: Path | None, reshard: bool = False, elastic: str | None = None,
-                inject_failure: str | None = None) -> PreparedRun:
+                inject_failure: str | None = None, node_rank: int | None = None,
+                rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> PreparedRun:
     """Every check a run needs, with no process started and nothing written."""
     from meshmorph.run.run_folder import check_fresh
     from meshmorph.run.trainer import make_source
@@ -166,7 +209,8 @@ def prepare_run(job_path: Path, *, nproc: int | None, plan_arg: str | None, resu
         plan = default_plan(job, model, nproc or 1)
     nproc = plan.world_size if nproc is None else nproc
     refuse_context_parallel(plan)  # before any process starts
-    check_plan_for_job(plan, job, model, nproc)
+    node = parse_node(node_rank, rdzv_endpoint, rdzv_id, elastic, nproc, plan)
+    check_plan_for_job(plan, job, model, plan.world_size if node else nproc)
     out_dir = out or job.out_dir()
     info, differs = None, False
     if resume:
@@ -182,12 +226,13 @@ def prepare_run(job_path: Path, *, nproc: int | None, plan_arg: str | None, resu
         if failure is not None and not elastic:
             raise ValueError("--inject-failure needs --elastic (a killed worker is restarted "
                              "by torchrun's elastic agent)")
-        if failure is not None and not (failure[0] < nproc and failure[1] <= job.train.steps):
-            raise ValueError(f"--inject-failure {inject_failure}: rank must be below {nproc} "
+        ranks = plan.world_size if node else nproc
+        if failure is not None and not (failure[0] < ranks and failure[1] <= job.train.steps):
+            raise ValueError(f"--inject-failure {inject_failure}: rank must be below {ranks} "
                              f"and step at most [train] steps {job.train.steps}")
     return PreparedRun(job_path=job_path, job=job, model=model, plan=plan, nproc=nproc,
                        out_dir=out_dir, resume=resume, resume_from=info, reshard=differs,
-                       elastic=elastic, inject_failure=inject_failure)
+                       elastic=elastic, inject_failure=inject_failure, node=node)
 
 
 def master_port_args(env: dict[str, str]) -> list[str]:
@@ -225,13 +270,18 @@ ELASTIC_MAX_RESTARTS = 3
 
 def elastic_args(run: PreparedRun) -> tuple[list[str], list[str]]:
     """(torchrun's rendezvous arguments, the trainer's) for an ``--elastic MIN:MAX`` run: c10d
-    rendezvous on a free local port, ``--max-restarts``, and the node store's run id."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    run_id = uuid.uuid4().hex[:12]
+    rendezvous on a free local port (or the node's ``--rdzv-endpoint``, hosted by node 0),
+    ``--max-restarts``, and the node store's run id."""
+    if run.node is not None:
+        endpoint, run_id = run.node.endpoint, run.node.resolved_id()
+        host_conf = ["--rdzv-conf", f"is_host={'true' if run.node.rank == 0 else 'false'}"]
+    else:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        endpoint, run_id, host_conf = f"localhost:{port}", uuid.uuid4().hex[:12], []
     rendezvous = ["--nnodes", str(run.elastic), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                  f"localhost:{port}", "--rdzv-id", run_id,
+                  endpoint, "--rdzv-id", run_id, *host_conf,
                   "--max-restarts", str(ELASTIC_MAX_RESTARTS)]
     trainer = ["--elastic-run-id", run_id]
     return rendezvous, trainer + (["--inject-failure", run.inject_failure]
@@ -312,6 +362,8 @@ def _start(run: PreparedRun, plan_path: Path, rendezvous: list[str], lock_fd: in
     from meshmorph.run.stop import LAUNCHER_PID_ENV
 
     env[LAUNCHER_PID_ENV] = str(os.getpid())
+    if run.node is not None:  # names this node's store (elastic/elastic_run.py)
+        env["MESHMORPH_NODE_ID"] = str(run.node.rank)
     # torchrun inherits the lock (so it stays held while torchrun lives) and runs in a session
     # of its own, so that a terminal's Ctrl-C reaches only this process, which asks the ranks
     return subprocess.Popen(torchrun_command(run, plan_path, rendezvous), env=env,
@@ -401,7 +453,11 @@ def launch(run: PreparedRun, *, quiet: bool = False) -> int:
 
 def run_job(job_path: Path, *, nproc: int | None = None, plan_arg: str | None = None,
             resume: bool = False, out: Path | None = None, reshard: bool = False,
-            elastic: str | None = None, inject_failure: str | None = None) -> int:
+            elastic: str | None = None, inject_failure: str | None = None,
+            node_rank: int | None = None, rdzv_endpoint: str | None = None,
+            rdzv_id: str | None = None) -> int:
     """Check, then launch; PlanError and other ValueErrors reach the caller before any process."""
     return launch(prepare_run(job_path, nproc=nproc, plan_arg=plan_arg, resume=resume, out=out,
-                              reshard=reshard, elastic=elastic, inject_failure=inject_failure))
+                              reshard=reshard, elastic=elastic, inject_failure=inject_failure,
+                              node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                              rdzv_id=rdzv_id))

@@ -140,7 +140,13 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
                              data_seed=job.data.seed, steps=job.train.steps,
                              seed=job.train.seed, out_dir=out_dir, device=device,
                              resume=resume, elastic=elastic)
-    engine = build_engine(model, plan, job.optim, seed=job.train.seed, device=device)
+    restored = elastic.restore(model, job.optim, seed=job.train.seed, device=device,
+                               total_steps=job.train.steps) \
+        if elastic is not None else None  # torchrun restarted us: the node stores have the state
+    if restored is not None:  # the plan may be another one (the world size changed)
+        engine, plan = restored[0], restored[1]
+    else:
+        engine = build_engine(model, plan, job.optim, seed=job.train.seed, device=device)
     if job.train.compile:  # torch.compile per block (run/compile.py)
         from meshmorph.run.compile import compile_blocks, resolve_backend
 
@@ -154,7 +160,9 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
     ckpt_dir = job.checkpoint_dir(out_dir)
     fingerprint = run_fingerprint(job, model, plan).to_dict()
     step, consumed = 0, 0
-    if resume:
+    if restored is not None:
+        _, _, step, consumed, reshape = restored
+    elif resume:
         info = find_resume_point(ckpt_dir)
         if info is None:
             if rank == 0:
@@ -165,14 +173,6 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
             if rank == 0:
                 print(f"resumed from {info.path} (step {step}, {consumed} samples consumed)",
                       flush=True)
-    restored = elastic.restore(model, job.optim, seed=job.train.seed, device=device,
-                               total_steps=job.train.steps) \
-        if elastic is not None else None  # torchrun restarted us: the node store has the state
-    if restored is not None:
-        engine, plan, step, consumed, reshape = restored
-        shard = DataShard(source, SampleOrder(len(source), job.data.seed),
-                          global_batch=plan.global_batch, dp_rank=engine.dp_rank,
-                          dp_size=engine.dp_size)
     metrics = MetricsLogger(out_dir, enabled=rank == 0, total_steps=job.train.steps,
                             start_step=step, tokens_per_step=plan.global_batch * plan.seq_len)
     if restored is not None:

@@ -131,7 +131,8 @@ def build_plan(args: argparse.Namespace, model) -> Plan:  # type: ignore[no-unty
         )
     num_microbatches = global_batch // (dp * micro)  # m = B / (dp * b)
     plan = Plan(model=args.model, seq_len=model.seq_len, global_batch=global_batch, tp=tp, pp=pp,
-                dp=dp, zero=args.zero, micro_batch=micro, num_microbatches=num_microbatches,
+                dp=dp, cp=args.cp, zero=args.zero, micro_batch=micro,
+                num_microbatches=num_microbatches,
                 schedule=schedule, vpp=vpp, sequence_parallel=args.sequence_parallel,
                 dtype=args.dtype)
     return plan.with_even_stages(model, recompute)
@@ -245,6 +246,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     est.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree")
     est.add_argument("--pp", type=positive_int, default=None, help="pipeline-parallel degree")
     est.add_argument("--dp", type=positive_int, default=None, help="data-parallel degree")
+    est.add_argument("--cp", type=positive_int, default=1,
+                     help="context-parallel degree: each sequence split over cp ranks (ring "
+                          "attention; 2 cp must divide the sequence length; default 1)")
     est.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
     est.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch")
     est.add_argument("--global-batch", type=bounded_int(MAX_GLOBAL_BATCH, "sequences"), default=None,

@@ -18,8 +18,10 @@ from meshmorph.spec.model import Recompute
 from meshmorph.spec.plan import Plan, Schedule
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
+# Korthikanti's block: attention that keeps its scores, with dropout (as Megatron-LM 2021 ran)
 GPT = build_transformer(TransformerShape(name="gpt-1k", arch="gpt", num_layers=4, hidden_size=1024,
-                                         num_heads=16, vocab_size=50304, seq_len=2048))
+                                         num_heads=16, vocab_size=50304, seq_len=2048,
+                                         flash_attention=False, dropout=True))
 A100 = gpu("a100-80g")
 
 

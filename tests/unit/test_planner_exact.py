@@ -48,11 +48,15 @@ class Instance:
     max_vpp: int = 2
     tp_degrees: tuple[int, ...] | None = None
     pp_degrees: tuple[int, ...] | None = None
+    megatron_2021: bool = False
+    """Attention that keeps its s x s scores, and dropout (as Megatron-LM 2021 ran); False: as
+    meshmorph's runtime runs (flash attention, no dropout)."""
 
     def model(self) -> ModelSpec:
         return build_transformer(TransformerShape(
             name="tiny", arch=self.arch, num_layers=self.blocks, hidden_size=self.hidden,
-            num_heads=self.heads, vocab_size=self.vocab, seq_len=self.seq_len))
+            num_heads=self.heads, vocab_size=self.vocab, seq_len=self.seq_len,
+            flash_attention=not self.megatron_2021, dropout=self.megatron_2021))
 
     def spec(self) -> Cluster:
         return parse_cluster(self.cluster)
@@ -118,7 +122,7 @@ def _brute_step(instance: Instance) -> float | None:
 GPIPE_CPU_NEEDS_RECOMPUTE = Instance(
     arch="gpt", blocks=3, hidden=256, heads=4, seq_len=4096, vocab=8000, cluster="cpu:1x4",
     global_batch=8, zero_stages=(0,), schedules=(Schedule.GPIPE,), sequence_parallel=(False,),
-    max_micro_batch=1, pp_degrees=(2,))
+    max_micro_batch=1, pp_degrees=(2,), megatron_2021=True)
 ONE_F_ONE_B_SP = Instance(
     arch="llama", blocks=3, hidden=512, heads=8, seq_len=8192, vocab=32000, cluster="a100-40g:1x8",
     global_batch=8, zero_stages=(1,), schedules=(Schedule.ONE_F_ONE_B,), sequence_parallel=(True,),
@@ -236,7 +240,8 @@ def test_zero_bubble_planner_finds_the_brute_force_partition_on_two_ranks() -> N
     instance = Instance(arch="gpt", blocks=4, hidden=512, heads=8, seq_len=2048, vocab=32000,
                         cluster="cpu:1x2", global_batch=4, zero_stages=(0,),
                         schedules=(Schedule.ZERO_BUBBLE,), sequence_parallel=(False,),
-                        max_micro_batch=1, tp_degrees=(1,), pp_degrees=(2,))
+                        max_micro_batch=1, tp_degrees=(1,), pp_degrees=(2,), megatron_2021=True)
     brute = _brute_step(instance)
-    assert brute == pytest.approx(36.64281243342222, rel=1e-9)
+    # (36.643 s before the tied embedding's gradient all-reduce across the two ranks was priced)
+    assert brute == pytest.approx(36.67904388657778, rel=1e-9)
     assert _planner_step(instance, tolerance=0.0) == pytest.approx(brute, rel=1e-9)

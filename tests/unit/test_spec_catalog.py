@@ -59,7 +59,7 @@ def test_narayanan_eq2_parameter_count_differs_only_by_the_final_layernorm():
 
 def _korthikanti_block(seq: int = 2048, hidden: int = 12288, heads: int = 96):
     shape = TransformerShape(name="k", arch="gpt", num_layers=1, hidden_size=hidden, num_heads=heads,
-                             vocab_size=51200, seq_len=seq)
+                             vocab_size=51200, seq_len=seq, flash_attention=False, dropout=True)
     return build_transformer(shape).layers[1]
 
 

@@ -303,6 +303,21 @@ class CostModel:
         return measured if measured is not None else \
             comm.p2p(nbytes, self.group_link(gpu, plan.world_size))
 
+    def tied_embedding_sync_s(self, plan: Plan, pp_rank: int, gpu: GPUSpec) -> float:
+        """The all-reduce that sums a tied embedding's gradient over the two pipeline ranks
+        holding the embedding and the head (Megatron's embedding group; run/engine.py's tied
+        group), after the last backward and before the optimizer: V h / t gradients in the
+        plan's reduce dtype (a 1/dp shard under FSDP2); 0 on the other ranks, without a
+        pipeline, or where one rank holds both (the V schedules)."""
+        first, last = plan.pp_rank_of_chunk(0), plan.pp_rank_of_chunk(plan.num_chunks - 1)
+        if not self.model.tied_embeddings or first == last or pp_rank not in (first, last):
+            return 0.0
+        grads = self.model.layers[-1].tied_params / plan.tp
+        if plan.zero >= 2 and plan.dp > 1:
+            grads /= plan.dp
+        nbytes = grads * (4.0 if plan.reduce_dtype == "fp32" else 2.0)
+        return self.collective("all_reduce", 2, nbytes, self.group_link(gpu, plan.world_size))
+
     # --- the whole plan ------------------------------------------------------------------------
     def estimate(self, plan: Plan) -> Estimate:
         model = self.model.with_seq_len(plan.seq_len)
@@ -336,7 +351,7 @@ class CostModel:
             timeline = self._timelines[key] = simulate(plan.schedule, p, m, fwd, bwd, v=v,
                                                        wgrad_s=wgrad, p2p_s=p2p) \
                 if steps is None else async_steady_step(p, m, fwd, bwd, p2p_s=p2p, step_s=steps)
-        memory, ends, tails = [], [], []
+        memory, ends, tails, tied_syncs = [], [], [], []
         for k in range(p):
             chunk_ids = plan.chunks_of(k)
             gpu = gpus[chunk_ids[0]]
@@ -349,6 +364,9 @@ class CostModel:
             units = sum(self.fsdp_units(plan.stages[c].start, plan.stages[c].stop) for c in chunk_ids)
             sync, opt = self.rank_tail(plan, params, tail_overlap_window_s(times[chunk_ids[0]]), gpu,
                                        units=units)
+            tied = self.tied_embedding_sync_s(plan, k, gpu)
+            tied_syncs.append(tied)
+            sync += tied
             if steps is not None:  # m optimizer steps, already inside the simulated window
                 opt = m * steps[k]
                 tails.append((sync, opt))
@@ -367,7 +385,8 @@ class CostModel:
             "tp_comm": per_mb["tp_comm_s"],
             "zero3_comm_exposed": per_mb["zero3_comm_s"],
             "pp_bubble": timeline.rank_end_s[crit] - timeline.rank_busy_s[crit],
-            "dp_comm_exposed": tails[crit][0],
+            "dp_comm_exposed": tails[crit][0] - tied_syncs[crit],
+            "embedding_sync": tied_syncs[crit],
             "optimizer": tails[crit][1],
         }
         if plan.cp > 1:  # the ring's K/V exchange beyond each step's attention block

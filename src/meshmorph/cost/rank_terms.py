@@ -98,9 +98,22 @@ def rank_memory_terms(cost: CostModel, plan: Plan, pp_rank: int, gpu: GPUSpec) -
         in_flight=in_flight_microbatches(plan.schedule, plan.pp, pp_rank, plan.num_microbatches,
                                          plan.vpp),
         gather_bytes_per_param=2 * compute_bytes(plan.dtype) if gathering else 0.0,
-        reserved_bytes=cost.coef.context_bytes + cost.coef.memory_reserve_fraction * gpu.memory_bytes,
+        reserved_bytes=cost.coef.context_bytes + cost.coef.memory_reserve_fraction * gpu.memory_bytes
+        + head_loss_bytes(cost, plan, pp_rank),
         budget_bytes=gpu.memory_bytes,
     )
+
+
+def head_loss_bytes(cost: CostModel, plan: Plan, pp_rank: int) -> float:
+    """Bytes the loss holds on the rank with the head while it runs, beyond what it keeps for
+    backward (``LayerSpec.transient_bytes_per_token`` of the head: the logits' fp32 copy and
+    gradients, split over tp; the rank's s / cp tokens), for one micro-batch; 0 on the other
+    pipeline ranks."""
+    if pp_rank != plan.pp_rank_of_chunk(plan.num_chunks - 1):
+        return 0.0
+    head = cost.model.layers[-1]
+    return head.transient_bytes_per_token / plan.tp * plan.micro_batch * cost.model.seq_len \
+        / plan.cp
 
 
 def tail_overlap_window_s(time: ChunkTime) -> float:

@@ -74,6 +74,10 @@ class LayerSpec:
     """Activation bytes per token kept for backward, for each recompute mode the layer supports."""
     tp_allreduces_fwd: int = 0
     """Tensor-parallel all-reduces of the hidden state in forward (as many again in backward)."""
+    transient_bytes_per_token: float = 0.0
+    """Bytes per token the layer holds only while it runs (freed before the next layer's work),
+    divided by t like ``ActivationBytes.split``: the head's loss buffers (fp32 logits and their
+    gradients). Counted once per rank, beside the working set of a recomputed layer."""
     tied_params: int = 0
     """Parameters shared with an earlier layer (a tied output head): counted once in the model,
     but held by every pipeline stage that has either layer."""

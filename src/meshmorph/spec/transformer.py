@@ -50,7 +50,13 @@ class TransformerShape:
     tied_embeddings: bool | None = None
     """Head shares the embedding; None means True for gpt, False for llama."""
     flash_attention: bool | None = None
-    """Attention kernel keeps no s x s scores; None means False for gpt (Megatron 2021), True for llama."""
+    """Attention kernel keeps no s x s scores; None means True: meshmorph's runtime runs every
+    model through ``F.scaled_dot_product_attention`` (flash or memory-efficient kernels on GPUs,
+    the flash kernel on CPU). Set False to price a run that kept the scores (Megatron 2021)."""
+    dropout: bool = False
+    """Dropout after the embedding, the attention softmax and both residual branches
+    (Megatron's hidden and attention dropout: 1-byte masks kept for backward). False: meshmorph's
+    runtime (run/models.py) has no dropout."""
     dtype_bytes: int = 2
     """Bytes per parameter/activation element in training."""
     padded_vocab_size: int | None = None
@@ -98,7 +104,7 @@ class TransformerShape:
 
     @property
     def flash(self) -> bool:
-        return self.arch == "llama" if self.flash_attention is None else self.flash_attention
+        return True if self.flash_attention is None else self.flash_attention
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, *, seq_len: int) -> TransformerShape:
@@ -114,14 +120,26 @@ class TransformerShape:
             seq_len=seq_len,
             tied_embeddings=spec.tied_embeddings,
             flash_attention=_spec_flash(spec),
+            dropout=_spec_dropout(spec),
             dtype_bytes=spec.dtype_bytes,
             padded_vocab_size=spec.padded_vocab_size,
         )
 
 
+def _first_block(spec: ModelSpec) -> LayerSpec:
+    return next(layer for layer in spec.layers if layer.kind == LayerKind.BLOCK)
+
+
 def _spec_flash(spec: ModelSpec) -> bool:
-    block = next(layer for layer in spec.layers if layer.kind == LayerKind.BLOCK)
+    block = _first_block(spec)
     return block.activation[Recompute.NONE].split == block.activation[Recompute.SELECTIVE].split
+
+
+def _spec_dropout(spec: ModelSpec) -> bool:
+    # the two residual dropout masks are the only shared bytes beyond the 8h of norm and
+    # projection inputs (both archs)
+    return _first_block(spec).activation[Recompute.NONE].shared > \
+        8.0 * spec.hidden_size * spec.dtype_bytes / 2
 
 
 def _block(shape: TransformerShape, index: int) -> LayerSpec:
@@ -129,26 +147,31 @@ def _block(shape: TransformerShape, index: int) -> LayerSpec:
     h_kv = shape.kv_heads * (h // a)
     scale = shape.dtype_bytes / 2  # Korthikanti counts 16-bit tensors (2 bytes) and 1-byte masks
     attention_flops = 4.0 * s * h  # QK^T and AV: 2*s*h each per token
+    masks = 2.0 * h if shape.dropout else 0.0  # 1-byte masks after attention and after the MLP
     if shape.arch == "gpt":
         # qkv (3h^2 + 3h), out proj (h^2 + h), fc1 (hf + f), fc2 (fh + h), two LayerNorms (4h)
         params = 4 * h * h + 2 * h * f + 9 * h + f
         replicated = 2 * h + 4 * h  # out/fc2 biases and LayerNorms are not split
         matmul_flops = 2.0 * (4 * h * h + 2 * h * f)
-        # Korthikanti: shared = LN inputs 4h + qkv input 2h + fc1 input 2h + 2 dropout masks 2h = 10h
-        shared = 10.0 * h
+        # Korthikanti: shared = LN inputs 4h + qkv input 2h + fc1 input 2h (+ 2 dropout masks 2h)
+        shared = 8.0 * h + masks
         # split = Q,K 4h + V 2h + out-proj input 2h + GeLU in 2f + GeLU out 2f
         split = 8.0 * h + 4.0 * f
-        scores = 0.0 if shape.flash else 5.0 * a * s  # softmax 2as + dropout mask as + output 2as
+        # softmax output 2as (+ dropout mask as + dropout output 2as); a flash kernel keeps only
+        # its output (the out-proj input above) and a fp32 log-sum-exp per head and token (4a
+        # bytes, under 0.3% of the block: left out)
+        scores = 0.0 if shape.flash else (5.0 if shape.dropout else 2.0) * a * s
     else:
         # q, o: h^2 each; k, v: h*h_kv each; gate, up, down: h*f each; two RMSNorms: h each
         params = 2 * h * h + 2 * h * h_kv + 3 * h * f + 2 * h
         replicated = 2 * h
         matmul_flops = 2.0 * (2 * h * h + 2 * h * h_kv + 3 * h * f)
-        # shared = 2 RMSNorm inputs 4h + qkv input 2h + MLP input 2h = 8h (no dropout)
-        shared = 8.0 * h
+        # shared = 2 RMSNorm inputs 4h + qkv input 2h + MLP input 2h = 8h (+ dropout masks 2h)
+        shared = 8.0 * h + masks
         # split = Q 2h + K,V 4*h_kv + attention output 2h + gate 2f + up 2f + silu(gate) 2f + product 2f
         split = 4.0 * h + 4.0 * h_kv + 8.0 * f
-        scores = 0.0 if shape.flash else 2.0 * a * s  # softmax output only (no dropout)
+        # softmax output 2as (+ dropout mask as + dropout output 2as)
+        scores = 0.0 if shape.flash else (5.0 if shape.dropout else 2.0) * a * s
     fwd = matmul_flops + attention_flops
     return LayerSpec(
         name=f"block.{index}",
@@ -184,8 +207,10 @@ def build_transformer(shape: TransformerShape) -> ModelSpec:
         tp_split_params=v * h,  # vocab-parallel embedding
         fwd_flops_per_token=0.0,
         recompute_flops_per_token={Recompute.NONE: 0.0},
-        # the embedding output (plus GPT's dropout mask) is the only tensor kept
-        activation={Recompute.NONE: ActivationBytes((3.0 if shape.arch == "gpt" else 2.0) * h * scale, 0.0)},
+        # the embedding keeps only the token ids (int64) for its backward, and the dropout mask
+        # where there is dropout; its output is the first block's input, counted there
+        activation={Recompute.NONE: ActivationBytes(
+            8.0 + (h * scale if shape.dropout else 0.0), 0.0)},
         tp_allreduces_fwd=1,
     )
     norm_params = 2 * h if shape.arch == "gpt" else h
@@ -196,8 +221,14 @@ def build_transformer(shape: TransformerShape) -> ModelSpec:
         tp_split_params=v * h,
         fwd_flops_per_token=2.0 * h * v,
         recompute_flops_per_token={Recompute.NONE: 0.0},
-        # final-norm input 2h and head input 2h, plus fp32 logits for the loss (4V, vocab-parallel)
+        # final-norm input 2h and head input 2h, plus the loss's fp32 log-softmax of the logits
+        # (4V, vocab-parallel), kept for backward (run/loss.py: the logits leave the head in the
+        # compute dtype and the loss takes a fp32 copy of them)
         activation={Recompute.NONE: ActivationBytes(4.0 * h * scale, 4.0 * v)},
+        # while the loss runs: in forward the compute-dtype logits and their fp32 copy beside the
+        # log-softmax (c + 4 bytes per logit), in backward two fp32 gradient buffers of the
+        # logits (the loss's and the log-softmax's, 8 bytes): 8V per token at most, split by tp
+        transient_bytes_per_token=8.0 * v,
         tp_allreduces_fwd=1,
         tied_params=v * h if shape.tied else 0,
     )

@@ -180,3 +180,27 @@ def test_the_runtime_refuses_cp_before_launching() -> None:
     with pytest.raises(PlanError, match="elastic layouts and reshapes does not run context"):
         layout_of(MODEL, plan)
     refuse_context_parallel(_plan())  # cp 1 passes
+
+
+def test_meshmorph_run_refuses_a_cp_plan_before_any_process_starts(
+        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    from meshmorph.cli import main as cli_main
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a process was started for a cp plan")
+
+    monkeypatch.setattr("subprocess.Popen", refuse)
+    folder = Path(str(tmp_path))
+    job = folder / "job.toml"
+    job.write_text('[model]\nsource = "gpt-tiny"\nseq_len = 32\n[data]\nkind = "synthetic"\n'
+                   'seed = 1\n[train]\nsteps = 2\nglobal_batch = 8\nmicro_batch = 2\n')
+    plan = Plan(model="gpt-tiny", seq_len=32, global_batch=8, cp=2, micro_batch=2,
+                num_microbatches=4)
+    (folder / "plan.json").write_text(plan.to_json())
+    code = cli_main(["run", "--config", str(job), "--plan", str(folder / "plan.json"),
+                     "--out", str(folder / "out")])
+    assert code == 2
+    assert "does not run context parallelism: the plan has cp 2" in capsys.readouterr().err

@@ -92,7 +92,10 @@ def _run(entry: dict[str, Any], source: str) -> PublishedRun:
                 break
     plan = Plan(model=entry["id"], seq_len=seq, global_batch=batch, tp=tp, pp=pp, dp=dp,
                 micro_batch=micro, num_microbatches=m, schedule=schedule, vpp=vpp, dtype="fp16",
-                reduce_dtype="fp16")
+                reduce_dtype="fp16",
+                # Megatron-LM 2020-21 had neither --overlap-grad-reduce nor --tp-comm-overlap:
+                # gradients were all-reduced after the backward (Narayanan et al. 2021, sec. 3)
+                overlap_grad_reduce=False, tp_comm_overlap=False)
     return PublishedRun(id=entry["id"], source=source, model=model,
                         cluster=parse_cluster(_cluster_text(entry)),
                         plan=plan.with_even_stages(model, Recompute.FULL),

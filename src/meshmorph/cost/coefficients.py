@@ -35,13 +35,28 @@ class CostCoefficients:
     GPU's SM count it sets the wave quantisation of each GEMM (cost/gemm.py)."""
     link_efficiency: float = 0.9
     """Achieved fraction of a link's nominal bandwidth for large collectives."""
-    dp_overlap: float = 0.0
-    """Fraction of data-parallel gradient communication hidden behind backward (0 = none, as in
-    Megatron-LM 2021; torch DDP/FSDP buckets reach about 0.7-0.9)."""
+    dp_overlap: float = 1.0
+    """Largest share of the data-parallel gradient reduction hidden behind the last backward
+    when the plan's ``overlap_grad_reduce`` is on (1: all of it but the last bucket, as far as
+    the backward lasts); off, none hides."""
     zero3_overlap: float = 0.8
-    """Fraction of ZeRO-3/FSDP parameter all-gathers hidden behind compute by prefetching."""
-    tp_overlap: float = 0.0
-    """Fraction of tensor-parallel collectives hidden (0: they sit on the critical path)."""
+    """Share of ZeRO-3/FSDP per-micro-batch traffic hidden behind compute: the parameter
+    all-gathers when the plan's ``fsdp_prefetch`` is on, the gradient reduce-scatters when its
+    ``overlap_grad_reduce`` is on; off, none hides."""
+    tp_overlap: float = 1.0
+    """Largest share of tensor-parallel collectives hidden behind the GEMMs they feed when the
+    plan's ``tp_comm_overlap`` is on, before the ring's first step that never hides ((tp - 1) /
+    tp at most); off (Megatron-LM 2021), they sit on the critical path."""
+    overlap_slowdown: float = 0.18
+    """Compute slowed by overlapped communication: a collective running beside compute holds
+    this share of the SMs, so every hidden second adds this many seconds (NCCL's all-gather
+    holds 24 of an H100's 132 SMs, 0.18)."""
+    grad_bucket_bytes: float = 25 * 2**20
+    """Bytes of one gradient bucket (torch DDP's ``bucket_cap_mb`` = 25): with
+    ``overlap_grad_reduce`` the last bucket is reduced after the last gradient is ready."""
+    tp_overlap_buffers: float = 2.0
+    """Buffers of one micro-batch's b x s x h hidden state, in the compute dtype, that
+    TransformerEngine's userbuffers keep on each rank when ``tp_comm_overlap`` is on."""
     optimizer_bytes_per_param: float = 16.0
     """HBM bytes read and written per parameter by the Adam update (time = bytes / HBM bw)."""
     memory_reserve_fraction: float = 0.05
@@ -54,10 +69,17 @@ class CostCoefficients:
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
-        for name in ("dp_overlap", "zero3_overlap", "tp_overlap", "memory_reserve_fraction"):
+        for name in ("zero3_overlap", "overlap_slowdown", "memory_reserve_fraction"):
             value = getattr(self, name)
             if not 0 <= value < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {value}")
+        for name in ("dp_overlap", "tp_overlap"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        for name in ("grad_bucket_bytes", "tp_overlap_buffers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("elementwise_passes", "efficiency_half_width", "efficiency_half_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

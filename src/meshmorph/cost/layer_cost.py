@@ -82,8 +82,10 @@ class LayerCoster:
     def __init__(self, model: ModelSpec, coef: CostCoefficients, *, dtype: str,
                  efficiency: dict[str, float], tp_link: dict[str, comm.Link],
                  profile: Profile | None = None, cp: int = 1,
-                 inter_link: comm.Link | None = None, gpus_per_node: int = 0):
+                 inter_link: comm.Link | None = None, gpus_per_node: int = 0,
+                 tp_comm_overlap: bool = False):
         self.model = model
+        self.tp_comm_overlap = tp_comm_overlap  # Plan.tp_comm_overlap: TP collectives beside GEMMs
         self.coef = coef
         self.dtype = dtype
         self.act_scale = 2.0 if dtype == "fp32" else 1.0  # ModelSpec counts 16-bit activations
@@ -148,12 +150,20 @@ class LayerCoster:
         # moves the b*s*h hidden state; backward has as many; full recompute repeats the forward's
         if tp > 1:
             nbytes = tokens * self.model.hidden_size * self.model.dtype_bytes * self.act_scale
-            one = comm.all_reduce(tp, nbytes, self.tp_link[gpu.name]) * (1 - self.coef.tp_overlap)
+            one = comm.all_reduce(tp, nbytes, self.tp_link[gpu.name])
         else:
             one = 0.0
         n_fwd = layer.tp_allreduces_fwd
         n_re = n_fwd if recompute == Recompute.FULL else 0
         fwd_comm, bwd_comm = n_fwd * one, (n_fwd + n_re) * one
+        if self.tp_comm_overlap and tp > 1:
+            # Megatron's --tp-comm-overlap: each collective split over the ring's tp steps, each
+            # step's transfer beside the GEMM of the chunk before it (the first never hides);
+            # forward beside the forward, backward beside both gradient GEMMs and the recompute
+            share = self.coef.tp_overlap * (tp - 1) / tp
+            fwd_comm = comm.overlapped([(fwd_comm, share)], fwd_c, self.coef.overlap_slowdown)
+            bwd_comm = comm.overlapped([(bwd_comm, share)], 2 * wgrad_c + re_c,
+                                       self.coef.overlap_slowdown)
         # context parallel: the ring's K/V exchange beyond each step's attention block
         ring = context_parallel.ring_time(
             self.model, micro_batch=micro_batch, tp=tp, cp=self.cp, element_bytes=element_bytes,

@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from meshmorph.cost import comm
 from meshmorph.cost.estimate import Estimate, StageMemory
 from meshmorph.cost.pipeline import simulate
 from meshmorph.cost.rank_terms import rank_memory_terms
@@ -102,8 +101,8 @@ def layer_terms(cost: CostModel, plan: Plan, pp_rank: int, index: int, strategy:
     f, b = cost_.fwd_s, cost_.bwd_s
     gathers, scatter = cost.microbatch_dp_traffic(sub, params, gpu)
     if gathers or scatter:  # as CostModel.chunk_time, against this layer's compute
-        f += comm.exposed(gathers / 2, cost_.fwd_s, cost.coef.zero3_overlap)
-        b += comm.exposed(gathers / 2 + scatter, cost_.bwd_s, cost.coef.zero3_overlap)
+        ef, eb = cost.zero_exposed(sub, gathers, scatter, cost_.fwd_s, cost_.bwd_s)
+        f, b = f + ef, b + eb
     sync, optimizer = cost.rank_tail(sub, params, cost_.compute_s * 2 / 3, gpu)
     terms = rank_memory_terms(cost, sub, pp_rank, gpu)
     return LayerTerms(fwd_s=f, bwd_s=b, wgrad_s=cost_.wgrad_s, compute_s=cost_.compute_s,

@@ -97,15 +97,17 @@ class CostModel:
         return comm.Link(lat * 1e-6 if lat is not None else link.latency_s,
                          bw * 1e9 if bw is not None else link.bandwidth_bps)
 
-    def coster(self, dtype: str, cp: int = 1) -> LayerCoster:
-        """Per-layer costs in ``dtype`` with each sequence split over ``cp`` ranks."""
-        key = dtype if cp == 1 else f"{dtype}/cp{cp}"
+    def coster(self, dtype: str, cp: int = 1, tp_comm_overlap: bool = False) -> LayerCoster:
+        """Per-layer costs in ``dtype`` with each sequence split over ``cp`` ranks, tensor-parallel
+        communication beside the GEMMs where ``tp_comm_overlap`` (``Plan.tp_comm_overlap``)."""
+        key = (dtype if cp == 1 else f"{dtype}/cp{cp}") + ("/tpo" if tp_comm_overlap else "")
         if key not in self._costers:
             self._costers[key] = LayerCoster(self.model, self.coef, dtype=dtype,
                                              efficiency=self.efficiency, tp_link=self.intra,
                                              profile=self.profile, cp=cp,
                                              inter_link=self.inter,
-                                             gpus_per_node=self.cluster.gpus_per_node)
+                                             gpus_per_node=self.cluster.gpus_per_node,
+                                             tp_comm_overlap=tp_comm_overlap)
         return self._costers[key]
 
     # --- placement --------------------------------------------------------------------------
@@ -143,7 +145,7 @@ class CostModel:
 
     def chunk_time(self, plan: Plan, start: int, stop: int, recompute: Sequence[Recompute],
                    gpu: GPUSpec) -> ChunkTime:
-        coster = self.coster(plan.dtype, plan.cp)
+        coster = self.coster(plan.dtype, plan.cp, plan.tp_comm_overlap)
         f = b = bg = wg = comp = re = tpc = cpc = 0.0
         for offset, index in enumerate(range(start, stop)):
             cost = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
@@ -171,12 +173,39 @@ class CostModel:
             gathers, scatter = (units * x for x in self.microbatch_dp_traffic(
                 plan, params / units, gpu))
         if gathers or scatter:
-            # prefetch hides a share of the per-micro-batch traffic behind compute; ZeRO-3
-            # gathers half in forward, half in backward; reduce-scatters run in backward
-            ef = comm.exposed(gathers / 2, f, self.coef.zero3_overlap)
-            eb = comm.exposed(gathers / 2 + scatter, b, self.coef.zero3_overlap)
+            ef, eb = self.zero_exposed(plan, gathers, scatter, f, b)
             f, b, bg, z3 = f + ef, b + eb, bg + eb, ef + eb
         return ChunkTime(f, b, bg, wg, comp, re, tpc, z3, params, cpc)
+
+    def zero_exposed(self, plan: Plan, gathers: float, scatter: float, fwd_s: float,
+                     bwd_s: float) -> tuple[float, float]:
+        """(forward, backward) seconds the per-micro-batch ZeRO traffic adds: ZeRO-3 gathers
+        half in forward, half in backward, reduce-scatters run in backward; a share
+        ``zero3_overlap`` of the gathers hides where ``fsdp_prefetch`` is on, of the
+        reduce-scatters where ``overlap_grad_reduce`` is on (none where off), and what hides
+        slows the compute beside it by ``overlap_slowdown``."""
+        gather_share = self.coef.zero3_overlap if plan.fsdp_prefetch else 0.0
+        scatter_share = self.coef.zero3_overlap if plan.overlap_grad_reduce else 0.0
+        slow = self.coef.overlap_slowdown
+        return (comm.overlapped([(gathers / 2, gather_share)], fwd_s, slow),
+                comm.overlapped([(gathers / 2, gather_share), (scatter, scatter_share)], bwd_s,
+                                slow))
+
+    def grad_sync_s(self, plan: Plan, reduce_s: float, window_s: float, grad_bytes: float, *,
+                    last_bucket: bool = True) -> float:
+        """Seconds the step's gradient reduction (``reduce_s``) adds after the last backward
+        whose compute lasts ``window_s``. ``overlap_grad_reduce`` off: all of it. On: buckets
+        reduce while the backward runs, up to ``dp_overlap`` of it and the window, but the last
+        bucket (``grad_bucket_bytes`` of the ``grad_bytes`` reduced) waits for the last gradient; what hides
+        slows the backward by ``overlap_slowdown``. ``last_bucket`` False leaves that floor out
+        (a lower bound affine in ``reduce_s``, for the planner)."""
+        if not plan.overlap_grad_reduce or reduce_s <= 0:
+            return max(reduce_s, 0.0)
+        floor = 0.0
+        if last_bucket:
+            floor = reduce_s * min(1.0, self.coef.grad_bucket_bytes / max(grad_bytes, 1.0))
+        return comm.overlapped([(reduce_s, self.coef.dp_overlap)], window_s,
+                               self.coef.overlap_slowdown, least_exposed_s=floor)
 
     def fsdp_measured(self, plan: Plan) -> bool:
         """Whether the Profile measured FSDP2's per-unit calls for this plan's dp group."""
@@ -254,9 +283,10 @@ class CostModel:
                            reserved=terms.reserved_bytes, in_flight_microbatches=terms.in_flight)
 
     def rank_tail(self, plan: Plan, params: float, last_bwd_s: float, gpu: GPUSpec,
-                  units: int = 1) -> tuple[float, float]:
+                  units: int = 1, least: bool = False) -> tuple[float, float]:
         """(exposed data-parallel gradient sync, optimizer step) after a rank's last backward;
-        ``units``: the rank's FSDP2 units (priced per unit where the Profile measured them).
+        ``units``: the rank's FSDP2 units (priced per unit where the Profile measured them);
+        ``least``: without the last bucket's floor (``grad_sync_s``), for the planner's bounds.
         Gradients are reduced over dp x cp (``Plan.grad_replicas``)."""
         d = plan.grad_replicas
         traffic = data_parallel_traffic(zero=plan.zero, dp=d, pp=plan.pp, dtype=plan.dtype,
@@ -275,7 +305,9 @@ class CostModel:
                                       params * traffic.reduce_scatter_per_step, link)
             gather = self.collective("all_gather", d,
                                      params * traffic.all_gather_per_step * d, link)
-        exposed = comm.exposed(reduce, last_bwd_s, self.coef.dp_overlap) + gather
+        grad_bytes = params * (traffic.all_reduce_per_step + traffic.reduce_scatter_per_step)
+        exposed = self.grad_sync_s(plan, reduce, last_bwd_s, grad_bytes,
+                                   last_bucket=not least) + gather
         if self.profile.collectives:  # the step's two scalar all-reduces (loss, gradient norm)
             exposed += 2 * (self.profile.collective_s("all_reduce", plan.world_size, 8.0) or 0.0)
         shard = d if plan.zero >= 1 else 1

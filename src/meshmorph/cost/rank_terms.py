@@ -97,8 +97,11 @@ def rank_memory_terms(cost: CostModel, plan: Plan, pp_rank: int, gpu: GPUSpec) -
         weight_copy_bytes_per_param=copies * MASTER_BYTES,
         in_flight=in_flight_microbatches(plan.schedule, plan.pp, pp_rank, plan.num_microbatches,
                                          plan.vpp),
-        gather_bytes_per_param=2 * compute_bytes(plan.dtype) if gathering else 0.0,
+        # one unit in use, one more prefetched where fsdp_prefetch is on
+        gather_bytes_per_param=(2 if plan.fsdp_prefetch else 1) * compute_bytes(plan.dtype)
+        if gathering else 0.0,
         reserved_bytes=cost.coef.context_bytes + cost.coef.memory_reserve_fraction * gpu.memory_bytes
+        + tp_overlap_buffer_bytes(cost, plan)
         + head_loss_bytes(cost, plan, pp_rank),
         budget_bytes=gpu.memory_bytes,
     )
@@ -114,6 +117,15 @@ def head_loss_bytes(cost: CostModel, plan: Plan, pp_rank: int) -> float:
     head = cost.model.layers[-1]
     return head.transient_bytes_per_token / plan.tp * plan.micro_batch * cost.model.seq_len \
         / plan.cp
+
+
+def tp_overlap_buffer_bytes(cost: CostModel, plan: Plan) -> float:
+    """Bytes TransformerEngine's userbuffers keep on a rank of a ``tp_comm_overlap`` plan:
+    ``tp_overlap_buffers`` of one micro-batch's b x s x h hidden state in the compute dtype."""
+    if not plan.tp_comm_overlap:
+        return 0.0
+    return cost.coef.tp_overlap_buffers * plan.micro_batch * cost.model.seq_len * \
+        cost.model.hidden_size * compute_bytes(plan.dtype)
 
 
 def tail_overlap_window_s(time: ChunkTime) -> float:
@@ -133,8 +145,8 @@ def least_rank_tail_s(cost: CostModel, plan: Plan, params: float, gpu: GPUSpec) 
     """The least tail a rank holding ``params`` can have whatever its layers (the sync hidden as
     far as ``dp_overlap`` allows), plus the least exposed part of its per-micro-batch ZeRO
     traffic (``comm.exposed`` never hides more than the overlap share): affine in ``params``."""
-    sync, optimizer = cost.rank_tail(plan, params, float("inf"), gpu)
+    sync, optimizer = cost.rank_tail(plan, params, float("inf"), gpu, least=True)
     gathers, scatter = cost.microbatch_dp_traffic(plan, params, gpu,
                                                   units=1 if cost.fsdp_measured(plan) else 0)
-    per_microbatch = (1 - cost.coef.zero3_overlap) * (gathers + scatter)
+    per_microbatch = sum(cost.zero_exposed(plan, gathers, scatter, float("inf"), float("inf")))
     return sync + optimizer + plan.num_microbatches * per_microbatch

@@ -71,7 +71,8 @@ class ConfigBounds:
 
     def _sums_of(self, plan: Plan, gpus: list[GPUSpec]) -> _Sums:
         key = (plan.dtype, plan.micro_batch, plan.tp, plan.cp, plan.sequence_parallel,
-               plan.schedule in SPLIT_BACKWARD_SCHEDULES, tuple(g.name for g in gpus))
+               plan.schedule in SPLIT_BACKWARD_SCHEDULES, tuple(g.name for g in gpus),
+               plan.overlap_grad_reduce, plan.tp_comm_overlap, plan.fsdp_prefetch)
         sums = self._sums.get(key)
         if sums is None:
             cost = self.cost
@@ -220,7 +221,8 @@ class ConfigBounds:
         # everything RankBound reads of the plan and the rank (pp only through pp == 1)
         key = (gpu_name, plan.dtype, plan.reduce_dtype, plan.micro_batch, plan.tp,
                plan.sequence_parallel, plan.dp, plan.cp, plan.zero, plan.num_microbatches, in_flight,
-               k == 0, k == p - 1, p == 1)
+               k == 0, k == p - 1, p == 1,
+               plan.overlap_grad_reduce, plan.tp_comm_overlap, plan.fsdp_prefetch)
         rank = self._ranks.get(key)
         if rank is None:
             rank = self._ranks[key] = RankBound(self.cost, plan, run, k,

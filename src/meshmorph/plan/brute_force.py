@@ -7,6 +7,12 @@ scores each complete Plan with ``CostModel.estimate`` and keeps the fastest that
 Interleaved configurations use the planner's documented space: blocks split evenly over the
 ``pp * vpp`` chunks (``Plan.with_even_stages``) and one recompute mode for every block.
 
+The overlap switches are enumerated here, not taken from the planner's space: configurations
+come with ``fsdp_prefetch`` on, and every ZeRO-3 Plan with more than one data-parallel replica
+is scored with each setting ``options.fsdp_prefetch`` lists, pipeline or not (other plans gather
+nothing per micro-batch: on where listed); ``overlap_grad_reduce`` is the one setting ``options``
+gives; ``tp_comm_overlap`` stays off, as the planner leaves it.
+
 Nothing here prunes or bounds: the cost is (configurations) x (partitions) x (modes^layers),
 so ``max_plans`` refuses instances that would take too long.
 """
@@ -69,17 +75,33 @@ def candidate_plans(model: ModelSpec, config: Config, options: SearchOptions) ->
             yield replace(plan, stages=stages)
 
 
+def prefetch_settings(plan: Plan, options: SearchOptions) -> tuple[bool, ...]:
+    """The ``fsdp_prefetch`` settings brute force scores ``plan`` with."""
+    if plan.zero == 3 and plan.dp * plan.cp > 1:
+        return tuple(options.fsdp_prefetch)
+    return (True in options.fsdp_prefetch,)
+
+
+def with_switches(plans: Iterator[Plan], options: SearchOptions) -> Iterator[Plan]:
+    """Each plan once per setting of ``prefetch_settings``, with ``options.overlap_grad_reduce``."""
+    for plan in plans:
+        for prefetch in prefetch_settings(plan, options):
+            yield replace(plan, fsdp_prefetch=prefetch,
+                          overlap_grad_reduce=options.overlap_grad_reduce)
+
+
 def count_plans(model: ModelSpec, configs: Sequence[Config], options: SearchOptions) -> int:
     """How many Plans brute force would score."""
     per_assignment = prod(len(m) for m in layer_modes(model, options))
     total = 0
     for config in configs:
         plan = config.plan
+        switches = len(prefetch_settings(plan, options))
         if plan.num_chunks > plan.pp:
-            total += len(options.recompute) if plan.num_chunks <= model.num_blocks else 0
+            total += switches * len(options.recompute) if plan.num_chunks <= model.num_blocks else 0
         else:
             # C(L - 1, pp - 1) partitions, each with every recompute assignment
-            total += comb(model.num_layers - 1, plan.pp - 1) * per_assignment
+            total += switches * comb(model.num_layers - 1, plan.pp - 1) * per_assignment
     return total
 
 
@@ -93,7 +115,8 @@ def brute_force(model: ModelSpec, cluster: Cluster, *, global_batch: int,
     """
     options = options or SearchOptions()
     cost = cost or CostModel(model, cluster)
-    configs = list(configurations(model, cluster, global_batch, options))
+    configs = list(configurations(model, cluster, global_batch,
+                                  replace(options, fsdp_prefetch=(True,))))
     total = count_plans(model, configs, options)
     if total > max_plans:
         raise ValueError(
@@ -102,7 +125,7 @@ def brute_force(model: ModelSpec, cluster: Cluster, *, global_batch: int,
         )
     best: tuple[Plan, Estimate] | None = None
     for config in configs:
-        for plan in candidate_plans(model, config, options):
+        for plan in with_switches(candidate_plans(model, config, options), options):
             estimate = cost.estimate(plan)
             if estimate.fits and (best is None or estimate.step_time_s < best[1].step_time_s):
                 best = (plan, estimate)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import permutations
 
 from meshmorph.spec.cluster import Cluster
@@ -67,6 +67,15 @@ class SearchOptions:
     only adds traffic; skipping cp there keeps the search as small as it was."""
     cp_max: int | None = None
     """Largest context-parallel degree tried (None: up to what the world allows)."""
+    fsdp_prefetch: tuple[bool, ...] = (True, False)
+    """``Plan.fsdp_prefetch`` settings tried where they trade memory for time (ZeRO-3 gathering
+    per micro-batch without a pipeline: prefetch holds one more gathered unit and hides the
+    gathers); elsewhere prefetch costs no memory and is never slower, so only on is tried
+    (off if only off is listed)."""
+    overlap_grad_reduce: bool = True
+    """``Plan.overlap_grad_reduce`` of every plan: on is never slower (what hides costs only
+    ``overlap_slowdown`` of itself) and holds no more memory (DDP's buckets are the gradients,
+    FSDP2 reduce-scatters into its own buffers either way), so it is not searched."""
     weight_prediction: str = "none"
     """Weights of the ``async`` plans (``none``, ``stash``, ``2bw``, ``sgd``, ``adam``): the
     stashed or predicted copies count against memory, so the planner leaves out the async
@@ -149,6 +158,15 @@ def cp_degrees(model: ModelSpec, devices: int, options: SearchOptions) -> list[i
     return out
 
 
+def prefetch_choices(plan: Plan, options: SearchOptions) -> tuple[bool, ...]:
+    """``fsdp_prefetch`` settings worth trying for ``plan`` (``SearchOptions.fsdp_prefetch``)."""
+    if not options.fsdp_prefetch:
+        raise ValueError("fsdp_prefetch options must list at least one setting")
+    if plan.zero == 3 and plan.grad_replicas > 1 and plan.pp == 1:
+        return options.fsdp_prefetch
+    return (max(options.fsdp_prefetch),)
+
+
 def rank_gpu_orders(cluster: Cluster, tp: int, dp: int, pp: int,
                     cp: int = 1) -> list[tuple[str, ...]]:
     """GPU type per pipeline rank: each group hosts (its GPUs) / (tp * cp * dp) ranks."""
@@ -217,5 +235,7 @@ def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int,
                                 tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, micro_batch=b, num_microbatches=m,
                                 schedule=schedule, vpp=vpp, sequence_parallel=sp,
                                 dtype=options.dtype, weight_prediction=options.weight_prediction
-                                if schedule == Schedule.ASYNC else "none")
-                    yield Config(plan, gpus)
+                                if schedule == Schedule.ASYNC else "none",
+                                overlap_grad_reduce=options.overlap_grad_reduce)
+                    for prefetch in prefetch_choices(plan, options):
+                        yield Config(replace(plan, fsdp_prefetch=prefetch), gpus)

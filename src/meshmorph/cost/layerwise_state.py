@@ -1,6 +1,7 @@
 """What one rank of a layerwise plan holds at the end of backward and sends in one step, in
 bytes: the prediction the run's ``state`` line puts beside its measurement for plans whose
-stage lists ``layer_strategies`` (run/layerwise_engine.py runs them; pp 1).
+stage lists ``layer_strategies`` (run/layerwise_engine.py runs them). A rank holding several
+chunks (interleaved, zbv, dualpipev) holds and sends the sum of its chunks' figures.
 
 Each layer i runs under its own (tp_i, dp_i, ZeRO_i) on the stage's D ranks (tp innermost: rank
 r is tp rank r % tp_i of data-parallel block r // tp_i). Per layer, with cost/rank_state.py's
@@ -15,7 +16,9 @@ compute dtype's bytes):
   a tied head's matrix is the embedding's and is counted once;
 - sent by its data-parallel group: ``cost.state.data_parallel_traffic`` at (ZeRO_i, dp_i, pp 1):
   the one summed all-reduce of a ZeRO 0/1 layer's gradients in ``reduce_dtype``, ZeRO-1's
-  parameter all-gather, FSDP2's gathers and reduce-scatters of padded shards;
+  parameter all-gather, FSDP2's gathers and reduce-scatters of padded shards (a ZeRO-2 layer
+  under a split-backward schedule, zb/zbv/dualpipev, reduce-scatters once per step:
+  run/layerwise_pipeline.py, the pp > 1 row);
 - sent by its tensor-parallel group per micro-batch of ``b = B / dp_i`` sequences (B = plan dp x
   micro_batch): the uniform layout's all-reduces of ``b s h`` (row-parallel outputs, replayed
   under full recompute; column-parallel input gradients; the vocabulary-parallel embedding's
@@ -44,7 +47,7 @@ from meshmorph.cost.rank_state import (
 from meshmorph.cost.state import compute_bytes
 from meshmorph.cost.tensor_shapes import layer_tensors, vocab_split
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
-from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
+from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, LayerStrategy, Plan, PlanError
 
 NORM_BYTES = 8
 """run/layerwise_grads.py: one float64 sum of squares, all-reduced over the stage."""
@@ -66,20 +69,20 @@ def _boundary_bytes(plan: Plan) -> float:
     return 4.0
 
 
-def _pipeline_traffic(model: ModelSpec, plan: Plan, pp_rank: int) -> dict[str, float]:
-    """A pipeline stage's traffic at its ends (pp > 1): the tokens moved into the first layer's
-    layout (stage 0) or the received hidden state (later stages), the output moved back to the
-    data layout (the hidden state, or the logits on the last stage, whose labels stay in the data
-    layout), and torch pipelining's sends of ``b s h`` per micro-batch to each neighbour plus its
-    first step's handshake."""
+def _pipeline_traffic(model: ModelSpec, plan: Plan, chunk: int) -> dict[str, float]:
+    """A pipeline chunk's traffic at its ends (pp > 1): the tokens moved into the first layer's
+    layout (chunk 0) or the received hidden state (later chunks), the output moved back to the
+    data layout (the hidden state, or the logits of the last chunk, whose labels stay in the data
+    layout), and torch pipelining's sends of ``b s h`` per micro-batch to each neighbour chunk on
+    another rank plus its first step's handshake."""
     out = dict.fromkeys(COMM_KINDS, 0.0)
-    strategies = plan.stages[pp_rank].layer_strategies
+    strategies = plan.stages[chunk].layer_strategies
     assert strategies is not None
     m, s, b = plan.num_microbatches, plan.seq_len, plan.micro_batch
     sequences = plan.dp * b
     c = compute_bytes(plan.dtype)
     hidden = _boundary_bytes(plan)
-    first, last = pp_rank == 0, pp_rank == plan.pp - 1
+    first, last = chunk == 0, chunk == plan.num_chunks - 1
 
     def moved(tp_a: int, dp_a: int, tp_b: int, dp_b: int, width: float) -> None:
         if tp_b > tp_a:  # forward all-gather of this rank's B / dp_a sequences
@@ -96,7 +99,10 @@ def _pipeline_traffic(model: ModelSpec, plan: Plan, pp_rank: int) -> dict[str, f
     logits = 4.0 if plan.dtype == "fp32" else c
     width = model.vocab_size * logits if last else model.hidden_size * hidden
     moved(tail.tp, tail.dp, plan.tp, plan.dp, width)
-    neighbours = (not first) + (not last)
+    # a neighbour chunk on this rank (the V's turn) takes the activation without a send
+    here = plan.pp_rank_of_chunk(chunk)
+    neighbours = sum(plan.pp_rank_of_chunk(other) != here
+                     for other in (chunk - 1, chunk + 1) if 0 <= other < plan.num_chunks)
     out["send_recv"] += HANDSHAKE_BYTES * neighbours \
         + m * neighbours * b * s * model.hidden_size * hidden
     return out
@@ -105,72 +111,76 @@ def _pipeline_traffic(model: ModelSpec, plan: Plan, pp_rank: int) -> dict[str, f
 def predict_layerwise_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, object]:
     """``params_bytes``, ``grads_bytes``, ``optimizer_bytes`` and ``comm_bytes`` (by kind) of
     ``rank`` of a layerwise ``plan`` (module docstring)."""
-    if plan.num_chunks != plan.pp or any(st.layer_strategies is None for st in plan.stages):
-        raise PlanError("the layerwise state prediction covers plans with one chunk per pipeline "
-                        "rank whose stages list layer_strategies; use cost.rank_state for the "
-                        "others")
+    if any(st.layer_strategies is None for st in plan.stages):
+        raise PlanError("the layerwise state prediction covers plans whose stages list "
+                        "layer_strategies; use cost.rank_state for the others")
     if not 0 <= rank < plan.world_size:
         raise ValueError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
     model = model.with_seq_len(plan.seq_len)
     pp_rank, rank = divmod(rank, plan.tp * plan.dp)  # the stage, and the rank within it
-    stage = plan.stages[pp_rank]
-    strategies = stage.layer_strategies
-    assert strategies is not None
     m, s, h = plan.num_microbatches, plan.seq_len, model.hidden_size
     sequences = plan.dp * plan.micro_batch  # B: one stage micro-batch
     c = compute_bytes(plan.dtype)
     comm = dict.fromkeys(COMM_KINDS, 0.0)
     params = grads = moments = 0.0
     up = 1 if model.arch == "gpt" else 2
-    # bytes per element of the residual stream coming into the layer: the embedding's output is
-    # fp32 unless FSDP2 casts it; a cast layer's output is 16-bit and stays so downstream
-    stream = 4.0 if pp_rank == 0 else _boundary_bytes(plan)
-    for offset, strategy in enumerate(strategies):
-        index = stage.start + offset
-        t, d, zero = strategy.tp, strategy.dp, strategy.zero
-        dp_rank = rank // t
-        fsdp = d > 1 and zero >= 2
-        kind = model.layers[index].kind
-        tensors = layer_tensors(model, index, t)
-        if kind == LayerKind.HEAD and model.tied_embeddings:
-            tensors = [x for x in tensors if x.name != "out.weight"]  # the embedding's matrix
-        held_params, held_grads, held_moments, whole, padded = held_state(tensors, t, d,
-                                                                          dp_rank, zero)
-        params += held_params
-        grads += held_grads
-        moments += held_moments
-        if fsdp and zero == 2:
-            params += c * padded * d  # gathered once, kept to the end of the step
-        if kind == LayerKind.EMBEDDING and vocab_split(model, t) and d == 1:
-            grads += GRAD * tensors[0].local_numel(t)  # torch's double-size local gradient
-        add_data_parallel_comm(comm, plan, zero=zero, dp=d, pp=1, whole=whole, padded=padded)
-        if t > 1:  # tensor-parallel activations, per micro-batch of B / dp sequences
-            bsh = sequences // d * s * h
-            # the embedding's output, or the layer's input (cast, or as it came)
-            hidden = c if _casts(plan, strategy) else 4.0 if kind == LayerKind.EMBEDDING \
-                else stream
-            if kind == LayerKind.EMBEDDING and vocab_split(model, t):
-                comm["all_reduce"] += m * bsh * hidden
-            elif kind == LayerKind.BLOCK:
-                replays = 2 if stage.recompute[offset] == Recompute.FULL else 1
-                comm["all_reduce"] += replays * 2 * m * bsh * c + (3 + up) * m * bsh * hidden
-            elif kind == LayerKind.HEAD and vocab_split(model, t):
-                comm["all_gather"] += m * (sequences // d) * s * model.padded_vocab_size // t * c
-                comm["all_reduce"] += m * bsh * hidden
-        if offset:  # the hidden state moved from the previous layer's layout
-            before = strategies[offset - 1]
-            if t > before.tp:  # forward all-gather of this rank's B / dp_a sequences
-                comm["all_gather"] += m * sequences // before.dp * s * h * stream
-            elif t < before.tp:  # backward all-gather of the gradient of B / dp_b sequences
-                comm["all_gather"] += m * sequences // d * s * h * stream
-        stream = c if _casts(plan, strategy) else 4.0 if kind == LayerKind.EMBEDDING else stream
+    split = plan.pp > 1 and plan.schedule in SPLIT_BACKWARD_SCHEDULES
+    for chunk in plan.chunks_of(pp_rank):  # one, or several (interleaved, V)
+        stage = plan.stages[chunk]
+        strategies = stage.layer_strategies
+        assert strategies is not None
+        # bytes per element of the residual stream coming into the layer: the embedding's
+        # output is fp32 unless FSDP2 casts it; a cast layer's output is 16-bit and stays so
+        stream = 4.0 if chunk == 0 else _boundary_bytes(plan)
+        for offset, strategy in enumerate(strategies):
+            index = stage.start + offset
+            t, d, zero = strategy.tp, strategy.dp, strategy.zero
+            dp_rank = rank // t
+            fsdp = d > 1 and zero >= 2
+            kind = model.layers[index].kind
+            tensors = layer_tensors(model, index, t)
+            if kind == LayerKind.HEAD and model.tied_embeddings:
+                tensors = [x for x in tensors if x.name != "out.weight"]  # the embedding's matrix
+            held_params, held_grads, held_moments, whole, padded = held_state(tensors, t, d,
+                                                                              dp_rank, zero)
+            params += held_params
+            grads += held_grads
+            moments += held_moments
+            if fsdp and zero == 2:
+                params += c * padded * d  # gathered once, kept to the end of the step
+            if kind == LayerKind.EMBEDDING and vocab_split(model, t) and d == 1:
+                grads += GRAD * tensors[0].local_numel(t)  # torch's double-size local gradient
+            # a split backward reduces ZeRO-2 once per step (run/layerwise_pipeline.py)
+            add_data_parallel_comm(comm, plan, zero=zero, dp=d,
+                                   pp=plan.pp if split and zero == 2 else 1, whole=whole,
+                                   padded=padded)
+            if t > 1:  # tensor-parallel activations, per micro-batch of B / dp sequences
+                bsh = sequences // d * s * h
+                # the embedding's output, or the layer's input (cast, or as it came)
+                hidden = c if _casts(plan, strategy) else 4.0 if kind == LayerKind.EMBEDDING \
+                    else stream
+                if kind == LayerKind.EMBEDDING and vocab_split(model, t):
+                    comm["all_reduce"] += m * bsh * hidden
+                elif kind == LayerKind.BLOCK:
+                    replays = 2 if stage.recompute[offset] == Recompute.FULL else 1
+                    comm["all_reduce"] += replays * 2 * m * bsh * c + (3 + up) * m * bsh * hidden
+                elif kind == LayerKind.HEAD and vocab_split(model, t):
+                    comm["all_gather"] += m * (sequences // d) * s * model.padded_vocab_size // t * c
+                    comm["all_reduce"] += m * bsh * hidden
+            if offset:  # the hidden state moved from the previous layer's layout
+                before = strategies[offset - 1]
+                if t > before.tp:  # forward all-gather of this rank's B / dp_a sequences
+                    comm["all_gather"] += m * sequences // before.dp * s * h * stream
+                elif t < before.tp:  # backward all-gather of the gradient of B / dp_b sequences
+                    comm["all_gather"] += m * sequences // d * s * h * stream
+            stream = c if _casts(plan, strategy) else 4.0 if kind == LayerKind.EMBEDDING else stream
+        if plan.pp > 1:
+            for kind, nbytes in _pipeline_traffic(model, plan, chunk).items():
+                comm[kind] += nbytes
     if plan.pp == 1:
         for layer_tp in (strategies[0].tp, strategies[-1].tp):  # tokens in, labels out
             if layer_tp > plan.tp:
                 comm["all_gather"] += m * plan.micro_batch * s * TOKEN_BYTES
-    else:
-        for kind, nbytes in _pipeline_traffic(model, plan, pp_rank).items():
-            comm[kind] += nbytes
     comm["all_reduce"] += LOSS_BYTES + NORM_BYTES
     return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": moments,
             "comm_bytes": comm}

@@ -204,3 +204,18 @@ def test_meshmorph_run_refuses_a_cp_plan_before_any_process_starts(
                      "--out", str(folder / "out")])
     assert code == 2
     assert "does not run context parallelism: the plan has cp 2" in capsys.readouterr().err
+
+
+def test_the_tied_embedding_sync_and_fit_advice_count_dp_x_cp() -> None:
+    gpt = build_transformer(TransformerShape(name="cp-gpt", arch="gpt", num_layers=4,
+                                             hidden_size=256, num_heads=4, vocab_size=1024,
+                                             seq_len=SEQ))
+    cost = CostModel(gpt, parse_cluster("h100:1x8"))
+    gpu = cost.default_gpu()
+    plans = [Plan(model=gpt.name, seq_len=SEQ, global_batch=g, dp=d, cp=c, pp=2, zero=2,
+                  num_microbatches=2).with_even_stages(gpt) for g, d, c in ((4, 2, 1), (2, 1, 2))]
+    # FSDP2 shards the tied gradient over dp x cp = 2 in both plans: the same all-reduce
+    assert cost.tied_embedding_sync_s(plans[0], 0, gpu) == cost.tied_embedding_sync_s(plans[1], 0, gpu)
+    from meshmorph.plan.report import fit_advice
+
+    assert "--cp 2 with --dp 1" in fit_advice(plans[0])

@@ -345,8 +345,8 @@ class CostModel:
         if not self.model.tied_embeddings or first == last or pp_rank not in (first, last):
             return 0.0
         grads = self.model.layers[-1].tied_params / plan.tp
-        if plan.zero >= 2 and plan.dp > 1:
-            grads /= plan.dp
+        if plan.zero >= 2 and plan.grad_replicas > 1:  # FSDP2 shards over dp x cp
+            grads /= plan.grad_replicas
         nbytes = grads * (4.0 if plan.reduce_dtype == "fp32" else 2.0)
         return self.collective("all_reduce", 2, nbytes, self.group_link(gpu, plan.world_size))
 

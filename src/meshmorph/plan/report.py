@@ -123,6 +123,9 @@ def fit_advice(plan: Plan) -> list[str]:
         advice.append(f"--micro-batch {plan.micro_batch // 2}")
     if plan.tp > 1 and not plan.sequence_parallel:
         advice.append("--sequence-parallel")
+    if plan.seq_len >= 16_384 and plan.dp % 2 == 0 and plan.seq_len % (4 * plan.cp) == 0:
+        # context parallelism halves every activation of a long sequence (docs/cost-model.md)
+        advice.append(f"--cp {plan.cp * 2} with --dp {plan.dp // 2}")
     advice.append(f"--pp {plan.pp * 2} with --dp {plan.dp // 2}" if plan.dp % 2 == 0
                   else "more pipeline stages (a larger --pp, a smaller --dp)")
     return advice

@@ -172,6 +172,7 @@ def _does_not_fit(cost: CostModel, configs: list[Config],
     have = estimate.memory_budget_bytes[stage] / GIB
     return PlanDoesNotFit(
         f"no plan fits memory: the closest (tp {plan.tp}, pp {plan.pp}, dp {plan.dp}, "
+        f"{f'cp {plan.cp}, ' if plan.cp > 1 else ''}"
         f"zero {plan.zero}, micro-batch {plan.micro_batch}, full recompute) needs "
         f"{need:.1f} GiB per GPU on stage {stage}, the device has {have:.1f} GiB "
         f"(over by {need - have:.1f} GiB); use more or larger GPUs, a shorter sequence, "

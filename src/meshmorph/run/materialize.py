@@ -20,6 +20,10 @@ DistributedDataParallel needs real tensors: wrap a chunk in DDP only after ``mat
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -58,6 +62,21 @@ def _local_box(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | 
     return tensor._local_tensor, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
+_DRAW_INIT = contextvars.ContextVar("meshmorph_draw_init", default=True)
+
+
+@contextlib.contextmanager
+def state_installed_after() -> Iterator[None]:
+    """Within it, ``materialize_`` zeroes each rank's storage instead of drawing the initial
+    values: for an engine whose whole state is written right after (a reshape's new engine,
+    ``elastic/local_state.install_state``), where drawing them is most of the build."""
+    token = _DRAW_INIT.set(False)
+    try:
+        yield
+    finally:
+        _DRAW_INIT.reset(token)
+
+
 def materialize_(chunk: nn.Module, spec: ModelSpec, *, seed: int,
                  device: torch.device | str) -> None:
     """Allocate this rank's local storage of every parameter of ``chunk`` on ``device`` and fill
@@ -80,5 +99,8 @@ def materialize_(chunk: nn.Module, spec: ModelSpec, *, seed: int,
         for name, tensor in chunk.named_parameters():
             layer, local_name = layer_of(spec, name)
             local, box = _local_box(tensor)  # the positions this rank holds, filled in place
+            if not _DRAW_INIT.get():
+                local.zero_()
+                continue
             fill_init_value_(local, spec, layer, local_name, tuple(tensor.shape), seed=seed,
                              box=box)

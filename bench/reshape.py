@@ -9,10 +9,11 @@ time from the change (Plan A's ranks agree to move) to the moment every rank of 
 state, beside the bytes each path moves. The in-memory path also reports the MovePlan's bytes
 against the lower bound and a rank-order (Megatron-style) placement, the busiest device's
 bytes, and the predicted move time against the measured wall time: its coefficients are
-measured on the 4 processes just before each scenario (``elastic/move_calibrate.py``; the
-engine build is Plan A's measured build), and the ratio is each repeat's prediction over that
-repeat's wall time, median over repeats. Every path's per-tensor hashes after the move are
-checked against those before it.
+measured on the 4 processes right before each in-memory move (``elastic/move_calibrate.py``;
+the engine build is Plan A's, built the way a move builds it: no initial values drawn), and the
+ratio is each repeat's prediction over that repeat's wall time, median over repeats. The three
+paths take turns going first in a scenario (the load drifts). Every path's per-tensor hashes
+after the move are checked against those before it.
 
 Run: ``python bench/reshape.py --repeats 3`` (about 15 minutes on 2 shared cores); writes
 bench/results/reshape.json.
@@ -124,6 +125,7 @@ def _one(rank, name, path, out, tmp, time_model):  # type: ignore[no-untyped-def
     from meshmorph.run.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
     from meshmorph.run.config import OptimConfig
     from meshmorph.run.engine import build_engine
+    from meshmorph.run.materialize import state_installed_after
 
     model, optim = _model(), OptimConfig(lr=1e-3, warmup_steps=1, decay_steps=10)
     kw_a, kw_b, staying, joining = SCENARIOS[name]
@@ -136,9 +138,13 @@ def _one(rank, name, path, out, tmp, time_model):  # type: ignore[no-untyped-def
                            generator=torch.Generator().manual_seed(5))
     build_s = 0.0
     if regroup(out, f"{tag}-a", rank, procs_a):
-        clock = time.perf_counter()
+        if path == "in_memory":  # the model's build_s: Plan A built as a move builds (no init)
+            dist.barrier()
+            clock = time.perf_counter()
+            with state_installed_after():
+                build_engine(model, plan_a, optim, seed=3, device=torch.device("cpu"))
+            build_s = time.perf_counter() - clock
         engine = build_engine(model, plan_a, optim, seed=3, device=torch.device("cpu"))
-        build_s = time.perf_counter() - clock  # the running engine's build: the model's build_s
         share = GLOBAL_BATCH // engine.dp_size
         engine.step(tokens[engine.dp_rank * share:(engine.dp_rank + 1) * share])
         small = extract_state(engine, consumed_samples=GLOBAL_BATCH, checksums=False).small
@@ -213,13 +219,17 @@ def job(rank: int, world_size: int, out_dir: str, repeats: int) -> None:
         for name in SCENARIOS:
             sub = Path(out_dir) / f"r{repeat}"
             sub.mkdir(exist_ok=True)
-            # the move-time coefficients, measured on the 4 processes just before the scenario
-            # (the machine is shared: its load, and with it every rate, changes by the minute)
-            regroup(sub, f"{name}-calibrate", rank, list(range(world_size)))
-            time_model = calibrate_move_time()
-            if rank == 0:
-                (sub / f"{name}.time_model.json").write_text(json.dumps(asdict(time_model)))
-            for path in PATHS:
+            # the paths take turns going first (the load drifts within a scenario too)
+            for path in PATHS[repeat % len(PATHS):] + PATHS[:repeat % len(PATHS)]:
+                time_model = None
+                if path == "in_memory":
+                    # the move-time coefficients, measured on the 4 processes right before the
+                    # move (the machine is shared: its load, and every rate, changes by the minute)
+                    regroup(sub, f"{name}-calibrate", rank, list(range(world_size)))
+                    time_model = calibrate_move_time()
+                    if rank == 0:
+                        (sub / f"{name}.time_model.json").write_text(
+                            json.dumps(asdict(time_model)))
                 _one(rank, name, path, sub, tmp, time_model)
                 gc.collect()
     regroup(Path(out_dir), "end", rank, list(range(world_size)))

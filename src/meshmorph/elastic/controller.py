@@ -233,6 +233,7 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
     where the move's group already has Plan B's processes in Plan B's rank order, Plan B runs
     over it too: no process group is formed that need not be."""
     from meshmorph.run.engine import build_engine
+    from meshmorph.run.materialize import state_installed_after
 
     times: dict[str, float] = {}
     clock = time.perf_counter()
@@ -294,8 +295,9 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
         joined = regroup(store_dir, f"{tag}-run", me, processes_b)
     lap("group")
     if joined:
-        new_engine = build_engine(request.model, request.plan_b, request.optim, seed=request.seed,
-                                  device=device or torch.device("cpu"))
+        with state_installed_after():  # every value is written by install_state below
+            new_engine = build_engine(request.model, request.plan_b, request.optim,
+                                      seed=request.seed, device=device or torch.device("cpu"))
         lap("build")
         install_state(new_engine, merge_pieces(held, received, from_checkpoint), small)
         lap("install")

@@ -191,6 +191,7 @@ class ElasticSession:
         its move included (``choose_plan``, over the ``total_steps`` left; without them, the
         planner's fastest). The store then holds the new plan's state at that step alone."""
         from meshmorph.run.engine import build_engine
+        from meshmorph.run.materialize import state_installed_after
 
         inventories = gather_inventories(self.store, self.local)
         if all(inv.empty for inv in inventories):
@@ -214,7 +215,8 @@ class ElasticSession:
         wanted = [r for r in old_ranks_read(model, plan_a, plan_b, new_rank=rank,
                                             old_rank=old_rank, local=local) if r not in local]
         pulled = pull_files(self.store, inventories, step, wanted)
-        engine = build_engine(model, plan_b, optim, seed=seed, device=device)
+        with state_installed_after():  # every value is written by restore_from_store
+            engine = build_engine(model, plan_b, optim, seed=seed, device=device)
         report = restore_from_store(self.store, new_rank=rank, old_rank=old_rank, step=step,
                                     model=model, plan_b=plan_b, engine=engine, plan_a=plan_a,
                                     pulled=pulled, local_ranks=local)

@@ -13,17 +13,23 @@ gradients are clipped and one AdamW per mesh (a ``ShardedAdamW`` over the layer'
 ZeRO-1 layers) steps; ZeRO-2 layers keep their gathered parameters to the end of the step, as in
 the uniform engine.
 
-With pp > 1 (gpipe or 1f1b, one chunk per pipeline rank) each rank builds its stage's chunk on
-its stage's slices of the layouts' meshes and torch pipelining runs the micro-batches: every
-stage's output moves back to the data layout (run/layerwise_model.py), the last stage's loss is
-its data-layout block's mean over m x dp, and torch's own 1/m division is off (it would miss
-ZeRO-2's sharded gradients, whose gathered copies are registered at the step's end).
+With pp > 1 each rank builds its chunks (one under gpipe, 1f1b and zb; vpp under interleaved,
+chunk c on rank c % pp; two in a V under zbv and dualpipev, chunks r and 2 pp - 1 - r), each
+chunk's layers under their own strategies on the rank's stage slices of the layouts' meshes,
+and torch pipelining runs the micro-batches (run/pipeline.py's ``build_schedule``, as for a
+uniform plan): every chunk's output moves back to the data layout (run/layerwise_model.py), the
+last chunk's loss is its data-layout block's mean over m x dp, and torch's own 1/m division is
+off (it would miss ZeRO-2's sharded gradients, whose gathered copies are registered at the
+step's end). Under the schedules that split backward into input- and weight-gradient passes
+(zb, zbv, dualpipev), ZeRO-2 layers accumulate over the step and reduce-scatter once after the
+last weight pass (run/layerwise_pipeline.py); ZeRO 0/1 layers are reduced after the schedule
+anyway, and ZeRO-3 layers are refused there.
 
-Checkpoints: ``part_optimizers`` lists every optimizer over the one chunk, so run/checkpoint.py
-saves them as one state dict keyed by parameter names, which any other plan loads.
+Checkpoints: ``part_optimizers`` lists each chunk's optimizers, so run/checkpoint.py saves them
+as one state dict keyed by parameter names, which any other plan loads.
 
-Refused here (a clear PlanError before any process group work): pipelines under interleaved,
-zero-bubble or V schedules, a tied embedding and head with pp > 1, sequence parallelism, fp16
+Refused here (a clear PlanError before any process group work): ZeRO-3 layers under
+zb, zbv or dualpipev, a tied embedding and head with pp > 1, sequence parallelism, fp16
 loss scaling, a tied embedding and head under different tp or ZeRO, or under ZeRO 2/3.
 """
 
@@ -53,6 +59,7 @@ from meshmorph.run.layerwise_parallelize import (
     parallelize_layerwise,
     stage_degrees,
 )
+from meshmorph.run.layerwise_pipeline import hold_reduction, reduce_held
 from meshmorph.run.loss import token_cross_entropy
 from meshmorph.run.mesh import build_mesh
 from meshmorph.run.models import build_chunk
@@ -60,11 +67,10 @@ from meshmorph.run.parallelize import TORCH_DTYPES
 from meshmorph.run.pipeline import build_schedule, io_dtypes
 from meshmorph.run.zero1 import ShardedAdamW
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import Plan
+from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, Plan
 
 PIPELINE_SCHEDULES = RUNNABLE_PIPELINE_SCHEDULES
-"""The pipeline schedules a layerwise plan with pp > 1 runs (one chunk per pipeline rank, one
-backward per micro-batch)."""
+"""The pipeline schedules a layerwise plan with pp > 1 runs (plan/layerwise_runnable.py)."""
 
 
 def is_layerwise(plan: Plan) -> bool:
@@ -89,31 +95,45 @@ class LayerwiseEngine(TrainEngine):
         self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp  # the trainer's data layout
         self.layouts = LayerLayouts(plan.tp * plan.dp, stage_degrees(plan), device.type,
                                     pp=plan.pp, pp_rank=mesh.pp_rank)
-        stage = plan.stages[mesh.pp_rank]
-        chunk = build_chunk(spec, stage.start, stage.stop, seed=seed, device="meta")
-        self.units: list[LayerUnit] = parallelize_layerwise(chunk, spec, plan, stage,
-                                                            self.layouts, seed=seed,
-                                                            device=device)
-        boundary = None
-        if plan.pp > 1:  # the dtype torch pipelining sends (hidden state or logits)
-            hidden, logits = io_dtypes(plan)
-            boundary = logits if mesh.pp_rank == plan.pp - 1 else hidden
-        self.runner = LayerwiseRunner(chunk, self.units, self.layouts, plan.tp,
-                                      boundary_dtype=boundary)
-        self.model_parts = [chunk]
-        self._runners = [self.runner]
-        self.chunk_ids = [mesh.pp_rank]
-        self._params = [[p for unit in self.units for p in unit.params]]
-        self.optimizers, self.lr_schedulers = self._make_optimizers()
-        self.part_optimizers = [self.optimizers]
-        """The optimizers over each model part, for checkpoints (run/checkpoint.py): all of
-        them over the one chunk, saved as one state dict keyed by parameter names."""
-        self.has_first, self.has_last = mesh.pp_rank == 0, mesh.pp_rank == plan.pp - 1
+        self.chunk_ids = plan.chunks_of(mesh.pp_rank)
+        hidden, logits = io_dtypes(plan)  # the dtypes torch pipelining sends
+        chunks: list[nn.Module] = []
+        self._runners: list[LayerwiseRunner] = []
+        self._chunk_units: list[list[LayerUnit]] = []
+        for index in self.chunk_ids:  # every chunk on this pipeline rank's layouts
+            stage = plan.stages[index]
+            chunk = build_chunk(spec, stage.start, stage.stop, seed=seed, device="meta")
+            units = parallelize_layerwise(chunk, spec, plan, stage, self.layouts, seed=seed,
+                                          device=device)
+            boundary = None
+            if plan.pp > 1:  # a stage's output: the hidden state, or the last chunk's logits
+                boundary = logits if index == plan.num_chunks - 1 else hidden
+            self._runners.append(LayerwiseRunner(chunk, units, self.layouts, plan.tp,
+                                                 boundary_dtype=boundary))
+            chunks.append(chunk)
+            self._chunk_units.append(units)
+        self.units: list[LayerUnit] = [u for units in self._chunk_units for u in units]
+        self.runner = self._runners[0]
+        self.model_parts = chunks
+        self._params = [[p for unit in units for p in unit.params]
+                        for units in self._chunk_units]
+        self.part_optimizers: list[list[torch.optim.Optimizer]] = []
+        """The optimizers over each model part, for checkpoints (run/checkpoint.py): each
+        chunk's, saved as one state dict keyed by parameter names."""
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.lr_schedulers: list[torch.optim.lr_scheduler.LRScheduler] = []
+        for units in self._chunk_units:
+            optimizers, schedulers = self._make_optimizers(units)
+            self.part_optimizers.append(optimizers)
+            self.optimizers += optimizers
+            self.lr_schedulers += schedulers
+        self.has_first = 0 in self.chunk_ids
+        self.has_last = plan.num_chunks - 1 in self.chunk_ids
         self.scaler = None
         self.schedule = None
         if plan.pp > 1:
-            self.schedule = build_schedule([self.runner], self.chunk_ids, spec, plan, mesh,
-                                           device, self._stage_loss)
+            self.schedule = build_schedule(list(self._runners), self.chunk_ids, spec, plan,
+                                           mesh, device, self._stage_loss)
             # the loss carries the 1/m (as without a pipeline): torch's own division runs over
             # the parameters registered at the step's end, which are not ZeRO-2's sharded ones
             self.schedule.scale_grads = False
@@ -124,20 +144,25 @@ class LayerwiseEngine(TrainEngine):
         self._fsdp_modules = [u.module for u in self.units if isinstance(u.module, FSDPModule)]
         self._zero2 = [u.module for u in self.units
                        if u.fsdp and u.strategy.zero == 2 and isinstance(u.module, FSDPModule)]
+        self._split_backward = plan.pp > 1 and plan.schedule in SPLIT_BACKWARD_SCHEDULES
+        """Whether the schedule splits backward into input- and weight-gradient passes: ZeRO-2
+        layers then reduce once after the step's last weight pass (run/layerwise_pipeline.py)."""
         self.capture_state = True
         self.captured_state = None
         self.state_written = False
 
-    def _make_optimizers(self) -> tuple[list[torch.optim.Optimizer],
-                                        list[torch.optim.lr_scheduler.LRScheduler]]:
-        """One AdamW per group of layers sharing a mesh and a kind of parameter (plain tensors,
-        tp DTensors, FSDP2 shards); a ShardedAdamW over the dp group of each ZeRO-1 layout."""
+    def _make_optimizers(self, units: list[LayerUnit]
+                         ) -> tuple[list[torch.optim.Optimizer],
+                                    list[torch.optim.lr_scheduler.LRScheduler]]:
+        """One AdamW per group of a chunk's ``units`` sharing a mesh and a kind of parameter
+        (plain tensors, tp DTensors, FSDP2 shards); a ShardedAdamW over the dp group of each
+        ZeRO-1 layout."""
         optim = self.optim
         kw = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
                   weight_decay=optim.weight_decay)
         fused = self.device.type == "cuda"
         groups: dict[tuple[int, str], list[nn.Parameter]] = {}
-        for unit in self.units:
+        for unit in units:
             kind = "fsdp" if unit.fsdp else "zero1" if unit.reduces_by_hand and \
                 unit.strategy.zero == 1 else "whole"
             groups.setdefault((unit.strategy.tp, kind), []).extend(unit.params)
@@ -183,11 +208,15 @@ class LayerwiseEngine(TrainEngine):
         losses (zero off the last stage)."""
         for module in self._zero2:
             module.set_reshard_after_backward(False)  # gathered once, kept to the step's end
+        if self._split_backward:  # reduced once, after every weight-gradient pass
+            hold_reduction(self._zero2)
         losses: list[torch.Tensor] = []
         with self._autocast():
             self.schedule.step(*((inputs,) if self.has_first else ()),  # type: ignore[union-attr]
                                target=labels if self.has_last else None,
                                losses=losses if self.has_last else None)
+        if self._split_backward:
+            reduce_held(self._zero2)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in losses:
             total += loss.detach().double() * (self.plan.num_microbatches * self.plan.dp)
@@ -202,7 +231,7 @@ class LayerwiseEngine(TrainEngine):
         self._align_grads()
         self._grad_norm = layerwise_grad_norm(self.units, self.device)
         if self.optim.grad_clip > 0:
-            grads = [p.grad for p in self._params[0] if p.grad is not None]
+            grads = [p.grad for params in self._params for p in params if p.grad is not None]
             coef = self.optim.grad_clip / (self._grad_norm + 1e-6)
             if coef < 1.0:  # torch's clip_grad_norm_ rule
                 torch._foreach_mul_([_local(g) for g in grads], coef)

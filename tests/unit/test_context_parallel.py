@@ -11,6 +11,7 @@ from meshmorph.cost import comm
 from meshmorph.cost.context_parallel import kv_bytes, ring_step_flops, ring_time
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.rank_state import predict_rank_state
+from meshmorph.cost.rank_terms import head_loss_bytes, ring_buffer_bytes
 from meshmorph.elastic.layout import layout_of
 from meshmorph.plan.search import search
 from meshmorph.plan.space import SearchOptions, configurations
@@ -85,10 +86,17 @@ def test_cp_2_halves_activation_bytes_and_flops() -> None:
         assert two.flops == one.flops / 2
     one = cost.estimate(_plan(cp=1, dp=2))
     two = cost.estimate(_plan(cp=2, dp=1, global_batch=1))
-    # half the stored bytes, plus the ring's receive buffers (next K/V and their gradients)
-    buffers = 2 * kv_bytes(MODEL, 1, 1, 2, 2.0)
-    assert two.memory[0].activations == pytest.approx(one.memory[0].activations / 2 + buffers,
+    assert two.memory[0].activations == pytest.approx(one.memory[0].activations / 2,
                                                       rel=1e-12)
+    # the ring's receive buffers (next K/V and their gradients) sit with the rank's fixed bytes,
+    # as the head's loss buffers (which cp halves too) do
+    buffers = 2 * kv_bytes(MODEL, 1, 1, 2, 2.0)
+    plan_one, plan_two = _plan(cp=1, dp=2), _plan(cp=2, dp=1, global_batch=1)
+    fixed_one = one.memory[0].reserved - head_loss_bytes(cost, plan_one, 0)
+    fixed_two = two.memory[0].reserved - head_loss_bytes(cost, plan_two, 0)
+    assert head_loss_bytes(cost, plan_two, 0) == head_loss_bytes(cost, plan_one, 0) / 2
+    assert ring_buffer_bytes(cost, plan_two) == buffers
+    assert fixed_two - fixed_one == pytest.approx(buffers, rel=1e-9)
 
 
 def test_the_ring_by_hand_on_a_slow_link() -> None:
@@ -219,3 +227,30 @@ def test_the_tied_embedding_sync_and_fit_advice_count_dp_x_cp() -> None:
     from meshmorph.plan.report import fit_advice
 
     assert "--cp 2 with --dp 1" in fit_advice(plans[0])
+
+
+@pytest.mark.timeout(240)
+def test_exact_planner_equals_the_independent_brute_force_with_cp_searched() -> None:
+    """The independent brute force of test_planner_exact_independent.py (its own enumeration of
+    cp: powers of two dividing the ranks of a tp group, 2 cp dividing the sequence) against the
+    planner, on its random instances with cp searched at every sequence length."""
+    import random
+
+    import test_planner_exact_independent as independent
+
+    rng = random.Random(20_251_124)
+    compared = with_cp = 0
+    while compared < 40:
+        case = independent.random_case(rng)
+        case = replace(case, options=replace(case.options, cp_min_seq_len=0))
+        if independent.count_plans(case) > independent.MAX_PLANS:
+            continue
+        brute, _ = independent.brute_force_step(case)
+        found = independent.planner_best(case)
+        assert (found is None) == (brute is None), case
+        if found is not None:
+            assert found[1] == pytest.approx(brute, rel=1e-9), case
+            with_cp += found[0].cp > 1
+        compared += 1
+    print(f"{compared} instances, {with_cp} best with cp > 1")
+    assert with_cp >= 3, with_cp  # the draw really exercises cp

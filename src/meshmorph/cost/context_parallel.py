@@ -15,7 +15,9 @@ values go round the ring in ``cp - 1`` steps per block,
   backward (twice the FLOPs);
 
 so a step's transfer is exposed only where it is longer than its attention block. Recompute
-(selective or full) runs the forward's ring again inside the backward. The ring's link is the
+(selective or full) runs the forward's ring again inside the backward. The receive buffers (the
+next K/V block and its gradients, ``2 x kv_bytes``) are the same for every block: a constant of
+the rank (cost/rank_terms.ring_buffer_bytes), not a layer's working set. The ring's link is the
 node's own while ``tp x cp`` ranks fit in a node (tp innermost, then cp), else the NIC's.
 """
 
@@ -58,8 +60,6 @@ class RingTime:
     """What the forward's transfers add to the step: per step, the transfer beyond its block."""
     bwd_exposed_s: float
     """What the backward's transfers add (recompute's forward ring not included)."""
-    buffer_bytes: float
-    """Receive buffers alive during the backward: the next K/V block and its gradients."""
 
 
 def ring_time(model: ModelSpec, *, micro_batch: int, tp: int, cp: int, element_bytes: float,
@@ -67,7 +67,7 @@ def ring_time(model: ModelSpec, *, micro_batch: int, tp: int, cp: int, element_b
     """The ring exchange of one block (module docstring); zero at cp 1. ``flops_per_s``: the
     attention kernel's achieved rate on this rank, ``link``: the cp group's link."""
     if cp <= 1:
-        return RingTime(0.0, 0.0, 0.0, 0.0, 0.0)
+        return RingTime(0.0, 0.0, 0.0, 0.0)
     nbytes = kv_bytes(model, micro_batch, tp, cp, element_bytes)
     transfer = comm.p2p(nbytes, link)  # send to the next rank and receive from the previous
     block = ring_step_flops(model, micro_batch, tp, cp) / flops_per_s
@@ -78,5 +78,4 @@ def ring_time(model: ModelSpec, *, micro_batch: int, tp: int, cp: int, element_b
         bwd_transfer_s=steps * back,
         fwd_exposed_s=steps * max(transfer - block, 0.0),
         bwd_exposed_s=steps * max(back - 2 * block, 0.0),
-        buffer_bytes=2 * nbytes,
     )

@@ -169,9 +169,9 @@ class LayerCoster:
             self.model, micro_batch=micro_batch, tp=tp, cp=self.cp, element_bytes=element_bytes,
             flops_per_s=peak * eff, link=self.cp_link(gpu.name, tp)) \
             if self.cp > 1 and layer.kind == LayerKind.BLOCK else None
-        ring_f = ring_b = ring_buffer = 0.0
+        ring_f = ring_b = 0.0
         if ring is not None:
-            ring_f, ring_buffer = ring.fwd_exposed_s, ring.buffer_bytes
+            ring_f = ring.fwd_exposed_s
             ring_b = ring.bwd_exposed_s + (ring_f if recompute != Recompute.NONE else 0.0)
         bgrad = wgrad_c + re_c + bwd_comm + ring_b
         wgrad = wgrad_c
@@ -186,7 +186,7 @@ class LayerCoster:
             recompute_s=re_c,
             tp_comm_s=fwd_comm + bwd_comm,
             activation_bytes=act,
-            working_bytes=max(0.0, full - act) + ring_buffer,
+            working_bytes=max(0.0, full - act),
             flops=3 * fwd_flops + re_flops,
             cp_comm_s=ring_f + ring_b,
         )

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from meshmorph.cost.context_parallel import kv_bytes
 from meshmorph.cost.pipeline import weight_copies
 from meshmorph.cost.state import MASTER_BYTES, compute_bytes
 from meshmorph.schedule.simulator import schedule_program
@@ -102,9 +103,19 @@ def rank_memory_terms(cost: CostModel, plan: Plan, pp_rank: int, gpu: GPUSpec) -
         if gathering else 0.0,
         reserved_bytes=cost.coef.context_bytes + cost.coef.memory_reserve_fraction * gpu.memory_bytes
         + tp_overlap_buffer_bytes(cost, plan)
-        + head_loss_bytes(cost, plan, pp_rank),
+        + head_loss_bytes(cost, plan, pp_rank) + ring_buffer_bytes(cost, plan),
         budget_bytes=gpu.memory_bytes,
     )
+
+
+def ring_buffer_bytes(cost: CostModel, plan: Plan) -> float:
+    """Receive buffers of context parallelism's ring (cost/context_parallel.py): the next K/V
+    block and its gradients while a block runs, the same for every block, so a constant of the
+    rank rather than a layer's working set (the planner's rule that a layer without recompute
+    rematerialises nothing holds); 0 at cp 1."""
+    if plan.cp == 1:
+        return 0.0
+    return 2 * kv_bytes(cost.model, plan.micro_batch, plan.tp, plan.cp, compute_bytes(plan.dtype))
 
 
 def head_loss_bytes(cost: CostModel, plan: Plan, pp_rank: int) -> float:

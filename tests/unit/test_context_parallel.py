@@ -60,6 +60,17 @@ def test_bad_cp_is_refused_naming_the_constraint(cp: int, match: str) -> None:
         Plan(model="m", seq_len=1000 if cp != 32 else 32, global_batch=1, cp=cp)
 
 
+def test_sequence_parallel_needs_tp_to_divide_each_ranks_tokens() -> None:
+    model = build_transformer(TransformerShape(name="cp-sp", arch="llama", num_layers=1,
+                                               hidden_size=256, num_heads=4, num_kv_heads=4,
+                                               vocab_size=512, seq_len=48))
+    plan = Plan(model=model.name, seq_len=48, global_batch=1, tp=4, cp=8,
+                sequence_parallel=True).with_even_stages(model)  # 48 / 8 = 6 tokens, tp 4
+    with pytest.raises(PlanError, match="divide the 6 tokens each of cp 8 ranks holds"):
+        plan.check_against(model)
+    replace(plan, cp=4).check_against(model)  # 12 tokens: tp 4 divides them
+
+
 # --- pricing by hand --------------------------------------------------------------------------
 def test_cp_1_prices_as_a_plan_that_never_names_cp() -> None:
     cost = CostModel(MODEL, parse_cluster("h100:1x8"))

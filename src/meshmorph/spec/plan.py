@@ -347,6 +347,10 @@ class Plan:
                             f"meshmorph cannot split over the sequence; use cp 1")
         if self.sequence_parallel and self.seq_len % self.tp:
             raise PlanError(f"sequence parallel needs tp {self.tp} to divide seq_len {self.seq_len}")
+        if self.sequence_parallel and self.cp > 1 and (self.seq_len // self.cp) % self.tp:
+            raise PlanError(f"sequence parallel needs tp {self.tp} to divide the "
+                            f"{self.seq_len // self.cp} tokens each of cp {self.cp} ranks holds; "
+                            f"choose a tp or cp that divides them, or turn sequence parallel off")
         if self.schedule in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.INTERLEAVED) \
                 and self.pp > 1 and self.num_microbatches < self.pp:
             raise PlanError(

@@ -58,16 +58,72 @@ def test_a_pipeline_of_layerwise_stages_is_accepted_under_gpipe_and_1f1b() -> No
         validate_plan(_llama(), plan, 4)
 
 
-def test_layerwise_pipelines_under_other_schedules_are_refused() -> None:
-    for schedule, kw in (("interleaved", {"vpp": 2}), ("zb", {})):
-        plan = Plan(model="llama-tiny", seq_len=16, dp=2, pp=2, global_batch=8,
-                    num_microbatches=4, dtype="fp32", schedule=schedule,
-                    **kw).with_even_stages(_llama())  # type: ignore[arg-type]
-        plan = replace(plan, stages=tuple(replace(stage, layer_strategies=tuple(
-            LayerStrategy(tp=1, dp=2, zero=0) for _ in range(stage.stop - stage.start)))
-            for stage in plan.stages))
-        with pytest.raises(PlanError, match="gpipe or 1f1b with one chunk"):
-            validate_plan(_llama(), plan, 4)
+SPLIT_MIXED = [(1, 2, 0), (2, 1, 0), (1, 2, 2), (2, 1, 0), (1, 2, 1), (1, 2, 2)]
+"""Mixed layers without ZeRO-3: every pipeline schedule runs them."""
+SHAPES = [("zb", 1), ("interleaved", 2), ("zbv", 2), ("dualpipev", 2)]
+
+
+@pytest.mark.parametrize(("schedule", "vpp"), SHAPES)
+def test_layerwise_pipelines_run_under_zero_bubble_interleaved_and_v(schedule: str,
+                                                                     vpp: int) -> None:
+    plan = _mixed_llama(SPLIT_MIXED, dp=2, pp=2, vpp=vpp, global_batch=8, num_microbatches=4,
+                        schedule=schedule)
+    assert len(plan.stages) == 2 * vpp
+    validate_plan(_llama(), plan, 4)
+
+
+@pytest.mark.parametrize(("schedule", "vpp"), SHAPES)
+def test_a_zero3_layer_is_refused_only_under_a_split_backward_schedule(schedule: str,
+                                                                       vpp: int) -> None:
+    plan = _mixed_llama(PP2_MIXED, dp=2, pp=2, vpp=vpp, global_batch=8, num_microbatches=4,
+                        schedule=schedule)  # layer 2: ZeRO-3 over dp 2
+    if schedule == "interleaved":  # one full backward per micro-batch: FSDP2's own hooks
+        validate_plan(_llama(), plan, 4)
+        return
+    with pytest.raises(PlanError, match=f"layer 2 .* ZeRO-3 over dp 2 under schedule {schedule}"):
+        validate_plan(_llama(), plan, 4)
+    zero2 = [(t, d, 2 if z == 3 else z) for t, d, z in PP2_MIXED]  # the way out it names
+    validate_plan(_llama(), _mixed_llama(zero2, dp=2, pp=2, vpp=vpp, global_batch=8,
+                                         num_microbatches=4, schedule=schedule), 4)
+
+
+def test_async_layerwise_pipelines_are_refused() -> None:
+    plan = _mixed_llama(SPLIT_MIXED, dp=2, pp=2, global_batch=8, num_microbatches=4,
+                        schedule="async")
+    from meshmorph.run.layerwise_engine import validate_layerwise
+
+    with pytest.raises(PlanError, match="run the schedules gpipe, 1f1b, zb, interleaved, zbv"):
+        validate_layerwise(_llama(), plan)
+
+
+def test_v_chunks_on_one_rank_hand_over_without_a_send() -> None:
+    """Under zbv the middle rank holds chunks 1 and 2, neighbours on one rank: their sends are
+    the two pipeline ends only; interleaved places neighbours on other ranks."""
+    model = _llama()
+    bsh = 1 * 16 * 64 * 4  # micro_batch x seq x hidden, fp32
+    sends = {}
+    for schedule in ("zbv", "interleaved"):
+        plan = _mixed_llama(SPLIT_MIXED, dp=2, pp=2, vpp=2, global_batch=8, num_microbatches=4,
+                            schedule=schedule)
+        sends[schedule] = [predict_layerwise_rank_state(model, plan, r)["comm_bytes"]["send_recv"]  # type: ignore[index]
+                           for r in (0, 2)]
+    m, handshake = 4, 4
+    # zbv: rank 0 holds chunks 0 and 3 (one neighbour each), the middle rank 1 and 2
+    assert sends["zbv"] == [2 * (handshake + m * bsh)] * 2
+    # interleaved: chunks 0, 2 on rank 0 (1 + 2 neighbours), 1, 3 on rank 1 (2 + 1)
+    assert sends["interleaved"] == [3 * (handshake + m * bsh)] * 2
+
+
+def test_a_zero2_layer_under_zb_reduce_scatters_once_per_step() -> None:
+    model = _llama()
+    kw = dict(dp=2, pp=2, global_batch=8, num_microbatches=4)
+    zb = predict_layerwise_rank_state(model, _mixed_llama(SPLIT_MIXED, schedule="zb", **kw), 0)
+    one = predict_layerwise_rank_state(model, _mixed_llama(SPLIT_MIXED, schedule="1f1b", **kw),
+                                       0)
+    # 1f1b: FSDP2's hooks reduce-scatter the ZeRO-2 layer after each of the 4 micro-batches
+    assert one["comm_bytes"]["reduce_scatter"] == 4 * zb["comm_bytes"]["reduce_scatter"] > 0  # type: ignore[index]
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+        assert zb[key] == one[key]
 
 
 def test_a_tied_embedding_in_a_layerwise_pipeline_is_refused() -> None:

@@ -26,6 +26,7 @@ from meshmorph.spec.plan import (
     LayerStrategy,
     Plan,
     PlanError,
+    Schedule,
 )
 
 
@@ -91,6 +92,44 @@ def test_the_wide_search_picks_a_v_plan_and_the_default_a_runnable_one() -> None
     assert default.plan.pp == 1 or default.plan.schedule in RUNNABLE_PIPELINE_SCHEDULES
     assert not default.plan.sequence_parallel
     assert default.estimate.step_time_s >= wide.estimate.step_time_s  # a smaller space
+
+
+def test_every_synchronous_pipeline_schedule_is_runnable() -> None:
+    assert set(RUNNABLE_PIPELINE_SCHEDULES) == set(Schedule) - {Schedule.ASYNC}
+
+
+def test_the_default_search_offers_the_v_plan_the_wide_one_picks() -> None:
+    from meshmorph.run.layerwise_engine import validate_layerwise
+
+    model = load_model("llama2-7b", 2048)
+    cluster = parse_cluster("a100-80g:2x8")
+    cost = CostModel(model, cluster)
+    options = SearchOptions(top_k=1)
+    wide = search_layerwise(model, cluster, global_batch=64, options=options, cost=cost,
+                            runnable=False)
+    assert wide.plan.schedule in V_SCHEDULES and not wide.plan.sequence_parallel
+    default = search_layerwise(model, cluster, global_batch=64, options=options, cost=cost)
+    assert default.runnable and default.plan.schedule in V_SCHEDULES
+    assert default.estimate.step_time_s == wide.estimate.step_time_s
+    if any(st.layer_strategies for st in default.plan.stages):
+        validate_layerwise(model, default.plan)
+
+
+@pytest.mark.parametrize("schedule", ["zb", "zbv", "dualpipev"])
+def test_split_backward_searches_offer_no_zero3_layer(schedule: str) -> None:
+    """Under a schedule that splits backward, the default search gives no layer ZeRO-3 over
+    dp > 1 (the runtime refuses it): with only ZeRO-3 allowed, every layer runs dp 1."""
+    model = catalog_model("llama-tiny")
+    cluster = parse_cluster("a100-80g:1x4")
+    options = SearchOptions(top_k=1, zero_stages=(3,), schedules=(Schedule(schedule),),
+                            pp_degrees=(2,))
+    result = search_layerwise(model, cluster, global_batch=8, options=options)
+    plan = result.plan
+    assert result.runnable and plan.schedule == schedule and plan.pp == 2
+    layers = [s for st in plan.stages for s in st.layer_strategies or ()] or \
+        [LayerStrategy(tp=plan.tp, dp=plan.dp, zero=plan.zero)]
+    assert all(s.zero != 3 or s.dp == 1 for s in layers), layers
+    assert layerwise_runnable(model, plan)
 
 
 def test_a_sequence_parallel_layerwise_plan_is_priced_but_flagged_not_runnable() -> None:

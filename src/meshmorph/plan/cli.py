@@ -215,9 +215,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="the layerwise search restricted to one strategy per stage")
     plan.add_argument("--layerwise-schedules", choices=("runnable", "all"), default="runnable",
                       help="with --layerwise: 'runnable' (default) searches only plans meshmorph "
-                           "runs (gpipe/1f1b, no sequence parallel, pp 1 for tied embeddings); "
-                           "'all' also prices interleaved, zero-bubble, zbv and dualpipev "
-                           "layerwise plans, which the runtime does not run yet")
+                           "runs (no sequence parallel, pp 1 for tied embeddings); 'all' also "
+                           "prices sequence-parallel layerwise plans and pipelines of tied "
+                           "embeddings, which the runtime does not run yet")
     plan.add_argument("--allow-async", action="store_true",
                       help="also consider schedule async (1F1B without flush, stale weights: "
                            "not the same math as one device; priced by the event simulator in "

@@ -49,7 +49,7 @@ def plan_layerwise(args: argparse.Namespace, model: ModelSpec, cluster: Cluster,
         console.print(f"layerwise search: {choice.layerwise_error}")
     if not choice.runnable:
         console.print("[yellow]this plan cannot be run yet[/]: the layerwise runtime runs "
-                      "gpipe/1f1b pipelines without sequence parallelism; plan with "
+                      "pipelines without sequence parallelism, untied for pp > 1; plan with "
                       "--layerwise-schedules runnable for one it runs")
     if result is not None:
         console.print(f"layerwise: {result.configurations} configurations, "

@@ -6,7 +6,12 @@ cannot drift. Pure Python (no torch): the planner imports it.
 
 The runtime runs a plan with per-layer strategies when
 
-- pp = 1, or pp > 1 under GPipe or 1F1B with one chunk per pipeline rank;
+- pp = 1, or pp > 1 under GPipe, 1F1B or zero-bubble (ZB-H1) with one chunk per pipeline
+  rank, interleaved 1F1B (vpp > 1, chunk c on rank c % pp), or ZBV and DualPipeV (vpp 2, rank r
+  holding chunks r and 2 pp - 1 - r);
+- under the schedules that split backward into input- and weight-gradient passes (zb, zbv,
+  dualpipev), no layer runs ZeRO-3 over more than one rank (torch pipelining's weight pass
+  would miss the gathered parameters FSDP2 frees after forward; run/layerwise_pipeline.py);
 - the model does not tie its embedding and head, or pp = 1 and the two layers share tp and ZeRO
   stage, a ZeRO stage below 2 when they have dp > 1 (FSDP2 cannot shard one matrix for two
   layers run apart);
@@ -18,21 +23,28 @@ The runtime runs a plan with per-layer strategies when
 from __future__ import annotations
 
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import LayerStrategy, Plan, PlanError, Schedule
+from meshmorph.spec.plan import (
+    SPLIT_BACKWARD_SCHEDULES,
+    LayerStrategy,
+    Plan,
+    PlanError,
+    Schedule,
+)
 
-RUNNABLE_PIPELINE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
-"""The pipeline schedules a layerwise plan with pp > 1 runs (one chunk per pipeline rank, one
-backward per micro-batch)."""
+RUNNABLE_PIPELINE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE,
+                               Schedule.INTERLEAVED, Schedule.ZBV, Schedule.DUALPIPEV)
+"""The pipeline schedules a layerwise plan with pp > 1 runs: one chunk per pipeline rank (gpipe,
+1f1b, zb), vpp chunks per rank (interleaved) or two in a V (zbv, dualpipev)."""
 
 
 def runnable_shape_refusal(model: ModelSpec, plan: Plan) -> str | None:
     """Why no plan of ``plan``'s shape (pp, vpp, schedule, sequence parallelism, dtype) may list
     per-layer strategies, naming a way out; None when some may."""
-    if plan.num_chunks > plan.pp or (plan.pp > 1
-                                     and plan.schedule not in RUNNABLE_PIPELINE_SCHEDULES):
-        return (f"layerwise plans run pp 1, or pp > 1 under schedule gpipe or 1f1b with one "
-                f"chunk per pipeline rank (this one has pp {plan.pp}, vpp {plan.vpp}, schedule "
-                f"{plan.schedule}); set schedule '1f1b' and vpp 1, or drop layer_strategies")
+    if plan.pp > 1 and plan.schedule not in RUNNABLE_PIPELINE_SCHEDULES:
+        names = ", ".join(str(s) for s in RUNNABLE_PIPELINE_SCHEDULES)
+        return (f"layerwise plans with pp > 1 run the schedules {names} (this one has pp "
+                f"{plan.pp}, vpp {plan.vpp}, schedule {plan.schedule}); set one of them, or "
+                "drop layer_strategies")
     if plan.pp > 1 and model.tied_embeddings:
         return (f"{model.name} ties its embedding and head, which a layerwise pipeline puts on "
                 "different stages under their own layouts; layerwise plans with pp > 1 need "
@@ -62,6 +74,21 @@ def tied_ends_refusal(model: ModelSpec, embed: LayerStrategy, head: LayerStrateg
     return None
 
 
+def split_backward_refusal(plan: Plan) -> str | None:
+    """Why a layer of ``plan`` may not run under its split-backward schedule (zb, zbv,
+    dualpipev): ZeRO-3 over more than one rank; None when every layer may."""
+    if plan.pp == 1 or plan.schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return None
+    for chunk, stage in enumerate(plan.stages):
+        for offset, strategy in enumerate(stage.layer_strategies or ()):
+            if strategy.zero == 3 and strategy.dp > 1:
+                return (f"layer {stage.start + offset} (chunk {chunk}) runs ZeRO-3 over dp "
+                        f"{strategy.dp} under schedule {plan.schedule}, whose split backward "
+                        "loses ZeRO-3's weight gradients in torch pipelining; give it zero 2, "
+                        "or use schedule 1f1b or interleaved")
+    return None
+
+
 def tp_degrees_of(plan: Plan) -> set[int]:
     """Every tp degree a layerwise plan's layers use, and the plan's own (its data layout)."""
     return {plan.tp} | {s.tp for stage in plan.stages for s in stage.layer_strategies or ()}
@@ -76,6 +103,9 @@ def layerwise_refusal(model: ModelSpec, plan: Plan) -> str | None:
     if any(stage.layer_strategies is None for stage in plan.stages):
         return ("a layerwise plan lists layer_strategies on every stage or on none; give the "
                 "other stages theirs (one per layer: the stage's tp/dp/zero)")
+    split = split_backward_refusal(plan)
+    if split is not None:
+        return split
     degrees = sorted(tp_degrees_of(plan))
     for low, high in zip(degrees, degrees[1:], strict=False):
         if high % low:

@@ -252,8 +252,9 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
                      uniform_only: bool = False, runnable: bool = True) -> LayerwiseResult:
     """The fastest layerwise plan and the fastest uniform-per-stage plan (module docstring).
     With ``runnable`` (the default) only plans meshmorph runs (plan/layerwise_runnable.py):
-    GPipe and 1F1B pipelines, no sequence parallelism, pp 1 for a tied embedding and head under
-    one runnable (tp, zero); without it every schedule of the options, priced only."""
+    every pipeline schedule but async for untied embeddings, no sequence parallelism, pp 1 for a
+    tied embedding and head under one runnable (tp, zero); without it every schedule of the
+    options, priced only."""
     options = options or SearchOptions()
     started = time.perf_counter()
     if len({g.gpu.name for g in cluster.groups}) > 1:
@@ -278,19 +279,20 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
             if m > options.max_microbatches:
                 continue
             shapes = [(Schedule.ONE_F_ONE_B, 1)] if pp == 1 else []
-            if pp > 1 and runnable and not model.tied_embeddings:
-                shapes += [(s, 1) for s in RUNNABLE_PIPELINE_SCHEDULES
-                           if s in options.schedules and (m >= pp or s == Schedule.GPIPE)]
-            elif pp > 1 and not runnable:
+            # runnable: the schedules the layerwise runtime runs (untied embeddings)
+            offered = [s for s in options.schedules
+                       if not runnable or (s in RUNNABLE_PIPELINE_SCHEDULES
+                                           and not model.tied_embeddings)]
+            if pp > 1:
                 shapes += [(s, 1) for s in (Schedule.GPIPE, Schedule.ONE_F_ONE_B,
                                             Schedule.ZERO_BUBBLE)
-                           if s in options.schedules and (m >= pp or s == Schedule.GPIPE)]
-                if m >= pp and m % pp == 0 and Schedule.INTERLEAVED in options.schedules:
+                           if s in offered and (m >= pp or s == Schedule.GPIPE)]
+                if m >= pp and m % pp == 0 and Schedule.INTERLEAVED in offered:
                     shapes += [(Schedule.INTERLEAVED, v) for v in range(2, options.max_vpp + 1)
                                if model.num_blocks % (pp * v) == 0]
                 # the V schedules, as the regular planner offers them: two chunks per rank
                 shapes += [(s, 2) for s in (Schedule.ZBV, Schedule.DUALPIPEV)
-                           if s in options.schedules and model.num_blocks >= 2 * pp
+                           if s in offered and model.num_blocks >= 2 * pp
                            and (s == Schedule.ZBV or m >= 2 * pp)]
             for sp in sorted(set(options.sequence_parallel) - ({True} if runnable else set())):
                 for schedule, vpp in shapes:

@@ -1,0 +1,176 @@
+"""Layerwise plans under the zero-bubble, interleaved, ZBV and DualPipeV schedules train like one
+device, and every rank holds and sends what the cost model predicts.
+
+One spawned 4-process gloo job trains every layout below for three steps (llama-tiny, pp 2 of
+two ranks each, layers under their own tp/dp/ZeRO inside each chunk) and writes losses, gradient
+norms, final parameters and every rank's measured state of the first step. Each test then holds
+a layout to the equivalence matrix's rule against the float64 one-device run
+(tests/dist/test_layerwise_equivalence.py) and every rank's state to
+cost/layerwise_state.py (within 2%).
+
+- ``zb_pp2``: ZB-H1, one chunk per rank, a ZeRO-2 layer beside tp2 and ZeRO-0/1 ones in each
+  stage (ZeRO-2 reduced once after the last weight-gradient pass);
+- ``zb_pp2_tp_data``: ZB-H1 with the batch cut tp2 (dp 1), dp2 ZeRO-2 layers inside;
+- ``interleaved_pp2_vpp2``: chunk c on rank c % 2, ZeRO-3 and ZeRO-2 layers (full backward);
+- ``zbv_pp2``: rank r holds chunks r and 3 - r, the last chunk (head) on rank 0;
+- ``dualpipev_pp2``: the same V under DualPipeV, the batch cut tp2.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import traceback
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from reference import ReferenceRun
+from test_equivalence import OPTIM, violations
+from test_layerwise_equivalence import SEED, TOLERANCE, WORLD, _expectation, _reports, batches
+
+from meshmorph.spec.catalog import catalog_model
+from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import LayerStrategy, Plan
+
+SEQ = 16
+
+
+def _chunks(model: ModelSpec, chunks: list[list[tuple[int, int, int]]], **kw: object) -> Plan:
+    """A plan of even chunks (``kw``: pp, vpp, schedule, batch), chunk c's layers under
+    ``chunks[c]`` (tp, dp, zero)."""
+    plan = Plan(model=model.name, seq_len=model.seq_len, dtype="fp32", **kw  # type: ignore[arg-type]
+                ).with_even_stages(model)
+    assert len(plan.stages) == len(chunks)
+    return replace(plan, stages=tuple(
+        replace(stage, layer_strategies=tuple(LayerStrategy(tp=t, dp=d, zero=z)
+                                              for t, d, z in strategies))
+        for stage, strategies in zip(plan.stages, chunks, strict=True)))
+
+
+def layouts() -> dict[str, tuple[ModelSpec, Plan]]:
+    llama = catalog_model("llama-tiny", seq_len=SEQ)  # embedding, 4 blocks, head
+    batch = dict(micro_batch=1, num_microbatches=4, global_batch=8)
+    return {
+        "zb_pp2": (llama, _chunks(
+            llama, [[(2, 1, 0), (1, 2, 2), (1, 2, 1)], [(1, 2, 2), (2, 1, 0), (1, 2, 0)]],
+            pp=2, dp=2, schedule="zb", **batch)),
+        "zb_pp2_tp_data": (llama, _chunks(
+            llama, [[(1, 2, 2), (2, 1, 0), (1, 2, 0)], [(1, 2, 1), (1, 2, 2), (2, 1, 0)]],
+            pp=2, tp=2, schedule="zb", micro_batch=2, num_microbatches=2, global_batch=4)),
+        "interleaved_pp2_vpp2": (llama, _chunks(
+            llama, [[(1, 2, 3), (2, 1, 0)], [(1, 2, 2)], [(2, 1, 0)], [(1, 2, 1), (2, 1, 0)]],
+            pp=2, vpp=2, dp=2, schedule="interleaved", **batch)),
+        "zbv_pp2": (llama, _chunks(
+            llama, [[(2, 1, 0), (1, 2, 2)], [(1, 2, 1)], [(1, 2, 2)], [(1, 2, 0), (2, 1, 0)]],
+            pp=2, vpp=2, dp=2, schedule="zbv", **batch)),
+        "dualpipev_pp2": (llama, _chunks(
+            llama, [[(1, 2, 2), (1, 2, 1)], [(2, 1, 0)], [(1, 2, 0)], [(2, 1, 0), (1, 2, 2)]],
+            pp=2, vpp=2, tp=2, schedule="dualpipev", micro_batch=2, num_microbatches=4,
+            global_batch=8)),
+    }
+
+
+def _train(model: ModelSpec, plan: Plan, out: Path, rank: int) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from meshmorph.run import state_line
+    from meshmorph.run.engine import build_engine
+    from meshmorph.run.layerwise_engine import LayerwiseEngine
+
+    engine = build_engine(model, plan, OPTIM, seed=SEED, device=torch.device("cpu"))
+    assert isinstance(engine, LayerwiseEngine)
+    assert len(engine.model_parts) == plan.vpp
+    share = plan.global_batch // plan.dp
+    losses, norms = [], []
+    for batch in batches(model, plan):
+        losses.append(engine.step(batch[engine.dp_rank * share:(engine.dp_rank + 1) * share]))
+        norms.append(engine.grad_norm_last())
+    params = {}
+    for part in engine.model_parts:  # every chunk of this pipeline rank (global layer names)
+        for name, param in part.named_parameters():
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            params[name] = full.detach().clone()
+    mesh = engine.train_mesh
+    if mesh.dp_rank == 0 and mesh.tp_rank == 0:  # the first rank of each pipeline stage
+        torch.save(params, out / f"params_pp{mesh.pp_rank}.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps(
+        {"losses": losses, "grad_norms": norms, "state": state_line.measured_state(engine)}))
+
+
+def job(rank: int, world_size: int, result_dir: str) -> None:
+    """Spawned on every rank: every layout in turn, one process group."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    for name, (model, plan) in layouts().items():
+        out = Path(result_dir) / name
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            partial(_train, model, plan)(out, rank)
+        except Exception:
+            (out / f"error{rank}.txt").write_text(traceback.format_exc())
+            print(f"rank {rank} layout {name} failed:\n{traceback.format_exc()}", flush=True)
+        gc.collect()
+        dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from spawn import spawn
+
+    torch.set_num_threads(1)
+    result_dir = tmp_path_factory.mktemp("layerwise_schedules")
+    spawn(job, WORLD, (str(result_dir),), timeout_s=300, collective_timeout_s=60)
+    return result_dir
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("name", list(layouts()))
+def test_schedule_plan_matches_one_device_within_measured_noise(name: str,
+                                                                results: Path) -> None:
+    model, plan = layouts()[name]
+    reports = _reports(results / name)
+    for rank, report in enumerate(reports):  # every rank returns the same loss and norm
+        assert report["losses"] == reports[0]["losses"], f"rank {rank} reports other losses"
+        assert report["grad_norms"] == reports[0]["grad_norms"], f"rank {rank}: other norms"
+    params: dict[str, torch.Tensor] = {}
+    for path in sorted((results / name).glob("params_pp*.pt")):
+        params.update(torch.load(path))
+    assert len(params) == len(dict(_one_device_names(model))), "a chunk's parameters are missing"
+    run = ReferenceRun(tuple(reports[0]["losses"]), tuple(reports[0]["grad_norms"]), params)
+    found = violations(run, _expectation(model, plan))
+    assert not found, f"{name}: {len(found)} figures out of tolerance:\n" + "\n".join(found)
+
+
+def _one_device_names(model: ModelSpec) -> list[tuple[str, None]]:
+    from meshmorph.run.models import build_chunk
+
+    chunk = build_chunk(model, 0, model.num_layers, seed=SEED, device="meta")
+    return [(name, None) for name, _ in chunk.named_parameters()]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("name", list(layouts()))
+def test_schedule_plan_state_matches_prediction_per_rank(name: str, results: Path) -> None:
+    from meshmorph.cost.layerwise_state import predict_layerwise_rank_state
+
+    model, plan = layouts()[name]
+    gaps = []
+    for rank, report in enumerate(_reports(results / name)):
+        measured = report["state"]
+        predicted = predict_layerwise_rank_state(model, plan, rank)
+        pairs = [(key, measured[key], predicted[key])
+                 for key in ("params_bytes", "grads_bytes", "optimizer_bytes")]
+        pairs += [(kind, measured["comm_bytes"].get(kind, 0), predicted["comm_bytes"][kind])
+                  for kind in predicted["comm_bytes"]]
+        pairs += [(kind, sent, 0) for kind, sent in measured["comm_bytes"].items()
+                  if kind not in predicted["comm_bytes"]]
+        for key, got, want in pairs:
+            if abs(got - want) > TOLERANCE * max(abs(want), 1):
+                gaps.append(f"rank {rank} {key}: measured {got:,} vs predicted {want:,.0f}")
+    assert not gaps, "\n".join(gaps)

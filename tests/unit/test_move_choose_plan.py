@@ -80,3 +80,19 @@ def test_no_candidate_is_refused() -> None:
     with pytest.raises(ReshapeError, match="no candidate plan"):
         rank_choices(model, plan_for(model, dp=2, global_batch=4, num_microbatches=2), [], survivors=[0, 1],
                      steps_left=3)
+
+
+def test_the_surviving_ranks_need_not_be_the_first_ones() -> None:
+    """A lost node whose ranks came first (old ranks 0 and 1): the survivors are 2 and 3, and the
+    move is priced on a cluster that has their device numbers."""
+    from meshmorph.elastic.choose_plan import choose_plan
+    from meshmorph.spec.catalog import load_model
+    from meshmorph.spec.plan import Plan
+
+    model = load_model("gpt-tiny", 32)
+    plan_a = Plan(model="gpt-tiny", seq_len=32, global_batch=8, dp=4, zero=3, micro_batch=2,
+                  num_microbatches=1, dtype="fp32").with_even_stages(model)
+    first, last = (choose_plan(model, plan_a, 2, survivors=s, steps_left=4) for s in ([0, 1],
+                                                                                     [2, 3]))
+    assert first.plan.world_size == last.plan.world_size == 2
+    assert last.bytes_moved == first.bytes_moved > 0

@@ -66,7 +66,7 @@ def rank_choices(model: ModelSpec, plan_a: Plan, candidates: Sequence[tuple[Plan
         joining = max(0, plan.world_size - len(hosts if hosts is not None else survivors))
         new = list(range(plan_a.world_size, plan_a.world_size + joining))
         move = plan_move(layout_a, layout_b, survivors, new, hosts=hosts)
-        where = cluster or parse_cluster(f"cpu:1x{len(move.devices)}")
+        where = cluster or parse_cluster(f"cpu:1x{max(move.devices, default=0) + 1}")
         seconds = move_time(move, where, model=time_model).total_s
         choices.append(PlanChoice(plan, step_s, seconds, move.bytes_moved, steps_left))
     return sorted(choices, key=lambda c: (c.total_s, c.move_time_s))

@@ -209,7 +209,7 @@ def _agree(request: ReshapeRequest, state: LocalState | None, root: int, members
         start = time.perf_counter()
         move, layout_a, layout_b, process_of = plan_the_move(request)
         processes_b = [process_of[move.placement[r]] for r in range(request.plan_b.world_size)]
-        cluster = parse_cluster(request.cluster or f"cpu:1x{len(move.devices)}")
+        cluster = parse_cluster(request.cluster or f"cpu:1x{max(move.devices, default=0) + 1}")
         shapes = {k: tuple(t.shape) for k, t in layout_a.tensors.items()}
         small = SmallState(**{f.name: getattr(state.small, f.name) for f in fields(SmallState)})
         small.rng = torch.empty(0, dtype=torch.uint8)  # each rank keeps its own stream

@@ -234,7 +234,7 @@ class ElasticSession:
                   "lower_bound_bytes": move.lower_bound_bytes, "naive_bytes": move.naive_bytes,
                   "busiest_device_bytes": move.busiest_device_bytes,
                   "predicted_time_s": predict_move_time_s(
-                      move, parse_cluster(f"cpu:1x{max(move.devices) + 1}")),
+                      move, parse_cluster(f"cpu:1x{max(move.devices, default=0) + 1}")),
                   "measured_time_s": time.perf_counter() - start,
                   "sources": report.bytes_from, "sources_all_ranks": by_source,
                   "survivors": survivors, "lost": sorted(set(range(plan_a.world_size))

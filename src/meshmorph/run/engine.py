@@ -66,6 +66,7 @@ def validate_plan(model: ModelSpec, plan: Plan, world_size: int) -> None:
         from meshmorph.run.layerwise_engine import validate_layerwise
 
         validate_layerwise(model, plan)
+    check_overlap_switches(plan)
     if plan.schedule in SPLIT_BACKWARD_SCHEDULES and plan.pp > 1 and plan.dp > 1 \
             and plan.zero == 3:
         # measured with torch 2.13: the last stage's sharded parameters end the step without
@@ -81,6 +82,34 @@ def validate_plan(model: ModelSpec, plan: Plan, world_size: int) -> None:
                 f"zero-bubble runs micro-batches in rounds of pp {plan.pp}: num_microbatches "
                 f"{plan.num_microbatches} is not a multiple of {rounds} rounds; use a multiple of pp"
             )
+
+
+def defers_grad_reduce(plan: Plan) -> bool:
+    """Whether the runtime reduces this plan's gradients after the backward itself
+    (``overlap_grad_reduce`` off): DDP under ``no_sync`` for every micro-batch, then one
+    all-reduce per gradient. Only the DDP path realises it (dp > 1, ZeRO 0/1, tp 1, pp 1)."""
+    return not plan.overlap_grad_reduce and plan.dp > 1 and plan.zero <= 1 and plan.tp == 1 \
+        and plan.pp == 1 and plan.cp == 1
+
+
+def check_overlap_switches(plan: Plan) -> None:
+    """Refuse an overlap switch the runtime does not realise, saying what to set instead."""
+    if plan.tp_comm_overlap:
+        raise PlanError(
+            "tp_comm_overlap: meshmorph's runtime does not overlap tensor-parallel communication "
+            "with the GEMMs (Megatron-LM does it with TransformerEngine's userbuffers, torch's "
+            "async TP needs CUDA symmetric memory); set tp_comm_overlap false to run the plan "
+            "(estimate prices both)")
+    if not plan.overlap_grad_reduce and plan.grad_replicas > 1 and not defers_grad_reduce(plan):
+        raise PlanError(
+            f"overlap_grad_reduce false: the runtime reduces gradients after the backward only "
+            f"where DDP runs the chunk (dp > 1, zero 0 or 1, tp 1, pp 1, cp 1), not with tp "
+            f"{plan.tp}, pp {plan.pp}, zero {plan.zero}, cp {plan.cp}; set overlap_grad_reduce "
+            f"true (FSDP2 and torch's pipelining reduce during the backward)")
+    if any(stage.layer_strategies for stage in plan.stages) and (
+            not plan.overlap_grad_reduce or not plan.fsdp_prefetch):
+        raise PlanError("layerwise plans run with overlap_grad_reduce and fsdp_prefetch on; set "
+                        "both true or drop layer_strategies")
 
 
 def _make_optimizer(params: list[nn.Parameter], optim: OptimConfig, *,
@@ -226,8 +255,11 @@ class TrainEngine:
         if isinstance(model, FSDPModule) and self.plan.zero == 2:
             # gathered once for the first micro-batch, kept to the end of the step
             model.set_reshard_after_backward(False)
+        defer = isinstance(model, DistributedDataParallel) and defers_grad_reduce(self.plan)
         for i, (x, y) in enumerate(zip(inputs.chunk(m), labels.chunk(m), strict=True)):
-            sync = i == m - 1 or self.plan.zero >= 2  # zero 2/3 reduce-scatter every micro-batch
+            # zero 2/3 reduce-scatter every micro-batch; DDP reduces in the last micro-batch's
+            # backward (overlap_grad_reduce) or after it (defer)
+            sync = (i == m - 1 and not defer) or self.plan.zero >= 2
             if isinstance(model, FSDPModule):
                 model.set_requires_gradient_sync(sync)
             no_sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not sync \
@@ -237,14 +269,37 @@ class TrainEngine:
                     loss = self._scaled_loss(model(x), y)
                 (loss / m).backward()  # d(mean over m micro-batches) = sum of d(loss_i) / m
             total += loss.detach().double()
+        if defer:
+            self._reduce_after_backward(model)
         return total
+
+    def _reduce_after_backward(self, model: DistributedDataParallel) -> None:
+        """``overlap_grad_reduce`` off: average every gradient over the dp group after the
+        backward, as DDP's reducer would (each divided by dp first, in the plan's
+        ``reduce_dtype``: DDP's 16-bit compress hooks cast, divide, reduce and copy back)."""
+        group = model.process_group
+        dtype = TORCH_DTYPES[self.plan.reduce_dtype]
+        pending = []
+        for param in model.module.parameters():
+            if param.grad is None:
+                continue
+            wire = param.grad if param.grad.dtype == dtype else param.grad.to(dtype)
+            wire.div_(dist.get_world_size(group))
+            pending.append((dist.all_reduce(wire, group=group, async_op=True), param.grad, wire))
+        for work, grad, wire in pending:
+            work.wait()
+            if wire is not grad:
+                grad.copy_(wire)
 
     def _pipelined(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         target = labels if self.has_last else None
         with self._autocast():
-            self.schedule.step(*args, target=target, losses=losses if self.has_last else None)
+            # return_outputs=False: the last stage would keep every micro-batch's logits (b s V
+            # each) to the end of the step only to hand them back; the losses are all it needs
+            self.schedule.step(*args, target=target, losses=losses if self.has_last else None,
+                               return_outputs=False)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in losses:
             total += loss.detach().double()

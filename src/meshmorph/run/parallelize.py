@@ -196,7 +196,31 @@ def apply_dp(chunk: Transformer, dp_mesh: DeviceMesh, plan: Plan, *, allow_ddp: 
     for block in chunk.blocks.values():
         shard(block)
     shard(chunk)
+    if plan.zero == 3:
+        set_prefetch(chunk, plan.fsdp_prefetch, wait_for_device=dp_mesh.device_type == "cuda")
     return chunk
+
+
+def set_prefetch(chunk: Transformer, prefetch: bool, *, wait_for_device: bool) -> None:
+    """ZeRO-3's ``Plan.fsdp_prefetch`` on FSDP2 units (the chunk root, then its blocks in order).
+    On: each unit prefetches the next one's all-gather in forward and the previous one's in
+    backward (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``). Off:
+    each unit names only itself for backward prefetch (already gathered: FSDP2's implicit
+    prefetch of the next unit is off), none in forward, and where ``wait_for_device`` (CUDA)
+    each unit waits for the queued compute before its gather, so no gather runs beside compute
+    and one unit is gathered at a time."""
+    units = [chunk, *chunk.blocks.values()]
+    for index, unit in enumerate(units):
+        if prefetch:
+            if index + 1 < len(units):
+                unit.set_modules_to_forward_prefetch([units[index + 1]])
+            if index > 1:  # backward runs the blocks in reverse; the root's gather is first
+                unit.set_modules_to_backward_prefetch([units[index - 1]])
+            continue
+        unit.set_modules_to_backward_prefetch([unit])
+        if wait_for_device:
+            unit.register_forward_pre_hook(
+                lambda *_: torch.cuda.current_stream().synchronize(), prepend=True)
 
 
 def parallelize(chunk: Transformer, spec: ModelSpec, plan: Plan, stage: StagePlan,

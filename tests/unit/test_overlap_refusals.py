@@ -1,0 +1,48 @@
+"""The runtime refuses an overlap switch it does not realise, before any process starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshmorph.run.engine import defers_grad_reduce, validate_plan
+from meshmorph.spec.catalog import catalog_model
+from meshmorph.spec.plan import Plan, PlanError
+
+MODEL = catalog_model("gpt-tiny", seq_len=16)
+
+
+def _plan(**kw: object) -> Plan:
+    fields: dict[str, object] = {"dp": 2, "global_batch": 4, "num_microbatches": 2, **kw}
+    return Plan(model=MODEL.name, seq_len=16, **fields).with_even_stages(MODEL)  # type: ignore[arg-type]
+
+
+def test_tp_comm_overlap_is_refused_naming_what_to_set() -> None:
+    plan = _plan(tp=2, dp=1, global_batch=2, sequence_parallel=True, tp_comm_overlap=True)
+    with pytest.raises(PlanError, match="set tp_comm_overlap false"):
+        validate_plan(MODEL, plan, 2)
+
+
+@pytest.mark.parametrize("kw", [{"zero": 2}, {"zero": 3}, {"tp": 2}, {"pp": 2}])
+def test_gradient_reduction_after_backward_is_refused_off_the_ddp_path(kw: dict) -> None:
+    plan = _plan(overlap_grad_reduce=False, **kw)
+    with pytest.raises(PlanError, match="set overlap_grad_reduce true"):
+        validate_plan(MODEL, plan, plan.world_size)
+    assert not defers_grad_reduce(plan)
+
+
+def test_no_data_parallel_replica_has_nothing_to_refuse() -> None:
+    plan = _plan(dp=1, global_batch=2, overlap_grad_reduce=False)
+    validate_plan(MODEL, plan, 1)
+    assert not defers_grad_reduce(plan)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_gradient_reduction_after_backward_runs_on_ddp(zero: int) -> None:
+    plan = _plan(zero=zero, overlap_grad_reduce=False)
+    validate_plan(MODEL, plan, 2)
+    assert defers_grad_reduce(plan)
+    assert not defers_grad_reduce(_plan(zero=zero))
+
+
+def test_fsdp_prefetch_off_runs() -> None:
+    validate_plan(MODEL, _plan(zero=3, fsdp_prefetch=False), 2)

@@ -134,7 +134,8 @@ def build_plan(args: argparse.Namespace, model) -> Plan:  # type: ignore[no-unty
                 dp=dp, cp=args.cp, zero=args.zero, micro_batch=micro,
                 num_microbatches=num_microbatches,
                 schedule=schedule, vpp=vpp, sequence_parallel=args.sequence_parallel,
-                dtype=args.dtype)
+                dtype=args.dtype, overlap_grad_reduce=not args.no_overlap_grad_reduce,
+                tp_comm_overlap=args.tp_comm_overlap, fsdp_prefetch=not args.no_fsdp_prefetch)
     return plan.with_even_stages(model, recompute)
 
 
@@ -261,6 +262,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="model chunks per pipeline rank (interleaved)")
     est.add_argument("--recompute", choices=[str(r) for r in Recompute], default="none",
                      help="activation recompute of every block")
+    est.add_argument("--no-overlap-grad-reduce", action="store_true",
+                     help="reduce gradients after the backward, fully exposed (default: bucket by "
+                          "bucket during the last backward, as DDP and FSDP2 do)")
+    est.add_argument("--tp-comm-overlap", action="store_true",
+                     help="overlap tensor-parallel communication with the GEMMs (Megatron-LM's "
+                          "--tp-comm-overlap; needs --sequence-parallel; priced only: meshmorph "
+                          "run refuses it)")
+    est.add_argument("--no-fsdp-prefetch", action="store_true",
+                     help="ZeRO-3 without FSDP prefetch: each gather exposed, one unit gathered")
     est.add_argument("--sequence-parallel", action="store_true",
                      help="Megatron sequence parallelism (needs tp > 1)")
     est.add_argument("--dtype", choices=DTYPES, default="bf16", help="training dtype (default bf16)")

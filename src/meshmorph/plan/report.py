@@ -80,7 +80,7 @@ def print_plans(plans: list[Plan], console: Console, *, title: str | None = None
                   box=box.SIMPLE_HEAD)
     context = any(plan.cp > 1 for plan in plans)  # a cp column only where some plan has cp > 1
     for name, justify in (("#", "right"), ("tp pp dp", "right"),
-                          *((("cp", "right"),) if context else ()), ("ZeRO", "right"), ("SP", "center"), ("schedule", "left"),
+                          *((("cp", "right"),) if context else ()), ("ZeRO", "right"), ("SP", "center"), ("overlap", "left"), ("schedule", "left"),
                           ("mb x m", "right"), ("recompute", "left"), ("step", "right"),
                           ("tokens/s", "right"), ("TFLOP/s/GPU", "right"), ("MFU", "right"),
                           ("peak GiB", "right"), ("bubble", "right")):
@@ -90,7 +90,7 @@ def print_plans(plans: list[Plan], console: Console, *, title: str | None = None
         table.add_row(
             str(rank), f"{plan.tp} {plan.pp} {plan.dp}", *((str(plan.cp),) if context else ()),
             str(plan.zero),
-            "yes" if plan.sequence_parallel else "-", schedule_label(plan),
+            "yes" if plan.sequence_parallel else "-", overlap_summary(plan), schedule_label(plan),
             f"{plan.micro_batch} x {plan.num_microbatches}", recompute_summary(plan, model),
             _seconds(predicted.get("step_time_s")), _tokens(predicted.get("tokens_per_s")),
             _tflops(predicted.get("tflops_per_gpu")), _figure(predicted, "mfu", ".1%"),
@@ -109,7 +109,23 @@ def plan_headline(plan: Plan, model: ModelSpec | None = None) -> str:
             f"{plan.degrees()} = {plan.world_size} GPUs, ZeRO {plan.zero}, "
             f"SP {'on' if plan.sequence_parallel else 'off'}, schedule {schedule_label(plan)}, "
             f"micro-batch {plan.micro_batch} x {plan.num_microbatches}, "
-            f"recompute {recompute_summary(plan, model)}, {plan.dtype}")
+            f"recompute {recompute_summary(plan, model)}, overlap {overlap_summary(plan)}, "
+            f"{plan.dtype}")
+
+
+def overlap_summary(plan: Plan) -> str:
+    """The overlap switches that matter for ``plan``, each named when on and ``no-`` when off:
+    ``grad`` (overlap_grad_reduce, with more than one data-parallel replica), ``pf``
+    (fsdp_prefetch, ZeRO-3 over them) and ``tp`` (tp_comm_overlap, with sequence parallelism);
+    ``-`` where none matters."""
+    parts = []
+    if plan.grad_replicas > 1:
+        parts.append("grad" if plan.overlap_grad_reduce else "no-grad")
+        if plan.zero == 3:
+            parts.append("pf" if plan.fsdp_prefetch else "no-pf")
+    if plan.sequence_parallel:
+        parts.append("tp" if plan.tp_comm_overlap else "no-tp")
+    return " ".join(parts) or "-"
 
 
 def fit_advice(plan: Plan) -> list[str]:

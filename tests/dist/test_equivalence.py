@@ -45,6 +45,7 @@ import pytest
 import torch
 from reference import Deviation, ReferenceRun, deviation, reference_run
 
+from meshmorph.plan.partition_search import stages_of_counts
 from meshmorph.run.config import OptimConfig
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import ModelSpec, Recompute
@@ -101,6 +102,13 @@ def _gpt_deep() -> ModelSpec:
                                               seq_len=SEQ))
 
 
+def _gpt_five() -> ModelSpec:
+    """5 blocks: no even split over the 4 chunks of pp 2 x vpp 2."""
+    return build_transformer(TransformerShape(name="gpt-five", arch="gpt", num_layers=5,
+                                              hidden_size=32, num_heads=4, vocab_size=128,
+                                              seq_len=SEQ))
+
+
 def _gpt_odd_vocab() -> ModelSpec:
     """A vocabulary tp 2 does not divide: embedding and head stay replicated."""
     return build_transformer(TransformerShape(name="gpt-odd-vocab", arch="gpt", num_layers=2,
@@ -139,6 +147,12 @@ def layouts() -> list[Layout]:
         Layout("pp4_interleaved_vpp2", deep,
                _plan(deep, pp=4, vpp=2, schedule=Schedule.INTERLEAVED, global_batch=4,
                      num_microbatches=4)),
+        # uneven interleaved chunks as the planner may choose them (plan.partition_search):
+        # 3, 1, 1 and 0 blocks, the last chunk the head alone, tied to rank 0's embedding
+        Layout("pp2_dp2_interleaved_uneven_5_blocks", _gpt_five(),
+               replace(_plan(_gpt_five(), pp=2, dp=2, vpp=2, schedule=Schedule.INTERLEAVED,
+                             global_batch=8, num_microbatches=4),
+                       stages=stages_of_counts(_gpt_five(), (3, 1, 1, 0), Recompute.NONE))),
         Layout("pp2_zero3_dp2_recompute", gpt,
                replace(_plan(gpt, pp=2, dp=2, zero=3, global_batch=4, num_microbatches=2),
                        stages=_recompute_stages(gpt))),

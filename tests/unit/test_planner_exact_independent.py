@@ -9,7 +9,8 @@ from the model and the cluster, and scores every plan with ``CostModel.estimate`
   clusters each GPU type hosts (its GPUs) / (tp dp) consecutive pipeline ranks, in every order;
 - ZeRO stages (dp > 1), sequence parallelism (tp > 1, tp divides the sequence), micro-batch
   sizes dividing the per-rank batch up to the cap; GPipe always, 1F1B and ZB-H1 when m >= pp,
-  interleaved with v in 2..max_vpp when m >= pp, pp divides m and pp v divides the blocks;
+  interleaved with v in 2..max_vpp when m >= pp, pp divides m and there are at least pp v
+  blocks;
   ZBV (and DualPipeV when m >= 2 pp) with two chunks per rank in a V when there are at least
   2 pp blocks; no zero-bubble schedule (ZB-H1, ZBV, DualPipeV) with ZeRO-3; FSDP prefetch
   on and off for every ZeRO-3 plan over more than one data-parallel replica, on elsewhere;
@@ -17,7 +18,11 @@ from the model and the cluster, and scores every plan with ``CostModel.estimate`
   with identical figures in one stage are interchangeable (the estimate sums and maxes their
   figures), so per stage each multiset of modes over them is one assignment
   (``test_multisets_of_modes_find_the_per_layer_optimum`` checks this against the plain product);
-  interleaved and V plans split the blocks evenly with one mode for all blocks.
+  V plans split the blocks evenly with one mode for all blocks; interleaved plans take one mode
+  for all blocks and, out of every way to put the blocks into the pp v chunks (the embedding in
+  the first, the head in the last, interior chunks not empty), the even split where the blocks
+  divide, else the even split with the extra blocks in the earliest chunks and every split whose
+  interior chunks hold floor or ceil(blocks / chunks) blocks each, the two end chunks any.
 
 Instances: GPT or Llama with 1-10 blocks (3-12 layers), cpu or A100 clusters of 1-8 devices
 (one mixed A100 + V100), device memory drawn around the model's footprint so that it binds:
@@ -146,7 +151,7 @@ def _shapes(model: ModelSpec, cluster: Cluster, batch: int,
                     if pp > 1 and Schedule.INTERLEAVED in options.schedules and m >= pp \
                             and m % pp == 0:
                         schedules += [(Schedule.INTERLEAVED, v) for v in range(2, options.max_vpp + 1)
-                                      if blocks % (pp * v) == 0]
+                                      if pp * v <= blocks]
                     for zero in options.zero_stages if dp > 1 else (0,):
                         for sp in options.sequence_parallel if tp > 1 else (False,):
                             if sp and (model.seq_len // cp) % tp:
@@ -171,12 +176,62 @@ def _splits(num_layers: int, parts: int) -> Iterator[tuple[tuple[int, int], ...]
         yield tuple(zip(ends, ends[1:], strict=False))
 
 
+def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every tuple of ``parts`` counts >= 0 summing to ``total``."""
+    if parts == 1:
+        yield (total,)
+        return
+    for first in range(total + 1):
+        for rest in _compositions(total - first, parts - 1):
+            yield (first, *rest)
+
+
+def interleaved_splits(blocks: int, chunks: int) -> list[tuple[int, ...]]:
+    """Block counts per chunk of the documented interleaved space (module docstring), found by
+    filtering every way to share the blocks, not by building the allowed ones."""
+    if blocks < chunks:  # the space asks for at least pp v blocks
+        return []
+    low, high = blocks // chunks, -(-blocks // chunks)
+    front = tuple(high if i < blocks % chunks else low for i in range(chunks))
+    out = []
+    for counts in _compositions(blocks, chunks):
+        interior = counts[1:-1]
+        if any(c == 0 for c in interior):
+            continue
+        if blocks % chunks == 0:
+            keep = all(c == low for c in counts)
+        else:
+            keep = counts == front or any(all(c == k for c in interior) for k in (low, high))
+        if keep:
+            out.append(counts)
+    return out
+
+
+def _interleaved_plans(model: ModelSpec, shape: Plan, gpus: tuple[str, ...], mixed: bool,
+                       options: SearchOptions) -> Iterator[Plan]:
+    for counts in interleaved_splits(model.num_blocks, shape.num_chunks):
+        # layer i + 1 is block i; the embedding opens the first chunk, the head closes the last
+        ends = [0]
+        for c, count in enumerate(counts):
+            ends.append(ends[-1] + count + (c == 0) + (c == len(counts) - 1))
+        for mode in options.recompute:
+            yield replace(shape, stages=tuple(
+                StagePlan(start=a, stop=b, recompute=tuple(
+                    mode if mode in model.layers[i].activation else Recompute.NONE
+                    for i in range(a, b)),
+                    gpu=gpus[shape.pp_rank_of_chunk(c)] if mixed else None)
+                for c, (a, b) in enumerate(zip(ends, ends[1:], strict=False))))
+
+
 def every_plan(model: ModelSpec, cluster: Cluster, batch: int, options: SearchOptions,
                per_layer: bool = False) -> Iterator[Plan]:
     """Every complete Plan of the documented search space (module docstring)."""
     mixed = len({g.gpu.name for g in cluster.groups}) > 1
     for shape, gpus in _shapes(model, cluster, batch, options):
-        if shape.num_chunks > shape.pp:  # interleaved or a V: blocks split evenly
+        if shape.schedule == Schedule.INTERLEAVED:
+            yield from _interleaved_plans(model, shape, gpus, mixed, options)
+            continue
+        if shape.num_chunks > shape.pp:  # a V: blocks split evenly
             for mode in options.recompute:
                 plan = shape.with_even_stages(model, mode)
                 if mixed:
@@ -209,6 +264,10 @@ def count_plans(case: Case) -> int:
     """Plans brute force would score, without scoring them."""
     total = 0
     for shape, _ in _shapes(case.model, case.cluster, case.global_batch, case.options):
+        if shape.schedule == Schedule.INTERLEAVED:
+            total += len(case.options.recompute) * len(
+                interleaved_splits(case.model.num_blocks, shape.num_chunks))
+            continue
         if shape.num_chunks > shape.pp:
             total += len(case.options.recompute)
             continue
@@ -293,7 +352,7 @@ def _cases() -> list[Case]:
 def test_exact_planner_equals_an_independent_brute_force_on_200_random_instances() -> None:
     started = time.perf_counter()
     cases = _cases()
-    fits = infeasible = recomputed = pipelined = deep = scored = 0
+    fits = infeasible = recomputed = pipelined = deep = scored = uneven = 0
     for index, case in enumerate(cases):
         brute, count = brute_force_step(case)
         found = planner_best(case)
@@ -310,9 +369,13 @@ def test_exact_planner_equals_an_independent_brute_force_on_200_random_instances
         deep += case.model.num_layers >= 10
         recomputed += any(m != Recompute.NONE for m in plan.recompute_of_layer())
         pipelined += plan.pp > 1
+        uneven += plan.schedule == Schedule.INTERLEAVED and len({
+            s.stop - s.start - (c == 0) - (c == len(plan.stages) - 1)
+            for c, s in enumerate(plan.stages)}) > 1
     elapsed = time.perf_counter() - started
     print(f"{len(cases)} cases: {fits} fit ({recomputed} recompute, {pipelined} pipelined, "
-          f"{deep} with 10-12 layers), {infeasible} fit nothing; {scored} plans scored in "
+          f"{deep} with 10-12 layers, {uneven} interleaved with uneven chunks), {infeasible} "
+          f"fit nothing; {scored} plans scored in "
           f"{elapsed:.1f} s")
     # the draw really covers what the claim is about
     assert fits >= 95 and infeasible >= 10, (fits, infeasible)
@@ -339,3 +402,48 @@ def test_multisets_of_modes_find_the_per_layer_optimum() -> None:
         shortcut += multiset_count < every_count
         compared += 1
     assert shortcut >= 4  # the shortcut really left plans out in these cases
+
+
+def test_the_interleaved_splits_are_the_planners_space() -> None:
+    from meshmorph.plan.partition_search import interleaved_block_counts
+
+    for blocks in range(1, 13):  # every composition is enumerated: keep the range small
+        for chunks in range(2, 9):
+            ours = interleaved_splits(blocks, chunks)
+            assert sorted(ours) == sorted(interleaved_block_counts(blocks, chunks)), (blocks, chunks)
+            assert all(sum(c) == blocks for c in ours)
+            if blocks < chunks:
+                assert ours == []
+            elif blocks % chunks == 0:
+                assert ours == [(blocks // chunks,) * chunks]
+    # 7 blocks over pp 2 x vpp 2: Megatron's earlier-chunks-first split, then every split with
+    # interior chunks of 1 block (the ends share 5) or of 2 blocks (the ends share 3)
+    assert sorted(interleaved_splits(7, 4)) == sorted([
+        (2, 2, 2, 1),
+        (0, 1, 1, 5), (1, 1, 1, 4), (2, 1, 1, 3), (3, 1, 1, 2), (4, 1, 1, 1), (5, 1, 1, 0),
+        (0, 2, 2, 3), (1, 2, 2, 2), (3, 2, 2, 0)])
+
+
+@pytest.mark.timeout(240)
+def test_exact_planner_equals_the_brute_force_on_interleaved_instances() -> None:
+    """Interleaved alone, on the random instances: blocks that rarely split evenly over
+    pp x vpp chunks, so the uneven splits decide."""
+    rng = random.Random(SEED + 1)
+    compared = uneven = 0
+    while compared < 60:
+        case = random_case(rng)
+        case = replace(case, options=replace(case.options, schedules=(Schedule.INTERLEAVED,)))
+        if count_plans(case) > MAX_PLANS:
+            continue
+        brute, _ = brute_force_step(case)
+        found = planner_best(case)
+        assert (found is None) == (brute is None), case
+        compared += 1
+        if brute is None or found is None:
+            continue
+        plan, step = found
+        assert step == pytest.approx(brute, rel=1e-9), case
+        counts = {s.stop - s.start - (c == 0) - (c == len(plan.stages) - 1)
+                  for c, s in enumerate(plan.stages)}
+        uneven += plan.schedule == Schedule.INTERLEAVED and len(counts) > 1
+    assert uneven >= 3, uneven  # the uneven splits really were chosen

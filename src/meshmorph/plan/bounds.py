@@ -222,6 +222,7 @@ class ConfigBounds:
         key = (gpu_name, plan.dtype, plan.reduce_dtype, plan.micro_batch, plan.tp,
                plan.sequence_parallel, plan.dp, plan.cp, plan.zero, plan.num_microbatches, in_flight,
                k == 0, k == p - 1, p == 1,
+               plan.pp_rank_of_chunk(plan.num_chunks - 1) == k,  # the head's loss buffers
                plan.overlap_grad_reduce, plan.tp_comm_overlap, plan.fsdp_prefetch)
         rank = self._ranks.get(key)
         if rank is None:

@@ -4,8 +4,9 @@ It walks the same configurations as ``plan.search`` (``plan.space.configurations
 every contiguous partition of the layers into ``pp`` stages and every per-layer recompute
 assignment (the product over layers of the modes each supports among ``options.recompute``),
 scores each complete Plan with ``CostModel.estimate`` and keeps the fastest that fits memory.
-Interleaved configurations use the planner's documented space: blocks split evenly over the
-``pp * vpp`` chunks (``Plan.with_even_stages``) and one recompute mode for every block.
+Interleaved configurations use the planner's documented space: every chunk split
+``plan.partition_search.interleaved_block_counts`` lists (even where the blocks divide), the V
+schedules blocks split evenly (``Plan.with_even_stages``); one recompute mode for every block.
 
 The overlap switches are enumerated here, not taken from the planner's space: configurations
 come with ``fsdp_prefetch`` on, and every ZeRO-3 Plan with more than one data-parallel replica
@@ -26,11 +27,12 @@ from math import comb, prod
 
 from meshmorph.cost.estimate import Estimate
 from meshmorph.cost.model import CostModel
+from meshmorph.plan.partition_search import interleaved_block_counts, stages_of_counts
 from meshmorph.plan.search import PlanDoesNotFit
 from meshmorph.plan.space import Config, SearchOptions, configurations
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, StagePlan
+from meshmorph.spec.plan import Plan, Schedule, StagePlan
 
 
 def layer_modes(model: ModelSpec, options: SearchOptions) -> list[tuple[Recompute, ...]]:
@@ -54,7 +56,14 @@ def candidate_plans(model: ModelSpec, config: Config, options: SearchOptions) ->
     """Every complete Plan of one configuration."""
     plan = config.plan
     mixed = len(set(config.rank_gpus)) > 1
-    if plan.num_chunks > plan.pp:  # interleaved and the V schedules: blocks split evenly
+    if plan.schedule == Schedule.INTERLEAVED:  # each chunk split the planner's space lists
+        for counts in interleaved_block_counts(model.num_blocks, plan.num_chunks):
+            gpus = [config.rank_gpus[plan.pp_rank_of_chunk(c)] for c in range(plan.num_chunks)]
+            for mode in options.recompute:
+                yield replace(plan, stages=stages_of_counts(model, counts, mode,
+                                                            gpus if mixed else None))
+        return
+    if plan.num_chunks > plan.pp:  # the V schedules: blocks split evenly
         if plan.num_chunks > model.num_blocks:
             return
         for mode in options.recompute:
@@ -97,7 +106,10 @@ def count_plans(model: ModelSpec, configs: Sequence[Config], options: SearchOpti
     for config in configs:
         plan = config.plan
         switches = len(prefetch_settings(plan, options))
-        if plan.num_chunks > plan.pp:
+        if plan.schedule == Schedule.INTERLEAVED:
+            total += switches * len(options.recompute) * len(
+                interleaved_block_counts(model.num_blocks, plan.num_chunks))
+        elif plan.num_chunks > plan.pp:
             total += switches * len(options.recompute) if plan.num_chunks <= model.num_blocks else 0
         else:
             # C(L - 1, pp - 1) partitions, each with every recompute assignment

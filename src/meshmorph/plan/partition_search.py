@@ -6,11 +6,13 @@ share of the fastest time), whose partition is also the first incumbent. A branc
 a bound of ``plan.partition_bounds`` reaches the best step found (less ``tolerance``), or when
 the ranks left cannot hold the layers left (``plan.stage_reach``); leaves are priced by
 ``CostModel.assemble``. With tolerance 0 and no node budget the result equals brute-force
-enumeration.
+enumeration. ``interleaved_block_counts`` lists the chunk sizes an interleaved configuration
+may take (the planner and ``plan/brute_force.py`` price each).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -18,6 +20,7 @@ from meshmorph.cost.estimate import Estimate
 from meshmorph.plan.partition_bounds import PartitionBounds
 from meshmorph.plan.stage_reach import MemoryReach
 from meshmorph.plan.stage_recompute import StageChoice, StageSolver
+from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.plan import Plan, StagePlan
 
 if TYPE_CHECKING:
@@ -151,3 +154,47 @@ def _balanced(solver: StageSolver, bounds: PartitionBounds) -> Choices | None:
         choices.append((start, stop, choice))
         start = stop
     return choices
+
+
+def interleaved_block_counts(blocks: int, chunks: int) -> list[tuple[int, ...]]:
+    """Block counts of the ``chunks`` (pp x vpp) model chunks an interleaved plan may take.
+
+    Blocks that split evenly: the even split alone (Megatron's ``--num-layers-per-virtual-
+    pipeline-stage``). Otherwise, as Megatron-LM lets the first and last pipeline stages hold
+    their own layer counts: the split ``Plan.with_even_stages`` makes (earlier chunks take the
+    extra block), and every split whose interior chunks all hold k = floor or ceil(blocks /
+    chunks) blocks and whose first and last chunks (with the embedding and the head) hold any
+    a, c >= 0 blocks, a + c = blocks - (chunks - 2) k. Empty when there are fewer blocks than
+    chunks."""
+    if chunks < 2 or blocks < chunks:
+        return []
+    base, extra = divmod(blocks, chunks)
+    counts = [tuple(base + (1 if i < extra else 0) for i in range(chunks))]
+    if extra == 0:
+        return counts
+    for k in (base, base + 1):
+        ends = blocks - (chunks - 2) * k
+        if k < 1 or ends < 0:
+            continue
+        for first in range(ends + 1):
+            split = (first, *(k,) * (chunks - 2), ends - first)
+            if split not in counts:
+                counts.append(split)
+    return counts
+
+
+def stages_of_counts(model: ModelSpec, counts: Sequence[int], mode: Recompute,
+                     gpus: Sequence[str | None] | None = None) -> tuple[StagePlan, ...]:
+    """Chunks holding ``counts`` blocks each, the embedding in the first and the head in the
+    last; every block recomputes with ``mode`` (layers without it: none); ``gpus``: each
+    chunk's GPU type (mixed clusters), else None."""
+    stages, start = [], 0
+    last = len(counts) - 1
+    for index, count in enumerate(counts):
+        stop = start + count + (index == 0) + (index == last)
+        modes = tuple(mode if mode in model.layers[i].activation else Recompute.NONE
+                      for i in range(start, stop))
+        stages.append(StagePlan(start=start, stop=stop, recompute=modes,
+                                gpu=gpus[index] if gpus else None))
+        start = stop
+    return tuple(stages)

@@ -4,8 +4,10 @@ Configurations (plan/space.py) are visited in order of a lower bound on their st
 tightened lazily (plan/bounds.py: cheap, then memory-aware, then with the pipeline's fill); the
 visit stops when the bound reaches the k-th best step found. Each configuration's stages and
 recompute are solved exactly (plan/stage_recompute.py per stage, plan/partition_search.py
-over stage ends). Interleaved schedules split the blocks evenly (Megatron's requirement)
-and use one recompute mode for all blocks.
+over stage ends). Interleaved schedules take each chunk split of
+``plan.partition_search.interleaved_block_counts`` (even where the blocks divide; else, as
+Megatron-LM's first and last stage layer counts, any ends around equal interior chunks), the V
+schedules split the blocks evenly; both use one recompute mode for all blocks.
 """
 
 from __future__ import annotations
@@ -18,12 +20,17 @@ from meshmorph.cost.estimate import GIB, Estimate
 from meshmorph.cost.model import CostModel
 from meshmorph.plan.bounds import ConfigBounds
 from meshmorph.plan.fastest_layers import cluster_gpu
-from meshmorph.plan.partition_search import PartitionResult, solve_partition
+from meshmorph.plan.partition_search import (
+    PartitionResult,
+    interleaved_block_counts,
+    solve_partition,
+    stages_of_counts,
+)
 from meshmorph.plan.space import Config, SearchOptions, configurations
 from meshmorph.plan.stage_recompute import StageSolver
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, PlanError
+from meshmorph.spec.plan import Plan, PlanError, Schedule
 
 
 class PlanDoesNotFit(PlanError):
@@ -65,12 +72,34 @@ def even_estimate(cost: CostModel, config: Config, mode: Recompute) -> tuple[Pla
     return candidate, cost.assemble(candidate, gpus, times)
 
 
+def counts_estimate(cost: CostModel, config: Config, counts: tuple[int, ...],
+                    mode: Recompute) -> tuple[Plan, Estimate]:
+    """An interleaved configuration with chunks of ``counts`` blocks and ``mode`` recompute."""
+    plan = config.plan
+    gpus = [cluster_gpu(cost, config.rank_gpus[plan.pp_rank_of_chunk(c)])
+            for c in range(plan.num_chunks)]
+    names = [g.name for g in gpus] if len(set(config.rank_gpus)) > 1 else None
+    candidate = replace(plan, stages=stages_of_counts(cost.model, counts, mode, names))
+    times = [cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
+             for s, g in zip(candidate.stages, gpus, strict=True)]
+    return candidate, cost.assemble(candidate, gpus, times)
+
+
 def solve_config(cost: CostModel, config: Config, options: SearchOptions,
                  bound: float, bounds: ConfigBounds) -> PartitionResult:
     """The fastest plan of one configuration with step time below ``bound``, and the bound of
     what was left unexplored."""
     plan = config.plan
-    if plan.num_chunks > plan.pp:  # interleaved and the V schedules: blocks split evenly
+    if plan.schedule == Schedule.INTERLEAVED:  # every chunk split interleaved_block_counts lists
+        best = None
+        for counts in interleaved_block_counts(cost.model.num_blocks, plan.num_chunks):
+            for mode in options.recompute:
+                candidate, estimate = counts_estimate(cost, config, counts, mode)
+                if estimate.fits and estimate.step_time_s < bound:
+                    bound = estimate.step_time_s
+                    best = (candidate, estimate)
+        return PartitionResult(best, float("inf"))
+    if plan.num_chunks > plan.pp:  # the V schedules: blocks split evenly
         best = None
         for mode in options.recompute:
             candidate, estimate = even_estimate(cost, config, mode)

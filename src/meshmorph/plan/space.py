@@ -5,8 +5,9 @@ node, dividing heads and FFN), cp (context parallel, for long sequences: ``cp_de
 dp = world / (tp * cp * pp) dividing the batch, ZeRO stage,
 sequence parallel, micro-batch size (at most ``max_microbatches`` micro-batches per step),
 schedule (GPipe, 1F1B, ZB-H1; ZBV and DualPipeV with two chunks per rank in a V; interleaved
-with v chunks when the blocks split evenly into
-pp * v chunks; asynchronous 1F1B only when asked) and, on mixed clusters, which GPU type each
+with v chunks when the blocks fill pp * v chunks (evenly where they divide, else in the
+uneven splits of ``plan.partition_search.interleaved_block_counts``); asynchronous 1F1B only
+when asked) and, on mixed clusters, which GPU type each
 pipeline rank uses (groups stay contiguous; every order of the groups is tried).
 """
 
@@ -220,7 +221,7 @@ def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int,
                     schedules.append((schedule, 1))
                 elif schedule == Schedule.INTERLEAVED and m >= pp and m % pp == 0:
                     schedules.extend((schedule, v) for v in range(2, options.max_vpp + 1)
-                                     if blocks % (pp * v) == 0)
+                                     if pp * v <= blocks)
                 elif schedule in V_SCHEDULES and blocks >= 2 * pp and (
                         schedule == Schedule.ZBV or m >= 2 * pp):
                     schedules.append((schedule, 2))  # two chunks per rank in a V

@@ -165,3 +165,30 @@ def test_old_plan_json_loads_with_the_switch_defaults() -> None:
 def test_coefficients_bounds() -> None:
     with pytest.raises(ValueError, match="overlap_slowdown"):
         CostCoefficients(overlap_slowdown=1.0)
+
+
+def test_planner_weighs_tp_comm_overlap_against_its_buffers_as_brute_force_does() -> None:
+    model = catalog_model("gpt3-1.3b", seq_len=1024)
+    options = SearchOptions(top_k=1, pp_degrees=(1,), tp_degrees=(2,), zero_stages=(0,),
+                            sequence_parallel=(True,), tp_comm_overlap=(False, True),
+                            recompute=(Recompute.NONE,), max_micro_batch=1, tolerance=0.0)
+    base = CostModel(model, _tight_cluster(80))
+    plan = Plan(model=model.name, seq_len=1024, tp=2, dp=2, global_batch=2,
+                sequence_parallel=True).with_even_stages(model)
+    need_off = base.estimate(plan).memory[0].total
+    need_on = base.estimate(replace(plan, tp_comm_overlap=True)).memory[0].total
+    assert need_on > need_off
+    reserve = base.coef.memory_reserve_fraction
+    fixed = [need - reserve * 80 * 2**30 for need in (need_on, need_off)]
+    between = sum(fixed) / 2 / (1 - reserve) / 2**30
+    for budget, expected in ((80.0, True), (between, False)):
+        cluster = _tight_cluster(budget)
+        found = search(model, cluster, global_batch=2, options=options)
+        assert found.plans[0].tp_comm_overlap is expected, budget
+        brute_plan, brute = brute_force(model, cluster, global_batch=2, options=options)
+        assert brute_plan.tp_comm_overlap is expected
+        assert found.estimates[0].step_time_s == pytest.approx(brute.step_time_s)
+    # by default the planner leaves it off (the runtime cannot run it)
+    default = search(model, _tight_cluster(80), global_batch=2,
+                     options=replace(options, tp_comm_overlap=(False,)))
+    assert default.plans[0].tp_comm_overlap is False

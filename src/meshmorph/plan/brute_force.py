@@ -12,7 +12,7 @@ The overlap switches are enumerated here, not taken from the planner's space: co
 come with ``fsdp_prefetch`` on, and every ZeRO-3 Plan with more than one data-parallel replica
 is scored with each setting ``options.fsdp_prefetch`` lists, pipeline or not (other plans gather
 nothing per micro-batch: on where listed); ``overlap_grad_reduce`` is the one setting ``options``
-gives; ``tp_comm_overlap`` stays off, as the planner leaves it.
+gives; every sequence-parallel Plan is scored with each ``options.tp_comm_overlap`` setting.
 
 Nothing here prunes or bounds: the cost is (configurations) x (partitions) x (modes^layers),
 so ``max_plans`` refuses instances that would take too long.
@@ -91,11 +91,18 @@ def prefetch_settings(plan: Plan, options: SearchOptions) -> tuple[bool, ...]:
     return (True in options.fsdp_prefetch,)
 
 
+def tp_overlap_settings(plan: Plan, options: SearchOptions) -> tuple[bool, ...]:
+    """The ``tp_comm_overlap`` settings brute force scores ``plan`` with (it needs SP)."""
+    return tuple(options.tp_comm_overlap) if plan.sequence_parallel else (False,)
+
+
 def with_switches(plans: Iterator[Plan], options: SearchOptions) -> Iterator[Plan]:
-    """Each plan once per setting of ``prefetch_settings``, with ``options.overlap_grad_reduce``."""
+    """Each plan once per setting of ``prefetch_settings`` and ``tp_overlap_settings``, with
+    ``options.overlap_grad_reduce``."""
     for plan in plans:
-        for prefetch in prefetch_settings(plan, options):
-            yield replace(plan, fsdp_prefetch=prefetch,
+        for prefetch, tpo in product(prefetch_settings(plan, options),
+                                     tp_overlap_settings(plan, options)):
+            yield replace(plan, fsdp_prefetch=prefetch, tp_comm_overlap=tpo,
                           overlap_grad_reduce=options.overlap_grad_reduce)
 
 
@@ -105,7 +112,7 @@ def count_plans(model: ModelSpec, configs: Sequence[Config], options: SearchOpti
     total = 0
     for config in configs:
         plan = config.plan
-        switches = len(prefetch_settings(plan, options))
+        switches = len(prefetch_settings(plan, options)) * len(tp_overlap_settings(plan, options))
         if plan.schedule == Schedule.INTERLEAVED:
             total += switches * len(options.recompute) * len(
                 interleaved_block_counts(model.num_blocks, plan.num_chunks))
@@ -128,7 +135,7 @@ def brute_force(model: ModelSpec, cluster: Cluster, *, global_batch: int,
     options = options or SearchOptions()
     cost = cost or CostModel(model, cluster)
     configs = list(configurations(model, cluster, global_batch,
-                                  replace(options, fsdp_prefetch=(True,))))
+                                  replace(options, fsdp_prefetch=(True,), tp_comm_overlap=(False,))))
     total = count_plans(model, configs, options)
     if total > max_plans:
         raise ValueError(

@@ -68,7 +68,8 @@ def _plan(args: argparse.Namespace) -> int:
     options = SearchOptions(top_k=args.top, dtype=args.dtype, max_micro_batch=args.max_micro_batch,
                             tolerance=args.tolerance, max_nodes=args.max_nodes or None,
                             allow_async=args.allow_async,
-                            weight_prediction=args.weight_prediction, cp_max=args.max_cp)
+                            weight_prediction=args.weight_prediction, cp_max=args.max_cp,
+                            tp_comm_overlap=(False, True) if args.tp_comm_overlap else (False,))
     cost = CostModel(model, cluster, profile=Profile.load(args.profile) if args.profile else None)
     if args.layerwise or args.uniform:
         from meshmorph.plan.layerwise_cli import plan_layerwise
@@ -219,6 +220,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            "runs (no sequence parallel, pp 1 for tied embeddings); 'all' also "
                            "prices sequence-parallel layerwise plans and pipelines of tied "
                            "embeddings, which the runtime does not run yet")
+    plan.add_argument("--tp-comm-overlap", action="store_true",
+                      help="also weigh tensor-parallel communication overlapped with the GEMMs "
+                           "(Megatron-LM's --tp-comm-overlap, with sequence parallelism) against "
+                           "its buffers; priced only: meshmorph run refuses such plans")
     plan.add_argument("--allow-async", action="store_true",
                       help="also consider schedule async (1F1B without flush, stale weights: "
                            "not the same math as one device; priced by the event simulator in "

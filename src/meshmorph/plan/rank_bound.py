@@ -40,7 +40,7 @@ class RankBound:
 
     def __init__(self, cost: CostModel, plan: Plan, run: BlockRun, k: int, gpu: GPUSpec,
                  modes: tuple[Recompute, ...]):
-        coster = cost.coster(plan.dtype, plan.cp)
+        coster = cost.coster(plan.dtype, plan.cp, plan.tp_comm_overlap)
         model = cost.model
         b, tp, sp = plan.micro_batch, plan.tp, plan.sequence_parallel
         self.terms = terms = rank_memory_terms(cost, plan, k, gpu)

@@ -73,6 +73,10 @@ class SearchOptions:
     per micro-batch without a pipeline: prefetch holds one more gathered unit and hides the
     gathers); elsewhere prefetch costs no memory and is never slower, so only on is tried
     (off if only off is listed)."""
+    tp_comm_overlap: tuple[bool, ...] = (False,)
+    """``Plan.tp_comm_overlap`` settings tried for sequence-parallel layouts: (False, True) lets
+    the planner weigh the hidden collectives against TransformerEngine's buffers (priced only:
+    ``meshmorph run`` refuses the plans with it on)."""
     overlap_grad_reduce: bool = True
     """``Plan.overlap_grad_reduce`` of every plan: on is never slower (what hides costs only
     ``overlap_slowdown`` of itself) and holds no more memory (DDP's buckets are the gradients,
@@ -239,4 +243,6 @@ def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int,
                                 if schedule == Schedule.ASYNC else "none",
                                 overlap_grad_reduce=options.overlap_grad_reduce)
                     for prefetch in prefetch_choices(plan, options):
-                        yield Config(replace(plan, fsdp_prefetch=prefetch), gpus)
+                        for tpo in options.tp_comm_overlap if sp else (False,):
+                            yield Config(replace(plan, fsdp_prefetch=prefetch,
+                                                 tp_comm_overlap=tpo), gpus)

@@ -57,7 +57,7 @@ class StageSolver:
         self.modes = [m for m in _ORDER if m in modes]
         self.model = cost.model
         self.L = self.model.num_layers
-        self.classes = cost.coster(plan.dtype, plan.cp).classes
+        self.classes = cost.coster(plan.dtype, plan.cp, plan.tp_comm_overlap).classes
         self.zb = plan.schedule == Schedule.ZERO_BUBBLE
         self._cache: dict[tuple, StageChoice | None] = {}
         self._by_range: dict[tuple[int, int, int], StageChoice | None] = {}
@@ -180,7 +180,7 @@ class StageSolver:
 
     def _extra_backward(self, index: int, gpu: GPUSpec) -> dict[Recompute, float]:
         """Backward time a layer adds per mode over no recompute."""
-        coster = self.cost.coster(self.plan.dtype, self.plan.cp)
+        coster = self.cost.coster(self.plan.dtype, self.plan.cp, self.plan.tp_comm_overlap)
         plan = self.plan
         base = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
                             Recompute.NONE).bwd_s
@@ -238,7 +238,7 @@ class StageSolver:
                       build: Build) -> _GroupMemory:
         """Memory of a stage with one group of interchangeable layers, by its counts."""
         plan = self.plan
-        coster = self.cost.coster(plan.dtype, plan.cp)
+        coster = self.cost.coster(plan.dtype, plan.cp, plan.tp_comm_overlap)
         per = {mode: coster.layer(group[0], gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
                                   mode) for mode in self.modes
                if mode in self.model.layers[group[0]].activation}
@@ -265,7 +265,7 @@ class StageSolver:
         figures = self._figures.get(gpu.name)
         if figures is None:
             plan, cost = self.plan, self.cost
-            coster = cost.coster(plan.dtype, plan.cp)
+            coster = cost.coster(plan.dtype, plan.cp, plan.tp_comm_overlap)
             figures = self._figures[gpu.name] = _LayerFigures(
                 params=[cost.chunk_params(i, i + 1, plan.tp) for i in range(self.L)],
                 stored=[coster.layer(i, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,

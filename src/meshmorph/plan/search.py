@@ -29,6 +29,7 @@ from meshmorph.plan.partition_search import (
 from meshmorph.plan.space import Config, SearchOptions, configurations
 from meshmorph.plan.stage_recompute import StageSolver
 from meshmorph.spec.cluster import Cluster
+from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.plan import Plan, PlanError, Schedule
 
@@ -73,8 +74,11 @@ def even_estimate(cost: CostModel, config: Config, mode: Recompute) -> tuple[Pla
 
 
 def counts_estimate(cost: CostModel, config: Config, counts: tuple[int, ...],
-                    mode: Recompute) -> tuple[Plan, Estimate]:
-    """An interleaved configuration with chunks of ``counts`` blocks and ``mode`` recompute."""
+                    mode: Recompute, bound: float = float("inf")
+                    ) -> tuple[Plan, Estimate | None]:
+    """An interleaved configuration with chunks of ``counts`` blocks and ``mode`` recompute;
+    the estimate is None (not simulated) when its busiest rank's own work, m x the forward and
+    backward of its chunks, already reaches ``bound``: no step of it can be shorter."""
     plan = config.plan
     gpus = [cluster_gpu(cost, config.rank_gpus[plan.pp_rank_of_chunk(c)])
             for c in range(plan.num_chunks)]
@@ -82,7 +86,48 @@ def counts_estimate(cost: CostModel, config: Config, counts: tuple[int, ...],
     candidate = replace(plan, stages=stages_of_counts(cost.model, counts, mode, names))
     times = [cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
              for s, g in zip(candidate.stages, gpus, strict=True)]
+    busiest = max(sum(times[c].fwd_s + times[c].bwd_s for c in plan.chunks_of(k))
+                  for k in range(plan.pp))
+    if plan.num_microbatches * busiest >= bound:
+        return candidate, None
     return candidate, cost.assemble(candidate, gpus, times)
+
+
+class _LayerWork:
+    """m x (forward + backward) of any run of layers of an interleaved configuration, from
+    prefix sums of the per-layer times (no ZeRO traffic: at most a chunk's own time), so a
+    chunk split is dropped before its chunks are priced."""
+
+    def __init__(self, cost: CostModel, config: Config):
+        self.cost, self.plan = cost, config.plan
+        self.gpus = [cluster_gpu(cost, config.rank_gpus[self.plan.pp_rank_of_chunk(c)])
+                     for c in range(self.plan.num_chunks)]
+        self._prefix: dict[tuple[str, Recompute], list[float]] = {}
+
+    def prefix(self, gpu: GPUSpec, mode: Recompute) -> list[float]:
+        key = (gpu.name, mode)
+        sums = self._prefix.get(key)
+        if sums is None:
+            plan, model = self.plan, self.cost.model
+            coster = self.cost.coster(plan.dtype, plan.cp, plan.tp_comm_overlap)
+            sums = [0.0]
+            for index, layer in enumerate(model.layers):
+                c = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
+                                 mode if mode in layer.activation else Recompute.NONE)
+                sums.append(sums[-1] + c.fwd_s + c.bwd_s)
+            self._prefix[key] = sums
+        return sums
+
+    def busiest_rank_s(self, counts: tuple[int, ...], mode: Recompute) -> float:
+        plan = self.plan
+        busy = [0.0] * plan.pp
+        start = 0
+        for c, count in enumerate(counts):
+            stop = start + count + (c == 0) + (c == len(counts) - 1)
+            sums = self.prefix(self.gpus[c], mode)
+            busy[plan.pp_rank_of_chunk(c)] += sums[stop] - sums[start]
+            start = stop
+        return plan.num_microbatches * max(busy)
 
 
 def solve_config(cost: CostModel, config: Config, options: SearchOptions,
@@ -92,10 +137,13 @@ def solve_config(cost: CostModel, config: Config, options: SearchOptions,
     plan = config.plan
     if plan.schedule == Schedule.INTERLEAVED:  # every chunk split interleaved_block_counts lists
         best = None
+        work = _LayerWork(cost, config)
         for counts in interleaved_block_counts(cost.model.num_blocks, plan.num_chunks):
             for mode in options.recompute:
-                candidate, estimate = counts_estimate(cost, config, counts, mode)
-                if estimate.fits and estimate.step_time_s < bound:
+                if work.busiest_rank_s(counts, mode) >= bound:
+                    continue  # its busiest rank alone takes longer than the best found
+                candidate, estimate = counts_estimate(cost, config, counts, mode, bound)
+                if estimate is not None and estimate.fits and estimate.step_time_s < bound:
                     bound = estimate.step_time_s
                     best = (candidate, estimate)
         return PartitionResult(best, float("inf"))

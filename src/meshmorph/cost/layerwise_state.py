@@ -36,11 +36,14 @@ compute dtype's bytes):
 
 from __future__ import annotations
 
+import math
+
 from meshmorph.cost.rank_state import (
     COMM_KINDS,
     GRAD,
     HANDSHAKE_BYTES,
     LOSS_BYTES,
+    _rows_rest,
     add_data_parallel_comm,
     held_state,
 )
@@ -75,7 +78,8 @@ def _pipeline_traffic(model: ModelSpec, plan: Plan, chunk: int) -> dict[str, flo
     data layout (the hidden state, or the logits of the last chunk, whose labels stay in the data
     layout), and torch pipelining's sends of ``b s h`` per micro-batch to each neighbour chunk on
     another rank plus its first step's handshake."""
-    out = dict.fromkeys(COMM_KINDS, 0.0)
+    sp = plan.sequence_parallel
+    out = dict.fromkeys(COMM_KINDS + (("all_to_all",) if sp else ()), 0.0)
     strategies = plan.stages[chunk].layer_strategies
     assert strategies is not None
     m, s, b = plan.num_microbatches, plan.seq_len, plan.micro_batch
@@ -84,8 +88,11 @@ def _pipeline_traffic(model: ModelSpec, plan: Plan, chunk: int) -> dict[str, flo
     hidden = _boundary_bytes(plan)
     first, last = chunk == 0, chunk == plan.num_chunks - 1
 
-    def moved(tp_a: int, dp_a: int, tp_b: int, dp_b: int, width: float) -> None:
-        if tp_b > tp_a:  # forward all-gather of this rank's B / dp_a sequences
+    def moved(tp_a: int, dp_a: int, tp_b: int, dp_b: int, width: float,
+              sequence: bool = False) -> None:
+        if sequence and tp_a != tp_b:  # the sequence-split hidden state: all-to-all each way
+            out["all_to_all"] += 2 * m * sequences * s // (tp_a * dp_a) * width
+        elif tp_b > tp_a:  # forward all-gather of this rank's B / dp_a sequences
             out["all_gather"] += m * sequences // dp_a * s * width
         elif tp_b < tp_a:  # backward all-gather of the gradient of B / dp_b sequences
             out["all_gather"] += m * sequences // dp_b * s * width
@@ -95,16 +102,16 @@ def _pipeline_traffic(model: ModelSpec, plan: Plan, chunk: int) -> dict[str, flo
         if head.tp > plan.tp:
             out["all_gather"] += m * b * s * TOKEN_BYTES
     else:
-        moved(plan.tp, plan.dp, head.tp, head.dp, model.hidden_size * hidden)
+        moved(plan.tp, plan.dp, head.tp, head.dp, model.hidden_size * hidden, sp)
     logits = 4.0 if plan.dtype == "fp32" else c
     width = model.vocab_size * logits if last else model.hidden_size * hidden
-    moved(tail.tp, tail.dp, plan.tp, plan.dp, width)
+    moved(tail.tp, tail.dp, plan.tp, plan.dp, width, sp and not last)
     # a neighbour chunk on this rank (the V's turn) takes the activation without a send
     here = plan.pp_rank_of_chunk(chunk)
     neighbours = sum(plan.pp_rank_of_chunk(other) != here
                      for other in (chunk - 1, chunk + 1) if 0 <= other < plan.num_chunks)
     out["send_recv"] += HANDSHAKE_BYTES * neighbours \
-        + m * neighbours * b * s * model.hidden_size * hidden
+        + m * neighbours * b * (s // plan.tp if sp else s) * model.hidden_size * hidden
     return out
 
 
@@ -121,7 +128,8 @@ def predict_layerwise_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dic
     m, s, h = plan.num_microbatches, plan.seq_len, model.hidden_size
     sequences = plan.dp * plan.micro_batch  # B: one stage micro-batch
     c = compute_bytes(plan.dtype)
-    comm = dict.fromkeys(COMM_KINDS, 0.0)
+    sp = plan.sequence_parallel
+    comm = dict.fromkeys(COMM_KINDS + (("all_to_all",) if sp else ()), 0.0)
     params = grads = moments = 0.0
     up = 1 if model.arch == "gpt" else 2
     split = plan.pp > 1 and plan.schedule in SPLIT_BACKWARD_SCHEDULES
@@ -139,7 +147,7 @@ def predict_layerwise_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dic
             fsdp = d > 1 and zero >= 2
             kind = model.layers[index].kind
             tensors = layer_tensors(model, index, t)
-            if kind == LayerKind.HEAD and model.tied_embeddings:
+            if kind == LayerKind.HEAD and model.tied_embeddings and stage.start == 0:
                 tensors = [x for x in tensors if x.name != "out.weight"]  # the embedding's matrix
             held_params, held_grads, held_moments, whole, padded = held_state(tensors, t, d,
                                                                               dp_rank, zero)
@@ -148,7 +156,7 @@ def predict_layerwise_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dic
             moments += held_moments
             if fsdp and zero == 2:
                 params += c * padded * d  # gathered once, kept to the end of the step
-            if kind == LayerKind.EMBEDDING and vocab_split(model, t) and d == 1:
+            if kind == LayerKind.EMBEDDING and vocab_split(model, t) and (d == 1 or sp):
                 grads += GRAD * tensors[0].local_numel(t)  # torch's double-size local gradient
             # a split backward reduces ZeRO-2 once per step (run/layerwise_pipeline.py)
             add_data_parallel_comm(comm, plan, zero=zero, dp=d,
@@ -159,15 +167,33 @@ def predict_layerwise_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dic
                 # the embedding's output, or the layer's input (cast, or as it came)
                 hidden = c if _casts(plan, strategy) else 4.0 if kind == LayerKind.EMBEDDING \
                     else stream
-                if kind == LayerKind.EMBEDDING and vocab_split(model, t):
-                    comm["all_reduce"] += m * bsh * hidden
+                if kind == LayerKind.EMBEDDING:
+                    if vocab_split(model, t):
+                        comm["all_reduce"] += m * bsh * hidden
+                    if sp:  # the output kept as a sequence slice: its gradient gathered
+                        comm["all_gather"] += m * bsh // t * hidden
                 elif kind == LayerKind.BLOCK:
                     replays = 2 if stage.recompute[offset] == Recompute.FULL else 1
-                    comm["all_reduce"] += replays * 2 * m * bsh * c + (3 + up) * m * bsh * hidden
+                    if sp:  # inputs gathered (forward, replays), output gradients gathered
+                        comm["all_gather"] += replays * 2 * m * bsh // t * hidden \
+                            + 2 * m * bsh // t * c
+                        comm["reduce_scatter"] += replays * 2 * m * bsh * c
+                    else:
+                        comm["all_reduce"] += replays * 2 * m * bsh * c
+                    comm["all_reduce"] += (3 + up) * m * bsh * hidden
                 elif kind == LayerKind.HEAD and vocab_split(model, t):
                     comm["all_gather"] += m * (sequences // d) * s * model.padded_vocab_size // t * c
+                    if sp:  # the head's input gathered (its gradient all-reduced, below)
+                        comm["all_gather"] += m * bsh // t * hidden
                     comm["all_reduce"] += m * bsh * hidden
-            if offset:  # the hidden state moved from the previous layer's layout
+                if sp:  # norm gradients, partial sums over the sequence slices: all-reduced
+                    # once per step, or by FSDP2 per micro-batch in its unsharded dtype
+                    norms = sum(x.local_numel(t) for x in tensors if "norm" in x.name)
+                    comm["all_reduce"] += m * c * norms if fsdp else GRAD * norms
+            if offset and sp:  # the sequence-split hidden state: one all-to-all each way
+                if t != strategies[offset - 1].tp:
+                    comm["all_to_all"] += 2 * m * sequences * s * h // (t * d) * stream
+            elif offset:  # the hidden state moved from the previous layer's layout
                 before = strategies[offset - 1]
                 if t > before.tp:  # forward all-gather of this rank's B / dp_a sequences
                     comm["all_gather"] += m * sequences // before.dp * s * h * stream
@@ -177,6 +203,12 @@ def predict_layerwise_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dic
         if plan.pp > 1:
             for kind, nbytes in _pipeline_traffic(model, plan, chunk).items():
                 comm[kind] += nbytes
+    ends = [chunk for chunk in plan.chunks_of(pp_rank) if chunk in (0, plan.num_chunks - 1)]
+    if model.tied_embeddings and plan.pp > 1 and len(ends) == 1:  # one copy of the pair here
+        embed = plan.stages[0].layer_strategies[0]  # type: ignore[index]
+        rows, rest = _rows_rest(layer_tensors(model, 0, embed.tp)[0], embed.tp)
+        fsdp = embed.dp > 1 and embed.zero >= 2
+        comm["all_reduce"] += GRAD * (math.ceil(rows / embed.dp) if fsdp else rows) * rest
     if plan.pp == 1:
         for layer_tp in (strategies[0].tp, strategies[-1].tp):  # tokens in, labels out
             if layer_tp > plan.tp:

@@ -29,8 +29,10 @@ Checkpoints: ``part_optimizers`` lists each chunk's optimizers, so run/checkpoin
 as one state dict keyed by parameter names, which any other plan loads.
 
 Refused here (a clear PlanError before any process group work): ZeRO-3 layers under
-zb, zbv or dualpipev, a tied embedding and head with pp > 1, sequence parallelism, fp16
-loss scaling, a tied embedding and head under different tp or ZeRO, or under ZeRO 2/3.
+zb, zbv or dualpipev, fp16 loss scaling, a tied embedding and head under different tp
+or ZeRO, or under ZeRO 2/3 (plan/layerwise_runnable.py). Sequence parallelism runs
+(run/layerwise_model.py), and a tied embedding and head on different pipeline stages keep
+two copies whose gradients are summed, as in the uniform engine.
 """
 
 from __future__ import annotations
@@ -51,7 +53,11 @@ from meshmorph.plan.layerwise_runnable import (
 from meshmorph.run import state_line
 from meshmorph.run.config import OptimConfig
 from meshmorph.run.engine import TrainEngine
-from meshmorph.run.layerwise_grads import layerwise_grad_norm, reduce_layer_grads
+from meshmorph.run.layerwise_grads import (
+    layerwise_grad_norm,
+    reduce_layer_grads,
+    tied_head_copy,
+)
 from meshmorph.run.layerwise_model import LayerwiseRunner
 from meshmorph.run.layerwise_parallelize import (
     LayerLayouts,
@@ -137,7 +143,11 @@ class LayerwiseEngine(TrainEngine):
             # the loss carries the 1/m (as without a pipeline): torch's own division runs over
             # the parameters registered at the step's end, which are not ZeRO-2's sharded ones
             self.schedule.scale_grads = False
-        self._tied_group = None
+        # a tied head on the last stage keeps its own copy of the embedding (on rank 0 too
+        # under a V); _sync_tied_grads sums the two copies' gradients
+        self._tied_local = spec.tied_embeddings and plan.pp > 1 and \
+            plan.pp_rank_of_chunk(plan.num_chunks - 1) == 0
+        self._tied_group = None if self._tied_local else self._make_tied_group()
         self._grad_norm = float("nan")
         self._autocast = (partial(torch.autocast, device.type, dtype=TORCH_DTYPES[plan.dtype])
                           if plan.dtype != "fp32" else contextlib.nullcontext)
@@ -229,7 +239,10 @@ class LayerwiseEngine(TrainEngine):
         if self.capture_state:  # the end of backward (its reductions included)
             self.captured_state = state_line.held_bytes(self)
         self._align_grads()
-        self._grad_norm = layerwise_grad_norm(self.units, self.device)
+        self._sync_tied_grads()  # on gradients laid out as their parameters
+        skip = set().union(*(tied_head_copy(part, self.spec.tied_embeddings)
+                             for part in self.model_parts))  # counted as the embedding
+        self._grad_norm = layerwise_grad_norm(self.units, self.device, skip=skip)
         if self.optim.grad_clip > 0:
             grads = [p.grad for params in self._params for p in params if p.grad is not None]
             coef = self.optim.grad_clip / (self._grad_norm + 1e-6)

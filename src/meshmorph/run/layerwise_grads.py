@@ -11,6 +11,9 @@ ZeRO 0/1 layer (every dp rank holds the same reduced gradient) times the tp degr
 tensor the layer's tp does not split, 1 for FSDP2's shards (a DTensor names its replicated mesh
 dims). Every rank sums ``||local||^2 / replicas`` over its gradients in float64 and one
 all-reduce of that scalar over the stage gives every element exactly once: the one-device norm.
+A tied head's own copy on the last pipeline stage (pp > 1) is left out of it: its gradient is
+the embedding's (run/engine.py's ``_sync_tied_grads`` sums the two over each pair of ranks that
+hold the same shard), and the embedding counts it.
 """
 
 from __future__ import annotations
@@ -68,11 +71,22 @@ def replicas(unit: LayerUnit, grad: torch.Tensor) -> int:
     return count
 
 
-def layerwise_grad_norm(units: Iterable[LayerUnit], device: torch.device) -> float:
-    """The global L2 norm of the stage's gradients, identical on every rank (pp = 1)."""
+def tied_head_copy(chunk: torch.nn.Module, tied: bool) -> set[int]:
+    """ids of the parameters the norm leaves out: a tied head's own copy of the embedding, on a
+    chunk that holds the head without the embedding (``tied``: the model ties them)."""
+    head, embed = getattr(chunk, "head", None), getattr(chunk, "embed", None)
+    if not tied or head is None or embed is not None:
+        return set()
+    return {id(head.out.weight)}
+
+
+def layerwise_grad_norm(units: Iterable[LayerUnit], device: torch.device,
+                        skip: set[int] | None = None) -> float:
+    """The global L2 norm of the job's gradients, identical on every rank (every stage's
+    layers once; ``skip``: ids of parameters not counted, ``tied_head_copy``)."""
     total = torch.zeros((), dtype=torch.float64, device=device)
     for unit in units:
-        grads = [p.grad for p in unit.params if p.grad is not None]
+        grads = [p.grad for p in unit.params if p.grad is not None and id(p) not in (skip or ())]
         if not grads:
             continue
         norms = torch._foreach_norm([_local(g) for g in grads], 2, dtype=torch.float64)

@@ -11,6 +11,13 @@ layer's logits with the labels moved to the same layout. A pipeline stage (pp > 
 ends in the data layout, the one every stage's input comes in: torch pipelining sends each
 rank's output to the rank of the same (dp, tp) coordinate on the next stage, which receives
 it in the stage's base layout, and sends the gradient back the same way.
+
+With sequence parallelism the hidden state between layers is also split along the sequence
+over each layer's tp ranks (a tp 1 layer holds whole sequences; the embedding's output comes
+out so, run/layerwise_parallelize.py), and moves between layouts by
+``redistribute_sequence``'s all-to-all; a pipeline stage hands it over in the data layout's
+sequence split, as the uniform pipeline does. Token ids, logits and labels hold whole
+sequences and move as without it.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch
 from torch import nn
 
 from meshmorph.run.layerwise_parallelize import LayerLayouts, LayerUnit
-from meshmorph.run.layerwise_redistribute import redistribute
+from meshmorph.run.layerwise_redistribute import redistribute, redistribute_sequence
 
 
 class LayerwiseRunner(nn.Module):
@@ -38,6 +45,8 @@ class LayerwiseRunner(nn.Module):
         """A pipeline stage's output dtype (the one torch pipelining's receiver expects); the
         output then also moves back to the data layout, in which pipeline stages hand over
         activations. None without a pipeline: the logits stay in the last layer's layout."""
+        self.sequence_parallel = any(unit.sequence_parallel for unit in units)
+        """Whether the hidden state is split along the sequence over each layer's tp ranks."""
 
     @property
     def out_tp(self) -> int:
@@ -50,17 +59,24 @@ class LayerwiseRunner(nn.Module):
         with torch.no_grad():
             return redistribute(labels, self.data_tp, self.out_tp, self.layouts.groups)
 
+    def _move(self, x: torch.Tensor, tp_a: int, tp_b: int, hidden: bool) -> torch.Tensor:
+        if not x.is_floating_point():
+            with torch.no_grad():  # token ids carry no gradient
+                return redistribute(x, tp_a, tp_b, self.layouts.groups)
+        if hidden and self.sequence_parallel:
+            return redistribute_sequence(x, tp_a, tp_b, self.layouts.groups)
+        return redistribute(x, tp_a, tp_b, self.layouts.groups)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.data_tp
+        hidden = x.is_floating_point()  # a later pipeline stage's input: the hidden state
+        head = getattr(self.chunk, "head", None)
         for unit in self.units:
             if unit.strategy.tp != tp:
-                if x.is_floating_point():
-                    x = redistribute(x, tp, unit.strategy.tp, self.layouts.groups)
-                else:
-                    with torch.no_grad():  # token ids carry no gradient
-                        x = redistribute(x, tp, unit.strategy.tp, self.layouts.groups)
+                x = self._move(x, tp, unit.strategy.tp, hidden)
                 tp = unit.strategy.tp
             x = unit.module(x)
+            hidden = head is None or unit.module is not head  # after the head: logits
         if self.boundary_dtype is not None:  # a pipeline stage's output, in the data layout
-            x = redistribute(x.to(self.boundary_dtype), tp, self.data_tp, self.layouts.groups)
+            x = self._move(x.to(self.boundary_dtype), tp, self.data_tp, hidden)
         return x

@@ -7,8 +7,11 @@ stage's ranks (``LayerLayouts``); a layer is parallelized on its degree's mesh, 
 path's order:
 
 - tensor parallelism: the uniform path's own styles (``parallelize.tp_plan``: Megatron's column
-  and row split, vocabulary-parallel embedding and head), restricted to the layer's modules and
-  applied over the layer's ``tp`` sub-mesh (skipped at tp 1, where parameters stay plain);
+  and row split, vocabulary-parallel embedding and head, and with ``plan.sequence_parallel``
+  Megatron's sequence parallelism: ``SequenceParallel`` norms, ``PrepareModuleInput`` gathers
+  before attention and MLP, reduce-scattered row outputs, the embedding's output kept as this
+  rank's sequence slice), restricted to the layer's modules and applied over the layer's ``tp``
+  sub-mesh (skipped at tp 1, where parameters stay plain and the layer holds whole sequences);
 - recompute: the stage's per-layer modes (``apply_recompute``);
 - data parallelism by the layer's ZeRO stage over its ``dp`` sub-mesh: zero 2/3 are FSDP2
   ``fully_shard`` of the layer alone (``reshard_after_forward`` for zero 3), gradients
@@ -23,7 +26,10 @@ dp rank is already its sequences' exact contribution.
 Embedding and head run under their own listed strategies, as the cost model prices them. A tied
 embedding and head (one matrix) in one chunk must share tp and ZeRO: they stay one parameter on
 one mesh, reduced once with the embedding's layer, under ZeRO 0 or 1 (FSDP2 cannot shard one
-matrix for two modules it runs apart; run/layerwise_engine.py refuses it).
+matrix for two modules it runs apart; run/layerwise_engine.py refuses it). Under pp > 1 the
+last stage's head holds its own copy, built with the embedding's values and laid out as the
+embedding (same tp and ZeRO: plan/layerwise_runnable.py); run/layerwise_grads.py sums the two
+gradients over each pair of ranks holding the same shard, so both copies step alike.
 """
 
 from __future__ import annotations
@@ -89,6 +95,8 @@ class LayerLayouts:
             self.layouts[tp] = Layout(tp=tp, dp=devices // tp, mesh=stage, tp_mesh=mesh["tp"],
                                       dp_mesh=mesh["dp"])
         self.groups = LayoutGroups(pp_rank * devices, devices, pp)
+        self.groups.tp_groups = {tp: layout.tp_mesh.get_group() for tp, layout in
+                                 self.layouts.items() if tp > 1}
         ordered = sorted(degrees)
         for i, low in enumerate(ordered):  # every pair's all-gather groups, in one order
             for high in ordered[i + 1:]:
@@ -112,6 +120,9 @@ class LayerUnit:
     """Its mesh."""
     params: list[nn.Parameter] = field(default_factory=list)
     """The parameters this unit owns (a tied head's weight belongs to the embedding's unit)."""
+    sequence_parallel: bool = False
+    """Whether its hidden state (input and output) is split along the sequence over its tp
+    ranks (Megatron's sequence parallelism; whole sequences at tp 1)."""
 
     @property
     def fsdp(self) -> bool:
@@ -153,10 +164,11 @@ def parallelize_layerwise(chunk: Transformer, spec: ModelSpec, plan: Plan, stage
         layout = layouts[strategy.tp]
         if strategy.tp > 1:
             styles = {key: style for key, style in
-                      tp_plan(chunk, spec, strategy.tp, False).items()
+                      tp_plan(chunk, spec, strategy.tp, plan.sequence_parallel).items()
                       if key == name or key.startswith(name + ".")}
             parallelize_module(chunk, layout.tp_mesh, styles, src_data_rank=None)
-        units.append(LayerUnit(index=index, module=module, strategy=strategy, layout=layout))
+        units.append(LayerUnit(index=index, module=module, strategy=strategy, layout=layout,
+                               sequence_parallel=plan.sequence_parallel))
         names.append(name)
     tied = spec.tied_embeddings and chunk.embed is not None and chunk.head is not None
     if tied:

@@ -126,10 +126,14 @@ def test_a_zero2_layer_under_zb_reduce_scatters_once_per_step() -> None:
         assert zb[key] == one[key]
 
 
-def test_a_tied_embedding_in_a_layerwise_pipeline_is_refused() -> None:
+def test_a_tied_embedding_in_a_layerwise_pipeline_runs_under_one_layout_for_both_ends() -> None:
     plan = _mixed(PP2_MIXED, dp=2, pp=2, global_batch=4)
-    with pytest.raises(PlanError, match="need untied embeddings"):
+    ends = plan.stages[0].layer_strategies[0], plan.stages[-1].layer_strategies[-1]  # type: ignore[index]
+    assert ends[0] != ends[1]
+    with pytest.raises(PlanError, match="same tp and ZeRO stage"):
         validate_plan(_gpt(), plan, 4)
+    alike = [PP2_MIXED[-1], *PP2_MIXED[1:]]  # the embedding under the head's layout
+    validate_plan(_gpt(), _mixed(alike, dp=2, pp=2, global_batch=4), 4)
 
 
 def test_a_layerwise_pipeline_of_one_strategy_predicts_what_the_uniform_pipeline_does() -> None:
@@ -177,10 +181,11 @@ def test_a_tied_embedding_sharded_by_fsdp_is_refused() -> None:
         validate_plan(_gpt(), plan, 4)
 
 
-def test_sequence_parallel_layerwise_plans_are_refused() -> None:
-    plan = _mixed([(2, 2, 0)] * 6, tp=2, dp=2, micro_batch=2, sequence_parallel=True)
-    with pytest.raises(PlanError, match="sequence parallelism"):
-        validate_plan(_gpt(), plan, 4)
+def test_sequence_parallel_layerwise_plans_run() -> None:
+    plan = _mixed([(2, 2, 0), (1, 4, 0), (2, 2, 0), (4, 1, 0), (2, 2, 0), (2, 2, 0)], tp=2,
+                  dp=2, micro_batch=2, sequence_parallel=True)
+    assert plan.sequence_parallel
+    validate_plan(_gpt(), plan, 4)
 
 
 def test_elastic_layouts_refuse_layerwise_plans() -> None:

@@ -132,7 +132,7 @@ def test_split_backward_searches_offer_no_zero3_layer(schedule: str) -> None:
     assert layerwise_runnable(model, plan)
 
 
-def test_a_sequence_parallel_layerwise_plan_is_priced_but_flagged_not_runnable() -> None:
+def test_the_sequence_parallel_plan_the_wide_search_picks_is_runnable_and_offered() -> None:
     from meshmorph.run.layerwise_engine import validate_layerwise
 
     model = load_model("llama2-7b")  # seq 4096
@@ -141,13 +141,64 @@ def test_a_sequence_parallel_layerwise_plan_is_priced_but_flagged_not_runnable()
     options = SearchOptions(top_k=1)
     wide = search_layerwise(model, cluster, global_batch=16, options=options, cost=cost,
                             runnable=False)
-    assert not wide.runnable and wide.plan.sequence_parallel
-    with pytest.raises(PlanError):
-        validate_layerwise(model, wide.plan)
+    assert wide.runnable and wide.plan.sequence_parallel
+    validate_layerwise(model, wide.plan)
     default = search_layerwise(model, cluster, global_batch=16, options=options, cost=cost)
-    assert default.runnable
+    assert default.runnable and default.plan.sequence_parallel
     validate_layerwise(model, default.plan)
-    assert default.estimate.step_time_s > wide.estimate.step_time_s
+    assert default.estimate.step_time_s == pytest.approx(wide.estimate.step_time_s, rel=1e-12)
+
+
+def _tied(pp: int, embed: LayerStrategy, head: LayerStrategy, **kw: object) -> tuple[ModelSpec,
+                                                                                    Plan]:
+    model = catalog_model("gpt-tiny", seq_len=16)
+    devices = 4 // pp
+    plan = Plan(model=model.name, seq_len=16, global_batch=8, dp=devices, pp=pp,
+                micro_batch=8 // devices // 2, num_microbatches=2, dtype="fp32",
+                **kw).with_even_stages(model)  # type: ignore[arg-type]
+    body = LayerStrategy(tp=1, dp=devices, zero=0)
+    strategies = [embed] + [body] * (model.num_layers - 2) + [head]
+    return model, replace(plan, stages=tuple(
+        replace(st, layer_strategies=tuple(strategies[st.start:st.stop])) for st in plan.stages))
+
+
+def test_a_tied_embedding_and_head_run_apart_under_one_layout() -> None:
+    zero3, zero1, tp2 = (LayerStrategy(tp=1, dp=2, zero=3), LayerStrategy(tp=1, dp=2, zero=1),
+                         LayerStrategy(tp=2, dp=1, zero=0))
+    for schedule in ("gpipe", "1f1b"):  # two copies on two stages: FSDP2 may shard each
+        assert layerwise_refusal(*_tied(2, zero3, zero3, schedule=schedule)) is None
+        assert layerwise_refusal(*_tied(2, tp2, tp2, schedule=schedule)) is None
+        assert "same tp and ZeRO" in str(layerwise_refusal(*_tied(2, tp2, zero1,
+                                                                  schedule=schedule)))
+        assert "same tp and ZeRO" in str(layerwise_refusal(*_tied(2, zero1, zero3,
+                                                                  schedule=schedule)))
+    for schedule in ("zb", "interleaved"):  # the two copies are kept equal under gpipe/1f1b
+        refusal = layerwise_refusal(*_tied(2, tp2, tp2, schedule=schedule))
+        assert refusal is not None and "gpipe or 1f1b" in refusal
+    # in one chunk it is one matrix for two modules, which FSDP2 does not shard
+    one = LayerStrategy(tp=1, dp=4, zero=3)
+    assert "zero 0 or 1" in str(layerwise_refusal(*_tied(1, one, one)))
+    assert layerwise_refusal(*_tied(1, LayerStrategy(tp=1, dp=4, zero=1),
+                                    LayerStrategy(tp=1, dp=4, zero=1))) is None
+
+
+def test_sequence_parallelism_runs_where_every_layer_tp_divides_the_sequence() -> None:
+    model = catalog_model("llama-tiny", seq_len=6)
+    plan = Plan(model=model.name, seq_len=6, global_batch=8, tp=2, dp=2, micro_batch=2,
+                num_microbatches=2, dtype="fp32", sequence_parallel=True
+                ).with_even_stages(model)
+
+    def assigned(tps: list[int]) -> Plan:
+        return replace(plan, stages=(replace(plan.stages[0], layer_strategies=tuple(
+            LayerStrategy(tp=t, dp=4 // t, zero=0) for t in tps)),))
+
+    assert layerwise_refusal(model, assigned([2, 1, 2, 1, 2, 2])) is None
+    model8 = catalog_model("llama-tiny", seq_len=8)
+    assert layerwise_refusal(model8, replace(assigned([2, 1, 2, 1, 2, 2]), seq_len=8)) is None
+    assert plan.sequence_parallel
+    mha = replace(model, num_kv_heads=4)  # tp 4 must split the heads; 4 does not divide 6
+    refusal = layerwise_refusal(mha, assigned([2, 4, 2, 1, 2, 2]))
+    assert refusal is not None and "does not divide" in refusal and "sequence" in refusal
 
 
 @pytest.mark.parametrize("zeros", [(0, 3), (3,), (2,)])
@@ -161,7 +212,7 @@ def test_a_tied_embedding_gets_one_runnable_layout_for_embedding_and_head(zeros:
     wide = search_layerwise(model, cluster, global_batch=8, options=options, cost=cost,
                             runnable=False)
     default = search_layerwise(model, cluster, global_batch=8, options=options, cost=cost)
-    assert default.runnable and default.plan.pp == 1
+    assert default.runnable
     if any(st.layer_strategies for st in default.plan.stages):
         validate_layerwise(model, default.plan)
     assert default.estimate.step_time_s >= wide.estimate.step_time_s

@@ -12,10 +12,13 @@ The runtime runs a plan with per-layer strategies when
 - under the schedules that split backward into input- and weight-gradient passes (zb, zbv,
   dualpipev), no layer runs ZeRO-3 over more than one rank (torch pipelining's weight pass
   would miss the gathered parameters FSDP2 frees after forward; run/layerwise_pipeline.py);
-- the model does not tie its embedding and head, or pp = 1 and the two layers share tp and ZeRO
-  stage, a ZeRO stage below 2 when they have dp > 1 (FSDP2 cannot shard one matrix for two
-  layers run apart);
-- the step is synchronous (no ``async``), without sequence parallelism, in fp32 or bf16;
+- the model does not tie its embedding and head, or the two layers share tp and ZeRO stage
+  (under pp > 1, with schedule gpipe or 1f1b, the last stage's head keeps its own copy of the
+  embedding, laid out alike, and the two copies' gradients are summed), with a ZeRO stage below 2 when they have dp > 1 and
+  sit in one chunk (FSDP2 cannot shard one matrix for two layers run apart);
+- with sequence parallelism, every layer's tp degree divides the sequence length (each tp rank
+  holds s / tp positions of the hidden state; a tp 1 layer holds whole sequences);
+- the step is synchronous (no ``async``), in fp32 or bf16;
 - every stage lists its layer strategies (or none does), and every two tp degrees of the plan
   nest (one divides the other).
 """
@@ -36,6 +39,10 @@ RUNNABLE_PIPELINE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZE
 """The pipeline schedules a layerwise plan with pp > 1 runs: one chunk per pipeline rank (gpipe,
 1f1b, zb), vpp chunks per rank (interleaved) or two in a V (zbv, dualpipev)."""
 
+TIED_PIPELINE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+"""The schedules a layerwise pipeline (pp > 1) of a model with a tied embedding and head runs:
+one chunk per rank, the head's copy on the last rank."""
+
 
 def runnable_shape_refusal(model: ModelSpec, plan: Plan) -> str | None:
     """Why no plan of ``plan``'s shape (pp, vpp, schedule, sequence parallelism, dtype) may list
@@ -45,29 +52,30 @@ def runnable_shape_refusal(model: ModelSpec, plan: Plan) -> str | None:
         return (f"layerwise plans with pp > 1 run the schedules {names} (this one has pp "
                 f"{plan.pp}, vpp {plan.vpp}, schedule {plan.schedule}); set one of them, or "
                 "drop layer_strategies")
-    if plan.pp > 1 and model.tied_embeddings:
-        return (f"{model.name} ties its embedding and head, which a layerwise pipeline puts on "
-                "different stages under their own layouts; layerwise plans with pp > 1 need "
-                "untied embeddings (a llama-style model), or plan pp 1")
+    if model.tied_embeddings and plan.pp > 1 and plan.schedule not in TIED_PIPELINE_SCHEDULES:
+        return (f"{model.name} ties its embedding and head; layerwise pipelines keep the two "
+                "copies equal under schedule gpipe or 1f1b (this one has "
+                f"{plan.schedule}); set one of them, or plan pp 1")
     if plan.schedule == Schedule.ASYNC:
         return "layerwise plans run the synchronous step; use schedule '1f1b'"
-    if plan.sequence_parallel:
-        return "layerwise plans do not run sequence parallelism; set it false"
     if plan.dtype == "fp16":
         return "layerwise plans run fp32 or bf16 (no fp16 loss scaling); use bf16"
     return None
 
 
-def tied_ends_refusal(model: ModelSpec, embed: LayerStrategy, head: LayerStrategy) -> str | None:
+def tied_ends_refusal(model: ModelSpec, embed: LayerStrategy, head: LayerStrategy, *,
+                      apart: bool = False) -> str | None:
     """Why a model's embedding and head may not run under ``embed`` and ``head`` (a tied matrix
-    needs one layout, not sharded by FSDP2); None when they may."""
+    needs one layout; in one chunk it is one parameter, which FSDP2 does not shard); None when
+    they may. ``apart``: the two layers are in different chunks (pp > 1), each holding its own
+    copy."""
     if not model.tied_embeddings:
         return None
     if (embed.tp, embed.zero) != (head.tp, head.zero):
         return (f"{model.name} ties its embedding and head (one matrix), but they have tp "
                 f"{embed.tp} / zero {embed.zero} and tp {head.tp} / zero {head.zero}; give both "
                 "layers the same tp and ZeRO stage")
-    if embed.zero >= 2 and embed.dp > 1:
+    if embed.zero >= 2 and embed.dp > 1 and not apart:
         return (f"{model.name} ties its embedding and head, and FSDP2 cannot shard one matrix "
                 f"for two layers run apart (zero {embed.zero}); give the embedding and head "
                 "zero 0 or 1")
@@ -111,9 +119,15 @@ def layerwise_refusal(model: ModelSpec, plan: Plan) -> str | None:
         if high % low:
             return (f"layer tp degrees {low} and {high} do not nest; the runtime moves "
                     "activations only between tp's where one divides the other")
+    if plan.sequence_parallel:
+        uneven = [tp for tp in degrees if plan.seq_len % tp]
+        if uneven:
+            return (f"sequence parallelism splits the {plan.seq_len} positions of a sequence "
+                    f"over each layer's tp ranks, and tp {uneven[0]} does not divide them; "
+                    "choose tp's that divide seq_len, or set sequence_parallel false")
     first, last = plan.stages[0].layer_strategies, plan.stages[-1].layer_strategies
     assert first is not None and last is not None
-    return tied_ends_refusal(model, first[0], last[-1])
+    return tied_ends_refusal(model, first[0], last[-1], apart=plan.num_chunks > 1)
 
 
 def check_layerwise_runnable(model: ModelSpec, plan: Plan) -> None:

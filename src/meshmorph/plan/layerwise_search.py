@@ -48,6 +48,7 @@ from meshmorph.plan.layerwise_front import FrontBudgetExceeded, StageFronts
 from meshmorph.plan.layerwise_partition import best_partition
 from meshmorph.plan.layerwise_runnable import (
     RUNNABLE_PIPELINE_SCHEDULES,
+    TIED_PIPELINE_SCHEDULES,
     layerwise_runnable,
     tied_ends_refusal,
 )
@@ -252,9 +253,8 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
                      uniform_only: bool = False, runnable: bool = True) -> LayerwiseResult:
     """The fastest layerwise plan and the fastest uniform-per-stage plan (module docstring).
     With ``runnable`` (the default) only plans meshmorph runs (plan/layerwise_runnable.py):
-    every pipeline schedule but async for untied embeddings, no sequence parallelism, pp 1 for a
-    tied embedding and head under one runnable (tp, zero); without it every schedule of the
-    options, priced only."""
+    every pipeline schedule but async, sequence parallelism, a tied embedding and head under one
+    runnable (tp, zero); without it every schedule of the options, priced only."""
     options = options or SearchOptions()
     started = time.perf_counter()
     if len({g.gpu.name for g in cluster.groups}) > 1:
@@ -279,10 +279,10 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
             if m > options.max_microbatches:
                 continue
             shapes = [(Schedule.ONE_F_ONE_B, 1)] if pp == 1 else []
-            # runnable: the schedules the layerwise runtime runs (untied embeddings)
+            # runnable: the schedules the layerwise runtime runs
             offered = [s for s in options.schedules
-                       if not runnable or (s in RUNNABLE_PIPELINE_SCHEDULES
-                                           and not model.tied_embeddings)]
+                       if not runnable or (s in RUNNABLE_PIPELINE_SCHEDULES and (
+                           not model.tied_embeddings or s in TIED_PIPELINE_SCHEDULES))]
             if pp > 1:
                 shapes += [(s, 1) for s in (Schedule.GPIPE, Schedule.ONE_F_ONE_B,
                                             Schedule.ZERO_BUBBLE)
@@ -294,7 +294,7 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
                 shapes += [(s, 2) for s in (Schedule.ZBV, Schedule.DUALPIPEV)
                            if s in offered and model.num_blocks >= 2 * pp
                            and (s == Schedule.ZBV or m >= 2 * pp)]
-            for sp in sorted(set(options.sequence_parallel) - ({True} if runnable else set())):
+            for sp in sorted(set(options.sequence_parallel)):
                 for schedule, vpp in shapes:
                     strategies = _strategies(model, cluster, options, devices, sequences,
                                              sequence_parallel=sp,
@@ -312,7 +312,8 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
                     ends = None
                     if runnable and model.tied_embeddings:  # one runnable layout for both
                         ends = sorted({(s.tp, s.zero) for s in strategies
-                                       if tied_ends_refusal(model, s, s) is None})
+                                       if tied_ends_refusal(model, s, s,
+                                                            apart=plan.num_chunks > 1) is None})
                         if not ends:
                             continue
                     configs.append((plan, strategies, ends))

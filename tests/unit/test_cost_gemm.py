@@ -40,10 +40,11 @@ def test_fp8_and_fp32_peaks_come_from_the_catalog() -> None:
     assert times["fp32"] / times["bf16"] == pytest.approx(989.4 / 67.0)
 
 
-def _gpt(hidden: int = 2304, heads: int = 24, seq: int = 2048):
+def _gpt(hidden: int = 2304, heads: int = 24, seq: int = 2048, flash: bool = True):
     return build_transformer(TransformerShape(name="g", arch="gpt", num_layers=4,
                                               hidden_size=hidden, num_heads=heads,
-                                              vocab_size=51200, seq_len=seq))
+                                              vocab_size=51200, seq_len=seq,
+                                              flash_attention=flash))
 
 
 def test_gpt_block_gemms_are_qkv_proj_fc1_fc2_split_by_tp() -> None:
@@ -85,7 +86,7 @@ def test_memory_bound_passes_add_time_proportional_to_saved_activations() -> Non
 
 
 def test_selective_recompute_repeats_only_the_attention_cores_memory_traffic() -> None:
-    model = _gpt()
+    model = _gpt(flash=False)  # attention that keeps its scores: selective recompute drops them
     cluster = parse_cluster("a100-80g:1x1")
     coster = CostModel(model, cluster, CostCoefficients(elementwise_passes=3.0)).coster("bf16")
     a100 = cluster.groups[0].gpu

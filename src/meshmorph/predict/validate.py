@@ -57,6 +57,11 @@ class ValidateConfig:
     tensor_parallel: bool = False
     """Also run tp > 1 plans. The profile times layers at tp 1 only; on CPU, DTensor's per-op
     dispatch dominates a tp plan's step and is not profiled, so these are marked outside."""
+    interleave: bool = True
+    """Predict each plan from profile pieces measured between its own steps
+    (profile/interleaved.py), so that both see the same load; False: from the profile taken
+    before all the plans (or ``profile_path``) alone. Either way the profile taken first (or
+    read) chooses the plans, and its prediction is reported beside as ``predicted_before_s``."""
 
     def __post_init__(self) -> None:
         if self.num_plans < 2:
@@ -144,12 +149,13 @@ def plan_name(plan: Plan) -> str:
 
 
 def _rank_job(rank: int, world: int, model_name: str, seq_len: int, plans_json: list[str],
-              warmup: int, repeats: int, out_dir: str) -> None:
+              warmup: int, repeats: int, out_dir: str, interleave: bool = True) -> None:
     import gc
 
     import torch
     import torch.distributed as dist
 
+    from meshmorph.profile.interleaved import PlanPieces
     from meshmorph.run.config import OptimConfig
     from meshmorph.run.engine import build_engine
 
@@ -160,32 +166,54 @@ def _rank_job(rank: int, world: int, model_name: str, seq_len: int, plans_json: 
     rows = []
     for text in plans_json:
         plan = Plan.from_json(text)
-        load_before = os.getloadavg()[0]
+        loads = [os.getloadavg()[0]]
+        pieces = PlanPieces(model, plan, world, rank, device) if interleave else None
         engine = build_engine(model, plan, optim, seed=0, device=device)
         gen = torch.Generator().manual_seed(1)
         share = plan.global_batch // plan.dp
-        times = []
+        times, cpu = [], []
+        # profile pieces -> step -> pieces -> step -> ... -> pieces: each timed step lies
+        # between two samples of the pieces its prediction reads, under the same load
+        if pieces is not None:
+            pieces.sample(keep=False)  # the pieces' own warm-up
         for i in range(warmup + repeats):
+            if pieces is not None and i >= warmup:
+                pieces.sample()
             batch = torch.randint(0, model.vocab_size, (plan.global_batch, seq_len + 1), generator=gen)
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             engine.step(batch[engine.dp_rank * share:(engine.dp_rank + 1) * share])
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if i >= warmup:
                 times.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)
+            loads.append(os.getloadavg()[0])
+        if pieces is not None:
+            pieces.sample()
         state = engine.captured_state or {}
         state_bytes = float(state.get("params_bytes", 0)) + float(state.get("grads_bytes", 0)) + \
             float(state.get("optimizer_bytes", 0))
-        # the slowest rank sets the step time; every rank's median is gathered
-        med = torch.tensor([statistics.median(times)], dtype=torch.float64)
-        all_meds = [torch.zeros_like(med) for _ in range(world)]
-        dist.all_gather(all_meds, med)
-        rows.append({"measured_step_s": max(float(t) for t in all_meds),
-                     "measured_times_s": times, "state_bytes_rank0": state_bytes,
-                     "pp_rank0": engine.train_mesh.pp_rank,
-                     "load_before": load_before, "load_after": os.getloadavg()[0]})
-        del engine
+        # the slowest rank sets the step time: per step, then the median over steps
+        step = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(step, op=dist.ReduceOp.MAX)
+        slowest = [float(t) for t in step]
+        row: dict[str, object] = {
+            "measured_step_s": statistics.median(slowest), "measured_times_s": slowest,
+            "measured_cpu_s": cpu, "state_bytes_rank0": state_bytes,
+            "pp_rank0": engine.train_mesh.pp_rank, "load_before": loads[0],
+            "load_after": loads[-1], "load_avg": statistics.mean(loads)}
+        if pieces is not None:
+            name = plan_name(plan)
+            row["pieces_s"] = pieces.seconds
+            row["profile"] = pieces.profile(
+                source=f"meshmorph validate, between the steps of {name}, {world} processes",
+                load_avg=statistics.mean(loads)).to_dict()
+            row["step_profiles"] = [pieces.profile(
+                slice(r, r + 2), source=f"meshmorph validate, around step {r} of {name}",
+                load_avg=loads[warmup + r]).to_dict() for r in range(repeats)]
+        rows.append(row)
+        del engine, pieces
         gc.collect()
         if rank == 0:
             (Path(out_dir) / "progress").write_text(str(len(rows)))
@@ -218,6 +246,23 @@ def predict(model: ModelSpec, plan: Plan, nproc: int, profile: Profile) -> dict[
             "predicted_high_s": max(bounds), "breakdown_s": est.breakdown_s,
             "predicted_state_bytes_rank0": mem.params + mem.grads + mem.optimizer,
             "outside_profile": outside}
+
+
+def predict_between_steps(model: ModelSpec, plan: Plan, nproc: int,
+                          step_profiles: list[Profile]) -> dict[str, object]:
+    """The prediction from profile pieces sampled around each timed step (one Profile per step,
+    from the samples just before and just after it): the median of the per-step predictions,
+    as the measured step time is the median of the steps, and their lowest and highest as the
+    range; the breakdown, state bytes and notes of the step whose prediction is the median."""
+    if not step_profiles:
+        raise ValueError("predict_between_steps needs one profile per timed step, got none")
+    each = [predict(model, plan, nproc, p) for p in step_profiles]
+    times = [float(e["predicted_step_s"]) for e in each]  # type: ignore[arg-type]
+    order = sorted(range(len(each)), key=times.__getitem__)
+    middle = each[order[(len(order) - 1) // 2]]
+    return {**middle, "predicted_step_s": statistics.median(times),
+            "predicted_low_s": min(times), "predicted_high_s": max(times),
+            "predicted_steps_s": times}
 
 
 def run_validate(config: ValidateConfig) -> dict[str, object]:
@@ -259,17 +304,30 @@ def run_validate(config: ValidateConfig) -> dict[str, object]:
 
             spawn(_rank_job, config.nproc, (config.model, config.seq_len,
                                             [p.to_json() for p in plans], config.warmup,
-                                            config.repeats, tmp),
+                                            config.repeats, tmp, config.interleave),
                   Path(tmp), timeout_s=600.0, poll=poll, nice=config.nice)
         measured = json.loads((Path(tmp) / "measured.json").read_text())
     rows = []
     for plan, meas in zip(plans, measured, strict=True):
-        rows.append({"name": plan_name(plan), "plan": json.loads(plan.to_json()),
-                     **predict(model, plan, config.nproc, profile), **meas})
+        before = predict(model, plan, config.nproc, profile)
+        if "step_profiles" in meas:
+            own = predict_between_steps(model, plan, config.nproc,
+                                        [Profile.from_dict(p, "step profile")
+                                         for p in meas.pop("step_profiles")])
+        else:
+            own = before
+        rows.append({"name": plan_name(plan), "plan": json.loads(plan.to_json()), **own, **meas,
+                     "predicted_before_s": before["predicted_step_s"]})
     pred = [float(r["predicted_step_s"]) for r in rows]
     meas_s = [float(r["measured_step_s"]) for r in rows]
+    pred_before = [float(r["predicted_before_s"]) for r in rows]
     return {"model": config.model, "seq_len": config.seq_len, "nproc": config.nproc,
+            "method": "interleaved" if config.interleave else "profile before",
             "mape": mape(pred, meas_s), "kendall_tau": kendall_tau(pred, meas_s),
+            "mape_profile_before": mape(pred_before, meas_s),
+            "kendall_tau_profile_before": kendall_tau(pred_before, meas_s),
+            "load_avg_plans": [min(float(r["load_before"]) for r in rows),
+                               max(float(r["load_after"]) for r in rows)],
             "in_range": sum(r["predicted_low_s"] <= r["measured_step_s"] <= r["predicted_high_s"]
                             for r in rows),
             "load_avg_profile": profile.load_avg, "cores": os.cpu_count(),
@@ -300,6 +358,12 @@ def report(result: dict[str, object], *, json_path: Path | None, png_path: Path 
                   f"measured inside the predicted range: {result['in_range']}/{len(rows)}  "
                   f"load average at profile {float(result['load_avg_profile']):.2f} "  # type: ignore[arg-type]
                   f"on {result['cores']} cores")
+    if "mape_profile_before" in result:
+        low, high = result.get("load_avg_plans", (0.0, 0.0))  # type: ignore[misc]
+        console.print(f"predicted from: {result.get('method', 'interleaved')}; from the profile "
+                      f"taken before the plans alone: MAPE {float(result['mape_profile_before']):.1f}%  "  # type: ignore[arg-type]
+                      f"Kendall tau {float(result['kendall_tau_profile_before']):.3f}; load average "  # type: ignore[arg-type]
+                      f"{low:.2f}-{high:.2f} while the plans ran")
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=1) + "\n")
         console.print(f"wrote {json_path}")

@@ -45,7 +45,8 @@ def _validate(args: argparse.Namespace) -> int:
 
     config = ValidateConfig(num_plans=args.plans, nproc=args.nproc, model=args.model,
                             seq_len=args.seq_len, repeats=args.repeats, warmup=args.warmup,
-                            profile_path=args.profile, tensor_parallel=args.tp, nice=args.nice)
+                            profile_path=args.profile, tensor_parallel=args.tp, nice=args.nice,
+                            interleave=not args.profile_once, quick_profile=args.quick)
     result = run_validate(config)
     report(result, json_path=args.json, png_path=args.png)
     return 0
@@ -85,6 +86,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     val.add_argument("--tp", action="store_true",
                      help="also run tensor-parallel plans (not profiled on CPU: marked outside)")
     val.add_argument("--nice", type=int, default=0, help=NICE_HELP)
+    val.add_argument("--profile-once", action="store_true",
+                     help="predict every plan from the profile taken before them all (default: "
+                          "from profile pieces measured between each plan's own steps)")
+    val.add_argument("--quick", action="store_true",
+                     help="take the profile that chooses the plans with the quick settings")
     val.add_argument("--json", type=Path, default=None, help="write the table as JSON")
     val.add_argument("--png", type=Path, default=None, help="write the predicted-vs-measured chart")
     val.set_defaults(func=_validate)

@@ -80,3 +80,35 @@ def collective_fits(sizes_bytes: list[int], world: int, rank: int, device: torch
             if member:
                 out[f"{kind}/{size}"] = fit_alpha_beta(xs, ys).as_dict()
     return out
+
+
+class CollectiveSamples:
+    """Every kind of collective over the first g ranks (g = 2..world; send/recv between ranks 0
+    and 1) at each of ``sizes_bytes``, one call each per ``sample()`` (every rank at once);
+    ``fits(window)`` are the alpha-beta lines through the medians of the samples in ``window``."""
+
+    def __init__(self, sizes_bytes: list[int], world: int, rank: int, device: torch.device):
+        self.sizes = [float(n) for n in sizes_bytes]
+        self.calls: dict[str, list[object]] = {}
+        for size in range(2, world + 1):
+            group = dist.new_group(list(range(size)))  # every rank takes part in creating it
+            for kind in KINDS:
+                if kind == "send_recv" and size != 2:
+                    continue
+                member = rank < size
+                self.calls[f"{kind}/{size}"] = [
+                    _call(kind, group, size, rank, nbytes, device) if member else (lambda: None)
+                    for nbytes in sizes_bytes]
+        self.members = {key for key in self.calls if rank < int(key.split("/")[1])}
+        self.seconds: dict[str, list[list[float]]] = {k: [[] for _ in sizes_bytes] for k in self.calls}
+
+    def sample(self, *, keep: bool = True) -> None:
+        for key, calls in self.calls.items():
+            for fn, out in zip(calls, self.seconds[key], strict=True):
+                t = timed(fn, warmup=0, repeats=1)[0]  # type: ignore[arg-type]
+                if keep:
+                    out.append(t / 2 if key.startswith("send_recv") else t)
+
+    def fits(self, window: slice = slice(None)) -> dict[str, dict[str, float]]:
+        return {key: fit_alpha_beta(self.sizes, [median_spread(s[window])[0] for s in rows]).as_dict()
+                for key, rows in self.seconds.items() if key in self.members}

@@ -27,32 +27,52 @@ def _autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextMan
     return torch.autocast(device.type, dtype=DTYPES[dtype])
 
 
-def layer_times(model: ModelSpec, micro_batch: int, dtype: str, device: torch.device, *,
-                repeats: int, warmup: int = 2) -> dict[str, dict[str, float]]:
-    """``layer_key`` -> ``fwd_s``, ``bwd_s``, ``spread`` for every layer of ``model``, timed
-    inside whole training passes of the model (embedding, blocks, head and the token
-    cross-entropy loss), so each layer runs with the caches the layers before it left: a clock
-    stamp after each layer's forward, and a gradient hook on each layer's output stamps where
-    the backward reaches it."""
-    b, s = micro_batch, model.seq_len
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.vocab_size, (b, s), generator=gen).to(device)
-    whole = build_chunk(model, 0, model.num_layers, seed=0, device=device)
-    layers: list[nn.Module] = [whole.embed, *whole.blocks.values(), whole.head]  # type: ignore[list-item]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fwd: list[list[float]] = [[] for _ in layers]
-    bwd: list[list[float]] = [[] for _ in layers]
-    for i in range(warmup + repeats):
+class LayerPasses:
+    """Whole training passes of a model (embedding, blocks, head and the token cross-entropy
+    loss) timed layer by layer, one pass per ``sample()``: a clock stamp after each layer's
+    forward, and a gradient hook on each layer's output stamps where the backward reaches it.
+    ``meshmorph profile`` takes its samples in a row; ``meshmorph validate`` takes them between
+    a plan's steps, so that both see the same load."""
+
+    def __init__(self, model: ModelSpec, micro_batch: int, dtype: str, device: torch.device):
+        self.model, self.micro_batch, self.dtype, self.device = model, micro_batch, dtype, device
+        gen = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, model.vocab_size, (micro_batch, model.seq_len),
+                                    generator=gen).to(device)
+        self.whole = build_chunk(model, 0, model.num_layers, seed=0, device=device)
+        self.layers: list[nn.Module] = [self.whole.embed, *self.whole.blocks.values(),  # type: ignore[list-item]
+                                        self.whole.head]
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.fwd: list[list[float]] = [[] for _ in self.layers]
+        self.bwd: list[list[float]] = [[] for _ in self.layers]
+        self.starts: list[int] = []
+        """Index in ``fwd``/``bwd`` where each kept sample's passes begin."""
+
+    def sample(self, *, keep: bool = True, passes: int = 1) -> float:
+        """``passes`` passes back to back after one barrier; their per-layer times are kept
+        unless ``keep`` is False (warm-up). Returns the seconds of them all. A burst as long as
+        a plan's own compute gets the share of the cores the plan's compute gets on a loaded
+        machine, where a short pass right after a barrier's wait may run ahead of work that has
+        used its share."""
         if dist.is_initialized():
-            dist.barrier()  # every process runs the pass at once
+            dist.barrier()  # every process runs the passes at once
+        if keep:
+            self.starts.append(len(self.fwd[0]))
+        first = time.perf_counter()
+        for _ in range(passes):
+            self._pass(keep)
+        return time.perf_counter() - first
+
+    def _pass(self, keep: bool) -> None:
+        layers, sync = self.layers, self.sync
         stamps_f = [time.perf_counter()]
         stamps_b: dict[int, float] = {}
-        x: torch.Tensor = tokens
-        with _autocast(dtype, device):
+        x: torch.Tensor = self.tokens
+        with _autocast(self.dtype, self.device):
             for k, layer in enumerate(layers):
                 x = layer(x)
                 if k == len(layers) - 1:
-                    x = token_cross_entropy(x, tokens)
+                    x = token_cross_entropy(x, self.tokens)
                 else:
                     x.register_hook(partial(_stamp, stamps_b, k, sync))
                 sync()
@@ -61,24 +81,40 @@ def layer_times(model: ModelSpec, micro_batch: int, dtype: str, device: torch.de
         x.backward()
         sync()
         end = time.perf_counter()
-        whole.zero_grad(set_to_none=True)
-        if i < warmup:
-            continue
-        # backward of layer k runs from the gradient's arrival at its output (k) to its arrival
-        # at its input (k - 1); the head's starts at backward(), the embedding's ends with it
-        arrive = [stamps_b[k] for k in range(len(layers) - 1)]
-        for k in range(len(layers)):
-            fwd[k].append(stamps_f[k + 1] - stamps_f[k])
-            t_in = arrive[k - 1] if k > 0 else end
-            t_out = arrive[k] if k < len(layers) - 1 else start
-            bwd[k].append(t_in - t_out)
-    out = {}
-    for k in range(len(layers)):
-        f_med, f_spread = median_spread(fwd[k])
-        b_med, b_spread = median_spread(bwd[k])
-        out[layer_key(model.name, s, micro_batch, dtype, k)] = {
-            "fwd_s": f_med, "bwd_s": b_med, "spread": max(f_spread, b_spread)}
-    return out
+        self.whole.zero_grad(set_to_none=True)
+        if keep:
+            # backward of layer k runs from the gradient's arrival at its output (k) to its
+            # arrival at its input (k - 1); the head's starts at backward(), the embedding's
+            # ends with it
+            arrive = [stamps_b[k] for k in range(len(layers) - 1)]
+            for k in range(len(layers)):
+                self.fwd[k].append(stamps_f[k + 1] - stamps_f[k])
+                t_in = arrive[k - 1] if k > 0 else end
+                t_out = arrive[k] if k < len(layers) - 1 else start
+                self.bwd[k].append(t_in - t_out)
+
+    def times(self, window: slice = slice(None)) -> dict[str, dict[str, float]]:
+        """``layer_key`` -> ``fwd_s``, ``bwd_s`` (medians over the passes of the kept samples in
+        ``window``, a slice of sample indices) and ``spread``."""
+        bounds = [*self.starts, len(self.fwd[0])]
+        rows = [i for n in range(len(self.starts))[window] for i in range(bounds[n], bounds[n + 1])]
+        out = {}
+        for k in range(len(self.layers)):
+            f_med, f_spread = median_spread([self.fwd[k][i] for i in rows])
+            b_med, b_spread = median_spread([self.bwd[k][i] for i in rows])
+            out[layer_key(self.model.name, self.model.seq_len, self.micro_batch, self.dtype, k)] = {
+                "fwd_s": f_med, "bwd_s": b_med, "spread": max(f_spread, b_spread)}
+        return out
+
+
+def layer_times(model: ModelSpec, micro_batch: int, dtype: str, device: torch.device, *,
+                repeats: int, warmup: int = 2) -> dict[str, dict[str, float]]:
+    """``layer_key`` -> ``fwd_s``, ``bwd_s``, ``spread`` for every layer of ``model``: ``repeats``
+    whole passes (``LayerPasses``) after ``warmup`` untimed ones."""
+    passes = LayerPasses(model, micro_batch, dtype, device)
+    for i in range(warmup + repeats):
+        passes.sample(keep=i >= warmup)
+    return passes.times()
 
 
 def _stamp(stamps: dict[int, float], k: int, sync: Callable[[], object],
@@ -88,32 +124,56 @@ def _stamp(stamps: dict[int, float], k: int, sync: Callable[[], object],
     stamps.setdefault(k, time.perf_counter())
 
 
+class OptimizerTails:
+    """A step's tail — gradient norm, clip, AdamW (foreach), LR schedule — over chunks of the
+    model of growing size (the second layer; the first half; the whole model), one tail per
+    chunk per ``sample()``; ``fit()`` is the line through their medians."""
+
+    def __init__(self, model: ModelSpec, device: torch.device):
+        n = model.num_layers
+        self.counts: list[float] = []
+        self.tails: list[Callable[[], None]] = []
+        for start, stop in sorted({(1, 2), (1, max(2, n // 2)), (0, n)}):
+            chunk = build_chunk(model, start, stop, seed=0, device=device)
+            params = [p for p in chunk.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(params, lr=1e-4, foreach=device.type != "cuda",
+                                    fused=device.type == "cuda")
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)
+            self.tails.append(partial(_tail, params, opt, sched))
+            self.counts.append(float(sum(p.numel() for p in params)))
+        self.seconds: list[list[float]] = [[] for _ in self.tails]
+
+    def sample(self, *, keep: bool = True) -> None:
+        """One tail of every chunk (every rank at once); kept unless ``keep`` is False."""
+        for tail, out in zip(self.tails, self.seconds, strict=True):
+            times = timed(tail, warmup=0, repeats=1)
+            if keep:
+                out.extend(times)
+
+    def fit(self, window: slice = slice(None)) -> tuple[float, float]:
+        """(fixed s, s per parameter), least squares through the chunks' medians of the kept
+        samples in ``window``, never below 0."""
+        medians = [median_spread(s[window])[0] for s in self.seconds]
+        slope, intercept = np.polyfit(self.counts, medians, 1)
+        return max(float(intercept), 0.0), max(float(slope), 0.0)
+
+
+def _tail(params: list[nn.Parameter], opt: torch.optim.Optimizer,
+          sched: torch.optim.lr_scheduler.LRScheduler) -> None:
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = float(torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(g) for g in grads])))
+    clip_grads_(grads, norm, 1.0)
+    opt.step()
+    sched.step()
+
+
 def optimizer_fit(model: ModelSpec, device: torch.device, *, repeats: int) -> tuple[float, float]:
-    """(fixed s, s per parameter) of a step's tail — gradient norm, clip, AdamW (foreach), LR
-    schedule — fitted over chunks of the model of growing size."""
-    counts, seconds = [], []
-    n = model.num_layers
-    for start, stop in sorted({(1, 2), (1, max(2, n // 2)), (0, n)}):
-        chunk = build_chunk(model, start, stop, seed=0, device=device)
-        params = [p for p in chunk.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-4, foreach=device.type != "cuda",
-                                fused=device.type == "cuda")
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-
-        for p in params:
-            p.grad = torch.full_like(p, 1e-3)
-
-        def tail(params: list[nn.Parameter] = params, opt: torch.optim.Optimizer = opt,
-                 sched: torch.optim.lr_scheduler.LRScheduler = sched) -> None:
-            grads = [p.grad for p in params if p.grad is not None]
-            norm = float(torch.linalg.vector_norm(torch.stack(
-                [torch.linalg.vector_norm(g) for g in grads])))
-            clip_grads_(grads, norm, 1.0)
-            opt.step()
-            sched.step()
-
-        med, _ = median_spread(timed(tail, warmup=2, repeats=repeats))
-        counts.append(float(sum(p.numel() for p in params)))
-        seconds.append(med)
-    slope, intercept = np.polyfit(counts, seconds, 1)
-    return max(float(intercept), 0.0), max(float(slope), 0.0)
+    """(fixed s, s per parameter) of a step's tail (``OptimizerTails``): ``repeats`` samples
+    after two untimed ones."""
+    tails = OptimizerTails(model, device)
+    for i in range(2 + repeats):
+        tails.sample(keep=i >= 2)
+    return tails.fit()

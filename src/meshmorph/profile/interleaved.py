@@ -1,0 +1,86 @@
+"""The profile pieces one plan's prediction reads, measured between that plan's steps.
+
+On a machine whose load changes (other jobs sharing the cores), a profile taken minutes before
+the plans measures another machine: the same micro-batch was seen to take 0.59 s at load 5.4
+and 0.11 s at load 1.5. ``meshmorph validate`` therefore measures, for each plan, the pieces
+its prediction needs — whole-model layer passes at the plan's micro-batch, the optimizer tail
+over chunks of growing size, FSDP2's per-unit gather and reduce-scatter where the plan shards
+with FSDP2, the collectives' alpha-beta fits — interleaved with the plan's own steps (pieces,
+step, pieces, step, ..., pieces), so both see the same load. The pieces are the profile's own
+measurements (profile/layers.py, profile/fsdp_units.py, profile/hardware.py); nothing in them
+is read from, or fitted to, the plan's step times.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from meshmorph.cost.profile import Profile
+from meshmorph.profile.alpha_beta import AlphaBeta, ring_link
+from meshmorph.profile.fsdp_units import FsdpUnits
+from meshmorph.profile.hardware import CollectiveSamples
+from meshmorph.profile.layers import LayerPasses, OptimizerTails
+from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import Plan
+
+MESSAGE_BYTES = (4096, 1 << 20, 16 << 20)
+"""Message sizes of the collectives sampled between a plan's steps (bytes of comm.py's M)."""
+FSDP_UNIT_BLOCKS = 2
+"""FSDP2 units of 1..this many blocks are sampled between a plan's steps (two points of a line)."""
+
+
+class PlanPieces:
+    """Samplers of the pieces ``plan`` reads on ``world`` processes; ``sample()`` takes one of
+    each (every rank at once), ``profile(window)`` turns the kept samples in ``window`` into a
+    Profile: ``window=slice(r, r + 2)`` holds the samples just before and just after the r-th
+    timed step when the samples and steps alternate."""
+
+    def __init__(self, model: ModelSpec, plan: Plan, world: int, rank: int, device: torch.device):
+        self.world = world
+        self.layers = LayerPasses(model, plan.micro_batch, plan.dtype, device)
+        self.tails = OptimizerTails(model, device)
+        # FSDP2's units are measured over all ranks: plans whose dp group is the whole world
+        self.fsdp = FsdpUnits(model, world, device, dtype=plan.dtype, max_blocks=FSDP_UNIT_BLOCKS) \
+            if plan.zero >= 2 and plan.dp > 1 and plan.dp == world else None
+        self.collectives = CollectiveSamples(list(MESSAGE_BYTES), world, rank, device) \
+            if world > 1 else None
+        self.passes = max(1, round(plan.num_microbatches / plan.pp))
+        """Whole-model passes per sample, back to back: as much compute as one rank's step
+        (m micro-batches over 1/pp of the layers), so that both get the same share of the cores."""
+        self.seconds: list[float] = []
+        """Wall seconds of each kept sample (all pieces)."""
+
+    def sample(self, *, keep: bool = True) -> None:
+        """One layer pass, one optimizer tail per chunk, one call of every collective per size
+        and, where the plan uses FSDP2, one gather and reduce-scatter per unit size."""
+        start = time.perf_counter()
+        self.layers.sample(keep=keep, passes=self.passes)
+        self.tails.sample(keep=keep)
+        if self.collectives is not None:
+            self.collectives.sample(keep=keep)
+        if self.fsdp is not None:
+            self.fsdp.sample(keep=keep)
+        if keep:
+            self.seconds.append(time.perf_counter() - start)
+
+    def profile(self, window: slice = slice(None), *, source: str, load_avg: float) -> Profile:
+        """The Profile of the kept samples in ``window``; on CPU the whole group's all-reduce
+        fit is also the ``loopback`` link (as ``meshmorph profile`` writes it)."""
+        fits = self.collectives.fits(window) if self.collectives is not None else {}
+        if self.fsdp is not None:
+            fits.update(self.fsdp.fits(window))
+        bandwidth, latency = {}, {}
+        key = f"all_reduce/{self.world}"
+        if key in fits and not torch.cuda.is_available():
+            row = fits[key]
+            alpha, bw = ring_link("all_reduce", self.world,
+                                  AlphaBeta(row["alpha_s"], row["beta_s_per_byte"], row["r2"]))
+            bandwidth["loopback"], latency["loopback"] = bw / 1e9, alpha * 1e6
+        fixed, per_param = self.tails.fit(window)
+        return Profile(link_bandwidth_gbps=bandwidth, link_latency_us=latency, source=source,
+                       collectives=fits, layer_times=self.layers.times(window),
+                       optimizer_s_per_param=per_param, optimizer_fixed_s=fixed,
+                       processes=self.world, cores=os.cpu_count() or 0, load_avg=load_avg)

@@ -1,17 +1,18 @@
 """Accuracy of the cost model on this machine: ``meshmorph validate`` three times in a row.
 
-Each run profiles first (full settings: GEMMs, the four collectives fitted to alpha-beta,
-FSDP2's per-unit gather and reduce-scatter, per-layer forward and backward inside whole passes of
-gpt-small at seq 64 for micro-batches 1, 2 and 4, the optimizer tail; 2 processes at once), then
-predicts every candidate plan (dp 2 with ZeRO 0-3 and pp 2 with 1F1B and GPipe, micro-batch 1, 2
-or 4, recompute none or full) from that profile, runs the 8 whose predictions lie furthest apart
-on 2 gloo processes in one spawned job and compares. Nothing is fitted on the plans. Writes
-bench/results/validate.json (``runs``: the results, each with ``mape``, ``kendall_tau``,
-``plans``; top-level ``mape``, ``kendall_tau`` and ``plans`` are the last run's) and
+Each run takes a quick profile (it only chooses the plans: every candidate plan is predicted
+from it and the 8 whose predictions lie furthest apart run; ``--full-profile`` for the full
+one), then runs the 8 plans of gpt-small seq 64 on 2 gloo processes in one spawned job. Each
+plan is predicted from profile pieces sampled between its own steps (profile/interleaved.py:
+layer passes as long as one rank's compute, optimizer tails, every collective, FSDP2's units
+for ZeRO-2/3 plans), one profile per timed step, the median of the per-step predictions against
+the median step. Nothing is fitted on the plans. The prediction from the first profile alone is
+reported beside (``mape_profile_before``). Writes bench/results/validate.json (``runs``: the
+results; top-level ``mape``, ``kendall_tau`` and ``plans`` are the last run's; ``summary``) and
 bench/results/validate.png (last run). ``--append`` adds this invocation's runs to the ones
-already in the file (runs in a row taken one invocation at a time).
+already in the file (runs in a row taken one invocation at a time, each short).
 
-    python bench/validate.py [--runs 3] [--append]
+    python bench/validate.py [--runs 3] [--append] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -33,17 +34,24 @@ def main() -> None:
     parser.add_argument("--append", action="store_true",
                         help="keep the runs already in bench/results/validate.json")
     parser.add_argument("--nice", type=int, default=0, help="priority increment of the processes")
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps per plan (default 7)")
+    parser.add_argument("--full-profile", action="store_true",
+                        help="choose the plans from a full profile (default: the quick one)")
     args = parser.parse_args()
     path = RESULTS / "validate.json"
     runs = json.loads(path.read_text()).get("runs", []) if args.append and path.exists() else []
     for index in range(args.runs):
         result = run_validate(ValidateConfig(num_plans=args.plans, nproc=args.nproc,
-                                               nice=args.nice))
+                                               nice=args.nice, repeats=args.repeats,
+                                               quick_profile=not args.full_profile))
         png = RESULTS / "validate.png" if index == args.runs - 1 else None
         report(result, json_path=None, png_path=png)
         runs.append(result)
     summary = [{"mape": r["mape"], "kendall_tau": r["kendall_tau"], "in_range": r["in_range"],
-                "load_avg_profile": r["load_avg_profile"], "when": r["when"]} for r in runs]
+                "mape_profile_before": r.get("mape_profile_before"),
+                "kendall_tau_profile_before": r.get("kendall_tau_profile_before"),
+                "load_avg_profile": r["load_avg_profile"], "load_avg_plans": r.get("load_avg_plans"),
+                "when": r["when"]} for r in runs]
     out = {**runs[-1], "summary": summary, "runs": runs}
     path.write_text(json.dumps(out, indent=1) + "\n")
     for i, row in enumerate(summary):

@@ -154,12 +154,16 @@ def test_vocabulary_is_padded_to_a_multiple_of_128_and_priced() -> None:
 
 
 def test_padded_vocabulary_leaves_logits_loss_and_real_gradients_unchanged() -> None:
+    """Padding changes the head's backward GEMM only by zero terms in its sum over the vocabulary;
+    BLAS may block a 256-long sum differently from a 251-long one, so the check runs in float64,
+    where that re-association moves a gradient by ~1e-16 relative while any real change (a pad
+    logit leaking into the softmax, a pad row read) moves it by far more than 1e-12."""
     from meshmorph.run.loss import token_cross_entropy
 
     tokens = torch.randint(0, 251, (2, 9), generator=torch.Generator().manual_seed(0))
     grads, losses = [], []
     for spec in (_odd_vocab(None), _odd_vocab(251)):
-        model = build_model(spec, seed=4)
+        model = build_model(spec, seed=4).double()
         logits = model(tokens[:, :-1])
         assert logits.shape == (2, 8, 251)  # only the real logits leave the head
         loss = token_cross_entropy(logits, tokens[:, 1:])
@@ -168,11 +172,10 @@ def test_padded_vocabulary_leaves_logits_loss_and_real_gradients_unchanged() -> 
         grads.append({k: p.grad for k, p in model.named_parameters()})
     padded, plain = grads
     assert losses[0] == losses[1]
-    assert torch.equal(padded["embed.tok.weight"][:251], plain["embed.tok.weight"])
     assert torch.count_nonzero(padded["embed.tok.weight"][251:]) == 0  # never indexed, never read
+    padded["embed.tok.weight"] = padded["embed.tok.weight"][:251]
     for name in plain:
-        if name != "embed.tok.weight":
-            torch.testing.assert_close(padded[name], plain[name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(padded[name], plain[name], rtol=1e-12, atol=1e-15, msg=name)
 
 
 def test_padded_vocabulary_rows_start_at_zero() -> None:

@@ -20,11 +20,20 @@ buffer). ZeRO stages do not change where activations live, so they need no trans
 that do not nest (2 and 3 on six devices) would need an all-to-all; they are refused.
 
 With sequence parallelism a layer's input and output are split along the sequence over its tp
-ranks (a layer at tp 1 holds whole sequences), so every rank holds B s h c / D bytes whatever its
-split. Between two tp's that nest each rank keeps 1/k of its buffer and trades the rest with the
-k - 1 other ranks of its group: an all-to-all among k ranks, forward and again backward, priced
-as (k - 1) alpha + (k - 1) / k x M / beta with M = B s h c / D (the ring all-gather's formula,
-``comm.all_gather``, with the buffer a rank already holds).
+ranks (a layer at tp 1 holds whole sequences), so every rank holds M = B s h c / D bytes whatever
+its split. Between tp's L < H that nest (k = H / L) the runtime (run/layerwise_redistribute.py,
+``redistribute_sequence``) moves it by one all-to-all over the H layout's tp group, forward and
+again backward: each rank cuts its buffer into k pieces of M / k for k distinct ranks of that
+group. With L = 1 one of the k is the rank itself on every rank, so each rank sends and receives
+(k - 1) / k M; with L > 1 some ranks keep none of their buffer (position p keeps a piece only
+when p // k = p % L) and send all k pieces, M bytes, and some receive k pieces. The slowest rank
+sets the time: ``peers`` x alpha + moved / beta with (peers, moved) = (k - 1, (k - 1) / k M) for
+L = 1 and (k, M) for L > 1, the alpha-beta model of cost/comm.py (with L = 1 it is the ring
+all-to-all's (k - 1) alpha + (k - 1) / k M / beta).
+
+``Transition.fwd_bytes`` and ``bwd_bytes`` are the bytes the busiest rank of the stage sends to,
+or receives from, other ranks in each direction: for the all-gathers (k - 1) / k of the gathered
+buffer (what every rank receives, and the ring sends), for the all-to-alls the figures above.
 """
 
 from __future__ import annotations
@@ -57,9 +66,29 @@ class Transition:
     gathered_bytes: float
     """The all-gather's gathered buffer on one rank, or the all-to-all's buffer (0 when nothing
     moves)."""
+    fwd_bytes: float = 0.0
+    """Bytes the busiest rank sends to, or receives from, other ranks in the forward move."""
+    bwd_bytes: float = 0.0
+    """Bytes the busiest rank sends to, or receives from, other ranks in the backward move."""
 
 
 NONE = Transition(0.0, 0.0, "none", "none", 1, 0.0)
+
+
+def sequence_all_to_all(low: int, high: int, nbytes: float) -> tuple[int, float]:
+    """(peers, bytes) of the busiest rank in the all-to-all that moves a sequence-split buffer of
+    ``nbytes`` per rank between tp ``low`` and tp ``high`` (module docstring)."""
+    k = high // low
+    if low == 1:
+        return k - 1, (k - 1) / k * nbytes
+    return k, nbytes
+
+
+def _p2p_messages(peers: int, nbytes: float, link: comm.Link) -> float:
+    """``peers`` messages of ``nbytes`` together, in the alpha-beta model: peers alpha + M / beta."""
+    if peers <= 0 or nbytes <= 0:
+        return 0.0
+    return peers * link.latency_s + nbytes / link.bandwidth_bps
 
 
 def activation_bytes(cost: CostModel, sequences: float, dtype: str) -> float:
@@ -82,12 +111,15 @@ def transition(cost: CostModel, a: LayerStrategy, b: LayerStrategy, stage_sequen
                         "where one divides the other")
     k = high // low
     link = cost.group_link(gpu, high)
-    if sequence_parallel:  # B s h c / D on every rank, either way: trade all but 1/k of it
+    if sequence_parallel:  # B s h c / D on every rank, either way: one all-to-all each way
         nbytes = activation_bytes(cost, stage_sequences / (a.tp * a.dp), dtype)
-        both = comm.all_gather(k, nbytes, link)
-        return Transition(both, both, "all_to_all", "all_to_all", k, nbytes)
+        peers, moved = sequence_all_to_all(low, high, nbytes)
+        both = _p2p_messages(peers, moved, link)
+        return Transition(both, both, "all_to_all", "all_to_all", k, nbytes, moved, moved)
     if b.tp < a.tp:  # dp grows: slice forward, gather the gradient backward
         nbytes = activation_bytes(cost, stage_sequences / a.dp, dtype)
-        return Transition(0.0, comm.all_gather(k, nbytes, link), "slice", "all_gather", k, nbytes)
+        return Transition(0.0, comm.all_gather(k, nbytes, link), "slice", "all_gather", k, nbytes,
+                          0.0, (k - 1) / k * nbytes)
     nbytes = activation_bytes(cost, stage_sequences / b.dp, dtype)
-    return Transition(comm.all_gather(k, nbytes, link), 0.0, "all_gather", "slice", k, nbytes)
+    return Transition(comm.all_gather(k, nbytes, link), 0.0, "all_gather", "slice", k, nbytes,
+                      (k - 1) / k * nbytes, 0.0)

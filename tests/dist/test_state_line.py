@@ -4,6 +4,10 @@ One spawned 4-process gloo job runs every layout (each rank rebuilds its engine 
 takes one step, and writes the ``state`` line through ``write_state_line`` into a metrics file
 per layout; each test then reads one layout's line and checks every rank's measured figures
 against the prediction beside it (within 2%), or the stages against each other.
+
+The rows cover each chunk placement: one chunk per rank, looped (interleaved) and the V of zbv
+and dualpipev, whose turn (chunks pp - 1 and pp on one rank) sends nothing and whose rank 0
+holds the tied embedding and the head as two copies summed without a collective.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from meshmorph.run.config import OptimConfig
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
+from meshmorph.spec.transformer import TransformerShape, build_transformer
 
 WORLD = 4
 SEQ = 16
@@ -28,15 +33,19 @@ TOLERANCE = 0.02
 OPTIM = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=1, decay_steps=10, grad_clip=1.0)
 
 
-def _model() -> ModelSpec:
-    return catalog_model("gpt-tiny", seq_len=SEQ)
+def _model(name: str = "gpt-tiny") -> ModelSpec:
+    if name == "gpt-deep":
+        return build_transformer(TransformerShape(name="gpt-deep", arch="gpt", num_layers=8,
+                                                  hidden_size=32, num_heads=4, vocab_size=128,
+                                                  seq_len=SEQ))
+    return catalog_model(name, seq_len=SEQ)
 
 
-def _plan(**kw: object) -> Plan:
+def _plan(model: str = "gpt-tiny", **kw: object) -> Plan:
     fields: dict[str, object] = {"dtype": "fp32", "num_microbatches": 2, **kw}
     dp = int(fields.get("dp", 1))  # type: ignore[call-overload]
     fields.setdefault("global_batch", dp * int(fields["num_microbatches"]))  # type: ignore[call-overload]
-    return Plan(model="gpt-tiny", seq_len=SEQ, **fields).with_even_stages(_model())  # type: ignore[arg-type]
+    return Plan(model=model, seq_len=SEQ, **fields).with_even_stages(_model(model))  # type: ignore[arg-type]
 
 
 LAYOUTS: dict[str, Plan] = {
@@ -51,6 +60,22 @@ LAYOUTS: dict[str, Plan] = {
     "tp2_pp2_bf16": _plan(tp=2, pp=2, num_microbatches=4, dtype="bf16"),
     "tp2_dp2_sp_zero1": _plan(tp=2, dp=2, zero=1, sequence_parallel=True),
     "pp2_dp2_zero3_bf16": _plan(pp=2, dp=2, zero=3, num_microbatches=4, dtype="bf16"),
+    # V placement (rank r holds chunks r and 2pp - 1 - r): the turn of the V, chunks pp - 1 and
+    # pp, is on one rank and passes its activation without a send; under pp 2 the tied
+    # embedding and head both sit on pipeline rank 0
+    "zbv_pp2_dp2_llama": _plan("llama-tiny", pp=2, dp=2, vpp=2, schedule="zbv",
+                               num_microbatches=4),
+    "zbv_pp2_dp2": _plan(pp=2, dp=2, vpp=2, schedule="zbv", num_microbatches=4),
+    "dualpipev_pp2_dp2_zero1": _plan(pp=2, dp=2, vpp=2, zero=1, schedule="dualpipev",
+                                     num_microbatches=4),
+    "zbv_pp2_dp2_zero2": _plan(pp=2, dp=2, vpp=2, zero=2, schedule="zbv", num_microbatches=4),
+    "dualpipev_pp2_tp2": _plan(pp=2, tp=2, vpp=2, schedule="dualpipev", num_microbatches=4),
+    # pp 4: ranks 1 and 2 have four neighbours on other ranks, rank 3 (the turn) two
+    "dualpipev_pp4_deep": _plan("gpt-deep", pp=4, vpp=2, schedule="dualpipev",
+                                num_microbatches=8),
+    # looped placement (chunk c on rank c mod pp): every chunk boundary crosses ranks
+    "interleaved_pp2_dp2": _plan(pp=2, dp=2, vpp=2, schedule="interleaved",
+                                 num_microbatches=4),
 }
 
 
@@ -59,8 +84,8 @@ def _run_layouts(rank: int, world_size: int, out_dir: str) -> None:
     from meshmorph.run.metrics import MetricsLogger
     from meshmorph.run.state_line import write_state_line
 
-    model = _model()
     for name, plan in LAYOUTS.items():
+        model = _model(plan.model)
         try:
             engine = build_engine(model, plan, OPTIM, seed=SEED, device=torch.device("cpu"))
             generator = torch.Generator().manual_seed(rank)

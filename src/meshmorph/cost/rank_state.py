@@ -17,7 +17,8 @@ nothing), ``m`` micro-batches of ``b`` sequences of ``s`` tokens:
 
 - data parallel: cost/state.py's traffic (``data_parallel_traffic``) applied to padded shards;
 - the tied embedding's gradient, summed over the first and last pipeline ranks (its local, and
-  under FSDP2 sharded, gradient);
+  under FSDP2 sharded, gradient) where they are two ranks (under a V both copies sit on rank 0,
+  in chunks 0 and 2pp - 1, and are summed there without a collective);
 - tensor parallel activations per micro-batch (DTensor as run/parallelize.py lays it out):
   without sequence parallelism, an all-reduce of ``b s h`` after the vocabulary-parallel
   embedding and after each row-parallel layer (2 per block) in forward, one per column-parallel
@@ -29,7 +30,8 @@ nothing), ``m`` micro-batches of ``b`` sequences of ``s`` tokens:
   all-reduced once per step;
 - pipeline: each micro-batch's hidden state ``b s h`` (``s/t`` under sequence parallelism) to
   the next chunk and its gradient to the previous one, plus torch's one 4-byte handshake per
-  neighbour in the first step;
+  neighbour in the first step, for each neighbour chunk on another rank (``remote_neighbours``:
+  the V's turn, chunks pp - 1 and pp on rank pp - 1, passes both locally);
 - meshmorph's own reductions: the loss and the global gradient norm (8 bytes each).
 
 Context parallelism (``cp`` > 1; priced, not run): ``d`` is dp x cp (``Plan.grad_replicas``:
@@ -134,8 +136,8 @@ def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, obj
     """``params_bytes``, ``grads_bytes``, ``optimizer_bytes`` and ``comm_bytes`` (by kind) of
     global ``rank`` of ``plan`` (the module docstring says what each counts)."""
     pp_rank, dp_rank, _ = _coords(plan, rank)
-    chunks = [plan.stages[c] for c in plan.chunks_of(pp_rank)]
-    ranges = [(stage.start, stage.stop) for stage in chunks]
+    chunk_ids = plan.chunks_of(pp_rank)
+    ranges = [(plan.stages[c].start, plan.stages[c].stop) for c in chunk_ids]
     t, d = plan.tp, plan.grad_replicas
     c = compute_bytes(plan.dtype)
     fsdp = d > 1 and plan.zero >= 2
@@ -161,13 +163,16 @@ def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, obj
 
     # --- the tied embedding's two copies across pipeline ranks ---------------------------------
     holds_head = any(stop == model.num_layers for _, stop in ranges)
-    if model.tied_embeddings and plan.pp > 1 and (holds_embed or holds_head):
+    # under a V the first and the last chunk are both on pipeline rank 0: the two copies'
+    # gradients are summed there without a collective
+    apart = plan.pp_rank_of_chunk(0) != plan.pp_rank_of_chunk(plan.num_chunks - 1)
+    if model.tied_embeddings and apart and (holds_embed or holds_head):
         tok = layer_tensors(model, 0, t)[0]
         rows, rest = _rows_rest(tok, t)
         comm["all_reduce"] += GRAD * (math.ceil(rows / d) if fsdp else rows) * rest
 
     # --- tensor parallel activations, pipeline transfers ---------------------------------------
-    for kind, nbytes in _activation_traffic(model, plan, chunks).items():
+    for kind, nbytes in _activation_traffic(model, plan, chunk_ids).items():
         comm[kind] += nbytes
     comm["all_reduce"] += LOSS_BYTES + NORM_CLASS_BYTES * ((fsdp) + (t > 1 and any(
         tensor.tp_dim is not None for tensor in tensors))) + NORM_PP_BYTES * (plan.pp > 1)
@@ -176,8 +181,19 @@ def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, obj
             "comm_bytes": comm}
 
 
-def _activation_traffic(model: ModelSpec, plan: Plan, chunks: list) -> dict[str, float]:
-    """Tensor-parallel and pipeline bytes one rank sends per step for its activations."""
+def remote_neighbours(plan: Plan, chunk: int) -> int:
+    """Neighbour chunks of ``chunk`` (``chunk - 1`` and ``chunk + 1``) held by another pipeline
+    rank: torch pipelining sends a micro-batch's activation or gradient (and its first step's
+    handshake) only to those; a neighbour on the same rank (the V's turn, chunks ``pp - 1`` and
+    ``pp`` on rank ``pp - 1`` under zbv and dualpipev) takes it as a local input."""
+    here = plan.pp_rank_of_chunk(chunk)
+    return sum(plan.pp_rank_of_chunk(other) != here for other in (chunk - 1, chunk + 1)
+               if 0 <= other < plan.num_chunks)
+
+
+def _activation_traffic(model: ModelSpec, plan: Plan, chunk_ids: list[int]) -> dict[str, float]:
+    """Tensor-parallel and pipeline bytes one rank sends per step for the activations of its
+    model chunks ``chunk_ids``."""
     out = dict.fromkeys(COMM_KINDS, 0.0)
     t, m, b, s, h = plan.tp, plan.num_microbatches, plan.micro_batch, plan.seq_len // plan.cp, \
         model.hidden_size
@@ -187,8 +203,8 @@ def _activation_traffic(model: ModelSpec, plan: Plan, chunks: list) -> dict[str,
     bsh = b * s * h
     up = 1 if model.arch == "gpt" else 2  # first MLP projections: fc1, or w1 and w3
     split = vocab_split(model, t)
-    for stage in chunks:
-        index = plan.stages.index(stage)
+    for index in chunk_ids:
+        stage = plan.stages[index]
         if plan.cp > 1:  # the ring: K, V forward (again under recompute), with gradients back
             kv = kv_bytes(model.with_seq_len(plan.seq_len), b, t, plan.cp,
                           compute_bytes(plan.dtype))
@@ -196,9 +212,8 @@ def _activation_traffic(model: ModelSpec, plan: Plan, chunks: list) -> dict[str,
                 if model.layers[layer_index].kind == LayerKind.BLOCK:
                     rings = 3 + (stage.recompute[offset] != Recompute.NONE)
                     out["send_recv"] += m * (plan.cp - 1) * rings * kv
-        first, last = index == 0, index == plan.num_chunks - 1
         if plan.pp > 1:
-            neighbours = (not first) + (not last)
+            neighbours = remote_neighbours(plan, index)
             local_s = s // t if sp else s
             out["send_recv"] += HANDSHAKE_BYTES * neighbours \
                 + m * neighbours * b * local_s * h * hidden_b

@@ -77,15 +77,16 @@ def layer_tensors(model: ModelSpec, index: int, tp: int) -> list[ParamTensor]:
 
 
 def rank_tensors(model: ModelSpec, ranges: list[tuple[int, int]], tp: int) -> list[ParamTensor]:
-    """Every distinct parameter tensor a rank holding the layer ``ranges`` allocates (a tied
-    head weight is the embedding's when both are on the rank)."""
-    holds_embed = any(start == 0 for start, _ in ranges)
+    """Every distinct parameter tensor a rank holding the layer ``ranges`` (one per model chunk)
+    allocates. A tied head weight is the embedding's when both are in one chunk; in two chunks
+    of one rank (the V schedules' rank 0) the head keeps its own copy (run/engine.py sums the
+    two gradients on the rank)."""
     tensors = []
     for start, stop in ranges:
         for index in range(start, stop):
             for tensor in layer_tensors(model, index, tp):
                 tied = model.layers[index].kind == LayerKind.HEAD and tensor.name == "out.weight"
-                if tied and model.tied_embeddings and holds_embed:
+                if tied and model.tied_embeddings and start == 0:
                     continue
                 tensors.append(tensor)
     return tensors

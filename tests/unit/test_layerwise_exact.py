@@ -32,22 +32,27 @@ def _cost(name: str, devices: int, memory_gib: float | None = None) -> CostModel
 
 
 def _brute(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int,
-           strategies: list[LayerStrategy]) -> list[tuple[float, float]]:
-    """Every assignment's (time, memory), added up here from the per-layer terms."""
+           strategies: list[LayerStrategy],
+           ends: tuple[int, int] | None = None) -> list[tuple[float, float]]:
+    """Every assignment's (time, memory), added up here from the per-layer terms; with ``ends``
+    (tp, zero) the first and last layer only under strategies of that pair."""
     gpu = cost.default_gpu()
     m = plan.num_microbatches
     tied = start == 0 and stop == cost.model.num_layers
     options = []
     for index in range(start, stop):
         modes = [r for r in MODES if r in cost.model.layers[index].activation]
+        offered = [s for s in strategies if ends is None or index not in (start, stop - 1)
+                   or (s.tp, s.zero) == ends]
         options.append([(s, r, layer_terms(cost, plan, pp_rank, index, s, r, gpu,
                                            drop_tied=tied and index == stop - 1))
-                        for s in strategies for r in modes])
+                        for s in offered for r in modes])
     out = []
     for pick in itertools.product(*options):
         time = sum(m * (t.fwd_s + t.bwd_s) + t.tail_s for _, _, t in pick)
         for (a, _, _), (b, _, _) in itertools.pairwise(pick):
-            step = transition(cost, a, b, plan.dp * plan.micro_batch, plan.dtype, gpu)
+            step = transition(cost, a, b, plan.dp * plan.micro_batch, plan.dtype, gpu,
+                              sequence_parallel=plan.sequence_parallel)
             time += m * (step.fwd_s + step.bwd_s)
         memory = (sum(t.param_bytes + t.stored_bytes for _, _, t in pick)
                   + max(t.working_bytes for _, _, t in pick)
@@ -111,6 +116,33 @@ def test_stage_program_equals_brute_force_under_random_memory_caps(seed: int, na
     assert _best(every, caps[-1]) is None
 
 
+@pytest.mark.parametrize(("seed", "name", "devices", "pp"),
+                         [case for case in CASES if case[3] == 1])
+def test_stage_program_with_sequence_parallelism_equals_brute_force(seed: int, name: str,
+                                                                     devices: int,
+                                                                     pp: int) -> None:
+    """The same with sequence parallelism: every transition an all-to-all (cost/transition.py),
+    in the program as in the brute force and in ``stage_cost``; the ends pinned to each tp in
+    turn, so that optima change tp inside the stage."""
+    rng, cost, plan, k, stage, strategies = _case(seed, name, devices, pp)
+    # the same stage micro-batch in a tp 2 data layout (a plan at tp 1 has no sequence split)
+    plan = replace(plan, tp=2, dp=devices // 2, micro_batch=2, sequence_parallel=True)
+    assert plan.sequence_parallel
+    gpu = cost.default_gpu()
+    for ends in sorted({(s.tp, s.zero) for s in strategies}):
+        every = _brute(cost, plan, k, stage.start, stage.stop, strategies, ends)
+        caps = sorted(memory for _, memory in every)
+        for cap in (float("inf"), caps[len(caps) // 3], caps[len(caps) // 10]):
+            expected = _best(every, cap)
+            got = solve_stage(cost, plan, k, stage.start, stage.stop, strategies, MODES, gpu,
+                              memory_cap_bytes=cap, ends=ends)
+            assert got is not None and expected is not None
+            assert got.busy_s == pytest.approx(expected, rel=1e-12), (ends, cap)
+            again = stage_cost(cost, plan, k, stage.start, stage.stop, got.strategies,
+                               got.recompute, gpu)
+            assert again.busy_s(plan.num_microbatches) == pytest.approx(got.busy_s, rel=1e-12)
+
+
 def test_some_random_cap_makes_the_best_assignment_slower() -> None:
     """The caps bind: under at least one seeded cap the optimum is slower than without one."""
     slower = 0
@@ -143,21 +175,26 @@ def test_single_stage_search_step_equals_its_stage_time_and_beats_uniform() -> N
 
 
 def _search_brute(cost: CostModel, global_batch: int, zero: int) -> float | None:
-    """The least step over every stage micro-batch and every per-layer assignment (pp = 1: the
-    step is the stage's own time, checked above), from ``_brute``'s sums."""
+    """The least step over every stage micro-batch, sequence parallelism on and off and every
+    per-layer assignment (pp = 1: the step is the stage's own time, checked above), from
+    ``_brute``'s sums."""
     model, devices = cost.model, cost.cluster.world_size
     best = None
-    for sequences in (d for d in range(1, global_batch + 1) if global_batch % d == 0):
+    for sequences, sp in itertools.product(
+            (d for d in range(1, global_batch + 1) if global_batch % d == 0), (False, True)):
         strategies = [LayerStrategy(tp=t, dp=devices // t, zero=zero if devices // t > 1 else 0)
                       for t in (1, 2, 4) if devices % t == 0 and sequences % (devices // t) == 0
                       and model.num_kv_heads % t == 0 and model.num_heads % t == 0
-                      and model.ffn_hidden_size % t == 0]
-        if not strategies:
+                      and model.ffn_hidden_size % t == 0 and (not sp or model.seq_len % t == 0)]
+        split = [s for s in strategies if s.tp > 1]
+        if not strategies or (sp and not split):
             continue
-        first = strategies[0]
+        first = split[0] if sp else strategies[0]  # a sequence split needs a tp > 1 layout
         plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=global_batch,
                     tp=first.tp, dp=first.dp, zero=first.zero,
-                    micro_batch=sequences // first.dp, num_microbatches=global_batch // sequences)
+                    micro_batch=sequences // first.dp, num_microbatches=global_batch // sequences,
+                    sequence_parallel=sp)
+        assert plan.sequence_parallel == sp
         every = _brute(cost, plan, 0, 0, model.num_layers, strategies)
         found = _best(every, cost.default_gpu().memory_bytes)
         if found is not None and (best is None or found < best):

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from meshmorph.cost.estimate import Estimate, StageMemory
 from meshmorph.cost.pipeline import simulate
-from meshmorph.cost.rank_terms import rank_memory_terms
+from meshmorph.cost.rank_terms import RankMemoryTerms, rank_memory_terms
 from meshmorph.cost.transition import transition
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import Recompute
@@ -88,11 +88,36 @@ def layer_plan(plan: Plan, strategy: LayerStrategy) -> Plan:
                    sequence_parallel=plan.sequence_parallel and strategy.tp > 1, stages=())
 
 
-def layer_terms(cost: CostModel, plan: Plan, pp_rank: int, index: int, strategy: LayerStrategy,
-                recompute: Recompute, gpu: GPUSpec, *, drop_tied: bool = False) -> LayerTerms:
-    """The terms of layer ``index`` (module docstring); ``drop_tied``: the rank also holds the
-    tied embedding, so the head's tied weights are not counted twice."""
-    sub = layer_plan(plan, strategy)
+@dataclass(frozen=True, slots=True)
+class LayerTimes:
+    """The part of ``LayerTerms`` that does not depend on the pipeline rank holding the layer."""
+
+    sub: Plan
+    """The uniform plan the layer sees (``layer_plan``)."""
+    fwd_s: float
+    """Forward per micro-batch, exposed TP and ZeRO-3 communication included."""
+    bwd_s: float
+    """Backward per micro-batch, recompute and exposed communication included."""
+    wgrad_s: float
+    """The weight-gradient part of bwd_s."""
+    compute_s: float
+    """Forward + backward compute."""
+    tail_s: float
+    """Exposed gradient sync + parameter gathers + optimizer step, per step."""
+    stored_bytes: float
+    """Activation bytes of one micro-batch."""
+    working_bytes: float
+    """Extra bytes while its backward rematerialises activations."""
+    params: float
+    """Parameters on one tensor-parallel rank."""
+
+
+def layer_times(cost: CostModel, plan: Plan, index: int, strategy: LayerStrategy,
+                recompute: Recompute, gpu: GPUSpec, *, drop_tied: bool = False,
+                sub: Plan | None = None) -> LayerTimes:
+    """The rank-independent terms of layer ``index`` (``layer_terms``); ``sub``: its
+    ``layer_plan(plan, strategy)`` when already made."""
+    sub = layer_plan(plan, strategy) if sub is None else sub
     cost_ = cost.coster(plan.dtype).layer(index, gpu, sub.micro_batch, strategy.tp,
                                           sub.sequence_parallel, recompute)
     params = cost.chunk_params(index, index + 1, strategy.tp)
@@ -104,13 +129,30 @@ def layer_terms(cost: CostModel, plan: Plan, pp_rank: int, index: int, strategy:
         ef, eb = cost.zero_exposed(sub, gathers, scatter, cost_.fwd_s, cost_.bwd_s)
         f, b = f + ef, b + eb
     sync, optimizer = cost.rank_tail(sub, params, cost_.compute_s * 2 / 3, gpu)
-    terms = rank_memory_terms(cost, sub, pp_rank, gpu)
-    return LayerTerms(fwd_s=f, bwd_s=b, wgrad_s=cost_.wgrad_s, compute_s=cost_.compute_s,
-                      tail_s=sync + optimizer,
-                      param_bytes=params * terms.bytes_per_param,
-                      stored_bytes=cost_.activation_bytes * terms.in_flight,
-                      working_bytes=cost_.working_bytes,
-                      gather_bytes=params * terms.gather_bytes_per_param, params=params)
+    return LayerTimes(sub=sub, fwd_s=f, bwd_s=b, wgrad_s=cost_.wgrad_s,
+                      compute_s=cost_.compute_s, tail_s=sync + optimizer,
+                      stored_bytes=cost_.activation_bytes, working_bytes=cost_.working_bytes,
+                      params=params)
+
+
+def terms_on_rank(times: LayerTimes, terms: RankMemoryTerms) -> LayerTerms:
+    """``LayerTerms`` of a layer with rank-independent ``times`` on a rank whose memory
+    coefficients are ``terms`` (``rank_memory_terms`` of ``times.sub`` there)."""
+    return LayerTerms(fwd_s=times.fwd_s, bwd_s=times.bwd_s, wgrad_s=times.wgrad_s,
+                      compute_s=times.compute_s, tail_s=times.tail_s,
+                      param_bytes=times.params * terms.bytes_per_param,
+                      stored_bytes=times.stored_bytes * terms.in_flight,
+                      working_bytes=times.working_bytes,
+                      gather_bytes=times.params * terms.gather_bytes_per_param,
+                      params=times.params)
+
+
+def layer_terms(cost: CostModel, plan: Plan, pp_rank: int, index: int, strategy: LayerStrategy,
+                recompute: Recompute, gpu: GPUSpec, *, drop_tied: bool = False) -> LayerTerms:
+    """The terms of layer ``index`` (module docstring); ``drop_tied``: the rank also holds the
+    tied embedding, so the head's tied weights are not counted twice."""
+    times = layer_times(cost, plan, index, strategy, recompute, gpu, drop_tied=drop_tied)
+    return terms_on_rank(times, rank_memory_terms(cost, times.sub, pp_rank, gpu))
 
 
 def reserved_bytes(cost: CostModel, gpu: GPUSpec) -> float:

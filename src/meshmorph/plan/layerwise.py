@@ -19,9 +19,17 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from meshmorph.cost.layerwise_cost import LayerTerms, layer_terms, reserved_bytes
+from meshmorph.cost.layerwise_cost import (
+    LayerTerms,
+    layer_plan,
+    layer_times,
+    reserved_bytes,
+    terms_on_rank,
+)
 from meshmorph.cost.model import CostModel
+from meshmorph.cost.rank_terms import rank_memory_terms
 from meshmorph.cost.transition import transition
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import Recompute
@@ -85,9 +93,11 @@ def _pareto(labels: list[_Label]) -> list[_Label]:
 
 
 _Choice = tuple[int, Recompute, float, float, LayerTerms]
-TermsCache = dict[tuple, "LayerTerms | list[_Choice]"]
-"""Layer terms already computed, by (layer class, strategy, recompute, stage shape), and whole
-rows of choices: identical blocks and repeated stage shapes cost one evaluation."""
+TermsCache = dict[tuple, Any]
+"""Layer terms already computed, by (layer class, strategy, recompute, stage shape, rank), their
+rank-independent times (without the rank), each strategy's layer plan and memory coefficients,
+and whole rows of choices: identical blocks, ranks and repeated stage shapes cost one
+evaluation."""
 
 
 def stage_choices(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int,
@@ -103,13 +113,16 @@ def stage_choices(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: i
     last = cost.model.num_layers - 1
     tied = 0 in layers and last in layers
     classes = cost.coster(plan.dtype).classes
-    shape = (plan.num_microbatches, plan.dp * plan.micro_batch, plan.schedule, plan.pp, pp_rank,
-             plan.dtype, gpu.name, plan.sequence_parallel)
+    # what a layer's terms depend on besides its class, strategy and recompute: the times on
+    # ``shape``, the memory coefficients on the rank too (identical ranks' layers: one time)
+    shape = (plan.num_microbatches, plan.dp * plan.micro_batch, plan.schedule, plan.pp,
+             plan.vpp, plan.dtype, gpu.name, plan.sequence_parallel)
+    ranked = (*shape, pp_rank)
     choices: list[list[_Choice]] = []
     offered = (tuple(strategies), tuple(recompute))
     for index in layers:
         drop = tied and index == last
-        row_key = ("row", classes[index], drop, shape, offered)  # identical blocks: one row
+        row_key = ("row", classes[index], drop, ranked, offered)  # identical blocks: one row
         done = cache.get(row_key)
         if done is not None:
             choices.append(done)
@@ -118,12 +131,22 @@ def stage_choices(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: i
         row = cache[row_key] = []
         for si, strategy in enumerate(strategies):
             own = []
+            sub = cache.get(("sub", strategy, shape))
+            if sub is None:
+                sub = cache[("sub", strategy, shape)] = layer_plan(plan, strategy)
+            memory = cache.get(("memory", strategy, ranked))
+            if memory is None:
+                memory = cache[("memory", strategy, ranked)] = rank_memory_terms(
+                    cost, sub, pp_rank, gpu)
             for mode in modes:
-                key = (classes[index], drop, strategy, mode, shape)
+                key = (classes[index], drop, strategy, mode, ranked)
                 t = cache.get(key)
                 if t is None:
-                    t = cache[key] = layer_terms(cost, plan, pp_rank, index, strategy, mode, gpu,
-                                                 drop_tied=drop)
+                    times = cache.get((*key[:4], shape))
+                    if times is None:
+                        times = cache[(*key[:4], shape)] = layer_times(
+                            cost, plan, index, strategy, mode, gpu, drop_tied=drop, sub=sub)
+                    t = cache[key] = terms_on_rank(times, memory)
                 own.append((si, mode, m * (t.fwd_s + t.bwd_s) + t.tail_s,
                             t.param_bytes + t.stored_bytes, t))
             row.extend(c for c in own if not any(  # a recompute mode beaten on every figure
@@ -185,7 +208,8 @@ def solve_stage(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int
     def move(a: int, b: int) -> float:
         if (a, b) not in moves:
             try:
-                step = transition(cost, some[a], some[b], sequences, plan.dtype, gpu)
+                step = transition(cost, some[a], some[b], sequences, plan.dtype, gpu,
+                                  sequence_parallel=plan.sequence_parallel)
                 moves[a, b] = m * (step.fwd_s + step.bwd_s)
             except PlanError:  # tp's that do not nest: no such neighbours
                 moves[a, b] = float("inf")

@@ -158,6 +158,15 @@ class StageFronts:
         return self._rows[k]
 
     def _undominated(self, row: list[tuple]) -> list[tuple]:
+        """``_pruned`` of one row, once per row (identical blocks share one row object, which
+        the terms cache keeps alive) and zero-bubble setting."""
+        key = ("undominated", id(row), self.zb)
+        done = self.cache.get(key)
+        if done is None or done[0] is not row:
+            done = self.cache[key] = (row, self._pruned(row))
+        return done[1]
+
+    def _pruned(self, row: list[tuple]) -> list[tuple]:
         def figures(c: tuple) -> tuple:
             t = c[4]
             return (self.strategies[c[0]].tp, t.fwd_s, self._b(t), self._w(t), t.tail_s, c[3],

@@ -301,7 +301,10 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
                                              zero_bubble=schedule in SPLIT_BACKWARD_SCHEDULES)
                     if not strategies or (sp and all(s.tp == 1 for s in strategies)):
                         continue  # nothing to split along the sequence: the same as sp off
-                    first = strategies[0]
+                    # the data layout: at tp > 1 under sequence parallelism (a plan at tp 1
+                    # has no sequence split, Plan drops the flag)
+                    first = next((s for s in strategies if s.tp > 1), strategies[0]) if sp \
+                        else strategies[0]
                     plan = Plan(model=model.name, seq_len=model.seq_len,
                                 global_batch=global_batch, tp=first.tp, dp=first.dp,
                                 zero=first.zero, pp=pp, micro_batch=sequences // first.dp,

@@ -173,8 +173,8 @@ def solve_stage(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int
     ``gpu`` (or ``memory_cap_bytes``, reserve included), or None when none fits (or none beats
     ``upper_bound_s``). With ``chunks`` (a rank's interleaved chunks, in order) the program
     runs over their layers together, no transition between two chunks. With ``ends`` (tp, zero)
-    the first and last layer of the stage use only strategies of that tp and ZeRO stage (a tied
-    embedding and head, plan/layerwise_runnable.py)."""
+    the model's first and last layer, where the stage holds them, use only strategies of that tp
+    and ZeRO stage (a tied embedding and head, plan/layerwise_runnable.py)."""
     if not strategies:
         raise PlanError("solve_stage needs at least one layer strategy")
     m = plan.num_microbatches
@@ -184,10 +184,12 @@ def solve_stage(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int
                             chunks)
     if ends is not None:
         pinned = {i for i, s in enumerate(strategies) if (s.tp, s.zero) == ends}
-        for at in {0, len(choices) - 1}:
-            choices[at] = [c for c in choices[at] if c[0] in pinned]
-        if not choices[0] or not choices[-1]:
-            return None
+        layers = [i for a, b in (chunks or [(start, stop)]) for i in range(a, b)]
+        for at, index in enumerate(layers):
+            if index in (0, cost.model.num_layers - 1):
+                choices[at] = [c for c in choices[at] if c[0] in pinned]
+                if not choices[at]:
+                    return None
     starts: set[int] = set()  # positions where a chunk starts: nothing to redistribute there
     position = 0
     for a, b in chunks or [(start, stop)]:

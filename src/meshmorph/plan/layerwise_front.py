@@ -98,7 +98,8 @@ class StageFronts:
 
     def __init__(self, cost: CostModel, plan: Plan, strategies: Sequence[LayerStrategy],
                  recompute: Sequence[Recompute], gpu: GPUSpec, cache: TermsCache, *,
-                 uniform: bool = False, max_labels: int | None = None):
+                 uniform: bool = False, max_labels: int | None = None,
+                 ends: tuple[int, int] | None = None):
         if plan.pp < 2 or plan.vpp != 1:
             raise PlanError("stage fronts are for pp > 1 with one chunk per rank")
         self.cost, self.plan, self.gpu = cost, plan, gpu
@@ -106,6 +107,9 @@ class StageFronts:
         self.recompute = tuple(recompute)
         self.cache = cache
         self.uniform = uniform
+        self.ends = ends
+        """(tp, zero) the model's first and last layer are held to (a tied embedding and head),
+        or None."""
         self.p, self.m, self.L = plan.pp, plan.num_microbatches, cost.model.num_layers
         self.zb = plan.schedule == Schedule.ZERO_BUBBLE
         self.cap = gpu.memory_bytes - reserved_bytes(cost, gpu)
@@ -144,7 +148,8 @@ class StageFronts:
         return t.wgrad_s if self.zb else 0.0
 
     def rows(self, k: int) -> list[list[tuple]]:
-        """Each layer's choices on rank k (no rank of pp > 1 holds both tied ends), less those
+        """Each layer's choices on rank k (no rank of pp > 1 holds both tied ends; with ``ends``
+        the first and last layer's only under that (tp, zero)), less those
         another choice at the same tp (so the same transitions) beats or equals on every
         figure: forward, backward, weight gradient, tail and the three memory terms (under
         pipeline parallelism ZeRO-3 holds what ZeRO-2 holds and gathers more, for one)."""
@@ -154,6 +159,12 @@ class StageFronts:
                                     self.recompute, self.gpu, self.cache),
                      *stage_choices(self.cost, plan, k, L - 1, L, self.strategies,
                                     self.recompute, self.gpu, self.cache)]
+            if self.ends is not None:  # before pruning: a choice at another ZeRO stage may
+                # be what beats the allowed ones
+                for index in (0, L - 1):
+                    every[index] = [c for c in every[index]
+                                    if (self.strategies[c[0]].tp,
+                                        self.strategies[c[0]].zero) == self.ends]
             self._rows[k] = [self._undominated(row) for row in every]
         return self._rows[k]
 

@@ -28,6 +28,7 @@ tolerance or a node budget the result reports the least bound left open (``lower
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -165,15 +166,32 @@ def _solve_plan(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
     """(best with one strategy per rank, best per layer) of one configuration; a rank slower
     than ``bounds`` (the best uniform and per-layer steps found so far: a step is never shorter
     than any rank's own time) cannot make a better plan and is not finished. With ``ends``
-    (pp = 1, a tied embedding and head) the per-layer program gives the first and last layer
-    one of these (tp, zero) pairs, each tried in turn."""
+    (a tied embedding and head) the model's first and last layer get one of these (tp, zero)
+    pairs, the same on both: at pp = 1 each pair is tried in the one rank's program, with
+    pp > 1 each pair in turn for the whole plan (the two ends sit on different ranks)."""
+    if ends is not None and plan.pp > 1 and len(ends) > 1:
+        one = mixed = None
+        for pair in ends:
+            found = _solve_plan(cost, plan, strategies, options, uniform_only, bounds, cache,
+                                [pair])
+            if found[0] is not None and (one is None or found[0][1].step_time_s
+                                         < one[1].step_time_s):
+                one = found[0]
+            if found[1] is not None and (mixed is None or found[1][1].step_time_s
+                                         < mixed[1].step_time_s):
+                mixed = found[1]
+        return one, mixed
     gpu = cost.default_gpu()
     uniform: list[StageSolution] = []
-    mixed: list[StageSolution] = []
+    mixed_: list[StageSolution] = []
+    last = cost.model.num_layers - 1
     for k in range(plan.pp):
         chunks = _rank_chunks(plan, k)
+        holds_end = any(a == 0 or b == last + 1 for a, b in chunks)
         best: StageSolution | None = None
         for s in strategies:
+            if ends is not None and holds_end and (s.tp, s.zero) not in ends:
+                continue  # a tied end under this strategy does not run
             one = solve_stage(cost, plan, k, 0, 0, [s], options.recompute, gpu,
                               upper_bound_s=bounds[0], cache=cache, chunks=chunks)
             if one is not None and (best is None or one.busy_s < best.busy_s):
@@ -184,7 +202,7 @@ def _solve_plan(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
             continue
         bound = min(best.busy_s if best is not None else float("inf"), bounds[1])
         per_layer = None
-        for pair in ends if ends is not None else [None]:
+        for pair in ends if ends is not None and holds_end else [None]:
             found = solve_stage(cost, plan, k, 0, 0, strategies, options.recompute, gpu,
                                 upper_bound_s=bound, cache=cache, chunks=chunks, ends=pair)
             if found is not None and (per_layer is None or found.busy_s < per_layer.busy_s):
@@ -193,9 +211,9 @@ def _solve_plan(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
             best = per_layer
         if best is None:
             return None, None
-        mixed.append(best)
+        mixed_.append(best)
     one = _assemble(cost, plan, uniform) if len(uniform) == plan.pp else None
-    return one, (_assemble(cost, plan, mixed) if not uniform_only else one)
+    return one, (_assemble(cost, plan, mixed_) if not uniform_only else one)
 
 
 LABELS_PER_NODE = 1
@@ -205,12 +223,17 @@ LABELS_PER_NODE = 1
 
 def solve_partitioned(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
                       options: SearchOptions, uniform_only: bool, bounds: tuple[float, float],
-                      cache: TermsCache, config_bound: float = 0.0) -> tuple[tuple[Plan, Estimate] | None,
-                                                  tuple[Plan, Estimate] | None, float]:
+                      cache: TermsCache, config_bound: float = 0.0,
+                      ends: list[tuple[int, int]] | None = None
+                      ) -> tuple[tuple[Plan, Estimate] | None, tuple[Plan, Estimate] | None,
+                                 float]:
     """(best uniform, best per layer, least bound left open) of a pp > 1 configuration with one
     chunk per rank: the even split first (a quick incumbent), then every partition exactly
-    (plan/layerwise_partition.py), with one strategy per stage, then per layer."""
-    one, mixed = _solve_plan(cost, plan, strategies, options, uniform_only, bounds, cache)
+    (plan/layerwise_partition.py), with one strategy per stage, then per layer. With ``ends``
+    (a tied embedding and head) the partition search runs once per (tp, zero) pair, the model's
+    first and last layer held to it (``StageFronts``'s ``ends``): the best over the pairs is
+    the best over every plan whose two ends agree."""
+    one, mixed = _solve_plan(cost, plan, strategies, options, uniform_only, bounds, cache, ends)
     gpu = cost.default_gpu()
     open_bound = float("inf")
 
@@ -224,7 +247,7 @@ def solve_partitioned(cost: CostModel, plan: Plan, strategies: list[LayerStrateg
     def step(found: tuple[Plan, Estimate] | None) -> float:
         return found[1].step_time_s if found is not None else float("inf")
 
-    for uniform in (True, False):
+    for uniform, pair in itertools.product((True, False), ends or [None]):
         if step(one) < step(mixed):  # a rank's least busy time is not always the least step
             mixed = one
         if not uniform and uniform_only:
@@ -232,7 +255,7 @@ def solve_partitioned(cost: CostModel, plan: Plan, strategies: list[LayerStrateg
         bound = min(bounds[0], step(one)) if uniform else min(bounds[1], step(one), step(mixed))
         fronts = StageFronts(cost, plan, strategies, options.recompute, gpu, cache,
                              uniform=uniform, max_labels=None if options.max_nodes is None
-                             else LABELS_PER_NODE * options.max_nodes)
+                             else LABELS_PER_NODE * options.max_nodes, ends=pair)
         try:
             out = best_partition(fronts, bound, options.tolerance, options.max_nodes)
         except FrontBudgetExceeded:  # left open: its bound stays unproven
@@ -344,7 +367,7 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
         if plan.pp > 1 and plan.vpp == 1:
             one, mixed, open_bound = solve_partitioned(cost, plan, strategies, options,
                                                        uniform_only, (uniform_step, step), cache,
-                                                       bound)
+                                                       bound, ends)
             proven = min(proven, max(bound, open_bound))
         else:
             one, mixed = _solve_plan(cost, plan, strategies, options, uniform_only,

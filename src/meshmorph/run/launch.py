@@ -100,7 +100,8 @@ def parse_node(node_rank: int | None, endpoint: str | None, run_id: str | None,
         raise ValueError(f"--rdzv-endpoint takes HOST:PORT, got {endpoint!r}")
     _, high = parse_elastic(elastic)
     if not 0 <= node_rank < high:
-        raise ValueError(f"--node-rank {node_rank} must be below the --elastic maximum {high}")
+        raise ValueError(f"--node-rank {node_rank} must be 0 to {high - 1} (one number per node, "
+                         f"below the --elastic maximum {high})")
     if plan.world_size != nproc * high:
         raise ValueError(f"the plan has {plan.world_size} ranks but {high} nodes x --nproc "
                          f"{nproc} make {nproc * high}; the job starts on every node at once "

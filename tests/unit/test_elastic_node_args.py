@@ -25,7 +25,8 @@ def test_a_node_of_two_is_checked_against_the_full_world() -> None:
     ((None, "node0:29500", None, "1:2", 2), "--node-rank and --rdzv-endpoint"),
     ((0, "node0", None, "1:2", 2), "HOST:PORT"),
     ((0, "node0:99999", None, "1:2", 2), "HOST:PORT"),
-    ((2, "node0:29500", None, "1:2", 2), "below the --elastic maximum 2"),
+    ((2, "node0:29500", None, "1:2", 2), "must be 0 to 1"),
+    ((-1, "node0:29500", None, "1:2", 2), "must be 0 to 1"),
     ((0, "node0:29500", None, "1:2", 1), "2 nodes x --nproc 1 make 2"),
 ])
 def test_a_node_that_cannot_join_is_refused_naming_the_fix(args: tuple, says: str) -> None:

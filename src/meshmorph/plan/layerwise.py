@@ -19,6 +19,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 from meshmorph.cost.layerwise_cost import (
@@ -56,9 +57,12 @@ class StageSolution:
 _Label = tuple[float, float, float, float, "tuple | None", "tuple[int, Recompute] | None"]
 
 
+_TIME_MEMORY = itemgetter(0, 1)
+
+
 def _front(labels: list[_Label]) -> list[_Label]:
     """2-D Pareto front on (time, memory): sorted by time, memory strictly falling."""
-    labels.sort(key=lambda x: (x[0], x[1]))
+    labels.sort(key=_TIME_MEMORY)
     kept: list[_Label] = []
     for lab in labels:
         if not kept or lab[1] < kept[-1][1]:
@@ -241,16 +245,26 @@ def solve_stage(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int
         for c in choices[i]:
             by_tp.setdefault(strategies[c[0]].tp, []).append(c)
         nxt: dict[int, list[_Label]] = {}
+        ahead_time, ahead_mem = rest_time[i + 1], rest_mem[i + 1]
         for tp, own in by_tp.items():
             incoming = _pareto([(lab[0] + hop(p, tp), lab[1], lab[2], lab[3], lab, None)
                                 for p, labs in layer.items() if hop(p, tp) < float("inf")
                                 for lab in labs])
+            # ``extend`` inlined (the same sums, in the same order)
+            figures = [(c[2], c[3], c[4].working_bytes, c[4].gather_bytes, (c[0], c[1]))
+                       for c in own]
             out = []
             for lab in incoming:
-                for c in own:
-                    new = extend(lab[4], lab[0], c, i)
-                    if new is not None:
-                        out.append(new)
+                base, held, working, gathering, parent = lab[0], lab[1], lab[2], lab[3], lab[4]
+                for ct, cm, cw, cg, key in figures:
+                    time = base + ct
+                    add = held + cm
+                    work = cw if cw > working else working
+                    gather = cg if cg > gathering else gathering
+                    if time + ahead_time > upper_bound_s or \
+                            add + ahead_mem + work + gather > cap:
+                        continue
+                    out.append((time, add, work, gather, parent, key))
             if out:
                 nxt[tp] = _pareto(out)
         layer = nxt

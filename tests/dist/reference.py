@@ -15,6 +15,11 @@ Precisions:
   fp32 device, the yardstick the tolerances are built from.
 - ``bf16``: mixed precision as one device runs it: fp32 master weights, gradients and AdamW,
   the forward under ``torch.autocast`` (bfloat16), the loss taken from fp32 logits.
+- ``bf16_params``: mixed precision as FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)`` runs it (meshmorph's ZeRO-2/3 over dp > 1): fp32 master weights and
+  AdamW, every micro-batch's forward and backward on a bfloat16 copy of all the parameters (the
+  norms, biases and residual stream in bf16 too, not only the matmuls), its bf16 gradients
+  accumulated into fp32 ones.
 
 ``deviation`` measures one run against another: per-step relative loss and gradient-norm
 differences, and per parameter tensor the norm-relative difference ``||a - b|| / scale`` with
@@ -31,6 +36,7 @@ is near zero turns summation-order noise into a visibly different update.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from dataclasses import dataclass
 
@@ -41,7 +47,7 @@ from meshmorph.run.config import OptimConfig
 from meshmorph.run.models import build_model
 from meshmorph.spec.model import ModelSpec
 
-PRECISIONS = ("fp64", "fp32", "bf16")
+PRECISIONS = ("fp64", "fp32", "bf16", "bf16_params")
 """The precisions ``reference_run`` trains in."""
 
 
@@ -104,6 +110,7 @@ def reference_run(model: ModelSpec, optim: OptimConfig, batches: list[torch.Tens
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: optim.lr_at(step) / optim.lr)
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" \
         else contextlib.nullcontext
+    shadow = _bf16_copy(net) if precision == "bf16_params" else None
     losses, norms = [], []
     for batch in batches:
         if batch.shape[0] % micro_batch:
@@ -113,6 +120,9 @@ def reference_run(model: ModelSpec, optim: OptimConfig, batches: list[torch.Tens
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for chunk in batch.chunk(m):
+            if shadow is not None:
+                total += _bf16_params_pass(net, shadow, chunk, m)
+                continue
             with autocast():
                 logits = net(chunk[:, :-1])
             loss = _loss(logits, chunk[:, 1:])
@@ -130,6 +140,36 @@ def reference_run(model: ModelSpec, optim: OptimConfig, batches: list[torch.Tens
         norms.append(norm)
     return ReferenceRun(tuple(losses), tuple(norms),
                         {k: v.detach().clone() for k, v in net.state_dict().items()})
+
+
+def _bf16_copy(net: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``net`` whose parameters are bfloat16 (buffers keep their dtype, as FSDP2's
+    policy casts parameters only); tied parameters stay tied."""
+    shadow = copy.deepcopy(net)
+    for param in shadow.parameters():
+        param.data = param.data.to(torch.bfloat16)
+    return shadow
+
+
+def _bf16_params_pass(net: torch.nn.Module, shadow: torch.nn.Module, chunk: torch.Tensor,
+                      m: int) -> float:
+    """One micro-batch on the bf16 copy of ``net``'s current fp32 parameters; its bf16
+    gradients are added to ``net``'s fp32 ones. Returns the micro-batch's loss."""
+    masters, copies = list(net.parameters()), list(shadow.parameters())
+    with torch.no_grad():
+        for master, low in zip(masters, copies, strict=True):
+            low.copy_(master)
+            low.grad = None
+    loss = _loss(shadow(chunk[:, :-1]), chunk[:, 1:])
+    (loss / m).backward()
+    for master, low in zip(masters, copies, strict=True):
+        if low.grad is None:
+            continue
+        if master.grad is None:
+            master.grad = low.grad.float()
+        else:
+            master.grad.add_(low.grad.float())
+    return float(loss.detach())
 
 
 def _rel(a: float, b: float) -> float:

@@ -126,3 +126,21 @@ def test_a_v_under_fsdp_shards_both_tied_copies() -> None:
     # class sums over dp join the loss and the norm over pp
     assert state["params_bytes"] == state["grads_bytes"] == 4 * 133_888 // 2
     assert state["comm_bytes"]["all_reduce"] == 8 + 32 + 8  # type: ignore[index]
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev", "interleaved"])
+def test_the_planners_rank_memory_holds_what_the_state_line_predicts(schedule: str) -> None:
+    """CostModel.rank_memory's fp32 ZeRO-0 parameters (4 bytes each) on every pipeline rank are
+    the state prediction's ``params_bytes``: the V's rank 0 holds both tied copies there too."""
+    from meshmorph.cost.model import CostModel
+    from meshmorph.spec.cluster import parse_cluster
+
+    gpt = catalog_model("gpt-tiny", seq_len=SEQ)
+    plan = _plan(gpt, pp=2, dp=2, schedule=schedule, num_microbatches=4)
+    cost = CostModel(gpt, parse_cluster("cpu:1x4"))
+    for pp_rank in range(plan.pp):
+        chunks = [(plan.stages[c].start, plan.stages[c].stop, plan.stages[c].recompute)
+                  for c in plan.chunks_of(pp_rank)]
+        memory = cost.rank_memory(plan, pp_rank, chunks, cost.default_gpu())
+        state = predict_rank_state(gpt, plan, plan.rank_of(pp_rank, 0, 0))
+        assert memory.params == state["params_bytes"]

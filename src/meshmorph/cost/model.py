@@ -259,19 +259,17 @@ class CostModel:
         held = self.held(plan)
         terms = rank_memory_terms(self, plan, pp_rank, gpu)
         params = stored = working = biggest = 0.0
-        holds_embed = holds_head = False
+        # a tied head in a chunk of its own (the V's rank 0 holds chunks 0 and 2pp - 1) is a
+        # second parameter the runtime holds, reduces and updates (run/engine.py sums the two
+        # gradients); chunk_params drops it only where one chunk holds both ends
         for start, stop, recompute in chunks:
             params += self.chunk_params(start, stop, plan.tp)
-            holds_embed |= start == 0
-            holds_head |= stop == self.model.num_layers
             for offset, index in enumerate(range(start, stop)):
                 cost = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
                                     recompute[offset])
                 stored += cost.activation_bytes
                 working = max(working, cost.working_bytes)
                 biggest = max(biggest, self.chunk_params(index, index + 1, plan.tp))
-        if holds_embed and holds_head and len(chunks) > 1:
-            params -= self.model.layers[-1].tied_params / plan.tp  # one tied copy on this rank
         # ZeRO as the runtime realises it (cost/state.py): fp32 masters, gradients and moments;
         # ZeRO-3 gathers its largest layer plus a prefetch; transient unsharded copies and whole
         # gradients between micro-batches (held.peak_extra)

@@ -11,7 +11,8 @@ cost/layerwise_cost.py, the layerwise search with ``uniform_only``), meshmorph's
 (cost/model.py, its own cost model) and the regular planner's plan priced by the layerwise cost
 model (the same plan under the model the layerwise search minimises: the layerwise best is never
 slower than it, up to the reported optimality gap), the proven optimality gap, and the layerwise
-search's wall-clock and CPU seconds beside Galvatron's measured search times on its own
+search's wall-clock and CPU seconds (the median of ``--repeats`` runs, 3 by default, each
+from a fresh cost model) beside Galvatron's measured search times on its own
 llama2-7b profiles (40 s on 4 GPUs, 105-300 s on 8-16 GPUs, 25 min with the batch size searched
 too).
 Writes bench/results/plan_layerwise.json.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -56,21 +58,29 @@ def capped(cluster: Cluster, memory_gib: float | None) -> Cluster:
         replace(g, gpu=replace(g.gpu, memory_gib=memory_gib)) for g in cluster.groups))
 
 
-def run_case(shorthand: str, cap: float | None, batch: int, regular: bool) -> dict:
+def run_case(shorthand: str, cap: float | None, batch: int, regular: bool,
+             repeats: int = 3) -> dict:
     model = catalog_model("llama2-7b").with_seq_len(2048)
     cluster = capped(parse_cluster(shorthand), cap)
     options = SearchOptions(top_k=1)
     row: dict = {"cluster": shorthand, "memory_gib": cap or cluster.groups[0].gpu.memory_gib,
                  "gpus": cluster.world_size, "global_batch": batch}
-    cost = CostModel(model, cluster)
-    wall, cpu = time.perf_counter(), time.process_time()
-    try:
-        result = search_layerwise(model, cluster, global_batch=batch, options=options, cost=cost)
-    except PlanError as exc:
-        row["layerwise"] = f"does not fit: {exc}"
-        return row
-    row["search_wall_s"] = time.perf_counter() - wall
-    row["search_cpu_s"] = time.process_time() - cpu
+    walls, cpus = [], []
+    for _ in range(repeats):  # each from a fresh cost model: nothing cached between them
+        cost = CostModel(model, cluster)
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            result = search_layerwise(model, cluster, global_batch=batch, options=options,
+                                      cost=cost)
+        except PlanError as exc:
+            row["layerwise"] = f"does not fit: {exc}"
+            return row
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    row["search_wall_s"] = statistics.median(walls)
+    row["search_cpu_s"] = statistics.median(cpus)
+    row["search_cpu_s_runs"] = cpus
+    row["search_wall_s_runs"] = walls
     row["runnable"] = result.runnable
     wide = search_layerwise(model, cluster, global_batch=batch, options=options, cost=cost,
                             runnable=False)
@@ -85,6 +95,7 @@ def run_case(shorthand: str, cap: float | None, batch: int, regular: bool) -> di
                                         if result.uniform_estimate else None)
     plan = result.plan
     row["layerwise_plan"] = (f"pp{plan.pp} {plan.schedule} v{plan.vpp} "
+                             f"sp{int(plan.sequence_parallel)} "
                              f"mb{plan.micro_batch}x{plan.num_microbatches} "
                              + ("; ".join(layer_strategy_summary(plan))
                                 or f"all tp{plan.tp} dp{plan.dp} z{plan.zero}"))
@@ -113,10 +124,12 @@ def run_case(shorthand: str, cap: float | None, batch: int, regular: bool) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first four cases only")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of the runnable search per case; its times are their median")
     parser.add_argument("--no-regular", action="store_true",
                         help="skip the regular planner's figure (its own cost model)")
     args = parser.parse_args()
-    rows = [run_case(*case, regular=not args.no_regular)
+    rows = [run_case(*case, regular=not args.no_regular, repeats=args.repeats)
             for case in (CASES[:4] if args.quick else CASES)]
     print(f"{'cluster':<14}{'GiB':>5}{'B':>4}  {'returned':>10} {'from':>9} {'wide':>10} "
           f"{'layerwise':>10} {'uniform':>10} {'gain':>7} "

@@ -11,10 +11,11 @@ from meshmorph.cost.layerwise_cost import estimate_layerwise
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.rank_terms import head_loss_bytes
 from meshmorph.cost.transition import transition
+from meshmorph.plan.layerwise import stage_choices
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
+from meshmorph.spec.plan import LayerStrategy, Plan, PlanError, Schedule
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "plans" / "layerwise-gpt-small.json"
 
@@ -199,3 +200,26 @@ def test_uniform_v_plan_without_data_parallel_prices_as_the_cost_model(
         theirs.step_time_s, rel=1e-9)
     assert [m.total + head_loss_bytes(cost, plan, k) for k, m in enumerate(ours.memory)] == \
         pytest.approx([m.total for m in theirs.memory], rel=1e-9)
+
+
+def test_the_terms_cache_tells_interleaved_vpp_apart() -> None:
+    """Two interleaved configurations that differ only in vpp hold different micro-batches in
+    flight, so one search's shared cache must not hand the second the first's layer terms."""
+    model = load_model("llama2-7b", 2048)
+    cost = CostModel(model, parse_cluster("a100-80g:1x8"))
+    gpu = cost.default_gpu()
+    strategies = [LayerStrategy(tp=2, dp=2, zero=0), LayerStrategy(tp=4, dp=1, zero=0)]
+    modes = (Recompute.NONE, Recompute.FULL)
+    cache: dict = {}
+    rows = {}
+    for vpp in (2, 4):
+        plan = Plan(model=model.name, seq_len=2048, global_batch=16, tp=2, dp=2, pp=2,
+                    micro_batch=2, num_microbatches=4, schedule=Schedule.INTERLEAVED,
+                    vpp=vpp).with_even_stages(model)
+        chunks = [(plan.stages[c].start, plan.stages[c].stop) for c in plan.chunks_of(0)]
+        shared = stage_choices(cost, plan, 0, 0, 0, strategies, modes, gpu, cache, chunks)
+        fresh = stage_choices(cost, plan, 0, 0, 0, strategies, modes, gpu, {}, chunks)
+        assert [[c[4] for c in row] for row in shared] == [[c[4] for c in row] for row in fresh]
+        rows[vpp] = fresh
+    # the block rows differ between the two (in-flight micro-batches: 2.5 against 2.25)
+    assert rows[2][1][0][4].stored_bytes != rows[4][1][0][4].stored_bytes

@@ -6,8 +6,12 @@ one), then runs the 8 plans of gpt-small seq 64 on 2 gloo processes in one spawn
 plan is predicted from profile pieces sampled between its own steps (profile/interleaved.py:
 layer passes as long as one rank's compute, optimizer tails, every collective, FSDP2's units
 for ZeRO-2/3 plans), one profile per timed step, the median of the per-step predictions against
-the median step. Nothing is fitted on the plans. The prediction from the first profile alone is
-reported beside (``mape_profile_before``). Writes bench/results/validate.json (``runs``: the
+the median step. The pieces keep the slowest rank's compute (layer passes, optimizer tails) and
+the collectives as the last rank to reach them saw them; ZeRO-1 plans time their own sharded
+tail. Every step is also split into phases on every rank (forward, backward, the gradient
+reduction's wait, optimizer, rest of the tail; ``measured_phases_s``), set beside the predicted
+parts (``predicted_phases_s``). Nothing is fitted on the plans. The prediction from the first
+profile alone is reported beside (``mape_profile_before``). Writes bench/results/validate.json (``runs``: the
 results; top-level ``mape``, ``kendall_tau`` and ``plans`` are the last run's; ``summary``) and
 bench/results/validate.png (last run). ``--append`` adds this invocation's runs to the ones
 already in the file (runs in a row taken one invocation at a time, each short).

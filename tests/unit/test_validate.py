@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import pytest
 
+from meshmorph.cost.profile import Profile, layer_key
 from meshmorph.predict.accuracy import kendall_tau, mape
-from meshmorph.predict.validate import candidate_plans, plan_name, spanning_plans
+from meshmorph.predict.validate import (
+    candidate_plans,
+    phase_medians,
+    plan_name,
+    predict,
+    spanning_plans,
+)
+from meshmorph.profile.schedule_overhead import measures
 from meshmorph.spec.catalog import catalog_model
+from meshmorph.spec.model import Recompute
+from meshmorph.spec.plan import Schedule
 
 
 def test_mape_of_ten_percent_over_and_under_is_ten_percent() -> None:
@@ -56,3 +66,54 @@ def test_plan_names_tell_recompute_apart() -> None:
     model = catalog_model("gpt-small", 64)
     names = {plan_name(p) for p in candidate_plans(model, 2, 8)}
     assert "tp1pp1dp2z3-mb1x4" in names and "tp1pp1dp2z3-mb1x4-rcfull" in names
+
+
+def _profile() -> Profile:
+    model = catalog_model("gpt-small", 64)
+    rows = {layer_key(model.name, model.seq_len, mb, "fp32", i):
+            {"fwd_s": 0.01 * mb, "bwd_s": 0.02 * mb, "spread": 0.0}
+            for mb in (1, 2, 4) for i in range(model.num_layers)}
+    return Profile(layer_times=rows, processes=2, cores=2, optimizer_s_per_param=1e-9,
+                   optimizer_fixed_s=1e-3)
+
+
+def test_predicted_phases_give_each_pipeline_rank_its_own_layers_times_m() -> None:
+    model = catalog_model("gpt-small", 64)
+    plans = candidate_plans(model, 2, 8)
+    pp = next(p for p in plans if p.pp == 2 and p.micro_batch == 1 and set(p.recompute_of_layer()) == {Recompute.NONE})
+    got = predict(model, pp, 2, _profile())["predicted_phases_s"]
+    layers = [[i for i in range(s.start, s.stop)] for s in pp.stages]
+    assert got["forward_s"] == pytest.approx([pp.num_microbatches * 0.01 * len(k) for k in layers])
+    assert got["backward_s"] == pytest.approx([pp.num_microbatches * 0.02 * len(k) for k in layers])
+    dp = next(p for p in plans if p.pp == 1 and p.zero == 0 and p.micro_batch == 2
+              and set(p.recompute_of_layer()) == {Recompute.NONE})
+    got = predict(model, dp, 2, _profile())
+    phases = got["predicted_phases_s"]
+    assert phases["forward_s"] == pytest.approx([2 * 0.02 * model.num_layers])
+    assert phases["optimizer_s"] == pytest.approx(got["breakdown_s"]["optimizer"])
+
+
+def test_phase_medians_are_per_rank_and_per_phase() -> None:
+    steps = [[{"forward_s": 1.0, "step_s": 5.0}, {"forward_s": 3.0, "step_s": 4.0},
+              {"forward_s": 2.0, "step_s": 9.0}], [{"forward_s": 7.0, "step_s": 1.0}]]
+    assert phase_medians(steps) == [{"forward_s": 2.0, "step_s": 5.0},
+                                    {"forward_s": 7.0, "step_s": 1.0}]
+    assert phase_medians(None) == []
+
+
+def test_a_measured_schedule_overhead_adds_to_the_step_and_its_range() -> None:
+    model = catalog_model("gpt-small", 64)
+    plan = next(p for p in candidate_plans(model, 2, 8) if p.pp == 2)
+    bare = predict(model, plan, 2, _profile())
+    more = predict(model, plan, 2, _profile(), overhead_s=0.125)
+    for key in ("predicted_step_s", "predicted_low_s", "predicted_high_s"):
+        assert more[key] == pytest.approx(float(bare[key]) + 0.125)  # type: ignore[arg-type]
+    assert more["predicted_phases_s"]["schedule_overhead_s"] == 0.125  # type: ignore[index]
+
+
+def test_the_schedule_overhead_is_measured_for_one_stage_per_rank_gpipe_and_1f1b() -> None:
+    model = catalog_model("gpt-small", 64)
+    plans = candidate_plans(model, 2, 8)
+    assert {p.schedule for p in plans if measures(p, 2)} == {Schedule.GPIPE, Schedule.ONE_F_ONE_B}
+    assert not any(measures(p, 2) for p in plans if p.pp == 1)
+    assert not any(measures(p, 4) for p in plans)  # pp 2 of 4 ranks: dp > 1 beside it

@@ -155,6 +155,7 @@ def _rank_job(rank: int, world: int, model_name: str, seq_len: int, plans_json: 
     import torch
     import torch.distributed as dist
 
+    from meshmorph.predict.validate_phases import StepPhases
     from meshmorph.profile.interleaved import PlanPieces
     from meshmorph.run.config import OptimConfig
     from meshmorph.run.engine import build_engine
@@ -169,6 +170,7 @@ def _rank_job(rank: int, world: int, model_name: str, seq_len: int, plans_json: 
         loads = [os.getloadavg()[0]]
         pieces = PlanPieces(model, plan, world, rank, device) if interleave else None
         engine = build_engine(model, plan, optim, seed=0, device=device)
+        phases = StepPhases(engine)
         gen = torch.Generator().manual_seed(1)
         share = plan.global_batch // plan.dp
         times, cpu = [], []
@@ -182,9 +184,11 @@ def _rank_job(rank: int, world: int, model_name: str, seq_len: int, plans_json: 
             batch = torch.randint(0, model.vocab_size, (plan.global_batch, seq_len + 1), generator=gen)
             dist.barrier()
             start, start_cpu = time.perf_counter(), time.process_time()
+            phases.begin()
             engine.step(batch[engine.dp_rank * share:(engine.dp_rank + 1) * share])
             if device.type == "cuda":
                 torch.cuda.synchronize()
+            phases.end()
             if i >= warmup:
                 times.append(time.perf_counter() - start)
                 cpu.append(time.process_time() - start_cpu)
@@ -198,22 +202,27 @@ def _rank_job(rank: int, world: int, model_name: str, seq_len: int, plans_json: 
         step = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(step, op=dist.ReduceOp.MAX)
         slowest = [float(t) for t in step]
+        phases.close()
+        every_rank: list[object] = [None] * world  # each rank's phases of the timed steps
+        dist.all_gather_object(every_rank, phases.records[warmup:])
         row: dict[str, object] = {
             "measured_step_s": statistics.median(slowest), "measured_times_s": slowest,
             "measured_cpu_s": cpu, "state_bytes_rank0": state_bytes,
             "pp_rank0": engine.train_mesh.pp_rank, "load_before": loads[0],
-            "load_after": loads[-1], "load_avg": statistics.mean(loads)}
+            "load_after": loads[-1], "load_avg": statistics.mean(loads),
+            "measured_phases_s": every_rank}
         if pieces is not None:
             name = plan_name(plan)
             row["pieces_s"] = pieces.seconds
             row["profile"] = pieces.profile(
                 source=f"meshmorph validate, between the steps of {name}, {world} processes",
                 load_avg=statistics.mean(loads)).to_dict()
+            row["step_overheads_s"] = [pieces.overhead_s(slice(r, r + 2)) for r in range(repeats)]
             row["step_profiles"] = [pieces.profile(
                 slice(r, r + 2), source=f"meshmorph validate, around step {r} of {name}",
                 load_avg=loads[warmup + r]).to_dict() for r in range(repeats)]
         rows.append(row)
-        del engine, pieces
+        del engine, pieces, phases
         gc.collect()
         if rank == 0:
             (Path(out_dir) / "progress").write_text(str(len(rows)))
@@ -221,11 +230,15 @@ def _rank_job(rank: int, world: int, model_name: str, seq_len: int, plans_json: 
         (Path(out_dir) / "measured.json").write_text(json.dumps(rows))
 
 
-def predict(model: ModelSpec, plan: Plan, nproc: int, profile: Profile) -> dict[str, object]:
+def predict(model: ModelSpec, plan: Plan, nproc: int, profile: Profile,
+            overhead_s: float = 0.0) -> dict[str, object]:
     """Predicted step time with its range (the profile's layer spreads applied all one way, then
-    all the other) and whether the plan lies outside what was profiled."""
+    all the other) and whether the plan lies outside what was profiled. ``overhead_s``: the
+    pipeline schedule's own time per step, measured apart (profile/schedule_overhead.py), added
+    to the cost model's step."""
     cluster = parse_cluster(f"cpu:1x{nproc}")
-    est = CostModel(model, cluster, profile=profile).estimate(plan)
+    cost = CostModel(model, cluster, profile=profile)
+    est = cost.estimate(plan)
     bounds = []
     for sign in (-1.0, 1.0):
         rows = {k: {**v, "fwd_s": v["fwd_s"] * (1 + sign * v.get("spread", 0.0)),
@@ -242,27 +255,57 @@ def predict(model: ModelSpec, plan: Plan, nproc: int, profile: Profile) -> dict[
     if profile.processes != nproc:
         outside.append(f"profiled with {profile.processes} processes, run with {nproc}")
     mem = est.memory[0]
-    return {"predicted_step_s": est.step_time_s, "predicted_low_s": min(bounds),
-            "predicted_high_s": max(bounds), "breakdown_s": est.breakdown_s,
+    return {"predicted_step_s": est.step_time_s + overhead_s,
+            "predicted_low_s": min(bounds) + overhead_s,
+            "predicted_high_s": max(bounds) + overhead_s, "breakdown_s": est.breakdown_s,
+            "predicted_phases_s": {**predicted_phases(cost, plan, est.breakdown_s),
+                                   "schedule_overhead_s": overhead_s},
             "predicted_state_bytes_rank0": mem.params + mem.grads + mem.optimizer,
             "outside_profile": outside}
 
 
+def predicted_phases(cost: CostModel, plan: Plan, breakdown: dict[str, float]) -> dict[str, object]:
+    """The predicted parts to set beside ``measured_phases_s``: per pipeline rank the forward
+    and the backward of its micro-batches (ZeRO-3's exposed gathers and scatters and recompute
+    in them), and the critical rank's exposed gradient reduction (with the tied embedding's
+    sync and the two scalar all-reduces) and optimizer tail."""
+    forward, backward = [], []
+    for k in range(plan.pp):
+        chunks = [plan.stages[c] for c in plan.chunks_of(k)]
+        times = [cost.chunk_time(plan, s.start, s.stop, s.recompute, cost.stage_gpu(s))
+                 for s in chunks]
+        forward.append(plan.num_microbatches * sum(t.fwd_s for t in times))
+        backward.append(plan.num_microbatches * sum(t.bwd_s for t in times))
+    return {"forward_s": forward, "backward_s": backward, "pp_bubble_s": breakdown["pp_bubble"],
+            "grad_reduce_s": breakdown["dp_comm_exposed"] + breakdown["embedding_sync"],
+            "optimizer_s": breakdown["optimizer"]}
+
+
 def predict_between_steps(model: ModelSpec, plan: Plan, nproc: int,
-                          step_profiles: list[Profile]) -> dict[str, object]:
+                          step_profiles: list[Profile],
+                          step_overheads_s: list[float] | None = None) -> dict[str, object]:
     """The prediction from profile pieces sampled around each timed step (one Profile per step,
     from the samples just before and just after it): the median of the per-step predictions,
     as the measured step time is the median of the steps, and their lowest and highest as the
     range; the breakdown, state bytes and notes of the step whose prediction is the median."""
     if not step_profiles:
         raise ValueError("predict_between_steps needs one profile per timed step, got none")
-    each = [predict(model, plan, nproc, p) for p in step_profiles]
+    overheads = step_overheads_s or [0.0] * len(step_profiles)
+    each = [predict(model, plan, nproc, p, o)
+            for p, o in zip(step_profiles, overheads, strict=True)]
     times = [float(e["predicted_step_s"]) for e in each]  # type: ignore[arg-type]
     order = sorted(range(len(each)), key=times.__getitem__)
     middle = each[order[(len(order) - 1) // 2]]
     return {**middle, "predicted_step_s": statistics.median(times),
             "predicted_low_s": min(times), "predicted_high_s": max(times),
             "predicted_steps_s": times}
+
+
+def phase_medians(every_rank: list[list[dict[str, float]]] | None) -> list[dict[str, float]]:
+    """Per rank, each phase's median over the timed steps (``measured_phases_s``: per rank, one
+    record per step, predict/validate_phases.py)."""
+    return [{key: statistics.median(r[key] for r in records) for key in records[0]}
+            for records in every_rank or [] if records]
 
 
 def run_validate(config: ValidateConfig) -> dict[str, object]:
@@ -313,11 +356,13 @@ def run_validate(config: ValidateConfig) -> dict[str, object]:
         if "step_profiles" in meas:
             own = predict_between_steps(model, plan, config.nproc,
                                         [Profile.from_dict(p, "step profile")
-                                         for p in meas.pop("step_profiles")])
+                                         for p in meas.pop("step_profiles")],
+                                        meas.get("step_overheads_s"))
         else:
             own = before
         rows.append({"name": plan_name(plan), "plan": json.loads(plan.to_json()), **own, **meas,
-                     "predicted_before_s": before["predicted_step_s"]})
+                     "predicted_before_s": before["predicted_step_s"],
+                     "measured_phase_medians_s": phase_medians(meas.get("measured_phases_s"))})
     pred = [float(r["predicted_step_s"]) for r in rows]
     meas_s = [float(r["measured_step_s"]) for r in rows]
     pred_before = [float(r["predicted_before_s"]) for r in rows]

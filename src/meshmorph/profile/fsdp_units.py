@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from meshmorph.profile.alpha_beta import fit_alpha_beta
 from meshmorph.profile.hardware import DTYPES
-from meshmorph.profile.timing import median_spread, timed
+from meshmorph.profile.timing import every_rank, median_spread, timed
 from meshmorph.run.models import build_chunk
 from meshmorph.spec.model import ModelSpec
 
@@ -41,8 +41,12 @@ class FsdpUnits:
     lines through the medians."""
 
     def __init__(self, model: ModelSpec, world: int, device: torch.device, *, dtype: str = "fp32",
-                 max_blocks: int = 3):
+                 max_blocks: int = 3, last_arrival: bool = False):
         self.world = world
+        self.last_arrival = last_arrival
+        """Keep, per sample, the least gather time over the ranks and the pair of passes of the
+        rank whose with-sync pass exceeds its without by least (``timing.last_arrival``): the
+        rank that waits for no other one."""
         mesh = init_device_mesh(device.type, (world,))
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
         blocks = min(max_blocks, model.num_blocks // 2)
@@ -79,6 +83,10 @@ class FsdpUnits:
         for (gather, with_sync, without), g, w, wo in zip(
                 self.calls, self.gather_s, self.with_sync_s, self.without_s, strict=True):
             times = [timed(fn, warmup=0, repeats=1)[0] for fn in (gather, with_sync, without)]
+            if keep and self.last_arrival and dist.get_world_size() > 1:
+                ranks = every_rank(times)
+                pair = min(ranks, key=lambda r: r[1] - r[2])
+                times = [min(r[0] for r in ranks), pair[1], pair[2]]
             if keep:
                 g.append(times[0])
                 w.append(times[1])

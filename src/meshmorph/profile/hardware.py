@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from meshmorph.profile.alpha_beta import fit_alpha_beta
-from meshmorph.profile.timing import median_spread, timed
+from meshmorph.profile.timing import every_rank, median_spread, timed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
@@ -87,8 +87,14 @@ class CollectiveSamples:
     and 1) at each of ``sizes_bytes``, one call each per ``sample()`` (every rank at once);
     ``fits(window)`` are the alpha-beta lines through the medians of the samples in ``window``."""
 
-    def __init__(self, sizes_bytes: list[int], world: int, rank: int, device: torch.device):
+    def __init__(self, sizes_bytes: list[int], world: int, rank: int, device: torch.device, *,
+                 last_arrival: bool = False):
         self.sizes = [float(n) for n in sizes_bytes]
+        self.last_arrival = last_arrival
+        """Keep, per call, the least time over the group's ranks: timed on every rank from a
+        common barrier, a collective lasts longest on the rank that reaches it first (it also
+        waits for the others); the rank that arrives last sees the collective's own time. The
+        waits for a slower rank are priced where they arise, from the slowest rank's compute."""
         self.calls: dict[str, list[object]] = {}
         for size in range(2, world + 1):
             group = dist.new_group(list(range(size)))  # every rank takes part in creating it
@@ -103,11 +109,22 @@ class CollectiveSamples:
         self.seconds: dict[str, list[list[float]]] = {k: [[] for _ in sizes_bytes] for k in self.calls}
 
     def sample(self, *, keep: bool = True) -> None:
+        times = []
         for key, calls in self.calls.items():
-            for fn, out in zip(calls, self.seconds[key], strict=True):
+            for fn in calls:
                 t = timed(fn, warmup=0, repeats=1)[0]  # type: ignore[arg-type]
-                if keep:
-                    out.append(t / 2 if key.startswith("send_recv") else t)
+                times.append(t / 2 if key.startswith("send_recv") else t)
+        if not keep:
+            return
+        if self.last_arrival and dist.get_world_size() > 1:
+            # over the group's members only (the first g ranks of a key ``kind/g``)
+            members = [int(key.split("/")[1]) for key, calls in self.calls.items() for _ in calls]
+            ranks = every_rank(times)
+            times = [min(r[i] for r in ranks[:g]) for i, g in enumerate(members)]
+        flat = iter(times)
+        for rows in self.seconds.values():
+            for out in rows:
+                out.append(next(flat))
 
     def fits(self, window: slice = slice(None)) -> dict[str, dict[str, float]]:
         return {key: fit_alpha_beta(self.sizes, [median_spread(s[window])[0] for s in rows]).as_dict()

@@ -23,6 +23,7 @@ from meshmorph.profile.alpha_beta import AlphaBeta, ring_link
 from meshmorph.profile.fsdp_units import FsdpUnits
 from meshmorph.profile.hardware import CollectiveSamples
 from meshmorph.profile.layers import LayerPasses, OptimizerTails
+from meshmorph.profile.schedule_overhead import ScheduleOverhead, measures
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
 
@@ -40,13 +41,23 @@ class PlanPieces:
 
     def __init__(self, model: ModelSpec, plan: Plan, world: int, rank: int, device: torch.device):
         self.world = world
-        self.layers = LayerPasses(model, plan.micro_batch, plan.dtype, device)
-        self.tails = OptimizerTails(model, device)
+        # compute as the slowest rank did it, collectives as the last rank to reach them
+        # saw them: a step that synchronises its ranks waits for the slowest one's compute
+        self.layers = LayerPasses(model, plan.micro_batch, plan.dtype, device, slowest=True)
+        # the tail as the plan runs it: ZeRO-1's sharded AdamW, FSDP2's DTensor shards (plans
+        # whose dp group is the whole world)
+        self.zero1 = plan.zero == 1 and plan.dp == world and world > 1
+        self.tails = OptimizerTails(model, device, slowest=True, zero=plan.zero,
+                                    shard_over=world if plan.dp == world else 1)
         # FSDP2's units are measured over all ranks: plans whose dp group is the whole world
-        self.fsdp = FsdpUnits(model, world, device, dtype=plan.dtype, max_blocks=FSDP_UNIT_BLOCKS) \
+        self.fsdp = FsdpUnits(model, world, device, dtype=plan.dtype, max_blocks=FSDP_UNIT_BLOCKS,
+                              last_arrival=True) \
             if plan.zero >= 2 and plan.dp > 1 and plan.dp == world else None
-        self.collectives = CollectiveSamples(list(MESSAGE_BYTES), world, rank, device) \
-            if world > 1 else None
+        self.collectives = CollectiveSamples(list(MESSAGE_BYTES), world, rank, device,
+                                             last_arrival=True) if world > 1 else None
+        self.schedule = ScheduleOverhead(model, plan, world, rank, device) \
+            if measures(plan, world) else None
+        """The pipeline schedule's own time at almost no compute (profile/schedule_overhead.py)."""
         self.passes = max(1, round(plan.num_microbatches / plan.pp))
         """Whole-model passes per sample, back to back: as much compute as one rank's step
         (m micro-batches over 1/pp of the layers), so that both get the same share of the cores."""
@@ -63,8 +74,14 @@ class PlanPieces:
             self.collectives.sample(keep=keep)
         if self.fsdp is not None:
             self.fsdp.sample(keep=keep)
+        if self.schedule is not None:
+            self.schedule.sample(keep=keep)
         if keep:
             self.seconds.append(time.perf_counter() - start)
+
+    def overhead_s(self, window: slice = slice(None)) -> float:
+        """The schedule's own seconds per step in ``window`` (0 without a pipeline)."""
+        return self.schedule.seconds(window) if self.schedule is not None else 0.0
 
     def profile(self, window: slice = slice(None), *, source: str, load_avg: float) -> Profile:
         """The Profile of the kept samples in ``window``; on CPU the whole group's all-reduce
@@ -79,7 +96,12 @@ class PlanPieces:
             alpha, bw = ring_link("all_reduce", self.world,
                                   AlphaBeta(row["alpha_s"], row["beta_s_per_byte"], row["r2"]))
             bandwidth["loopback"], latency["loopback"] = bw / 1e9, alpha * 1e6
-        fixed, per_param = self.tails.fit(window)
+        gather = None
+        if self.zero1 and f"all_gather/{self.world}" in fits:
+            row = fits[f"all_gather/{self.world}"]
+            line = AlphaBeta(row["alpha_s"], row["beta_s_per_byte"], row["r2"])
+            gather = line.time_s
+        fixed, per_param = self.tails.fit(window, gather_s=gather)
         return Profile(link_bandwidth_gbps=bandwidth, link_latency_us=latency, source=source,
                        collectives=fits, layer_times=self.layers.times(window),
                        optimizer_s_per_param=per_param, optimizer_fixed_s=fixed,

@@ -14,8 +14,8 @@ from torch import nn
 
 from meshmorph.cost.profile import layer_key
 from meshmorph.profile.hardware import DTYPES
-from meshmorph.profile.timing import median_spread, timed
-from meshmorph.run.grad_norm import clip_grads_
+from meshmorph.profile.timing import every_rank, median_spread, timed
+from meshmorph.run.grad_norm import clip_grads_, local_sums_of_squares
 from meshmorph.run.loss import token_cross_entropy
 from meshmorph.run.models import build_chunk
 from meshmorph.spec.model import ModelSpec
@@ -34,8 +34,13 @@ class LayerPasses:
     ``meshmorph profile`` takes its samples in a row; ``meshmorph validate`` takes them between
     a plan's steps, so that both see the same load."""
 
-    def __init__(self, model: ModelSpec, micro_batch: int, dtype: str, device: torch.device):
+    def __init__(self, model: ModelSpec, micro_batch: int, dtype: str, device: torch.device, *,
+                 slowest: bool = False):
         self.model, self.micro_batch, self.dtype, self.device = model, micro_batch, dtype, device
+        self.slowest = slowest
+        """Keep, of each sample, the per-layer times of the rank whose passes took longest
+        (every rank then holds the same figures): a step that synchronises its ranks lasts as
+        long as its slowest rank's compute, and on shared cores the ranks' shares differ."""
         gen = torch.Generator().manual_seed(0)
         self.tokens = torch.randint(0, model.vocab_size, (micro_batch, model.seq_len),
                                     generator=gen).to(device)
@@ -61,7 +66,15 @@ class LayerPasses:
         first = time.perf_counter()
         for _ in range(passes):
             self._pass(keep)
-        return time.perf_counter() - first
+        seconds = time.perf_counter() - first
+        if keep and self.slowest and dist.is_initialized() and dist.get_world_size() > 1:
+            start = self.starts[-1]
+            for rows, times in zip((self.fwd, self.bwd), _slowest_rank([
+                    [row[start:] for row in self.fwd], [row[start:] for row in self.bwd]]),
+                    strict=True):
+                for row, slow in zip(rows, times, strict=True):
+                    row[start:] = slow
+        return seconds
 
     def _pass(self, keep: bool) -> None:
         layers, sync = self.layers, self.sync
@@ -107,6 +120,15 @@ class LayerPasses:
         return out
 
 
+def _slowest_rank(times: list[list[list[float]]]) -> list[list[list[float]]]:
+    """``times`` (a nesting of equal shape on every rank) of the rank whose figures add up to
+    the most seconds, gathered over the default group."""
+    local = np.asarray(times, dtype=np.float64)
+    ranks = every_rank(local.ravel().tolist())
+    slowest = max(ranks, key=sum)
+    return np.asarray(slowest).reshape(local.shape).tolist()  # type: ignore[no-any-return]
+
+
 def layer_times(model: ModelSpec, micro_batch: int, dtype: str, device: torch.device, *,
                 repeats: int, warmup: int = 2) -> dict[str, dict[str, float]]:
     """``layer_key`` -> ``fwd_s``, ``bwd_s``, ``spread`` for every layer of ``model``: ``repeats``
@@ -127,35 +149,70 @@ def _stamp(stamps: dict[int, float], k: int, sync: Callable[[], object],
 class OptimizerTails:
     """A step's tail — gradient norm, clip, AdamW (foreach), LR schedule — over chunks of the
     model of growing size (the second layer; the first half; the whole model), one tail per
-    chunk per ``sample()``; ``fit()`` is the line through their medians."""
+    chunk per ``sample()``; ``fit()`` is the line through their medians.
 
-    def __init__(self, model: ModelSpec, device: torch.device):
+    ``shard_over`` > 1 with ``zero`` 1: the tail as a ZeRO-1 plan over that many ranks (all of
+    them) runs it, with run/zero1.py's ShardedAdamW (each rank updates its shard of every
+    parameter, then the shards are packed, all-gathered and copied back); the counts are then
+    the parameters of one shard, as the cost model prices a sharded tail (params / dp x s per
+    parameter). FSDP2's tails (ZeRO-2/3, over DTensor shards) are timed on whole tensors."""
+
+    def __init__(self, model: ModelSpec, device: torch.device, *, slowest: bool = False,
+                 shard_over: int = 1, zero: int = 0):
         n = model.num_layers
+        self.slowest = slowest
+        """Keep, of each sample, the tails of the rank whose tails took longest (as
+        ``LayerPasses.slowest``)."""
+        shard = shard_over if shard_over > 1 and zero == 1 else 1
         self.counts: list[float] = []
+        """Parameters each chunk's tail updates on one rank."""
+        self.gathered_bytes: list[float] = []
+        """Bytes each chunk's ZeRO-1 all-gather fills (0 without ZeRO-1)."""
         self.tails: list[Callable[[], None]] = []
+        mesh = None
+        if shard > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh(device.type, (shard,), mesh_dim_names=("dp",))
         for start, stop in sorted({(1, 2), (1, max(2, n // 2)), (0, n)}):
             chunk = build_chunk(model, start, stop, seed=0, device=device)
             params = [p for p in chunk.parameters() if p.requires_grad]
-            opt = torch.optim.AdamW(params, lr=1e-4, foreach=device.type != "cuda",
-                                    fused=device.type == "cuda")
+            numel = float(sum(p.numel() for p in params))
+            opt: torch.optim.Optimizer
+            if mesh is not None:
+                from meshmorph.run.zero1 import ShardedAdamW
+                opt = ShardedAdamW(params, dp_mesh=mesh, dp_tp_mesh=None, lr=1e-4,
+                                   betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                                   foreach=device.type != "cuda", fused=device.type == "cuda")
+            else:
+                opt = torch.optim.AdamW(params, lr=1e-4, foreach=device.type != "cuda",
+                                        fused=device.type == "cuda")
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
             for p in params:
                 p.grad = torch.full_like(p, 1e-3)
             self.tails.append(partial(_tail, params, opt, sched))
-            self.counts.append(float(sum(p.numel() for p in params)))
+            self.counts.append(numel / shard)
+            self.gathered_bytes.append(numel * 4.0 if mesh is not None else 0.0)
         self.seconds: list[list[float]] = [[] for _ in self.tails]
 
     def sample(self, *, keep: bool = True) -> None:
         """One tail of every chunk (every rank at once); kept unless ``keep`` is False."""
-        for tail, out in zip(self.tails, self.seconds, strict=True):
-            times = timed(tail, warmup=0, repeats=1)
-            if keep:
-                out.extend(times)
+        times = [timed(tail, warmup=0, repeats=1)[0] for tail in self.tails]
+        if keep and self.slowest and dist.is_initialized() and dist.get_world_size() > 1:
+            times = _slowest_rank([[times]])[0][0]
+        if keep:
+            for out, t in zip(self.seconds, times, strict=True):
+                out.append(t)
 
-    def fit(self, window: slice = slice(None)) -> tuple[float, float]:
+    def fit(self, window: slice = slice(None), *,
+            gather_s: Callable[[float], float] | None = None) -> tuple[float, float]:
         """(fixed s, s per parameter), least squares through the chunks' medians of the kept
-        samples in ``window``, never below 0."""
+        samples in ``window``, never below 0. ``gather_s`` (seconds of an all-gather filling
+        so many bytes, as the cost model prices ZeRO-1's parameter gather apart from the tail)
+        is taken off each ZeRO-1 chunk's median, so the gather is not counted twice."""
         medians = [median_spread(s[window])[0] for s in self.seconds]
+        if gather_s is not None:
+            medians = [max(med - gather_s(nbytes), 0.0) if nbytes else med
+                       for med, nbytes in zip(medians, self.gathered_bytes, strict=True)]
         slope, intercept = np.polyfit(self.counts, medians, 1)
         return max(float(intercept), 0.0), max(float(slope), 0.0)
 
@@ -163,8 +220,9 @@ class OptimizerTails:
 def _tail(params: list[nn.Parameter], opt: torch.optim.Optimizer,
           sched: torch.optim.lr_scheduler.LRScheduler) -> None:
     grads = [p.grad for p in params if p.grad is not None]
-    norm = float(torch.linalg.vector_norm(torch.stack(
-        [torch.linalg.vector_norm(g) for g in grads])))
+    # as the engine's global_grad_norm sums the squares of whole (unsharded) gradients
+    sums, _ = local_sums_of_squares(grads)
+    norm = float(sums.sum().sqrt())
     clip_grads_(grads, norm, 1.0)
     opt.step()
     sched.step()

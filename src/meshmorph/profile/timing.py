@@ -6,6 +6,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 
@@ -32,3 +33,13 @@ def median_spread(samples: list[float]) -> tuple[float, float]:
         return med, 0.0
     q = statistics.quantiles(samples, n=4)
     return med, (q[2] - q[0]) / 2 / med
+
+
+def every_rank(values: list[float]) -> list[list[float]]:
+    """``values`` of every rank of the default group, in rank order (one all-gather; every rank
+    passes as many)."""
+    local = torch.tensor(values, dtype=torch.float64)
+    out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, local)
+    return [t.tolist() for t in out]
+

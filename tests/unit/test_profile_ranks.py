@@ -1,0 +1,112 @@
+"""Profile pieces taken on several ranks at once: compute as the slowest rank did it, collectives
+as the last rank to reach them saw them, ZeRO-1's tail without its all-gather — on hand-made
+per-rank figures (the all-gather over ranks is replaced by the figures it would return)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshmorph.cost.profile import layer_key
+from meshmorph.profile import fsdp_units, hardware, layers
+from meshmorph.profile.fsdp_units import FsdpUnits
+from meshmorph.profile.hardware import CollectiveSamples
+from meshmorph.profile.layers import LayerPasses, OptimizerTails
+from meshmorph.spec.catalog import catalog_model
+
+MODEL = catalog_model("gpt-small", 16)
+
+
+@pytest.fixture
+def two_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.distributed as seen by rank 0 of 2 (no barrier is taken: ``timed`` reads
+    ``is_initialized`` from its own module)."""
+    for module in (layers, hardware, fsdp_units):
+        monkeypatch.setattr(module.dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(layers.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(layers.dist, "barrier", lambda *a: None)
+
+
+def test_layer_passes_keep_the_slowest_ranks_pass(two_ranks: None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    passes = LayerPasses(MODEL, 1, "fp32", torch.device("cpu"), slowest=True)
+    seen: list[list[float]] = []
+
+    def every_rank(values: list[float]) -> list[list[float]]:
+        seen.append(values)
+        # rank 1 took three times as long on every layer
+        return [list(values), [3 * v for v in values]]
+
+    monkeypatch.setattr(layers, "every_rank", every_rank)
+    passes.sample()
+    key = layer_key(MODEL.name, MODEL.seq_len, 1, "fp32", 1)
+    mine = seen[0]
+    n = len(passes.layers)
+    assert passes.fwd[1][0] == pytest.approx(3 * mine[1])  # forward rows first, then backward
+    assert passes.bwd[1][0] == pytest.approx(3 * mine[n + 1])
+    assert passes.times()[key]["fwd_s"] == pytest.approx(3 * mine[1])
+
+
+def test_layer_passes_keep_their_own_pass_where_they_are_the_slowest(
+        two_ranks: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    passes = LayerPasses(MODEL, 1, "fp32", torch.device("cpu"), slowest=True)
+    seen: list[list[float]] = []
+
+    def every_rank(values: list[float]) -> list[list[float]]:
+        seen.append(values)
+        return [list(values), [0.5 * v for v in values]]  # rank 1 twice as fast
+
+    monkeypatch.setattr(layers, "every_rank", every_rank)
+    passes.sample(passes=2)
+    n = len(passes.layers)
+    mine = seen[0]  # forward [layer][pass], then backward [layer][pass]
+    assert [passes.fwd[k] for k in range(n)] == [mine[2 * k:2 * k + 2] for k in range(n)]
+    assert [passes.bwd[k] for k in range(n)] == [mine[2 * n + 2 * k:2 * n + 2 * k + 2]
+                                                 for k in range(n)]
+
+
+def test_collective_samples_keep_the_least_time_over_the_groups_members(
+        two_ranks: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    samples = CollectiveSamples.__new__(CollectiveSamples)
+    samples.sizes = [1000.0, 3000.0]
+    samples.last_arrival = True
+    samples.calls = {"all_reduce/2": [lambda: None, lambda: None],
+                     "send_recv/2": [lambda: None, lambda: None]}
+    samples.members = set(samples.calls)
+    samples.seconds = {k: [[], []] for k in samples.calls}
+    # rank 0 reached every call first and waited 10 ms for rank 1 (send/recv halved)
+    rank1 = [0.002, 0.004, 0.001, 0.003]
+    monkeypatch.setattr(hardware, "every_rank",
+                        lambda v: [[t + 0.01 for t in rank1], list(rank1)])
+    samples.sample()
+    assert samples.seconds["all_reduce/2"] == [[0.002], [0.004]]
+    assert samples.seconds["send_recv/2"] == [[0.001], [0.003]]
+    samples.sample(keep=False)
+    assert samples.seconds["all_reduce/2"] == [[0.002], [0.004]]
+
+
+def test_fsdp_units_keep_the_least_gather_and_the_pair_of_the_rank_that_waited_least(
+        two_ranks: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    units = FsdpUnits.__new__(FsdpUnits)
+    units.last_arrival = True
+    units.calls = [(lambda: None, lambda: None, lambda: None)]
+    units.gather_s, units.with_sync_s, units.without_s = [[]], [[]], [[]]
+    # (gather, with sync, without): rank 0 waited 50 ms for rank 1 inside its synced pass
+    monkeypatch.setattr(fsdp_units, "every_rank",
+                        lambda v: [[0.03, 0.20, 0.10], [0.02, 0.25, 0.20]])
+    units.sample()
+    assert units.gather_s == [[0.02]]
+    assert (units.with_sync_s, units.without_s) == ([[0.25]], [[0.20]])
+
+
+def test_zero1_tails_take_the_gather_off_before_the_fit() -> None:
+    tails = OptimizerTails.__new__(OptimizerTails)
+    tails.counts = [1000.0, 2000.0, 4000.0]
+    tails.gathered_bytes = [8000.0, 16000.0, 32000.0]  # 2 ranks: 4 bytes x 2 x shard params
+    # update: 1 ms + 1 us per shard parameter; gather: 0.5 ms + 0.1 us per byte
+    gather = [5e-4 + 1e-7 * b for b in tails.gathered_bytes]
+    tails.seconds = [[1e-3 + 1e-6 * c + g] * 3 for c, g in zip(tails.counts, gather, strict=True)]
+    fixed, per_param = tails.fit(gather_s=lambda b: 5e-4 + 1e-7 * b)
+    assert fixed == pytest.approx(1e-3) and per_param == pytest.approx(1e-6)
+    fixed, per_param = tails.fit()  # with the gather left in
+    assert fixed == pytest.approx(1.5e-3) and per_param == pytest.approx(1e-6 + 8e-7)

@@ -54,7 +54,7 @@ def _brute(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int,
             step = transition(cost, a, b, plan.dp * plan.micro_batch, plan.dtype, gpu,
                               sequence_parallel=plan.sequence_parallel)
             time += m * (step.fwd_s + step.bwd_s)
-        memory = (sum(t.param_bytes + t.stored_bytes for _, _, t in pick)
+        memory = (sum(t.param_bytes + t.stored_bytes + t.loss_bytes for _, _, t in pick)
                   + max(t.working_bytes for _, _, t in pick)
                   + max(t.gather_bytes for _, _, t in pick) + reserved_bytes(cost, gpu))
         out.append((time, memory))

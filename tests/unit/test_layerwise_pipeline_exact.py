@@ -67,7 +67,7 @@ def _stage_options(cost: CostModel, plan: Plan, k: int, start: int, stop: int,
                               sequence_parallel=plan.sequence_parallel)
             f, b = f + move.fwd_s, b + move.bwd_s
         tail = sum(t.tail_s for _, t in pick)
-        memory = (sum(t.param_bytes + t.stored_bytes for _, t in pick)
+        memory = (sum(t.param_bytes + t.stored_bytes + t.loss_bytes for _, t in pick)
                   + max(t.working_bytes for _, t in pick) + max(t.gather_bytes for _, t in pick)
                   + reserved_bytes(cost, gpu))
         if memory <= gpu.memory_bytes or not capped:

@@ -154,52 +154,53 @@ def test_layer_tp_that_does_not_divide_the_heads_is_refused() -> None:
         bad.check_against(model)
 
 
-@pytest.mark.parametrize(("schedule", "vpp"), [("1f1b", 1), ("gpipe", 1), ("interleaved", 3)])
-def test_uniform_plan_without_data_parallel_prices_as_the_cost_model(schedule: str,
-                                                                     vpp: int) -> None:
+UNIFORM_CASES = [  # (model, pp, schedule, vpp, recompute): gpt ties its embedding and head
+    ("gpt-small", 1, "1f1b", 1, Recompute.SELECTIVE),
+    ("llama-tiny", 1, "1f1b", 1, Recompute.NONE),
+    ("gpt-small", 2, "1f1b", 1, Recompute.SELECTIVE),
+    ("gpt-small", 2, "gpipe", 1, Recompute.SELECTIVE),
+    ("gpt-small", 2, "zb", 1, Recompute.NONE),
+    ("gpt-small", 2, "interleaved", 3, Recompute.SELECTIVE),
+    ("gpt-tiny", 2, "zbv", 2, Recompute.NONE),
+    ("gpt-tiny", 2, "dualpipev", 2, Recompute.SELECTIVE),
+    ("llama-tiny", 2, "1f1b", 1, Recompute.NONE),
+    ("llama-tiny", 2, "gpipe", 1, Recompute.SELECTIVE),
+    ("llama-tiny", 2, "zbv", 2, Recompute.NONE),
+    ("llama-tiny", 2, "zbv", 2, Recompute.SELECTIVE),
+    ("llama-tiny", 2, "dualpipev", 2, Recompute.NONE),
+    ("llama-tiny", 2, "dualpipev", 2, Recompute.SELECTIVE),
+]
+
+
+@pytest.mark.parametrize(("name", "pp", "schedule", "vpp", "recompute"), UNIFORM_CASES)
+def test_uniform_plan_without_data_parallel_prices_as_the_cost_model(
+        name: str, pp: int, schedule: str, vpp: int, recompute: Recompute) -> None:
     """With dp = 1 nothing is exposed per layer rather than per chunk, so the layerwise model
-    gives CostModel's step and memory to rounding (interleaved: both chunks of a rank)."""
-    model = load_model("gpt-small")  # 6 blocks: 2 ranks x 3 chunks of one block
-    cost = CostModel(model, parse_cluster("a100-80g:1x4"))
-    plan = Plan(model="gpt-small", seq_len=model.seq_len, global_batch=4, tp=2, pp=2, dp=1,
+    gives CostModel's step and every rank's memory to rounding: tied (gpt) and untied (llama)
+    models, pp 1 and 2, one chunk per rank, interleaved (both chunks of a rank) and the V
+    schedules (rank r holds chunks r and 2pp - 1 - r: a tied embedding and head are two
+    parameters on rank 0 there). Both include the tied embedding's all-reduce between the end
+    ranks and the head's loss buffers, and the case must have them where they apply."""
+    from dataclasses import replace
+
+    model = load_model(name)
+    cost = CostModel(model, parse_cluster(f"a100-80g:1x{2 * pp}"))
+    blocks = model.num_layers - 2
+    plan = Plan(model=name, seq_len=model.seq_len, global_batch=4, tp=2, pp=pp, dp=1,
                 micro_batch=1, num_microbatches=4, schedule=schedule, vpp=vpp
-                ).with_even_stages(model, Recompute.SELECTIVE)
-    from dataclasses import replace
-    listed = replace(plan, stages=tuple(replace(s, layer_strategies=(LayerStrategy(tp=2, dp=1),)
-                                                * s.num_layers) for s in plan.stages))
-    ours, theirs = estimate_layerwise(cost, listed), cost.estimate(plan)
-    # CostModel also prices the tied embedding's all-reduce between the end ranks (both ranks
-    # here) and the head's loss buffers, which the layerwise model leaves out
-    assert ours.step_time_s + theirs.breakdown_s["embedding_sync"] == pytest.approx(
-        theirs.step_time_s, rel=1e-9)
-    assert [m.total + head_loss_bytes(cost, plan, k) for k, m in enumerate(ours.memory)] == \
-        pytest.approx([m.total for m in theirs.memory], rel=1e-9)
-
-
-@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
-@pytest.mark.parametrize("recompute", [Recompute.NONE, Recompute.SELECTIVE])
-def test_uniform_v_plan_without_data_parallel_prices_as_the_cost_model(
-        schedule: str, recompute: Recompute) -> None:
-    """The V schedules (rank r holds chunks r and 2pp - 1 - r, input and weight gradients
-    apart): with dp = 1 the layerwise model gives CostModel's step and memory to rounding.
-    llama-tiny has an untied head: with a tied one the layerwise model counts the matrix once
-    on the V's rank 0, which holds both ends, where CostModel counts it per chunk."""
-    from dataclasses import replace
-
-    model = load_model("llama-tiny")  # 4 blocks: 2 ranks x 2 chunks of one block
-    cost = CostModel(model, parse_cluster("a100-80g:1x4"))
-    plan = Plan(model="llama-tiny", seq_len=model.seq_len, global_batch=4, tp=2, pp=2, dp=1,
-                micro_batch=1, num_microbatches=4, schedule=schedule, vpp=2
                 ).with_even_stages(model, recompute)
+    assert len(plan.stages) == pp * vpp and blocks % (pp * vpp) == 0
     listed = replace(plan, stages=tuple(replace(s, layer_strategies=(LayerStrategy(tp=2, dp=1),)
                                                 * s.num_layers) for s in plan.stages))
     ours, theirs = estimate_layerwise(cost, listed), cost.estimate(plan)
-    # CostModel also prices the tied embedding's all-reduce between the end ranks (both ranks
-    # here) and the head's loss buffers, which the layerwise model leaves out
-    assert ours.step_time_s + theirs.breakdown_s["embedding_sync"] == pytest.approx(
-        theirs.step_time_s, rel=1e-9)
-    assert [m.total + head_loss_bytes(cost, plan, k) for k, m in enumerate(ours.memory)] == \
-        pytest.approx([m.total for m in theirs.memory], rel=1e-9)
+    gpu = cost.default_gpu()
+    split = plan.pp_rank_of_chunk(0) != plan.pp_rank_of_chunk(plan.num_chunks - 1)
+    syncs = [cost.tied_embedding_sync_s(plan, k, gpu) for k in range(pp)]
+    assert (min(syncs) > 0) == (model.tied_embeddings and split)  # both end ranks pay it
+    assert sum(head_loss_bytes(cost, plan, k) > 0 for k in range(pp)) == 1
+    assert ours.step_time_s == pytest.approx(theirs.step_time_s, rel=1e-9)
+    assert [m.total for m in ours.memory] == pytest.approx([m.total for m in theirs.memory],
+                                                           rel=1e-9)
 
 
 def test_the_terms_cache_tells_interleaved_vpp_apart() -> None:

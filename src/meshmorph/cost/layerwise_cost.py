@@ -15,8 +15,16 @@ A stage then costs, per step (m micro-batches):
 
 where each layer's per-micro-batch ZeRO traffic and its gradient sync are exposed against that
 layer's own compute (``comm.exposed``; the uniform ``CostModel`` exposes a whole chunk's against
-the chunk's, so a uniform layerwise plan is priced within a few per cent of it, never the same
-to the last digit).
+the chunk's, so a uniform layerwise plan with dp > 1 is priced within a few per cent of it, never
+the same to the last digit; with dp = 1 the two agree).
+
+The two ends carry what ``CostModel`` adds per rank, from its own functions called with the end
+layer's strategy: a tied embedding's gradient all-reduce between the ranks holding the
+embedding and the head (``CostModel.tied_embedding_sync_s``) is in the tail of the first layer
+on its rank and of the last layer on its, and the head's loss buffers
+(``rank_terms.head_loss_bytes``) are in the last layer's memory. The tied matrix is counted
+once only where one chunk holds both ends (``CostModel.chunk_params``): the V's rank 0 holds
+the embedding and the head in two chunks, two parameters.
 
 Sequence parallelism (the plan's flag) applies to every layer at tp > 1: its activations are
 split along the sequence (``LayerCoster.layer`` with sp), and the transitions become all-to-alls
@@ -33,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from meshmorph.cost.estimate import Estimate, StageMemory
 from meshmorph.cost.pipeline import simulate
-from meshmorph.cost.rank_terms import RankMemoryTerms, rank_memory_terms
+from meshmorph.cost.rank_terms import RankMemoryTerms, head_loss_bytes, rank_memory_terms
 from meshmorph.cost.transition import transition
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import Recompute
@@ -62,9 +70,12 @@ class LayerTerms:
     compute_s: float
     """Forward + backward compute, no recompute or communication."""
     tail_s: float
-    """Exposed gradient sync + parameter gathers + optimizer step of its parameters, per step."""
+    """Exposed gradient sync + parameter gathers + optimizer step of its parameters, per step;
+    at an end of a pipeline split between ranks, the tied embedding's all-reduce too."""
     param_bytes: float
     """Parameters x bytes held per parameter at the peak (masters, grads, moments, copies)."""
+    loss_bytes: float
+    """The head's loss buffers on its rank (``head_loss_bytes``); 0 for other layers."""
     stored_bytes: float
     """Activation bytes kept per micro-batch."""
     working_bytes: float
@@ -103,7 +114,11 @@ class LayerTimes:
     compute_s: float
     """Forward + backward compute."""
     tail_s: float
-    """Exposed gradient sync + parameter gathers + optimizer step, per step."""
+    """Exposed gradient sync + parameter gathers + optimizer step, per step; at an end of a
+    pipeline split between ranks, the tied embedding's all-reduce too
+    (``CostModel.tied_embedding_sync_s``)."""
+    loss_bytes: float
+    """The head's loss buffers on its rank (``head_loss_bytes``); 0 for other layers."""
     stored_bytes: float
     """Activation bytes of one micro-batch."""
     working_bytes: float
@@ -129,8 +144,13 @@ def layer_times(cost: CostModel, plan: Plan, index: int, strategy: LayerStrategy
         ef, eb = cost.zero_exposed(sub, gathers, scatter, cost_.fwd_s, cost_.bwd_s)
         f, b = f + ef, b + eb
     sync, optimizer = cost.rank_tail(sub, params, cost_.compute_s * 2 / 3, gpu)
+    last = cost.model.num_layers - 1
+    head_rank = sub.pp_rank_of_chunk(sub.num_chunks - 1)
+    if index in (0, last):  # 0 unless tied and the ends are on two ranks
+        sync += cost.tied_embedding_sync_s(sub, 0 if index == 0 else head_rank, gpu)
+    loss = head_loss_bytes(cost, sub, head_rank) if index == last else 0.0
     return LayerTimes(sub=sub, fwd_s=f, bwd_s=b, wgrad_s=cost_.wgrad_s,
-                      compute_s=cost_.compute_s, tail_s=sync + optimizer,
+                      compute_s=cost_.compute_s, tail_s=sync + optimizer, loss_bytes=loss,
                       stored_bytes=cost_.activation_bytes, working_bytes=cost_.working_bytes,
                       params=params)
 
@@ -141,6 +161,7 @@ def terms_on_rank(times: LayerTimes, terms: RankMemoryTerms) -> LayerTerms:
     return LayerTerms(fwd_s=times.fwd_s, bwd_s=times.bwd_s, wgrad_s=times.wgrad_s,
                       compute_s=times.compute_s, tail_s=times.tail_s,
                       param_bytes=times.params * terms.bytes_per_param,
+                      loss_bytes=times.loss_bytes,
                       stored_bytes=times.stored_bytes * terms.in_flight,
                       working_bytes=times.working_bytes,
                       gather_bytes=times.params * terms.gather_bytes_per_param,
@@ -149,8 +170,8 @@ def terms_on_rank(times: LayerTimes, terms: RankMemoryTerms) -> LayerTerms:
 
 def layer_terms(cost: CostModel, plan: Plan, pp_rank: int, index: int, strategy: LayerStrategy,
                 recompute: Recompute, gpu: GPUSpec, *, drop_tied: bool = False) -> LayerTerms:
-    """The terms of layer ``index`` (module docstring); ``drop_tied``: the rank also holds the
-    tied embedding, so the head's tied weights are not counted twice."""
+    """The terms of layer ``index`` (module docstring); ``drop_tied``: the head's chunk also
+    holds the tied embedding, so the head's tied weights are not counted twice."""
     times = layer_times(cost, plan, index, strategy, recompute, gpu, drop_tied=drop_tied)
     return terms_on_rank(times, rank_memory_terms(cost, times.sub, pp_rank, gpu))
 
@@ -210,8 +231,8 @@ def rank_cost(cost: CostModel, plan: Plan, pp_rank: int, chunks: Sequence[Chunk]
               gpu: GPUSpec) -> RankCost:
     """Time and memory of a rank holding ``chunks`` (module docstring); no transition between
     two chunks (the pipeline's send carries the activation)."""
-    held = {i for start, stop, _, _ in chunks for i in range(start, stop)}
-    tied = 0 in held and cost.model.num_layers - 1 in held
+    # one chunk holding both tied ends holds one matrix (CostModel.chunk_params)
+    tied = any(start == 0 and stop == cost.model.num_layers for start, stop, _, _ in chunks)
     fwd, bwd, wgrad = [], [], []
     tail = params = stored = working = gather = moved = 0.0
     for start, stop, strategies, recompute in chunks:
@@ -220,7 +241,7 @@ def rank_cost(cost: CostModel, plan: Plan, pp_rank: int, chunks: Sequence[Chunk]
             t = layer_terms(cost, plan, pp_rank, index, strategies[offset], recompute[offset],
                             gpu, drop_tied=tied and index == cost.model.num_layers - 1)
             f, b, w, tail = f + t.fwd_s, b + t.bwd_s, w + t.wgrad_s, tail + t.tail_s
-            params += t.param_bytes
+            params += t.param_bytes + t.loss_bytes
             stored += t.stored_bytes
             working, gather = max(working, t.working_bytes), max(gather, t.gather_bytes)
             if offset:

@@ -115,7 +115,8 @@ def stage_choices(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: i
     m = plan.num_microbatches
     layers = [i for a, b in (chunks or [(start, stop)]) for i in range(a, b)]
     last = cost.model.num_layers - 1
-    tied = 0 in layers and last in layers
+    # one chunk holding both tied ends holds one matrix (CostModel.chunk_params)
+    tied = any(a == 0 and b == last + 1 for a, b in (chunks or [(start, stop)]))
     classes = cost.coster(plan.dtype).classes
     # what a layer's terms depend on besides its class, strategy and recompute: the times on
     # ``shape``, the memory coefficients on the rank too (identical ranks' layers: one time)
@@ -125,7 +126,8 @@ def stage_choices(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: i
     choices: list[list[_Choice]] = []
     offered = (tuple(strategies), tuple(recompute))
     for index in layers:
-        drop = tied and index == last
+        # an end carries the tied all-reduce or the head's loss buffers (layer_times)
+        drop = (tied and index == last, index == 0, index == last)
         row_key = ("row", classes[index], drop, ranked, offered)  # identical blocks: one row
         done = cache.get(row_key)
         if done is not None:
@@ -149,10 +151,11 @@ def stage_choices(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: i
                     times = cache.get((*key[:4], shape))
                     if times is None:
                         times = cache[(*key[:4], shape)] = layer_times(
-                            cost, plan, index, strategy, mode, gpu, drop_tied=drop, sub=sub)
+                            cost, plan, index, strategy, mode, gpu, drop_tied=drop[0],
+                            sub=sub)
                     t = cache[key] = terms_on_rank(times, memory)
                 own.append((si, mode, m * (t.fwd_s + t.bwd_s) + t.tail_s,
-                            t.param_bytes + t.stored_bytes, t))
+                            t.param_bytes + t.stored_bytes + t.loss_bytes, t))
             row.extend(c for c in own if not any(  # a recompute mode beaten on every figure
                 o is not c and o[2] <= c[2] and o[3] <= c[3]
                 and o[4].working_bytes <= c[4].working_bytes and (o[2], o[3]) != (c[2], c[3])

@@ -10,8 +10,11 @@ state, beside the bytes each path moves. The in-memory path also reports the Mov
 against the lower bound and a rank-order (Megatron-style) placement, the busiest device's
 bytes, and the predicted move time against the measured wall time: its coefficients are
 measured on the 4 processes right before each in-memory move (``elastic/move_calibrate.py``;
-the engine build is Plan A's, built the way a move builds it: no initial values drawn), and the
-ratio is each repeat's prediction over that repeat's wall time, median over repeats. The three
+every coefficient is a primitive, never a move or an engine build: Plan B's build is priced
+from its counts, ``elastic/build_counts.py``), and the ratio is each repeat's prediction over
+that repeat's wall time, median over repeats. The prediction and the measurement are both
+broken into the move's parts (extract, group, plan, agree, transfer, group_b, build, install:
+the slowest process's lap in each), so the results show which part is off. The three
 paths take turns going first in a scenario (the load drifts). Every path's per-tensor hashes
 after the move are checked against those before it.
 
@@ -23,12 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,7 +129,6 @@ def _one(rank, name, path, out, tmp, time_model):  # type: ignore[no-untyped-def
     from meshmorph.run.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
     from meshmorph.run.config import OptimConfig
     from meshmorph.run.engine import build_engine
-    from meshmorph.run.materialize import state_installed_after
 
     model, optim = _model(), OptimConfig(lr=1e-3, warmup_steps=1, decay_steps=10)
     kw_a, kw_b, staying, joining = SCENARIOS[name]
@@ -136,14 +139,7 @@ def _one(rank, name, path, out, tmp, time_model):  # type: ignore[no-untyped-def
     engine, before, small = None, None, None
     tokens = torch.randint(0, model.vocab_size, (GLOBAL_BATCH, model.seq_len + 1),
                            generator=torch.Generator().manual_seed(5))
-    build_s = 0.0
     if regroup(out, f"{tag}-a", rank, procs_a):
-        if path == "in_memory":  # the model's build_s: Plan A built as a move builds (no init)
-            dist.barrier()
-            clock = time.perf_counter()
-            with state_installed_after():
-                build_engine(model, plan_a, optim, seed=3, device=torch.device("cpu"))
-            build_s = time.perf_counter() - clock
         engine = build_engine(model, plan_a, optim, seed=3, device=torch.device("cpu"))
         share = GLOBAL_BATCH // engine.dp_size
         engine.step(tokens[engine.dp_rank * share:(engine.dp_rank + 1) * share])
@@ -155,7 +151,8 @@ def _one(rank, name, path, out, tmp, time_model):  # type: ignore[no-untyped-def
     if path == "in_memory":
         request = ReshapeRequest(model=model, optim=optim, plan_a=plan_a, processes_a=procs_a,
                                  plan_b=plan_b, staying=staying, joining=joining, seed=3,
-                                 time_model=replace(time_model, build_s=build_s))
+                                 time_model=time_model)
+        called = time.time()  # a joining process calls before the change and waits for it
         new, report = reshape_in_memory(request, rank, engine, consumed_samples=GLOBAL_BATCH,
                                         store_dir=out, tag=tag)
         procs_b = report.processes_b
@@ -194,9 +191,13 @@ def _one(rank, name, path, out, tmp, time_model):  # type: ignore[no-untyped-def
         end = time.time()
         if path == "in_memory":  # the slowest new rank's time in each part of the move
             laps: list = [None] * dist.get_world_size()
-            dist.all_gather_object(laps, report.times_s)
-            figures["slowest_laps_s"] = {k: max(lap.get(k, 0.0) for lap in laps)
-                                         for k in laps[0]}
+            dist.all_gather_object(laps, (called, rank in procs_a, report.times_s))
+            change = max(c for c, in_a, _ in laps if in_a)  # plan A's last process at the change
+            for c, in_a, lap in laps:  # a joiner's wait for the change is not the move's
+                if not in_a:
+                    lap["group"] = max(lap.get("group", 0.0) - max(change - c, 0.0), 0.0)
+            figures["slowest_laps_s"] = {k: max(lap[2].get(k, 0.0) for lap in laps)
+                                         for k in laps[0][2]}
         after = state_hashes(new, extract_state(new, consumed_samples=GLOBAL_BATCH,
                                                 checksums=False).small)
         if dist.get_rank() == 0:
@@ -226,7 +227,8 @@ def job(rank: int, world_size: int, out_dir: str, repeats: int) -> None:
                     # the move-time coefficients, measured on the 4 processes right before the
                     # move (the machine is shared: its load, and every rate, changes by the minute)
                     regroup(sub, f"{name}-calibrate", rank, list(range(world_size)))
-                    time_model = calibrate_move_time()
+                    time_model = calibrate_move_time(model=_model(), store_dir=sub,
+                                                     tag=f"{name}-regroup")
                     if rank == 0:
                         (sub / f"{name}.time_model.json").write_text(
                             json.dumps(asdict(time_model)))
@@ -239,6 +241,20 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _parts(runs: list[dict]) -> dict:
+    """Per part of the move: the predicted and the measured seconds (the slowest process's lap)
+    of each repeat, and their medians."""
+    from meshmorph.elastic.move_time import PARTS
+
+    out = {}
+    for part in PARTS:
+        predicted = [r["predicted_terms"]["parts"].get(part, 0.0) for r in runs]
+        measured = [r["slowest_laps_s"].get(part, 0.0) for r in runs]
+        out[part] = {"predicted_s": _median(predicted), "measured_s": _median(measured),
+                     "predicted_runs_s": predicted, "measured_runs_s": measured}
+    return out
+
+
 def collect(out: Path, repeats: int) -> dict:
     """Per scenario and path: median wall time, bytes, hashes kept; MovePlan figures."""
     results: dict = {}
@@ -246,10 +262,11 @@ def collect(out: Path, repeats: int) -> dict:
         row: dict = {}
         predicted: list[float] = []
         for path in PATHS:
-            walls, kept, last = [], True, {}
+            walls, kept, last, runs = [], True, {}, []
             for repeat in range(repeats):
                 sub, tag = out / f"r{repeat}", f"{name}-{path}"
                 last = json.loads((sub / f"{tag}.json").read_text())
+                runs.append(last)
                 walls.append(last["end"] - float((sub / f"{tag}.start").read_text()))
                 before = json.loads((sub / f"{tag}.before.json").read_text())
                 kept &= before == last["after"]
@@ -263,6 +280,7 @@ def collect(out: Path, repeats: int) -> dict:
                     "bytes_moved", "lower_bound_bytes", "naive_bytes", "busiest_device_bytes",
                     "messages", "predicted_time_s", "measured_transfer_s", "measured_time_s",
                     "predicted_terms", "slowest_laps_s")})
+                row[path]["parts_s"] = _parts(runs)
         mem, dcp = row["in_memory"], row["dcp"]
         row["in_memory_over_dcp"] = mem["wall_s"] / dcp["wall_s"]
         # per repeat: that repeat's prediction over that repeat's wall time; then the median
@@ -288,6 +306,17 @@ def print_table(results: dict, state_mb: float) -> None:
               f"{mem['predicted_time_s']:7.3f} {row['predicted_over_measured']:8.2f}")
 
 
+def print_parts(results: dict) -> None:
+    """Predicted / measured seconds of each part of the in-memory move (medians)."""
+    from meshmorph.elastic.move_time import PARTS
+
+    print(f"{'part (pred/meas s)':32} " + " ".join(f"{p:>13}" for p in PARTS))
+    for name, row in results.items():
+        parts = row["in_memory"]["parts_s"]
+        print(f"{name:32} " + " ".join(
+            f"{parts[p]['predicted_s']:6.3f}/{parts[p]['measured_s']:6.3f}" for p in PARTS))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=1, help="runs of every path (median)")
@@ -295,19 +324,25 @@ def main() -> None:
     args = parser.parse_args()
     model = _model()
     state_bytes = 3 * 4 * sum(layer.params for layer in model.layers)
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="reshape-bench-") as tmp:
         spawn(job, 4, (tmp, args.repeats), timeout_s=1800, collective_timeout_s=300)
         results = collect(Path(tmp), args.repeats)
         time_model = {name: json.loads((Path(tmp) / "r0" / f"{name}.time_model.json").read_text())
                       for name in SCENARIOS}
+    load_after = os.getloadavg()
+    print(f"load average (1/5/15 min) before {load_before}, after {load_after}")
     print_table(results, state_bytes / 1e6)
+    print_parts(results)
     for name, terms in time_model.items():
         print(f"{name}: coefficients measured before its first repeat:",
               {k: f"{v:.3g}" for k, v in terms.items() if isinstance(v, float) and v})
     args.out.write_text(json.dumps({"model": SHAPE, "state_bytes": state_bytes,
                                     "time_model_first_repeat": time_model,
                                     "global_batch": GLOBAL_BATCH, "processes": 4,
-                                    "repeats": args.repeats, "scenarios": results}, indent=1) + "\n")
+                                    "repeats": args.repeats,
+                                    "load_average_before": load_before,
+                                    "load_average_after": load_after, "scenarios": results}, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 

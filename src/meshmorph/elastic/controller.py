@@ -24,6 +24,7 @@ a ``FileStore`` in ``store_dir``, one file per step of the move.
 
 from __future__ import annotations
 
+import pickle
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshmorph.elastic.build_counts import build_counts
 from meshmorph.elastic.execute import ExecutionReport, execute_transfers, merge_pieces
 from meshmorph.elastic.layout import Layout, layout_of
 from meshmorph.elastic.local_state import (
@@ -99,7 +101,9 @@ class ReshapeReport:
     execution: ExecutionReport | None = None
     """This process's part of the transfers (None: it took no part)."""
     times_s: dict[str, float] = field(default_factory=dict)
-    """Wall time of each step of the move on this process (plan, extract, transfer, build...)."""
+    """Wall time of each part of the move on this process, named as ``move_time.PARTS`` names
+    the predicted ones (extract, group, plan, agree, transfer, group_b, build, install; and
+    checkpoint where pieces are read from one)."""
     predicted_time_s: float = 0.0
     """The cost model's time of the move (``move_time.predict_move_time_s``): the transfers
     alone with the default ``MoveTimeModel``, from the change to the new engine ready with a
@@ -146,7 +150,13 @@ def clear_mesh_caches() -> None:
 def regroup(store_dir: Path, tag: str, me: int, members: Sequence[int],
             timeout_s: float = 120.0) -> bool:
     """Leave the current default process group and, if ``me`` is in ``members``, join a new one
-    whose rank ``i`` is process ``members[i]``; whether ``me`` joined."""
+    whose rank ``i`` is process ``members[i]``; whether ``me`` joined.
+
+    The new group's first act is a barrier: gloo connects every pair while the group is formed,
+    and a member that went on (and left, or exited) as soon as its own connections were up
+    would close them while a slower peer still finishes its handshake with it, and that peer
+    fails with "Connection closed by peer". After the barrier every member is past the
+    formation."""
     if dist.is_initialized():
         dist.destroy_process_group()
     clear_mesh_caches()
@@ -155,6 +165,7 @@ def regroup(store_dir: Path, tag: str, me: int, members: Sequence[int],
     store = dist.FileStore(str(store_dir / f"store-{tag}"), len(members))
     dist.init_process_group("gloo", store=store, rank=list(members).index(me),
                             world_size=len(members), timeout=timedelta(seconds=timeout_s))
+    dist.barrier()
     return True
 
 
@@ -182,6 +193,14 @@ def _current_group_is(processes: Sequence[int], me: int) -> bool:
     return (dist.is_initialized() and me in processes
             and dist.get_world_size() == len(processes)
             and dist.get_rank() == list(processes).index(me))
+
+
+def state_tensors(layout: Layout) -> int:
+    """The most state tensors (parameters and moments) one rank of ``layout`` holds."""
+    from meshmorph.elastic.execute import is_tensor_key
+
+    return max((sum(1 for p in pieces if is_tensor_key(p.key))
+                for pieces in layout.held.values()), default=0)
 
 
 def install_bytes(layout: Layout) -> int:
@@ -214,11 +233,19 @@ def _agree(request: ReshapeRequest, state: LocalState | None, root: int, members
         small = SmallState(**{f.name: getattr(state.small, f.name) for f in fields(SmallState)})
         small.rng = torch.empty(0, dtype=torch.uint8)  # each rank keeps its own stream
         model = request.time_model or MoveTimeModel()
+        plan_s = time.perf_counter() - start
         if request.time_model is not None:
-            model = replace(model, plan_s=time.perf_counter() - start)
-        predicted = move_time(move, cluster, model=model, groups=formed + (processes_b != members),
-                              install_bytes=install_bytes(layout_b))
-        box = [(move, process_of, shapes, small, predicted)]
+            model = replace(model, plan_s=plan_s)
+        group_b = int(processes_b != members)
+        agree_bytes = len(pickle.dumps((move, process_of, shapes, small)))
+        predicted = move_time(move, cluster, model=model, groups=formed + group_b,
+                              group_b=group_b, install_bytes=install_bytes(layout_b),
+                              build=build_counts(request.model, request.plan_b),
+                              state_tensors=state_tensors(layout_a),
+                              state_calls=2 * max(len(request.plan_a.chunks_of(p))
+                                                  for p in range(request.plan_a.pp)),
+                              agree_bytes=agree_bytes)
+        box = [(move, process_of, shapes, small, predicted, plan_s)]
     dist.broadcast_object_list(box, src=root)
     return box[0]
 
@@ -260,13 +287,15 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
     if me not in members:
         raise ReshapeError(f"process {me} is neither alive in plan A {alive_a} nor joining "
                            f"{list(request.joining)}; only they take part in the move")
-    move, process_of, shapes, small, predicted = _agree(
+    move, process_of, shapes, small, predicted, plan_s = _agree(
         request, state, members.index(alive_a[0]), members, formed)
     processes_b = tuple(process_of[move.placement[r]] for r in range(request.plan_b.world_size))
     report = ReshapeReport(move, processes_b, times_s=times, predicted_time_s=predicted.total_s,
                            consumed_samples=small.consumed_samples, predicted=predicted)
     small.rng = state.small.rng if state is not None else torch.get_rng_state()
-    lap("plan")
+    lap("agree")  # waiting for the first survivor's planning, then the broadcast
+    times["plan"] = min(plan_s, times["agree"])
+    times["agree"] -= times["plan"]
     device_of = {p: d for d, p in process_of.items() if d in move.devices}
     held = state.pieces if state is not None else {}
     from_checkpoint = []
@@ -293,7 +322,7 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
         joined = True
     else:
         joined = regroup(store_dir, f"{tag}-run", me, processes_b)
-    lap("group")
+    lap("group_b")
     if joined:
         with state_installed_after():  # every value is written by install_state below
             new_engine = build_engine(request.model, request.plan_b, request.optim,

@@ -85,3 +85,20 @@ def test_build_install_and_parts_are_priced_from_the_counts() -> None:
     assert got.total_s == pytest.approx(sum(got.parts.values()), rel=1e-12)
     # a plan with TP ranks builds more than the same plan without
     assert max(b for b, _ in by_hand.values()) > 0.0
+
+
+def test_plain_tensors_are_priced_at_the_plain_figures() -> None:
+    model = catalog_model("gpt-tiny", seq_len=16)
+    ddp = build_counts(model, plan_for(model, pp=2, dp=2, global_batch=8, num_microbatches=4))
+    fsdp = build_counts(model, plan_for(model, dp=4, zero=3, global_batch=8,
+                                        num_microbatches=2))
+    terms = MoveTimeModel(materialize_tensor_s=1e-3, plain_materialize_tensor_s=2e-4,
+                          state_tensor_s=3e-4, plain_state_tensor_s=5e-5)
+    for c in ddp.values():  # DDP over a pipeline: no DTensor
+        assert c.dtensors == 0
+        assert terms.build_time_s(c) == pytest.approx(c.tensors * 2e-4, rel=1e-12)
+        assert terms.extract_time_s(c) == pytest.approx(3 * c.tensors * 5e-5, rel=1e-12)
+    for c in fsdp.values():  # FSDP2: every tensor a DTensor
+        assert c.dtensors == c.tensors
+        assert terms.build_time_s(c) == pytest.approx(c.tensors * 1e-3, rel=1e-12)
+        assert terms.extract_time_s(c) == pytest.approx(3 * c.tensors * 3e-4, rel=1e-12)

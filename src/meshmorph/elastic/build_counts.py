@@ -46,6 +46,11 @@ class BuildCounts:
     """Sizes of the mesh groups this rank joins that connect processes (1 < size < world)."""
 
     @property
+    def dtensors(self) -> int:
+        """Tensors that are DTensors (FSDP2 shards every tensor; else TP its split ones)."""
+        return self.fsdp_tensors if self.fsdp_tensors else self.tp_tensors
+
+    @property
     def moment_bytes(self) -> int:
         """Bytes of AdamW's two moments the install creates and fills."""
         return 2 * self.param_bytes

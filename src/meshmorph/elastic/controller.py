@@ -244,7 +244,8 @@ def _agree(request: ReshapeRequest, state: LocalState | None, root: int, members
                               state_tensors=state_tensors(layout_a),
                               state_calls=2 * max(len(request.plan_a.chunks_of(p))
                                                   for p in range(request.plan_a.pp)),
-                              agree_bytes=agree_bytes)
+                              agree_bytes=agree_bytes,
+                              held=build_counts(request.model, request.plan_a))
         box = [(move, process_of, shapes, small, predicted, plan_s)]
     dist.broadcast_object_list(box, src=root)
     return box[0]

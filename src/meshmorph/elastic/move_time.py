@@ -5,7 +5,8 @@ parts the executor times (``controller.reshape_in_memory``'s laps), so a reader 
 is off:
 
 - ``extract``: each old rank takes its pieces out of its engine (views): Plan A's state tensors
-  on the busiest rank x ``state_tensor_s`` + its state-dict reads x ``state_call_s``;
+  on the busiest rank x ``state_tensor_s`` (DTensors) or ``plain_state_tensor_s`` (plain
+  tensors) + its state-dict reads x ``state_call_s``;
 - ``group``: process groups formed for the move (0 or 1) x ``group_s``;
 - ``plan``: the first survivor computes the MovePlan (``plan_s``, measured as it plans);
 - ``agree``: the MovePlan's broadcast (``agree_s`` + its pickled bytes x
@@ -16,7 +17,8 @@ is off:
   mesh (``mesh_calls`` x ``group_call_s`` + each group it joins x ``mesh_group_s``), the modules on
   the meta device (tensors x ``meta_tensor_s``), tensor parallelism (TP tensors x
   ``tp_tensor_s``), FSDP2 (units x ``fsdp_unit_s`` + tensors x ``fsdp_tensor_s``), and the
-  allocation of its shards (tensors x ``materialize_tensor_s`` + bytes / ``zero_bps``);
+  allocation of its shards (DTensors x ``materialize_tensor_s`` + plain tensors x
+  ``plain_materialize_tensor_s`` + bytes / ``zero_bps``);
 - ``install``: the parameters copied into their shards (bytes / ``copy_bps``), AdamW's moments
   created and filled (bytes / ``fresh_copy_bps``), and per tensor ``install_tensor_s``.
 
@@ -89,6 +91,9 @@ class MoveTimeModel:
     the call itself."""
     state_tensor_s: float = 0.0
     """Seconds to take one state tensor out of an engine (state-dict entry, local box)."""
+    plain_state_tensor_s: float = 0.0
+    """The same for a plain tensor (not a DTensor: no local box to compute); 0: priced at
+    ``state_tensor_s``."""
     state_call_s: float = 0.0
     """Seconds of one state-dict read beyond its tensors (an extract makes two per model part:
     the model's and the optimizer's)."""
@@ -103,6 +108,9 @@ class MoveTimeModel:
     materialize_tensor_s: float = 0.0
     """Seconds per sharded tensor of giving it storage (``to_empty``) and zeroing it, beyond the
     bytes."""
+    plain_materialize_tensor_s: float = 0.0
+    """The same for a plain tensor (a DDP or pipeline-only rank's); 0: priced at
+    ``materialize_tensor_s``."""
     zero_bps: float = 0.0
     """Bytes per second one process allocates fresh memory and zeroes it; 0: not priced."""
     copy_bps: float = 0.0
@@ -133,9 +141,18 @@ class MoveTimeModel:
         mesh = counts.mesh_calls * self.group_call_s + len(counts.mesh_groups) * self.mesh_group_s
         modules = counts.tensors * self.meta_tensor_s + counts.tp_tensors * self.tp_tensor_s \
             + counts.fsdp_units * self.fsdp_unit_s + counts.fsdp_tensors * self.fsdp_tensor_s
-        storage = counts.tensors * self.materialize_tensor_s \
+        plain = self.plain_materialize_tensor_s or self.materialize_tensor_s
+        storage = counts.dtensors * self.materialize_tensor_s \
+            + (counts.tensors - counts.dtensors) * plain \
             + (counts.param_bytes / self.zero_bps if self.zero_bps > 0 else 0.0)
         return self.build_s + mesh + modules + storage
+
+    def extract_time_s(self, counts: BuildCounts) -> float:
+        """Seconds one rank takes to read its parameters and both moments out of its engine,
+        beyond the state-dict calls."""
+        plain = self.plain_state_tensor_s or self.state_tensor_s
+        return 3 * (counts.dtensors * self.state_tensor_s
+                    + (counts.tensors - counts.dtensors) * plain)
 
     def install_time_s(self, counts: BuildCounts) -> float:
         """Seconds one rank takes to fill its new engine (parameters and AdamW's moments)."""
@@ -234,13 +251,15 @@ def move_time(move: MovePlan, cluster: Cluster, *,
               coefficients: CostCoefficients | None = None,
               model: MoveTimeModel | None = None, groups: int = 0, group_b: int | None = None,
               install_bytes: int = 0, build: Mapping[int, BuildCounts] | None = None,
-              state_tensors: int = 0, state_calls: int = 0, agree_bytes: int = 0) -> MoveTime:
+              state_tensors: int = 0, state_calls: int = 0, agree_bytes: int = 0,
+              held: Mapping[int, BuildCounts] | None = None) -> MoveTime:
     """The predicted time of ``move`` on ``cluster``, part by part. ``groups``: process groups
     the move forms in all, of which ``group_b`` (None: all but the first) for Plan B;
     ``build``: Plan B's ``BuildCounts`` by rank (None: the build is ``model.build_s`` and the
     install ``install_bytes`` / ``copy_bps``); ``state_tensors``: the most state tensors one
-    rank of Plan A holds, read in ``state_calls`` state-dict reads; ``agree_bytes``: the pickled
-    MovePlan's size."""
+    rank of Plan A holds, read in ``state_calls`` state-dict reads (``held``: Plan A's
+    ``BuildCounts`` by rank, which tell DTensors from plain tensors; given, they replace
+    ``state_tensors``); ``agree_bytes``: the pickled MovePlan's size."""
     coefficients = coefficients or CostCoefficients()
     model = model or MoveTimeModel()
     network_s, checkpoint_s, busiest = _transfer(move, cluster, coefficients, model)
@@ -251,7 +270,9 @@ def move_time(move: MovePlan, cluster: Cluster, *,
     else:
         build_s = model.build_s
         install_s = install_bytes / model.copy_bps if model.copy_bps > 0 else 0.0
-    parts = {"extract": state_tensors * model.state_tensor_s + state_calls * model.state_call_s,
+    extract_s = max((model.extract_time_s(c) for c in held.values()), default=0.0) if held \
+        else state_tensors * model.state_tensor_s
+    parts = {"extract": extract_s + state_calls * model.state_call_s,
              "group": (groups - group_b) * model.group_s,
              "plan": model.plan_s,
              "agree": model.fixed_s + (model.agree_s + agree_bytes * model.agree_s_per_byte

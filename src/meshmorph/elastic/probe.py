@@ -83,6 +83,8 @@ def _once(model: ModelSpec | None, zero_bps: float) -> dict[str, float]:
         def storage(chunk: nn.Module) -> None:
             with state_installed_after():
                 materialize_(chunk, model, seed=0, device="cpu")
+
+        storage_plain = storage
         tp_divides = model.num_heads % world == 0 and model.num_kv_heads % world == 0 \
             and model.ffn_hidden_size % world == 0
     else:
@@ -104,6 +106,12 @@ def _once(model: ModelSpec | None, zero_bps: float) -> dict[str, float]:
             with torch.no_grad():
                 for p in chunk.parameters():
                     p._local_tensor.zero_()  # type: ignore[attr-defined]
+
+        def storage_plain(chunk: nn.Module) -> None:
+            chunk.to_empty(device="cpu")
+            with torch.no_grad():
+                for p in chunk.parameters():
+                    p.zero_()
         tp_divides = True
 
     built: list[nn.Module] = []
@@ -137,6 +145,13 @@ def _once(model: ModelSpec | None, zero_bps: float) -> dict[str, float]:
         per_read = max((read2 - read) / max(n2 - tensors, 1), 0.0)
         call_s = max(read - tensors * per_read, 0.0)
 
+    # the same without sharding: plain tensors (a DDP or pipeline-only rank's)
+    plain = fresh()
+    plain_bytes = sum(p.numel() * 4 for p in plain.parameters())
+    plain_fill_s = max(_timed(lambda: storage_plain(plain))
+                       - (plain_bytes / zero_bps if zero_bps > 0 else 0.0), 0.0)
+    plain_read = _timed(lambda: [local_box(v) for v in get_model_state_dict(plain).values()])
+
     def install() -> None:
         for p in sharded.parameters():
             local_box(p)
@@ -147,6 +162,8 @@ def _once(model: ModelSpec | None, zero_bps: float) -> dict[str, float]:
     return {"meta_tensor_s": meta / tensors, "tp_tensor_s": tp_s / max(tp_tensors, 1),
             "fsdp_unit_s": unit, "fsdp_tensor_s": max(one_s - unit, 0.0) / tensors,
             "materialize_tensor_s": fill_s / tensors, "state_tensor_s": per_read,
+            "plain_materialize_tensor_s": plain_fill_s / tensors,
+            "plain_state_tensor_s": max(plain_read - call_s, 0.0) / tensors,
             "state_call_s": call_s,
             "install_tensor_s": install_s / tensors}
 

@@ -8,7 +8,8 @@ layer passes as long as one rank's compute, optimizer tails, every collective, F
 for ZeRO-2/3 plans), one profile per timed step, the median of the per-step predictions against
 the median step. The pieces keep the slowest rank's compute (layer passes, optimizer tails) and
 the collectives as the last rank to reach them saw them; ZeRO-1 plans time their own sharded
-tail. Every step is also split into phases on every rank (forward, backward, the gradient
+tail; ZeRO-2/3 plans time FSDP2's per-unit gather and reduce-scatter directly, and their
+tail over DTensor shards. Every step is also split into phases on every rank (forward, backward, the gradient
 reduction's wait, optimizer, rest of the tail; ``measured_phases_s``), set beside the predicted
 parts (``predicted_phases_s``). Nothing is fitted on the plans. The prediction from the first
 profile alone is reported beside (``mape_profile_before``). Writes bench/results/validate.json (``runs``: the

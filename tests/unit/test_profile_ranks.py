@@ -85,18 +85,67 @@ def test_collective_samples_keep_the_least_time_over_the_groups_members(
     assert samples.seconds["all_reduce/2"] == [[0.002], [0.004]]
 
 
-def test_fsdp_units_keep_the_least_gather_and_the_pair_of_the_rank_that_waited_least(
+def test_fsdp_units_keep_each_calls_least_time_over_the_ranks(
         two_ranks: None, monkeypatch: pytest.MonkeyPatch) -> None:
     units = FsdpUnits.__new__(FsdpUnits)
-    units.last_arrival = True
-    units.calls = [(lambda: None, lambda: None, lambda: None)]
-    units.gather_s, units.with_sync_s, units.without_s = [[]], [[]], [[]]
-    # (gather, with sync, without): rank 0 waited 50 ms for rank 1 inside its synced pass
+    units.last_arrival, units.repeats = True, 2
+    units.calls = [(lambda: None, lambda: None)]
+    units.gather_s, units.scatter_s = [[]], [[]]
+    # (gather, gather, scatter, scatter): rank 0 waited for rank 1 in the first of each
     monkeypatch.setattr(fsdp_units, "every_rank",
-                        lambda v: [[0.03, 0.20, 0.10], [0.02, 0.25, 0.20]])
+                        lambda v: [[0.05, 0.02, 0.30, 0.11], [0.03, 0.04, 0.10, 0.12]])
     units.sample()
-    assert units.gather_s == [[0.02]]
-    assert (units.with_sync_s, units.without_s) == ([[0.25]], [[0.20]])
+    assert units.gather_s == [[0.03, 0.02]]
+    assert units.scatter_s == [[0.10, 0.11]]
+    units.sample(keep=False)
+    assert units.gather_s == [[0.03, 0.02]]
+
+
+def test_fsdp_unit_fits_take_the_calls_of_the_window_only() -> None:
+    units = FsdpUnits.__new__(FsdpUnits)
+    units.world, units.repeats = 2, 3
+    units.sizes, units.grad_sizes = [1e6, 2e6], [1e6, 2e6]
+    # three samples of three calls; the middle sample is 10x slower
+    line = [[1e-3 + 1e-9 * b * f for f in (1, 10, 1) for _ in range(3)] for b in units.sizes]
+    units.gather_s = [list(r) for r in line]
+    units.scatter_s = [[2 * t for t in r] for r in line]
+    fits = units.fits(slice(0, 1))
+    assert fits["fsdp_all_gather/2"]["beta_s_per_byte"] == pytest.approx(1e-9)
+    assert fits["fsdp_reduce_scatter/2"]["alpha_s"] == pytest.approx(2e-3)
+    assert units.fits(slice(1, 2))["fsdp_all_gather/2"]["beta_s_per_byte"] == pytest.approx(1e-8)
+
+
+def test_fsdp_units_time_the_real_padded_sizes_on_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gather fills and the scatter reduces FSDP2's padded flat buffers of the unit's own
+    parameters; the collectives are replaced by local copies (one rank)."""
+    seen: dict[str, int] = {}
+
+    def gather(out: torch.Tensor, inp: torch.Tensor, group: object = None) -> None:
+        seen["gather"] = out.numel()
+        out.copy_(inp.repeat(out.numel() // inp.numel()))
+
+    def scatter(out: torch.Tensor, inp: torch.Tensor, group: object = None) -> None:
+        seen["scatter"] = inp.numel()
+        out.copy_(inp[:out.numel()])
+
+    monkeypatch.setattr(fsdp_units.dist, "all_gather_into_tensor", gather)
+    monkeypatch.setattr(fsdp_units.dist, "reduce_scatter_tensor", scatter)
+    params = [torch.zeros(5, 3), torch.zeros(7)]  # padded to 6 x 3 and 8 rows over 2 ranks
+    fsdp_units._gather_call(params, 2, None, torch.float32)()  # type: ignore[arg-type]
+    fsdp_units._scatter_call(params, 2, None, torch.float32)()  # type: ignore[arg-type]
+    assert seen == {"gather": 6 * 3 + 8, "scatter": 6 * 3 + 8}
+
+
+def test_tails_take_every_repeat_of_the_window() -> None:
+    tails = OptimizerTails.__new__(OptimizerTails)
+    tails.counts, tails.gathered_bytes, tails.repeats = [1000.0, 2000.0], [0.0, 0.0], 3
+    # per-parameter 1 us, fixed 1 ms; sample 1 of each chunk is 5x slower
+    tails.seconds = [[(1e-3 + 1e-6 * c) * f for f in (1, 5) for _ in range(3)]
+                     for c in tails.counts]
+    fixed, per_param = tails.fit(slice(0, 1))
+    assert fixed == pytest.approx(1e-3) and per_param == pytest.approx(1e-6)
+    fixed, per_param = tails.fit(slice(1, 2))
+    assert fixed == pytest.approx(5e-3) and per_param == pytest.approx(5e-6)
 
 
 def test_zero1_tails_take_the_gather_off_before_the_fit() -> None:

@@ -31,6 +31,9 @@ MESSAGE_BYTES = (4096, 1 << 20, 16 << 20)
 """Message sizes of the collectives sampled between a plan's steps (bytes of comm.py's M)."""
 FSDP_UNIT_BLOCKS = 2
 """FSDP2 units of 1..this many blocks are sampled between a plan's steps (two points of a line)."""
+TAIL_REPEATS = 3
+"""FSDP2 tails (AdamW over DTensor shards) per chunk per sample: the median of several, as their
+DTensor dispatch varies more from call to call than a plain tensor's step."""
 
 
 class PlanPieces:
@@ -47,12 +50,14 @@ class PlanPieces:
         # the tail as the plan runs it: ZeRO-1's sharded AdamW, FSDP2's DTensor shards (plans
         # whose dp group is the whole world)
         self.zero1 = plan.zero == 1 and plan.dp == world and world > 1
+        fsdp = plan.zero >= 2 and plan.dp > 1 and plan.dp == world
         self.tails = OptimizerTails(model, device, slowest=True, zero=plan.zero,
-                                    shard_over=world if plan.dp == world else 1)
+                                    shard_over=world if plan.dp == world else 1,
+                                    repeats=TAIL_REPEATS if fsdp else 1)
         # FSDP2's units are measured over all ranks: plans whose dp group is the whole world
-        self.fsdp = FsdpUnits(model, world, device, dtype=plan.dtype, max_blocks=FSDP_UNIT_BLOCKS,
-                              last_arrival=True) \
-            if plan.zero >= 2 and plan.dp > 1 and plan.dp == world else None
+        self.fsdp = FsdpUnits(model, world, device, dtype=plan.dtype,
+                              reduce_dtype=plan.reduce_dtype, max_blocks=FSDP_UNIT_BLOCKS,
+                              last_arrival=True) if fsdp else None
         self.collectives = CollectiveSamples(list(MESSAGE_BYTES), world, rank, device,
                                              last_arrival=True) if world > 1 else None
         self.schedule = ScheduleOverhead(model, plan, world, rank, device) \

@@ -155,15 +155,21 @@ class OptimizerTails:
     them) runs it, with run/zero1.py's ShardedAdamW (each rank updates its shard of every
     parameter, then the shards are packed, all-gathered and copied back); the counts are then
     the parameters of one shard, as the cost model prices a sharded tail (params / dp x s per
-    parameter). FSDP2's tails (ZeRO-2/3, over DTensor shards) are timed on whole tensors."""
+    parameter). ``shard_over`` > 1 with ``zero`` 2 or 3: the tail as FSDP2 runs it, each chunk's
+    blocks and root ``fully_shard``-ed over that many ranks as run/parallelize.py shards them, so
+    AdamW (foreach, as the engine makes it) steps the sharded DTensor parameters and the norm
+    sums the squares of their DTensor gradients' local shards (run/grad_norm.py); the counts are
+    the parameters of one shard. ``repeats`` tails per chunk per sample, every one kept."""
 
     def __init__(self, model: ModelSpec, device: torch.device, *, slowest: bool = False,
-                 shard_over: int = 1, zero: int = 0):
+                 shard_over: int = 1, zero: int = 0, repeats: int = 1):
         n = model.num_layers
         self.slowest = slowest
         """Keep, of each sample, the tails of the rank whose tails took longest (as
         ``LayerPasses.slowest``)."""
-        shard = shard_over if shard_over > 1 and zero == 1 else 1
+        shard = shard_over if shard_over > 1 and zero >= 1 else 1
+        self.repeats = repeats
+        """Tails of every chunk per ``sample()`` (the fit takes the median of all kept)."""
         self.counts: list[float] = []
         """Parameters each chunk's tail updates on one rank."""
         self.gathered_bytes: list[float] = []
@@ -175,10 +181,15 @@ class OptimizerTails:
             mesh = init_device_mesh(device.type, (shard,), mesh_dim_names=("dp",))
         for start, stop in sorted({(1, 2), (1, max(2, n // 2)), (0, n)}):
             chunk = build_chunk(model, start, stop, seed=0, device=device)
+            numel = float(sum(p.numel() for p in chunk.parameters() if p.requires_grad))
+            if mesh is not None and zero >= 2:
+                from torch.distributed.fsdp import fully_shard
+                for block in chunk.blocks.values():
+                    fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3)
+                fully_shard(chunk, mesh=mesh, reshard_after_forward=zero == 3)
             params = [p for p in chunk.parameters() if p.requires_grad]
-            numel = float(sum(p.numel() for p in params))
             opt: torch.optim.Optimizer
-            if mesh is not None:
+            if mesh is not None and zero == 1:
                 from meshmorph.run.zero1 import ShardedAdamW
                 opt = ShardedAdamW(params, dp_mesh=mesh, dp_tp_mesh=None, lr=1e-4,
                                    betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
@@ -191,17 +202,17 @@ class OptimizerTails:
                 p.grad = torch.full_like(p, 1e-3)
             self.tails.append(partial(_tail, params, opt, sched))
             self.counts.append(numel / shard)
-            self.gathered_bytes.append(numel * 4.0 if mesh is not None else 0.0)
+            self.gathered_bytes.append(numel * 4.0 if mesh is not None and zero == 1 else 0.0)
         self.seconds: list[list[float]] = [[] for _ in self.tails]
 
     def sample(self, *, keep: bool = True) -> None:
-        """One tail of every chunk (every rank at once); kept unless ``keep`` is False."""
-        times = [timed(tail, warmup=0, repeats=1)[0] for tail in self.tails]
+        """``repeats`` tails of every chunk (every rank at once); kept unless ``keep`` is False."""
+        times = [timed(tail, warmup=0, repeats=self.repeats) for tail in self.tails]
         if keep and self.slowest and dist.is_initialized() and dist.get_world_size() > 1:
-            times = _slowest_rank([[times]])[0][0]
+            times = _slowest_rank([times])[0]
         if keep:
             for out, t in zip(self.seconds, times, strict=True):
-                out.append(t)
+                out.extend(t)
 
     def fit(self, window: slice = slice(None), *,
             gather_s: Callable[[float], float] | None = None) -> tuple[float, float]:
@@ -209,7 +220,9 @@ class OptimizerTails:
         samples in ``window``, never below 0. ``gather_s`` (seconds of an all-gather filling
         so many bytes, as the cost model prices ZeRO-1's parameter gather apart from the tail)
         is taken off each ZeRO-1 chunk's median, so the gather is not counted twice."""
-        medians = [median_spread(s[window])[0] for s in self.seconds]
+        n = getattr(self, "repeats", 1)
+        medians = [median_spread([t for i in range(len(s) // n)[window]
+                                  for t in s[i * n:(i + 1) * n]])[0] for s in self.seconds]
         if gather_s is not None:
             medians = [max(med - gather_s(nbytes), 0.0) if nbytes else med
                        for med, nbytes in zip(medians, self.gathered_bytes, strict=True)]

@@ -8,29 +8,36 @@ prices FSDP's calls from these fits where a Profile has them (``fsdp_all_gather/
 ``fsdp_reduce_scatter/N`` in ``Profile.collectives``; bytes = the unit's unsharded parameters in
 the compute dtype, or its unsharded gradients in the reduce dtype, comm.py's M).
 
-Units are 1..k consecutive blocks of the model, so their tensor count grows with their bytes as
-in the model. Per unit size, over the group of all ranks (the plan's dp group):
+Units are 1..k consecutive blocks of the model, ``fully_shard``-ed over the group of all ranks
+(the plan's dp group) with the plan's mixed-precision policy, so their tensor count grows with
+their bytes as in the model. Per unit size, FSDP2's own code is called directly:
 
-- gather (FSDP2's ``foreach_all_gather`` and its copy-out): every parameter's dim-0 shard (padded
-  as FSDP2 pads) copied into one flat input, ``all_gather_into_tensor``, then
-  ``split_with_sizes_copy`` into each parameter's unsharded buffer;
-- reduce-scatter (FSDP2's ``foreach_reduce``): the unsharded gradients chunk-concatenated in the
-  reduce dtype (``torch._chunk_cat``, one chunk per rank), divided by the group size (gloo has no
-  average), ``reduce_scatter_tensor``, the shards left as views (as FSDP2 leaves them).
+- gather: ``unshard()`` + ``reshard()`` (FSDP2's ``foreach_all_gather``: the shards copied into
+  one flat input, ``all_gather_into_tensor``, the copy-out into the unsharded parameters; then
+  the free);
+- reduce-scatter: with the unit gathered and a gradient on every unsharded parameter (set
+  untimed), the unit's ``post_backward`` (FSDP2's ``foreach_reduce``: chunk-cat of the gradients
+  in the reduce dtype, ``reduce_scatter_tensor``, the sharded gradients made DTensors, the
+  reshard) — what the backward runs after each unit's gradients.
 
 Each is timed several times per sample from a common barrier; with ``last_arrival`` each call
 keeps the least time over the ranks (the rank that reached it last: its own time, no wait for
 another rank). An earlier version took the reduce-scatter as the difference of a forward and
-backward pass with gradient sync on and off, which scattered by +-30% from sample to sample.
+backward pass with gradient sync on and off, which scattered by +-30% from sample to sample; a
+bare collective with its copies (no FSDP2 code around it) came out 20-27% short on FSDP2 plans.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 from meshmorph.profile.alpha_beta import fit_alpha_beta
 from meshmorph.profile.hardware import DTYPES
@@ -54,21 +61,31 @@ class FsdpUnits:
         self.last_arrival = last_arrival
         """Keep, per call, the least time over the ranks (``CollectiveSamples.last_arrival``)."""
         self.repeats = calls
-        group = init_device_mesh(device.type, (world,)).get_group()
+        mesh = init_device_mesh(device.type, (world,))
         param_dtype, grad_dtype = DTYPES[dtype], DTYPES[reduce_dtype]
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=grad_dtype)
         blocks = min(max_blocks, model.num_blocks // 2)
         first = next(i for i, layer in enumerate(model.layers) if layer.kind == "block")
         self.sizes: list[float] = []
         """Bytes each unit's all-gather fills (unsharded parameters in the compute dtype)."""
         self.grad_sizes: list[float] = []
         """Bytes each unit's reduce-scatter reduces (unsharded gradients in the reduce dtype)."""
-        self.calls: list[tuple[Callable[[], None], Callable[[], None]]] = []
+        self.calls: list[tuple[Callable[[], None], Callable[[], None], Callable[[], None]]] = []
+        """Per unit size: (gather, the reduce-scatter's untimed set-up, the reduce-scatter)."""
         for k in range(1, blocks + 1):
             chunk = build_chunk(model, first, first + k, seed=0, device=device)
-            params = [p.detach() for p in chunk.parameters()]
-            self.calls.append((_gather_call(params, world, group, param_dtype),
-                               _scatter_call(params, world, group, grad_dtype)))
-            numel = sum(p.numel() for p in params)
+            unit = nn.Sequential(*chunk.blocks.values())
+            numel = sum(p.numel() for p in unit.parameters())
+            fully_shard(unit, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+            assert isinstance(unit, FSDPModule)
+            x = torch.randn(1, model.seq_len, model.hidden_size, device=device)
+            unit(x).float().sum().backward()  # type: ignore[operator]  # FSDP2's lazy init
+            for p in unit.parameters():
+                p.grad = None
+            group = unit._get_fsdp_state()._fsdp_param_group  # noqa: SLF001
+            assert group is not None
+            self.calls.append((partial(_gather, unit), partial(_grads, unit, group),
+                               partial(_post_backward, unit, group)))
             self.sizes.append(float(numel * torch.finfo(param_dtype).bits // 8))
             self.grad_sizes.append(float(numel * torch.finfo(grad_dtype).bits // 8))
         self.gather_s: list[list[float]] = [[] for _ in self.calls]
@@ -77,9 +94,13 @@ class FsdpUnits:
     def sample(self, *, keep: bool = True, tick: Callable[[], None] | None = None) -> None:
         """``repeats`` gathers, then as many reduce-scatters, of every unit size."""
         times = []
-        for gather, scatter in self.calls:
+        for gather, setup, scatter in self.calls:
             times.append(timed(gather, warmup=0, repeats=self.repeats))
-            times.append(timed(scatter, warmup=0, repeats=self.repeats))
+            row = []
+            for _ in range(self.repeats):
+                setup()
+                row.append(timed(scatter, warmup=0, repeats=1)[0])
+            times.append(row)
             if tick is not None:
                 tick()
         if not keep:
@@ -107,44 +128,25 @@ class FsdpUnits:
                     fit_alpha_beta(self.grad_sizes, scatter).as_dict()}
 
 
-def _padded_rows(p: torch.Tensor, world: int) -> int:
-    """Dim-0 rows of ``p`` padded to a multiple of ``world`` (FSDP2's Shard(0) padding)."""
-    rows = p.shape[0] if p.dim() > 0 else 1
-    return -(-rows // world) * world
+def _gather(unit: FSDPModule) -> None:
+    unit.unshard()
+    unit.reshard()
 
 
-def _gather_call(params: list[torch.Tensor], world: int, group: dist.ProcessGroup,
-                 dtype: torch.dtype) -> Callable[[], None]:
-    """FSDP2's all-gather of one unit: copy-in of this rank's shards, the collective, copy-out."""
-    shards = []
-    for p in params:
-        rows = _padded_rows(p, world) // world
-        shards.append(torch.ones(rows, *p.shape[1:], dtype=dtype, device=p.device))
-    split = [s.numel() for s in shards]
-    flat_in = torch.empty(sum(split), dtype=dtype, device=params[0].device)
-    flat_out = torch.empty(world * sum(split), dtype=dtype, device=params[0].device)
-    unsharded = [torch.empty(world, n, dtype=dtype, device=params[0].device) for n in split]
-
-    def call() -> None:
-        torch.cat([s.view(-1) for s in shards], out=flat_in)
-        dist.all_gather_into_tensor(flat_out, flat_in, group=group)
-        torch.split_with_sizes_copy(flat_out.view(world, -1), split, dim=1, out=unsharded)
-    return call
+def _grads(unit: FSDPModule, group: FSDPParamGroup) -> None:
+    """Gather the unit and give every unsharded parameter a gradient, as its backward leaves it."""
+    unit.unshard()
+    for fsdp_param in group.fsdp_params:
+        param = fsdp_param.unsharded_param
+        param.grad = torch.full_like(param, 1e-3)
 
 
-def _scatter_call(params: list[torch.Tensor], world: int, group: dist.ProcessGroup,
-                  dtype: torch.dtype) -> Callable[[], None]:
-    """FSDP2's reduce-scatter of one unit's gradients: chunk-cat, pre-divide, the collective."""
-    grads = [torch.full_like(p, 1e-3) for p in params]
-    padded = sum(_padded_rows(p, world) * (p[0].numel() if p.dim() > 0 else 1) for p in params)
-    flat_in = torch.empty(padded, dtype=dtype, device=params[0].device)
-    flat_out = torch.empty(padded // world, dtype=dtype, device=params[0].device)
-
-    def call() -> None:
-        torch._chunk_cat(grads, dim=0, num_chunks=world, out=flat_in.view(world, -1))
-        flat_in.div_(world)
-        dist.reduce_scatter_tensor(flat_out, flat_in, group=group)
-    return call
+def _post_backward(unit: FSDPModule, group: FSDPParamGroup) -> None:
+    """FSDP2's reduce-scatter of the unit's gradients and its reshard; the sharded gradients are
+    dropped (the next set-up makes new ones)."""
+    group.post_backward()
+    for p in unit.parameters():  # type: ignore[attr-defined]
+        p.grad = None
 
 
 def fsdp_unit_fits(model: ModelSpec, world: int, device: torch.device, *, dtype: str = "fp32",

@@ -13,7 +13,19 @@ cost/layerwise_state.py (within 2%).
 - ``zb_pp2_tp_data``: ZB-H1 with the batch cut tp2 (dp 1), dp2 ZeRO-2 layers inside;
 - ``interleaved_pp2_vpp2``: chunk c on rank c % 2, ZeRO-3 and ZeRO-2 layers (full backward);
 - ``zbv_pp2``: rank r holds chunks r and 3 - r, the last chunk (head) on rank 0;
-- ``dualpipev_pp2``: the same V under DualPipeV, the batch cut tp2.
+- ``dualpipev_pp2``: the same V under DualPipeV, the batch cut tp2;
+- ``zbv_pp2_bf16``: the V under ZBV in bf16, layers at tp2 and ZeRO-0/1 dp2 (autocast in every
+  layer), against the bf16 one-device run under autocast;
+- ``dualpipev_pp2_bf16``: the V under DualPipeV in bf16 over a tp2 data layout, autocast in
+  every layer, against the same run;
+- ``zb_pp2_zero2_bf16``: ZB-H1 in bf16 with every layer ZeRO-2 over dp2 (FSDP2's
+  MixedPrecisionPolicy in every layer, gradients accumulated over the step and reduce-scattered
+  after the last weight pass), against the one-device run on bf16 parameters
+  (``reference.py``'s ``bf16_params``).
+
+A bf16 layout is held to the one-device run that computes as its layers do
+(``bf16_expectation``): autocast where no layer runs under FSDP2's mixed precision, bf16
+parameters where every layer does; the rows here are one or the other.
 """
 
 from __future__ import annotations
@@ -27,8 +39,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import ReferenceRun
-from test_equivalence import OPTIM, violations
+from reference import ReferenceRun, deviation, reference_run
+from test_equivalence import (
+    FLOOR_BF16,
+    K_BF16,
+    OPTIM,
+    Expectation,
+    bf16_not_shown,
+    violations,
+)
 from test_layerwise_equivalence import SEED, TOLERANCE, WORLD, _expectation, _reports, batches
 
 from meshmorph.spec.catalog import catalog_model
@@ -70,7 +89,47 @@ def layouts() -> dict[str, tuple[ModelSpec, Plan]]:
             llama, [[(1, 2, 2), (1, 2, 1)], [(2, 1, 0)], [(1, 2, 0)], [(2, 1, 0), (1, 2, 2)]],
             pp=2, vpp=2, tp=2, schedule="dualpipev", micro_batch=2, num_microbatches=4,
             global_batch=8)),
+        "zbv_pp2_bf16": (llama, replace(_chunks(
+            llama, [[(2, 1, 0), (1, 2, 1)], [(1, 2, 1)], [(2, 1, 0)], [(1, 2, 0), (2, 1, 0)]],
+            pp=2, vpp=2, dp=2, schedule="zbv", **batch), dtype="bf16")),
+        "dualpipev_pp2_bf16": (llama, replace(_chunks(
+            llama, [[(1, 2, 1), (2, 1, 0)], [(2, 1, 0)], [(1, 2, 0)], [(2, 1, 0), (1, 2, 1)]],
+            pp=2, vpp=2, tp=2, schedule="dualpipev", micro_batch=2, num_microbatches=4,
+            global_batch=8), dtype="bf16")),
+        "zb_pp2_zero2_bf16": (llama, replace(_chunks(
+            llama, [[(1, 2, 2)] * 3, [(1, 2, 2)] * 3], pp=2, dp=2, schedule="zb", **batch),
+            dtype="bf16")),
     }
+
+
+def _fsdp_precision(plan: Plan) -> list[bool]:
+    """For each layer, whether FSDP2's MixedPrecisionPolicy sets its compute dtype (ZeRO-2/3
+    over dp > 1, as ``run.parallelize.uses_fsdp_precision``) rather than autocast."""
+    return [s.dp > 1 and s.zero >= 2 for stage in plan.stages
+            for s in stage.layer_strategies or ()]
+
+
+def bf16_expectation(model: ModelSpec, plan: Plan) -> Expectation:
+    """The bf16 one-device run computing as ``plan``'s layers do: under autocast where none runs
+    under FSDP2's mixed precision, on bf16 parameters (``bf16_params``) where all do; a plan
+    mixing the two has no one-device run that computes as it does, and is refused here."""
+    fsdp = _fsdp_precision(plan)
+    if any(fsdp) and not all(fsdp):
+        raise ValueError("a bf16 plan mixing autocast and FSDP2 mixed-precision layers has no "
+                         "exact one-device oracle; make it one or the other")
+    precision = "bf16_params" if all(fsdp) else "bf16"
+    data = batches(model, plan)
+    fp64 = reference_run(model, OPTIM, data, seed=SEED, micro_batch=plan.micro_batch,
+                         precision="fp64")
+    bf16 = reference_run(model, OPTIM, data, seed=SEED, micro_batch=plan.micro_batch,
+                         precision=precision)
+    name = f"bf16 one-device ({'bf16 parameters' if all(fsdp) else 'autocast'})"
+    return Expectation(bf16, name, fp64, deviation(bf16, fp64, OPTIM), K_BF16, FLOOR_BF16)
+
+
+def expectation(model: ModelSpec, plan: Plan) -> Expectation:
+    """fp32: the float64 one-device run (the layerwise matrix's rule); bf16: ``bf16_expectation``."""
+    return bf16_expectation(model, plan) if plan.dtype == "bf16" else _expectation(model, plan)
 
 
 def _train(model: ModelSpec, plan: Plan, out: Path, rank: int) -> None:
@@ -142,7 +201,11 @@ def test_schedule_plan_matches_one_device_within_measured_noise(name: str,
         params.update(torch.load(path))
     assert len(params) == len(dict(_one_device_names(model))), "a chunk's parameters are missing"
     run = ReferenceRun(tuple(reports[0]["losses"]), tuple(reports[0]["grad_norms"]), params)
-    found = violations(run, _expectation(model, plan))
+    truth = expectation(model, plan)
+    found = violations(run, truth)
+    if plan.dtype == "bf16":  # it must show bf16 rounding at all
+        why = bf16_not_shown(run, truth)
+        found += [why] if why else []
     assert not found, f"{name}: {len(found)} figures out of tolerance:\n" + "\n".join(found)
 
 

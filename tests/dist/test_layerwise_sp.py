@@ -17,7 +17,15 @@ and every rank's state line against cost/layerwise_state.py byte for byte.
 - ``gpt_tied_pp2_1f1b``: gpt-tiny (tied embedding and head) on two 1F1B stages, both ends
   vocabulary-parallel at tp2 (two copies of one matrix, gradients summed over the pair);
 - ``gpt_tied_pp2_gpipe_sp_zero3``: the same model under GPipe with sequence parallelism, both
-  ends under ZeRO-3 over dp2 (each copy sharded by FSDP2 on its own stage).
+  ends under ZeRO-3 over dp2 (each copy sharded by FSDP2 on its own stage);
+- ``llama_sp_pp2_1f1b_bf16``: sequence parallelism on two 1F1B stages in bf16, layers at tp2 and
+  ZeRO-0/1 dp2 (autocast in every layer; the all-to-alls move bf16 hidden states), against the
+  bf16 one-device run under autocast;
+- ``llama_sp_tp12_zero2_bf16``: sequence parallelism at pp 1 in bf16 with every layer under
+  FSDP2's mixed precision (ZeRO-2 and ZeRO-3 at tp2 x dp2 and tp1 x dp4, a vocabulary-parallel
+  embedding, the head at tp1), against the one-device run on bf16 parameters.
+
+bf16 layouts are held to ``test_layerwise_schedules.bf16_expectation``.
 """
 
 from __future__ import annotations
@@ -31,16 +39,16 @@ from pathlib import Path
 import pytest
 import torch
 from reference import ReferenceRun
-from test_equivalence import violations
+from test_equivalence import bf16_not_shown, violations
 from test_layerwise_equivalence import (
     SEQ,
     WORLD,
-    _expectation,
     _mixed,
     _mixed_stages,
     _reports,
     _train,
 )
+from test_layerwise_schedules import expectation
 
 from meshmorph.spec.catalog import MODEL_CATALOG, catalog_model
 from meshmorph.spec.model import ModelSpec
@@ -69,6 +77,14 @@ def layouts() -> dict[str, tuple[ModelSpec, Plan]]:
             gpt, [[(1, 2, 3), (2, 1, 0), (1, 2, 0)], [(2, 1, 0), (1, 2, 2), (1, 2, 3)]],
             tp=2, schedule="gpipe", micro_batch=2, num_microbatches=2, global_batch=4,
             sequence_parallel=True)),
+        "llama_sp_pp2_1f1b_bf16": (llama, replace(_mixed_stages(
+            llama, [[(2, 1, 0), (1, 2, 1), (2, 1, 0)], [(1, 2, 0), (2, 1, 0), (1, 2, 1)]],
+            tp=2, schedule="1f1b", micro_batch=2, num_microbatches=4, global_batch=8,
+            sequence_parallel=True), dtype="bf16")),
+        "llama_sp_tp12_zero2_bf16": (llama, replace(_mixed(
+            llama, [(2, 2, 2), (1, 4, 3), (2, 2, 2), (1, 4, 2), (2, 2, 3), (1, 4, 2)],
+            tp=2, dp=2, micro_batch=2, num_microbatches=2, global_batch=8,
+            sequence_parallel=True), dtype="bf16")),
     }
 
 
@@ -129,7 +145,11 @@ def test_layerwise_sp_and_tied_plans_match_one_device(name: str, results: Path) 
         assert torch.equal(params["head.out.weight"], params["embed.tok.weight"]), \
             f"{name}: the tied head's copy left the embedding"
     run = ReferenceRun(tuple(reports[0]["losses"]), tuple(reports[0]["grad_norms"]), params)
-    found = violations(run, _expectation(model, plan))
+    truth = expectation(model, plan)
+    found = violations(run, truth)
+    if plan.dtype == "bf16":  # it must show bf16 rounding at all
+        why = bf16_not_shown(run, truth)
+        found += [why] if why else []
     assert not found, f"{name}: {len(found)} figures out of tolerance:\n" + "\n".join(found)
 
 

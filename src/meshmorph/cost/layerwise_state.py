@@ -12,7 +12,8 @@ compute dtype's bytes):
   layer are views of its one reduced buffer), moments ``8 r k`` (ZeRO-1: ``8 r_own k``); FSDP2
   (ZeRO 2/3) padded shards ``4 ceil(r / dp_i) k`` each, ZeRO-2's gathered copy
   ``c ceil(r / dp_i) dp_i k``, moments on the unpadded own rows; a vocabulary-parallel
-  embedding whose gradient no reduction replaces (dp_i 1) keeps torch's double-size storage;
+  embedding whose gradient no reduction replaces (dp_i 1, or sequence parallel outside FSDP2)
+  keeps torch's double-size storage;
   a tied head's matrix is the embedding's and is counted once;
 - sent by its data-parallel group: ``cost.state.data_parallel_traffic`` at (ZeRO_i, dp_i, pp 1):
   the one summed all-reduce of a ZeRO 0/1 layer's gradients in ``reduce_dtype``, ZeRO-1's
@@ -156,7 +157,8 @@ def predict_layerwise_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dic
             moments += held_moments
             if fsdp and zero == 2:
                 params += c * padded * d  # gathered once, kept to the end of the step
-            if kind == LayerKind.EMBEDDING and vocab_split(model, t) and (d == 1 or sp):
+            if kind == LayerKind.EMBEDDING and vocab_split(model, t) and (d == 1 or sp) \
+                    and not fsdp:  # FSDP2's reduce-scatter replaces the unsharded gradient
                 grads += GRAD * tensors[0].local_numel(t)  # torch's double-size local gradient
             # a split backward reduces ZeRO-2 once per step (run/layerwise_pipeline.py)
             add_data_parallel_comm(comm, plan, zero=zero, dp=d,

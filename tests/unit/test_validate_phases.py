@@ -11,7 +11,9 @@ from torch import nn
 
 from meshmorph.predict.validate_phases import PHASES, StepPhases
 
-FORWARD, BACKWARD, WAIT, OPTIMIZER, TAIL = 0.03, 0.04, 0.05, 0.02, 0.06
+# every sleep at least 0.1 s: a phase that took another's sleep would be over by >= 0.1 s, far
+# beyond what a loaded machine's scheduler adds to one sleep
+FORWARD, BACKWARD, WAIT, OPTIMIZER, TAIL = 0.1, 0.2, 0.3, 0.15, 0.25
 
 
 class _SlowBackward(torch.autograd.Function):
@@ -71,11 +73,11 @@ def test_step_phases_split_a_step_into_the_sleeps_it_took() -> None:
         engine.step(torch.ones(2, 4))
         record = phases.end()
     assert list(record) == list(PHASES) and len(phases.records) == 2
-    # each phase at least its sleep, and not much more (the arithmetic is tiny)
+    # each phase at least its sleep, and short of taking in the shortest other sleep
     for key, sleep in (("forward_s", FORWARD), ("backward_s", BACKWARD),
                        ("grad_reduce_wait_s", WAIT), ("optimizer_s", OPTIMIZER),
                        ("tail_other_s", TAIL)):
-        assert sleep <= record[key] < sleep + 0.02, (key, record)
+        assert sleep <= record[key] < sleep + min(FORWARD, BACKWARD, WAIT, OPTIMIZER, TAIL) - 0.005, (key, record)
     parts = sum(record[k] for k in PHASES[:5])
     assert parts == pytest.approx(record["step_s"], rel=1e-6)
     assert record["fwd_bwd_cpu_s"] < 0.5 * (FORWARD + BACKWARD + WAIT)  # sleeping is not CPU time

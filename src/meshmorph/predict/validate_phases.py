@@ -38,6 +38,7 @@ class StepPhases:
         self._last_grad = 0.0
         self._opt = 0.0
         self._opt_start = 0.0
+        self._opt_depth = 0
         self._fb_end = (0.0, 0.0)
         self._handles: list[Any] = []
         for runner in engine._runners:
@@ -70,10 +71,16 @@ class StepPhases:
         self._last_grad = time.perf_counter()
 
     def _pre_step(self, *_: Any) -> None:
-        self._opt_start = time.perf_counter()
+        # torch hooks each class's step() once it is instantiated: an optimizer whose step()
+        # calls a parent's hooked step() fires the hooks again inside; the outermost pair counts
+        if self._opt_depth == 0:
+            self._opt_start = time.perf_counter()
+        self._opt_depth += 1
 
     def _post_step(self, *_: Any) -> None:
-        self._opt += time.perf_counter() - self._opt_start
+        self._opt_depth -= 1
+        if self._opt_depth == 0:
+            self._opt += time.perf_counter() - self._opt_start
 
     def begin(self) -> None:
         """Start the clocks of one step."""

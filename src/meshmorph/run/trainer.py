@@ -300,5 +300,16 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def exit_now(code: int) -> None:
+    """End the rank without interpreter finalisation, once its output is flushed: the work is
+    done (metrics, checkpoints and logs closed, the process group destroyed), and torch's C++
+    threads (gloo's workers, the intra-op pool) that touch a Python object while the interpreter
+    tears down abort the process (``terminate called without an active exception``, SIGABRT),
+    which the launcher reports as a failed job after a finished run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

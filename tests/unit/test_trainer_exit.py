@@ -1,5 +1,6 @@
 """A finished rank ends without interpreter finalisation, and its buffered output survives."""
 
+import os
 import subprocess
 import sys
 
@@ -8,9 +9,11 @@ CODE = ("import sys; from meshmorph.run.trainer import exit_now; "
 
 
 def run(code: int) -> subprocess.CompletedProcess[str]:
-    # stdout and stderr are pipes: block-buffered, so an exit without a flush would lose both
+    # stdout and stderr are pipes, block-buffered without PYTHONUNBUFFERED: an exit without a
+    # flush would lose both
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     return subprocess.run([sys.executable, "-c", CODE.format(code=code)], capture_output=True,
-                          text=True, timeout=120, check=False)
+                          text=True, timeout=120, check=False, env=env)
 
 
 def test_exit_now_keeps_the_output_and_the_code() -> None:

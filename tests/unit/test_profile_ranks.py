@@ -85,20 +85,37 @@ def test_collective_samples_keep_the_least_time_over_the_groups_members(
     assert samples.seconds["all_reduce/2"] == [[0.002], [0.004]]
 
 
+class FakeUnit:
+    """Counts the gathers and frees FsdpUnits.sample asks of a unit."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def unshard(self) -> None:
+        self.calls.append("unshard")
+
+    def reshard(self) -> None:
+        self.calls.append("reshard")
+
+
 def test_fsdp_units_keep_each_calls_least_time_over_the_ranks(
         two_ranks: None, monkeypatch: pytest.MonkeyPatch) -> None:
     units = FsdpUnits.__new__(FsdpUnits)
     units.last_arrival, units.repeats = True, 2
-    setups: list[int] = []
-    units.calls = [(lambda: None, lambda: setups.append(1), lambda: None)]
+    unit, passes = FakeUnit(), []
+    units.units = [(unit, lambda: passes.append("fsdp"), lambda: passes.append("plain"))]
     units.gather_s, units.scatter_s = [[]], [[]]
-    # (gather, gather, scatter, scatter): rank 0 waited for rank 1 in the first of each
+    # per call (gather, plain pass, FSDP2 pass): rank 0 waited for rank 1 in the first call
     monkeypatch.setattr(fsdp_units, "every_rank",
-                        lambda v: [[0.05, 0.02, 0.30, 0.11], [0.03, 0.04, 0.10, 0.12]])
+                        lambda v: [[0.05, 0.20, 0.50, 0.02, 0.21, 0.33],
+                                   [0.03, 0.25, 0.30, 0.04, 0.20, 0.32]])
     units.sample()
     assert units.gather_s == [[0.03, 0.02]]
-    assert units.scatter_s == [[0.10, 0.11]]
-    assert len(setups) == 2  # each reduce-scatter's gradients set up before its clock
+    # the reduce-scatter: the FSDP2 pass less the plain one, each the least over the ranks
+    assert units.scatter_s == [pytest.approx([0.10, 0.12])]
+    assert passes == ["plain", "fsdp"] * 2
+    # each call frees the unit, times a gather (unshard + reshard), gathers it for the pass
+    assert unit.calls == ["reshard", "unshard", "reshard", "unshard"] * 2
     units.sample(keep=False)
     assert units.gather_s == [[0.03, 0.02]]
 

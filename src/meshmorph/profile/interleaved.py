@@ -24,7 +24,7 @@ from meshmorph.profile.fsdp_units import FsdpUnits
 from meshmorph.profile.hardware import CollectiveSamples
 from meshmorph.profile.layers import LayerPasses, OptimizerTails
 from meshmorph.profile.schedule_overhead import ScheduleOverhead, measures
-from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.plan import Plan
 
 MESSAGE_BYTES = (4096, 1 << 20, 16 << 20)
@@ -34,6 +34,12 @@ FSDP_UNIT_BLOCKS = 2
 TAIL_REPEATS = 3
 """FSDP2 tails (AdamW over DTensor shards) per chunk per sample: the median of several, as their
 DTensor dispatch varies more from call to call than a plain tensor's step."""
+
+
+def block_recompute(model: ModelSpec, plan: Plan) -> Recompute:
+    """The recompute mode of the plan's first block (validate's plans use one mode for all)."""
+    modes = plan.recompute_of_layer()
+    return next(modes[i] for i, layer in enumerate(model.layers) if layer.kind == "block")
 
 
 class PlanPieces:
@@ -57,7 +63,8 @@ class PlanPieces:
         # FSDP2's units are measured over all ranks: plans whose dp group is the whole world
         self.fsdp = FsdpUnits(model, world, device, dtype=plan.dtype,
                               reduce_dtype=plan.reduce_dtype, max_blocks=FSDP_UNIT_BLOCKS,
-                              last_arrival=True) if fsdp else None
+                              last_arrival=True, micro_batch=plan.micro_batch,
+                              recompute=block_recompute(model, plan)) if fsdp else None
         self.collectives = CollectiveSamples(list(MESSAGE_BYTES), world, rank, device,
                                              last_arrival=True) if world > 1 else None
         self.schedule = ScheduleOverhead(model, plan, world, rank, device) \

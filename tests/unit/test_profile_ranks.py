@@ -85,39 +85,38 @@ def test_collective_samples_keep_the_least_time_over_the_groups_members(
     assert samples.seconds["all_reduce/2"] == [[0.002], [0.004]]
 
 
-class FakeUnit:
-    """Counts the gathers and frees FsdpUnits.sample asks of a unit."""
+class FakePair:
+    """Records the passes and set-ups FsdpUnits.sample asks of a pair of units."""
 
     def __init__(self) -> None:
+        self.root, self.plain = "fsdp", "plain"
         self.calls: list[str] = []
 
-    def unshard(self) -> None:
-        self.calls.append("unshard")
+    def run(self, module: str) -> None:
+        self.calls.append(module)
 
-    def reshard(self) -> None:
-        self.calls.append("reshard")
+    def set_up(self, keep_gathered: bool) -> None:
+        self.calls.append("kept" if keep_gathered else "resharded")
 
 
 def test_fsdp_units_keep_each_calls_least_time_over_the_ranks(
         two_ranks: None, monkeypatch: pytest.MonkeyPatch) -> None:
     units = FsdpUnits.__new__(FsdpUnits)
     units.last_arrival, units.repeats = True, 2
-    unit, passes = FakeUnit(), []
-    units.units = [(unit, lambda: passes.append("fsdp"), lambda: passes.append("plain"))]
+    pair = FakePair()
+    units.pairs = [pair]  # type: ignore[list-item]
     units.gather_s, units.scatter_s = [[]], [[]]
-    # per call (gather, plain pass, FSDP2 pass): rank 0 waited for rank 1 in the first call
+    # per call (plain, kept, resharded passes): rank 0 waited for rank 1 in the first call
     monkeypatch.setattr(fsdp_units, "every_rank",
-                        lambda v: [[0.05, 0.20, 0.50, 0.02, 0.21, 0.33],
-                                   [0.03, 0.25, 0.30, 0.04, 0.20, 0.32]])
+                        lambda v: [[0.20, 0.50, 0.90, 0.21, 0.33, 0.49],
+                                   [0.25, 0.30, 0.62, 0.20, 0.32, 0.50]])
     units.sample()
-    assert units.gather_s == [[0.03, 0.02]]
-    # the reduce-scatter: the FSDP2 pass less the plain one, each the least over the ranks
-    assert units.scatter_s == [pytest.approx([0.10, 0.12])]
-    assert passes == ["plain", "fsdp"] * 2
-    # each call frees the unit, times a gather (unshard + reshard), gathers it for the pass
-    assert unit.calls == ["reshard", "unshard", "reshard", "unshard"] * 2
+    # two units: a reduce-scatter each in the kept pass, a gather each in forward and backward
+    assert units.scatter_s == [pytest.approx([0.05, 0.06])]
+    assert units.gather_s == [pytest.approx([0.08, 0.0425])]
+    assert pair.calls == ["plain", "kept", "fsdp", "resharded", "fsdp"] * 2
     units.sample(keep=False)
-    assert units.gather_s == [[0.03, 0.02]]
+    assert units.gather_s == [pytest.approx([0.08, 0.0425])]
 
 
 def test_fsdp_unit_fits_take_the_calls_of_the_window_only() -> None:

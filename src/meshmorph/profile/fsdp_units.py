@@ -8,29 +8,33 @@ prices FSDP's calls from these fits where a Profile has them (``fsdp_all_gather/
 ``fsdp_reduce_scatter/N`` in ``Profile.collectives``; bytes = the unit's unsharded parameters in
 the compute dtype, or its unsharded gradients in the reduce dtype, comm.py's M).
 
-Units are 1..k consecutive blocks of the model, ``fully_shard``-ed over the group of all ranks
-(the plan's dp group) with the plan's mixed-precision policy and recompute mode, so their tensor
-count grows with their bytes as in the model. Per call of each unit size:
+Units are k consecutive blocks of the model (k = 1..``max_blocks``), two of them under a root as
+a chunk's blocks are, ``fully_shard``-ed over the group of all ranks (the plan's dp group) with
+the plan's mixed-precision policy, recompute mode and prefetch setting (``Plan.fsdp_prefetch``:
+the second unit's gather prefetched in forward, the first's in backward), so their tensor count
+grows with their bytes as in the model. Each call is measured where FSDP2 makes it, inside a
+forward and backward pass of the plan's micro-batch (``micro_batch``; 0: one sequence of
+``PASS_TOKENS`` tokens), as the difference of three passes with gradient sync, back to back:
 
-- gather: FSDP2's own ``unshard()`` + ``reshard()`` (``foreach_all_gather``: the shards copied
-  into one flat input, ``all_gather_into_tensor``, the copy-out into the unsharded parameters;
-  then the free);
-- reduce-scatter: FSDP2's whole per-micro-batch work in a pass with gradient sync, as a forward
-  and backward of the unit with its parameters kept gathered (ZeRO-2) less the same pass of the
-  same blocks without FSDP2: its forward and backward hooks, and ``post_backward`` as its
-  autograd hook runs it (the chunk-cat of the gradients in the reduce dtype,
-  ``reduce_scatter_tensor``, the sharded gradients made DTensors). The passes run the plan's
-  micro-batch (``micro_batch``; 0: one sequence of ``PASS_TOKENS`` tokens).
+- reduce-scatter: half the pass with both units kept gathered (ZeRO-2) less the same blocks'
+  pass without FSDP2: per unit, FSDP2's forward and backward hooks and ``post_backward`` as its
+  autograd hook runs it (chunk-cat of the gradients in the reduce dtype,
+  ``reduce_scatter_tensor``, the sharded gradients made DTensors);
+- gather: a quarter of the pass with both units resharded after forward and after backward
+  (ZeRO-3) less the kept pass: per unit, one ``unshard`` in forward and one in backward (the
+  shards copied into one flat input, ``all_gather_into_tensor``, the copy-out), each with its
+  reshard and, where the plan prefetches, the prefetch's contention with the compute beside it.
 
-Each is timed from a common barrier; with ``last_arrival`` each timing keeps the least time over
-the ranks (the rank that reached it last: its own time, no wait for another rank). An earlier
-version timed ``post_backward`` called directly on set-up gradients: 7.5 ms for a one-block
-gpt-small unit against 10-12 ms for the same call inside a pass, which left ZeRO-2/3 plans
-predicted 5-22% short (and more with more micro-batches, where the difference repeats); a bare
-collective with its copies came out 20-27% short; the difference of a full pass with gradient
-sync on and off scattered by +-30% from sample to sample; a gather taken as the difference of a
-resharding and a kept pass came out 20-40% below the direct call and left ZeRO-3 plans 15-28%
-short.
+With ``last_arrival`` each pass keeps the least time over the ranks (the rank that reached it
+last: its own time, no wait for another rank) before the differences are taken. What earlier
+versions measured, on gpt-small units on 2 CPU processes: ``post_backward`` called directly on
+set-up gradients, 7.5 ms for a one-block unit against 10-12 ms for the same call inside a pass,
+left ZeRO-2/3 plans 5-22% short (more with more micro-batches, where it repeats); ``unshard`` +
+``reshard`` called directly, 5 ms, against 6 ms per gather inside a six-unit pass with FSDP2's
+prefetch (3.6 ms without it: on processes that fill the cores a prefetched gather contends with
+the compute instead of hiding), left ZeRO-3 plans 16-18% short; a bare collective with its copies
+came out 20-27% short; the difference of whole-model passes with gradient sync on and off
+scattered by +-30% from sample to sample.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from meshmorph.profile.alpha_beta import fit_alpha_beta
 from meshmorph.profile.hardware import DTYPES
@@ -58,14 +62,14 @@ PASS_TOKENS = 4
 
 
 class FsdpUnits:
-    """Units of 1..``max_blocks`` blocks of ``model`` sharded over all ``world`` ranks: each
-    size's gather and reduce-scatter timed ``calls`` times per ``sample()``; ``fits()`` are the
-    alpha-beta lines through the medians."""
+    """Pairs of units of 1..``max_blocks`` blocks of ``model`` sharded over all ``world`` ranks:
+    each size's gather and reduce-scatter timed ``calls`` times per ``sample()``; ``fits()`` are
+    the alpha-beta lines through the medians."""
 
     def __init__(self, model: ModelSpec, world: int, device: torch.device, *, dtype: str = "fp32",
                  reduce_dtype: str = "fp32", max_blocks: int = 3, last_arrival: bool = False,
                  calls: int = CALLS_PER_SAMPLE, micro_batch: int = 0,
-                 recompute: Recompute = Recompute.NONE):
+                 recompute: Recompute = Recompute.NONE, prefetch: bool = True):
         self.world = world
         self.last_arrival = last_arrival
         """Keep, per call, the least time over the ranks (``CollectiveSamples.last_arrival``)."""
@@ -79,46 +83,40 @@ class FsdpUnits:
         """Bytes each unit's all-gather fills (unsharded parameters in the compute dtype)."""
         self.grad_sizes: list[float] = []
         """Bytes each unit's reduce-scatter reduces (unsharded gradients in the reduce dtype)."""
-        self.units: list[tuple[FSDPModule, Callable[[], None], Callable[[], None]]] = []
-        """Per unit size: the unit, one timed forward and backward pass of it, and one of the
-        same blocks unsharded (no FSDP2)."""
+        self.pairs: list[UnitPair] = []
+        """Per unit size: the pair of units and the same blocks without FSDP2."""
         for k in range(1, blocks + 1):
             x = torch.randn(micro_batch or 1, model.seq_len if micro_batch else PASS_TOKENS,
                             model.hidden_size, device=device)
             made = []
             for _ in range(2):
-                chunk = build_chunk(model, first, first + k, seed=0, device=device)
-                apply_recompute(chunk, first, (recompute,) * k)
-                made.append(nn.Sequential(*chunk.blocks.values()).to(param_dtype))
-            unit, plain = made
-            numel = sum(p.numel() for p in unit.parameters())
-            fully_shard(unit, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
-            assert isinstance(unit, FSDPModule)
-            unit(x).float().sum().backward()  # type: ignore[operator]  # FSDP2's lazy init
-            for p in unit.parameters():
-                p.grad = None
-            # the timed pass: gradients reduce-scattered, parameters kept gathered (ZeRO-2)
-            unit.set_requires_gradient_sync(True)
-            unit.set_reshard_after_forward(False)
-            unit.set_reshard_after_backward(False)
-            self.units.append((unit, partial(_pass, unit, x),
-                               partial(_pass, plain, x.to(param_dtype))))
+                chunk = build_chunk(model, first, first + 2 * k, seed=0, device=device)
+                apply_recompute(chunk, first, (recompute,) * (2 * k))
+                made.append(list(chunk.blocks.values()))
+            units = [nn.Sequential(*made[0][:k]).to(param_dtype),
+                     nn.Sequential(*made[0][k:]).to(param_dtype)]
+            root = nn.Sequential(*units)
+            for module in (*units, root):
+                fully_shard(module, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+            pair = UnitPair(root, units, nn.Sequential(*made[1]).to(param_dtype), x, prefetch)
+            pair.run(pair.root)  # FSDP2's lazy init
+            self.pairs.append(pair)
+            numel = sum(p.numel() for p in units[0].parameters())
             self.sizes.append(float(numel * torch.finfo(param_dtype).bits // 8))
             self.grad_sizes.append(float(numel * torch.finfo(grad_dtype).bits // 8))
-        self.gather_s: list[list[float]] = [[] for _ in self.units]
-        self.scatter_s: list[list[float]] = [[] for _ in self.units]
+        self.gather_s: list[list[float]] = [[] for _ in self.pairs]
+        self.scatter_s: list[list[float]] = [[] for _ in self.pairs]
 
     def sample(self, *, keep: bool = True, tick: Callable[[], None] | None = None) -> None:
-        """``repeats`` calls of every unit size, each a gather, a pass without FSDP2 and a pass
-        with it, back to back."""
+        """``repeats`` calls of every unit size, each three passes back to back: without
+        FSDP2, with the units kept gathered, with the units resharded (all with gradient sync)."""
         times = []
-        for unit, run, plain in self.units:
+        for pair in self.pairs:
             for _ in range(self.repeats):
-                unit.reshard()  # untimed: the previous call's pass left the unit gathered
-                times.extend(timed(partial(_gather, unit), warmup=0, repeats=1))
-                times.extend(timed(plain, warmup=0, repeats=1))
-                unit.unshard()  # untimed: the pass keeps its parameters gathered
-                times.extend(timed(run, warmup=0, repeats=1))
+                times.extend(timed(partial(pair.run, pair.plain), warmup=0, repeats=1))
+                for keep_gathered in (True, False):
+                    pair.set_up(keep_gathered)
+                    times.extend(timed(partial(pair.run, pair.root), warmup=0, repeats=1))
             if tick is not None:
                 tick()
         if not keep:
@@ -129,9 +127,9 @@ class FsdpUnits:
         it = iter(times)
         for g, s in zip(self.gather_s, self.scatter_s, strict=True):
             for _ in range(self.repeats):
-                gather, plain, synced = next(it), next(it), next(it)
-                s.append(synced - plain)
-                g.append(gather)
+                plain, kept, resharded = next(it), next(it), next(it)
+                s.append((kept - plain) / 2)  # two units, one reduce-scatter each
+                g.append((resharded - kept) / 4)  # two units, a gather each in both passes
 
     def fits(self, window: slice = slice(None)) -> dict[str, dict[str, float]]:
         """``fsdp_all_gather/world`` and ``fsdp_reduce_scatter/world`` -> alpha-beta fits through
@@ -147,16 +145,43 @@ class FsdpUnits:
                     fit_alpha_beta(self.grad_sizes, scatter).as_dict()}
 
 
-def _gather(unit: FSDPModule) -> None:
-    unit.unshard()
-    unit.reshard()
+class UnitPair:
+    """Two FSDP2 units of equal size under a root, as a chunk's blocks run them (the second's
+    gather prefetched in forward, the first's in backward where ``prefetch``), and the same
+    blocks without FSDP2."""
 
+    def __init__(self, root: nn.Module, units: list[nn.Sequential], plain: nn.Module,
+                 x: torch.Tensor, prefetch: bool):
+        self.root = root
+        self.units = units
+        self.plain = plain
+        self.x = x
+        first, second = units
+        for unit in (root, *units):
+            unit.set_requires_gradient_sync(True)  # type: ignore[operator]
+        if prefetch:
+            first.set_modules_to_forward_prefetch([second])  # type: ignore[operator]
+            second.set_modules_to_backward_prefetch([first])  # type: ignore[operator]
+        else:
+            for unit in units:
+                unit.set_modules_to_backward_prefetch([unit])  # type: ignore[operator]
 
-def _pass(unit: nn.Module, x: torch.Tensor) -> None:
-    """One forward and backward of ``unit``; the gradients are dropped."""
-    unit(x).float().sum().backward()  # type: ignore[operator]
-    for p in unit.parameters():  # type: ignore[attr-defined]
-        p.grad = None
+    def set_up(self, keep_gathered: bool) -> None:
+        """Untimed: the units gathered and kept (ZeRO-2), or sharded and resharded after forward
+        and after backward (ZeRO-3)."""
+        for unit in self.units:
+            unit.set_reshard_after_forward(not keep_gathered)  # type: ignore[operator]
+            unit.set_reshard_after_backward(not keep_gathered)  # type: ignore[operator]
+            if keep_gathered:
+                unit.unshard()  # type: ignore[operator]
+            else:
+                unit.reshard()  # type: ignore[operator]
+
+    def run(self, module: nn.Module) -> None:
+        """One forward and backward of ``module``; the gradients are dropped."""
+        module(self.x.to(next(module.parameters()).dtype)).float().sum().backward()
+        for p in module.parameters():
+            p.grad = None
 
 
 def fsdp_unit_fits(model: ModelSpec, world: int, device: torch.device, *, dtype: str = "fp32",

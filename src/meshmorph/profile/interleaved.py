@@ -64,7 +64,8 @@ class PlanPieces:
         self.fsdp = FsdpUnits(model, world, device, dtype=plan.dtype,
                               reduce_dtype=plan.reduce_dtype, max_blocks=FSDP_UNIT_BLOCKS,
                               last_arrival=True, micro_batch=plan.micro_batch,
-                              recompute=block_recompute(model, plan)) if fsdp else None
+                              recompute=block_recompute(model, plan),
+                              prefetch=plan.fsdp_prefetch) if fsdp else None
         self.collectives = CollectiveSamples(list(MESSAGE_BYTES), world, rank, device,
                                              last_arrival=True) if world > 1 else None
         self.schedule = ScheduleOverhead(model, plan, world, rank, device) \

@@ -93,8 +93,9 @@ class FsdpUnits:
                 chunk = build_chunk(model, first, first + 2 * k, seed=0, device=device)
                 apply_recompute(chunk, first, (recompute,) * (2 * k))
                 made.append(list(chunk.blocks.values()))
-            units = [nn.Sequential(*made[0][:k]).to(param_dtype),
-                     nn.Sequential(*made[0][k:]).to(param_dtype)]
+            # fp32 masters, computed in the policy's dtype (as the runtime's FSDP2 units); the
+            # plain blocks hold the compute dtype
+            units = [nn.Sequential(*made[0][:k]), nn.Sequential(*made[0][k:])]
             root = nn.Sequential(*units)
             for module in (*units, root):
                 fully_shard(module, mesh=mesh, reshard_after_forward=True, mp_policy=policy)

@@ -147,7 +147,7 @@ def test_tails_take_every_repeat_of_the_window() -> None:
 
 def test_zero1_tails_take_the_gather_off_before_the_fit() -> None:
     tails = OptimizerTails.__new__(OptimizerTails)
-    tails.counts = [1000.0, 2000.0, 4000.0]
+    tails.counts, tails.repeats = [1000.0, 2000.0, 4000.0], 1
     tails.gathered_bytes = [8000.0, 16000.0, 32000.0]  # 2 ranks: 4 bytes x 2 x shard params
     # update: 1 ms + 1 us per shard parameter; gather: 0.5 ms + 0.1 us per byte
     gather = [5e-4 + 1e-7 * b for b in tails.gathered_bytes]

@@ -50,7 +50,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from meshmorph.profile.alpha_beta import fit_alpha_beta
 from meshmorph.profile.hardware import DTYPES
-from meshmorph.profile.timing import every_rank, median_spread, timed
+from meshmorph.profile.timing import every_rank, median_spread, timed, window_calls
 from meshmorph.run.models import build_chunk
 from meshmorph.run.recompute import apply_recompute
 from meshmorph.spec.model import ModelSpec, Recompute
@@ -135,12 +135,9 @@ class FsdpUnits:
     def fits(self, window: slice = slice(None)) -> dict[str, dict[str, float]]:
         """``fsdp_all_gather/world`` and ``fsdp_reduce_scatter/world`` -> alpha-beta fits through
         the medians of the calls of the kept samples in ``window`` (a slice of sample indices)."""
-        def rows(samples: list[float]) -> list[float]:
-            n = self.repeats
-            picked = range(len(samples) // n)[window]
-            return [t for i in picked for t in samples[i * n:(i + 1) * n]]
-        gather = [median_spread(rows(s))[0] for s in self.gather_s]
-        scatter = [median_spread(rows(s))[0] for s in self.scatter_s]
+        gather = [median_spread(window_calls(s, self.repeats, window))[0] for s in self.gather_s]
+        scatter = [median_spread(window_calls(s, self.repeats, window))[0]
+                   for s in self.scatter_s]
         return {f"fsdp_all_gather/{self.world}": fit_alpha_beta(self.sizes, gather).as_dict(),
                 f"fsdp_reduce_scatter/{self.world}":
                     fit_alpha_beta(self.grad_sizes, scatter).as_dict()}

@@ -14,7 +14,7 @@ from torch import nn
 
 from meshmorph.cost.profile import layer_key
 from meshmorph.profile.hardware import DTYPES
-from meshmorph.profile.timing import every_rank, median_spread, timed
+from meshmorph.profile.timing import every_rank, median_spread, timed, window_calls
 from meshmorph.run.grad_norm import clip_grads_, local_sums_of_squares
 from meshmorph.run.loss import token_cross_entropy
 from meshmorph.run.models import build_chunk
@@ -220,9 +220,7 @@ class OptimizerTails:
         samples in ``window``, never below 0. ``gather_s`` (seconds of an all-gather filling
         so many bytes, as the cost model prices ZeRO-1's parameter gather apart from the tail)
         is taken off each ZeRO-1 chunk's median, so the gather is not counted twice."""
-        n = getattr(self, "repeats", 1)
-        medians = [median_spread([t for i in range(len(s) // n)[window]
-                                  for t in s[i * n:(i + 1) * n]])[0] for s in self.seconds]
+        medians = [median_spread(window_calls(s, self.repeats, window))[0] for s in self.seconds]
         if gather_s is not None:
             medians = [max(med - gather_s(nbytes), 0.0) if nbytes else med
                        for med, nbytes in zip(medians, self.gathered_bytes, strict=True)]

@@ -153,7 +153,8 @@ class UnitPair:
         self.root = root
         self.units = units
         self.plain = plain
-        self.x = x
+        self.inputs = {id(root): x, id(plain): x.to(next(plain.parameters()).dtype)}
+        """Each module's input, cast before any clock (FSDP2 casts the root's itself)."""
         first, second = units
         for unit in (root, *units):
             unit.set_requires_gradient_sync(True)  # type: ignore[operator]
@@ -177,7 +178,7 @@ class UnitPair:
 
     def run(self, module: nn.Module) -> None:
         """One forward and backward of ``module``; the gradients are dropped."""
-        module(self.x.to(next(module.parameters()).dtype)).float().sum().backward()
+        module(self.inputs[id(module)]).float().sum().backward()
         for p in module.parameters():
             p.grad = None
 

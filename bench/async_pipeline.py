@@ -46,7 +46,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "rows.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-               "-m", "meshmorph.run.async_digits", "--modes", *MODES,
+               "-m", "meshmorph.demos.digits", "--modes", *MODES,
                "--seeds", *map(str, args.seeds), "--steps", str(args.steps),
                "--lr", str(args.lr), "--adam-lr", str(args.adam_lr),
                "--adam-steps", str(args.adam_steps), "--out", str(raw)]

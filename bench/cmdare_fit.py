@@ -17,9 +17,9 @@ import json
 import time
 from pathlib import Path
 
-from meshmorph.predict.charts import write_hazard_chart
 from meshmorph.predict.revocation import revocation_report
 from meshmorph.predict.speed_model import fit_report
+from meshmorph.viz.predict_charts import write_hazard_chart
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -47,7 +47,7 @@ from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.estimate import GIB, Estimate
 from meshmorph.cost.model import CostModel
 from meshmorph.run.config import OptimConfig
-from meshmorph.run.engine import TrainEngine, build_engine
+from meshmorph.run.engine.train_engine import TrainEngine, build_engine
 from meshmorph.spec import ModelSpec, gpu, load_model, parse_cluster
 from meshmorph.spec.plan import Plan
 

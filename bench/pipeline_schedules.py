@@ -46,7 +46,7 @@ def _worker(rank: int, world: int, config: dict, out_path: str) -> None:
     from torch import nn
     from torch.distributed.pipelining import PipelineStage
 
-    from meshmorph.run.pipeline import ActionRecorder, action_list_schedule
+    from meshmorph.run.engine.pipeline import ActionRecorder, action_list_schedule
     from meshmorph.schedule.simulator import StageTimes, simulate_schedule
 
     hidden, rows, m = config["hidden"], config["micro_batch"], config["microbatches"]
@@ -145,8 +145,8 @@ def _async_row(rank: int, world: int, config: dict, layout: str, blocks: tuple[i
     from torch import nn
 
     from meshmorph.cost.pipeline import async_steady_step
-    from meshmorph.run.async_config import AsyncPipelineConfig
-    from meshmorph.run.async_pipeline import AsyncPipeline
+    from meshmorph.run.async_pipe.config import AsyncPipelineConfig
+    from meshmorph.run.async_pipe.executor import AsyncPipeline
 
     hidden, rows, m = config["hidden"], config["micro_batch"], config["microbatches"]
     steps = config["warmup"] + config["steps"]

@@ -9,9 +9,9 @@ time from the change (Plan A's ranks agree to move) to the moment every rank of 
 state, beside the bytes each path moves. The in-memory path also reports the MovePlan's bytes
 against the lower bound and a rank-order (Megatron-style) placement, the busiest device's
 bytes, and the predicted move time against the measured wall time: its coefficients are
-measured on the 4 processes right before each in-memory move (``elastic/move_calibrate.py``;
+measured on the 4 processes right before each in-memory move (``elastic/live/move_calibrate.py``;
 every coefficient is a primitive, never a move or an engine build: Plan B's build is priced
-from its counts, ``elastic/build_counts.py``), and the ratio is each repeat's prediction over
+from its counts, ``elastic/moves/build_counts.py``), and the ratio is each repeat's prediction over
 that repeat's wall time, median over repeats. The prediction and the measurement are both
 broken into the move's parts (extract, group, plan, agree, transfer, group_b, build, install:
 the slowest process's lap in each), so the results show which part is off. The three
@@ -76,10 +76,10 @@ def _gather_scatter(me, engine, model, plan_a, plan_b, procs_a, procs_b, small):
     """Every distinct box to process 0, assembled whole there, each new rank's boxes back out."""
     import torch
 
-    from meshmorph.elastic.execute import execute_transfers, is_tensor_key
-    from meshmorph.elastic.layout import layout_of
-    from meshmorph.elastic.local_state import HeldPiece, extract_state, fill_box_
-    from meshmorph.elastic.move_plan import Transfer
+    from meshmorph.elastic.live.execute import execute_transfers, is_tensor_key
+    from meshmorph.elastic.live.local_state import HeldPiece, extract_state, fill_box_
+    from meshmorph.elastic.moves.layout import layout_of
+    from meshmorph.elastic.moves.move_plan import Transfer
 
     la, lb = layout_of(model, plan_a), layout_of(model, plan_b)
     shapes = {k: t.shape for k, t in la.tensors.items()}
@@ -123,12 +123,12 @@ def _one(rank, name, path, out, tmp, time_model):  # type: ignore[no-untyped-def
     import torch
     import torch.distributed as dist
 
-    from meshmorph.elastic.controller import ReshapeRequest, regroup, reshape_in_memory
-    from meshmorph.elastic.execute import merge_pieces
-    from meshmorph.elastic.local_state import extract_state, install_state, state_hashes
+    from meshmorph.elastic.live.controller import ReshapeRequest, regroup, reshape_in_memory
+    from meshmorph.elastic.live.execute import merge_pieces
+    from meshmorph.elastic.live.local_state import extract_state, install_state, state_hashes
     from meshmorph.run.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
     from meshmorph.run.config import OptimConfig
-    from meshmorph.run.engine import build_engine
+    from meshmorph.run.engine.train_engine import build_engine
 
     model, optim = _model(), OptimConfig(lr=1e-3, warmup_steps=1, decay_steps=10)
     kw_a, kw_b, staying, joining = SCENARIOS[name]
@@ -212,8 +212,8 @@ def _one(rank, name, path, out, tmp, time_model):  # type: ignore[no-untyped-def
 def job(rank: int, world_size: int, out_dir: str, repeats: int) -> None:
     import gc
 
-    from meshmorph.elastic.controller import regroup
-    from meshmorph.elastic.move_calibrate import calibrate_move_time
+    from meshmorph.elastic.live.controller import regroup
+    from meshmorph.elastic.live.move_calibrate import calibrate_move_time
 
     tmp = Path(out_dir) / "checkpoints"  # on the same file system as every run folder
     for repeat in range(repeats):
@@ -244,7 +244,7 @@ def _median(values: list[float]) -> float:
 def _parts(runs: list[dict]) -> dict:
     """Per part of the move: the predicted and the measured seconds (the slowest process's lap)
     of each repeat, and their medians."""
-    from meshmorph.elastic.move_time import PARTS
+    from meshmorph.elastic.moves.move_time import PARTS
 
     out = {}
     for part in PARTS:
@@ -308,7 +308,7 @@ def print_table(results: dict, state_mb: float) -> None:
 
 def print_parts(results: dict) -> None:
     """Predicted / measured seconds of each part of the in-memory move (medians)."""
-    from meshmorph.elastic.move_time import PARTS
+    from meshmorph.elastic.moves.move_time import PARTS
 
     print(f"{'part (pred/meas s)':32} " + " ".join(f"{p:>13}" for p in PARTS))
     for name, row in results.items():

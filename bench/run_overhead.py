@@ -62,7 +62,7 @@ def overhead_job(rank: int, world_size: int, steps: int, out: str) -> None:
 
     import torch_baselines
     from meshmorph.run.config import OptimConfig
-    from meshmorph.run.engine import build_engine
+    from meshmorph.run.engine.train_engine import build_engine
     from meshmorph.spec.transformer import TransformerShape, build_transformer
 
     spec = build_transformer(TransformerShape(**OVERHEAD_SHAPE))  # type: ignore[arg-type]
@@ -111,7 +111,7 @@ def matrix_job(rank: int, world_size: int, steps: int, out: str) -> None:
     import torch.distributed as dist
     from test_equivalence import OPTIM, SEED, layouts
 
-    from meshmorph.run.engine import build_engine
+    from meshmorph.run.engine.train_engine import build_engine
 
     results = {}
     for layout in layouts():

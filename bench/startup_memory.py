@@ -47,7 +47,7 @@ def job(rank: int, world_size: int, mode: str, out: str) -> None:
     import torch
 
     from meshmorph.run.config import OptimConfig
-    from meshmorph.run.engine import build_engine
+    from meshmorph.run.engine.train_engine import build_engine
     from meshmorph.spec.plan import Plan
     from meshmorph.spec.transformer import TransformerShape, build_transformer
 
@@ -56,13 +56,13 @@ def job(rank: int, world_size: int, mode: str, out: str) -> None:
                 global_batch=world_size).with_even_stages(spec)
     local_bytes = 0
     if mode == "mesh":
-        from meshmorph.run.mesh import build_mesh
+        from meshmorph.run.parallel.mesh import build_mesh
 
         build_mesh(plan, "cpu")
     if mode in ("meta", "host"):
         if mode == "host":  # the old start-up: every rank builds the whole chunk first
-            import meshmorph.run.engine as engine
-            from meshmorph.run import models
+            import meshmorph.run.engine.train_engine as engine
+            from meshmorph.run.model import decoder as models
 
             def whole_on_host(*args: object, **kwargs: object) -> models.Transformer:
                 kwargs["device"] = "cpu"

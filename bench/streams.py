@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
+from meshmorph.demos.nets import NETS, build_net, example_input
 from meshmorph.streams.assign import assign_streams
 from meshmorph.streams.executor import StreamExecutor
-from meshmorph.streams.nets import NETS, build_net, example_input
 from meshmorph.streams.op_graph import build_op_graph
 
 RESULTS = Path(__file__).parent / "results" / "streams.json"

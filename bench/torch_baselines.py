@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshmorph.run.config import OptimConfig
-from meshmorph.run.loss import token_cross_entropy
-from meshmorph.run.models import build_chunk, build_model
+from meshmorph.run.model.decoder import build_chunk, build_model
+from meshmorph.run.model.loss import token_cross_entropy
 from meshmorph.spec.model import ModelSpec
 
 Step = Callable[[torch.Tensor], float]

@@ -26,7 +26,7 @@ import argparse
 import json
 from pathlib import Path
 
-from meshmorph.predict.validate import ValidateConfig, report, run_validate
+from meshmorph.profile.validate import ValidateConfig, report, run_validate
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshmorph.run.async_config import AsyncPipelineConfig
-from meshmorph.run.async_digits import batch_source, build_stage, digits, feature_shapes
-from meshmorph.run.async_pipeline import AsyncPipeline
+from meshmorph.demos.digits import batch_source, build_stage, digits, feature_shapes
+from meshmorph.run.async_pipe.config import AsyncPipelineConfig
+from meshmorph.run.async_pipe.executor import AsyncPipeline
 
 CONFIGS = {
     "sync": dict(synchronous=True),  # 1F1B with a flush per step: the reference

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from meshmorph.demos.nets import build_net, example_input
 from meshmorph.streams.assign import assign_streams
 from meshmorph.streams.executor import StreamExecutor
-from meshmorph.streams.nets import build_net, example_input
 from meshmorph.streams.op_graph import build_op_graph
 from meshmorph.streams.race import schedule_races, trace_races
 from meshmorph.viz.streams_chart import write_streams_chart

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from meshmorph.run.config import OptimConfig
-from meshmorph.run.models import build_model
+from meshmorph.run.model.decoder import build_model
 from meshmorph.spec.model import ModelSpec
 
 PRECISIONS = ("fp64", "fp32", "bf16", "bf16_params")

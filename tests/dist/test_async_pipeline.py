@@ -23,7 +23,7 @@ def reference(seed: int, batches: int, micro: int, version, momentum: float = 0.
     import torch.nn.functional as F
     from torch.func import functional_call
 
-    from meshmorph.run.async_digits import batch_source, build_stage, digits
+    from meshmorph.demos.digits import batch_source, build_stage, digits
 
     x_tr, y_tr, _, _ = digits()
     stages = [build_stage(k, STAGES, seed) for k in range(STAGES)]
@@ -61,9 +61,9 @@ def async_job(rank: int, world_size: int) -> None:
     import torch
     import torch.nn.functional as F
 
-    from meshmorph.run.async_config import AsyncPipelineConfig
-    from meshmorph.run.async_digits import batch_source, build_stage, digits, feature_shapes
-    from meshmorph.run.async_pipeline import AsyncPipeline
+    from meshmorph.run.async_pipe.config import AsyncPipelineConfig
+    from meshmorph.demos.digits import batch_source, build_stage, digits, feature_shapes
+    from meshmorph.run.async_pipe.executor import AsyncPipeline
 
     x_tr, y_tr, _, _ = digits()
 

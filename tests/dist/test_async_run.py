@@ -16,8 +16,8 @@ from torch.func import functional_call
 
 from meshmorph.run.data import DataShard, SampleOrder
 from meshmorph.run.job import load_job
-from meshmorph.run.loss import token_cross_entropy
-from meshmorph.run.models import build_chunk
+from meshmorph.run.model.loss import token_cross_entropy
+from meshmorph.run.model.decoder import build_chunk
 from meshmorph.run.trainer import make_source
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.plan import Plan
@@ -76,7 +76,7 @@ def test_async_stash_run_logs_the_pipedream_reference_losses(tmp_path: Path) -> 
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(plan.to_json())
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "meshmorph.cli", "run", "--config",
+    done = subprocess.run([sys.executable, "-m", "meshmorph.cli.app", "run", "--config",
                            str(job_path), "--nproc", str(PP), "--plan", str(plan_path), "--out",
                            str(run_dir)], capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout + done.stderr

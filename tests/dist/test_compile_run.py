@@ -30,9 +30,9 @@ def _job(rank: int, world: int, out: str) -> None:
     import torch
     from torch._dynamo.utils import counters
 
-    from meshmorph.run.compile import compile_blocks, resolve_backend
+    from meshmorph.run.parallel.compile import compile_blocks, resolve_backend
     from meshmorph.run.config import OptimConfig
-    from meshmorph.run.engine import build_engine
+    from meshmorph.run.engine.train_engine import build_engine
     from meshmorph.spec.catalog import catalog_model
     from meshmorph.spec.plan import Plan
 

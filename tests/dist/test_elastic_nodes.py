@@ -31,7 +31,7 @@ import pytest
 from tests.dist.test_elastic_torchrun import GLOBAL_BATCH, STEPS, write_job
 from tests.dist.test_run_cli import finish, records
 
-from meshmorph.run.launch import descendants
+from meshmorph.run.launch.launcher import descendants
 from meshmorph.run.trainer import SAMPLE_LOG_ENV
 
 
@@ -46,7 +46,7 @@ def _start_node(k: int, tmp_path: Path, job: Path, plan: Path, endpoint: str, ru
     env = dict(os.environ, MESHMORPH_STORE_ROOT=str(tmp_path / f"memory-node{k}"))
     env[SAMPLE_LOG_ENV] = str(tmp_path / "ids")
     return subprocess.Popen(
-        [sys.executable, "-m", "meshmorph.cli", "run", "--config", str(job), "--nproc", "2",
+        [sys.executable, "-m", "meshmorph.cli.app", "run", "--config", str(job), "--nproc", "2",
          "--plan", str(plan), "--out", str(tmp_path / f"node{k}"), "--elastic", "1:2",
          "--node-rank", str(k), "--rdzv-endpoint", endpoint, "--rdzv-id", run_id],
         text=True, stdout=(tmp_path / f"node{k}.log").open("w"), stderr=subprocess.STDOUT,
@@ -95,7 +95,7 @@ def test_a_lost_node_shrinks_the_job_to_the_survivors_and_it_trains_like_one_pro
     (tmp_path / "ref-ids").mkdir()
     ref_log = tmp_path / "ref.log"
     env = dict(os.environ, **{SAMPLE_LOG_ENV: str(tmp_path / "ref-ids")})
-    ref = subprocess.Popen([sys.executable, "-m", "meshmorph.cli", "run", "--config", str(job),
+    ref = subprocess.Popen([sys.executable, "-m", "meshmorph.cli.app", "run", "--config", str(job),
                             "--nproc", "1", "--out", str(tmp_path / "ref")], text=True,
                            stdout=ref_log.open("w"), stderr=subprocess.STDOUT, env=env,
                            start_new_session=True)

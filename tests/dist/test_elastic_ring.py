@@ -26,9 +26,9 @@ STEPS = 2
 def train(rank: int, world_size: int, out_dir: str, run_id: str) -> None:
     import torch.distributed as dist
 
-    from meshmorph.elastic.elastic_run import ElasticSession
-    from meshmorph.elastic.local_state import extract_state, state_hashes
-    from meshmorph.run.engine import build_engine
+    from meshmorph.elastic.live.elastic_run import ElasticSession
+    from meshmorph.elastic.live.local_state import extract_state, state_hashes
+    from meshmorph.run.engine.train_engine import build_engine
 
     out = Path(out_dir)
     try:
@@ -58,8 +58,8 @@ def train(rank: int, world_size: int, out_dir: str, run_id: str) -> None:
 def survive(rank: int, world_size: int, out_dir: str, run_id: str) -> None:
     import torch.distributed as dist
 
-    from meshmorph.elastic.elastic_run import ElasticSession
-    from meshmorph.elastic.local_state import extract_state, state_hashes
+    from meshmorph.elastic.live.elastic_run import ElasticSession
+    from meshmorph.elastic.live.local_state import extract_state, state_hashes
 
     out = Path(out_dir)
     try:
@@ -86,7 +86,7 @@ def survive(rank: int, world_size: int, out_dir: str, run_id: str) -> None:
 def test_a_lost_node_is_restored_from_its_ring_copy(tmp_path: Path) -> None:
     from spawn import spawn
 
-    from meshmorph.elastic.store import NodeStore
+    from meshmorph.elastic.live.store import NodeStore
 
     torch.set_num_threads(1)
     run_id = f"ring-test-{uuid.uuid4().hex[:8]}"
@@ -154,7 +154,7 @@ def test_a_node_that_lost_its_memory_pulls_its_ring_copy_over_the_network(
     assert set(after["sources"][2]) == {"net-ring-rank2"}
     assert set(after["sources"][3]) == {"net-ring-rank3"}
     # the store was written again under the plan that runs now: node 1 holds its ranks once more
-    from meshmorph.elastic.store import NodeStore
+    from meshmorph.elastic.live.store import NodeStore
 
     node1 = NodeStore(run_id, 1, root=memory1)
     assert node1.steps() == {2: [STEPS], 3: [STEPS]}

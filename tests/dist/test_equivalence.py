@@ -53,7 +53,7 @@ from reference import Deviation, ReferenceRun, deviation, reference_run
 
 from meshmorph.plan.partition_search import stages_of_counts
 from meshmorph.run.config import OptimConfig
-from meshmorph.run.parallelize import uses_fsdp_precision
+from meshmorph.run.parallel.parallelize import uses_fsdp_precision
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.plan import Plan, PlanError, Schedule, StagePlan
@@ -207,7 +207,7 @@ def run_layout(layout: Layout, out: Path, rank: int) -> None:
     """Train one layout on this rank; rank 0 writes losses, first dp/tp ranks write params."""
     from torch.distributed.tensor import DTensor
 
-    from meshmorph.run.engine import build_engine
+    from meshmorph.run.engine.train_engine import build_engine
 
     engine = build_engine(layout.model, layout.plan, OPTIM, seed=SEED, device=torch.device("cpu"))
     share = layout.plan.global_batch // layout.plan.dp
@@ -433,7 +433,7 @@ def test_an_fp32_run_passed_off_as_bf16_is_refused() -> None:
 # --- bad plans are refused before any process group exists ---------------------------------------
 
 def test_degrees_not_multiplying_to_world_size_are_refused() -> None:
-    from meshmorph.run.engine import validate_plan
+    from meshmorph.run.engine.train_engine import validate_plan
 
     gpt = _gpt()
     with pytest.raises(PlanError, match=r"tp 2 x pp 1 x dp 2 = 4 ranks, but the job has 8"):
@@ -441,7 +441,7 @@ def test_degrees_not_multiplying_to_world_size_are_refused() -> None:
 
 
 def test_stages_naming_layers_the_model_lacks_are_refused() -> None:
-    from meshmorph.run.engine import validate_plan
+    from meshmorph.run.engine.train_engine import validate_plan
 
     gpt = _gpt()  # 6 layers: embedding, 4 blocks, head
     n = Recompute.NONE
@@ -453,7 +453,7 @@ def test_stages_naming_layers_the_model_lacks_are_refused() -> None:
 
 
 def test_tp_not_dividing_heads_is_refused() -> None:
-    from meshmorph.run.engine import validate_plan
+    from meshmorph.run.engine.train_engine import validate_plan
 
     odd = build_transformer(TransformerShape(name="gpt-odd", arch="gpt", num_layers=2,
                                              hidden_size=48, num_heads=3, vocab_size=64,
@@ -463,7 +463,7 @@ def test_tp_not_dividing_heads_is_refused() -> None:
 
 
 def test_plan_for_another_sequence_length_is_refused() -> None:
-    from meshmorph.run.engine import validate_plan
+    from meshmorph.run.engine.train_engine import validate_plan
 
     gpt = catalog_model("gpt-tiny")  # seq_len 32
     with pytest.raises(PlanError, match="plan seq_len 16 != model seq_len 32"):
@@ -471,7 +471,7 @@ def test_plan_for_another_sequence_length_is_refused() -> None:
 
 
 def test_build_engine_without_a_process_group_says_how_to_start_one() -> None:
-    from meshmorph.run.engine import build_engine
+    from meshmorph.run.engine.train_engine import build_engine
 
     gpt = _gpt()
     with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):

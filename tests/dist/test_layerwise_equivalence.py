@@ -122,9 +122,9 @@ def batches(model: ModelSpec, plan: Plan) -> list[torch.Tensor]:
 def _train(model: ModelSpec, plan: Plan, out: Path, rank: int) -> None:
     from torch.distributed.tensor import DTensor
 
-    from meshmorph.run import state_line
-    from meshmorph.run.engine import build_engine
-    from meshmorph.run.layerwise_engine import LayerwiseEngine
+    from meshmorph.run.engine import state_line
+    from meshmorph.run.engine.train_engine import build_engine
+    from meshmorph.run.engine.layerwise_engine import LayerwiseEngine
 
     engine = build_engine(model, plan, OPTIM, seed=SEED, device=torch.device("cpu"))
     assert isinstance(engine, LayerwiseEngine)
@@ -169,7 +169,7 @@ def _checkpoint(out: Path, rank: int) -> None:
     """Train the layerwise plan CKPT_STEPS steps, saving after CKPT_AT; load the checkpoint into
     a fresh layerwise engine and into a uniform one (DCP reshards) and train the rest."""
     from meshmorph.run.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
-    from meshmorph.run.engine import build_engine
+    from meshmorph.run.engine.train_engine import build_engine
 
     model, plan = layouts()[CKPT_LAYOUT]
     gen = torch.Generator().manual_seed(99)

@@ -73,7 +73,7 @@ def _global_batches(plan: Plan) -> list[torch.Tensor]:
 def test_meshmorph_run_trains_the_layerwise_example_like_one_device(tmp_path: Path) -> None:
     job, run_dir = tmp_path / "job.toml", tmp_path / "run"
     job.write_text(JOB)
-    done = subprocess.run([sys.executable, "-m", "meshmorph.cli", "run", "--config", str(job),
+    done = subprocess.run([sys.executable, "-m", "meshmorph.cli.app", "run", "--config", str(job),
                            "--plan", str(EXAMPLE), "--nproc", "4", "--out", str(run_dir)],
                           capture_output=True, text=True, timeout=240)
     output = done.stdout + done.stderr
@@ -151,7 +151,7 @@ def test_meshmorph_run_resumes_a_layerwise_checkpoint_and_reshards_it_into_a_uni
     uniform.write_text(json.dumps(ckpt_uniform(model, plan).to_dict()))
 
     def run(plan_file: Path, out: Path, *extra: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "meshmorph.cli", "run", "--config", str(job),
+        done = subprocess.run([sys.executable, "-m", "meshmorph.cli.app", "run", "--config", str(job),
                                "--plan", str(plan_file), "--nproc", "4", "--out", str(out),
                                *extra], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr

@@ -135,9 +135,9 @@ def expectation(model: ModelSpec, plan: Plan) -> Expectation:
 def _train(model: ModelSpec, plan: Plan, out: Path, rank: int) -> None:
     from torch.distributed.tensor import DTensor
 
-    from meshmorph.run import state_line
-    from meshmorph.run.engine import build_engine
-    from meshmorph.run.layerwise_engine import LayerwiseEngine
+    from meshmorph.run.engine import state_line
+    from meshmorph.run.engine.train_engine import build_engine
+    from meshmorph.run.engine.layerwise_engine import LayerwiseEngine
 
     engine = build_engine(model, plan, OPTIM, seed=SEED, device=torch.device("cpu"))
     assert isinstance(engine, LayerwiseEngine)
@@ -210,7 +210,7 @@ def test_schedule_plan_matches_one_device_within_measured_noise(name: str,
 
 
 def _one_device_names(model: ModelSpec) -> list[tuple[str, None]]:
-    from meshmorph.run.models import build_chunk
+    from meshmorph.run.model.decoder import build_chunk
 
     chunk = build_chunk(model, 0, model.num_layers, seed=SEED, device="meta")
     return [(name, None) for name, _ in chunk.named_parameters()]

@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_equivalence import OPTIM, SEED, layouts
 
-from meshmorph.elastic.layout import MOMENTS, RNG_STATE_BYTES, layout_of, param_fqn
+from meshmorph.elastic.moves.layout import MOMENTS, RNG_STATE_BYTES, layout_of, param_fqn
 from meshmorph.spec.plan import Plan
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
@@ -84,8 +84,8 @@ def check_rank(layout: Any, rank: int) -> dict[str, Any]:
     """Build the engine of one matrix layout and compare this rank's shards with Layout."""
     import torch.distributed as dist
 
-    from meshmorph.run.engine import build_engine
-    from meshmorph.run.models import init_value, layer_of
+    from meshmorph.run.engine.train_engine import build_engine
+    from meshmorph.run.model.decoder import init_value, layer_of
 
     start = time.perf_counter()
     spec, plan = layout.model, layout.plan

@@ -1,4 +1,4 @@
-"""The vocabulary-parallel loss (run/loss.py) equals the cross-entropy of whole, unpadded logits.
+"""The vocabulary-parallel loss (run/model/loss.py) equals the cross-entropy of whole, unpadded logits.
 
 On 2 gloo processes, logits of a padded vocabulary (251 real columns of 256) sharded on the
 vocabulary go through ``mask_padded_vocab`` and ``token_cross_entropy`` (torch's loss_parallel);
@@ -30,8 +30,8 @@ def _job(rank: int, world: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from meshmorph.run.comm_count import CommCounter
-    from meshmorph.run.loss import mask_padded_vocab, token_cross_entropy
+    from meshmorph.run.engine.comm_count import CommCounter
+    from meshmorph.run.model.loss import mask_padded_vocab, token_cross_entropy
 
     generator = torch.Generator().manual_seed(3)
     whole = torch.randn(B, S, PADDED, generator=generator, dtype=torch.float64).float()

@@ -60,9 +60,9 @@ def _check_case(name: str, rank: int) -> dict[str, object]:
     from torch.distributed.tensor import DTensor
 
     from meshmorph.run.config import OptimConfig
-    from meshmorph.run.engine import build_engine
-    from meshmorph.run.materialize import _local_box
-    from meshmorph.run.models import build_model
+    from meshmorph.run.engine.train_engine import build_engine
+    from meshmorph.run.model.materialize import _local_box
+    from meshmorph.run.model.decoder import build_model
 
     make, degrees = CASES[name]
     spec = make()
@@ -104,7 +104,7 @@ def _check_case(name: str, rank: int) -> dict[str, object]:
 def job(rank: int, world_size: int, out: str) -> None:
     import gc
 
-    from meshmorph.run import models
+    from meshmorph.run.model import decoder as models
 
     results: dict[str, dict[str, object]] = {}
     for blocks, block_bytes in BLOCK_BYTES.items():

@@ -14,9 +14,9 @@ from test_equivalence import OPTIM, SEED, _gpt, _plan
 
 
 def job(rank: int, world_size: int, out_dir: str) -> None:
-    from meshmorph.elastic.local_state import extract_state, install_state, state_hashes
-    from meshmorph.run.engine import build_engine
-    from meshmorph.run.materialize import state_installed_after
+    from meshmorph.elastic.live.local_state import extract_state, install_state, state_hashes
+    from meshmorph.run.engine.train_engine import build_engine
+    from meshmorph.run.model.materialize import state_installed_after
 
     out = Path(out_dir)
     try:

@@ -1,7 +1,7 @@
 """Reshaping a running job in memory trains to the numbers of one device.
 
 One spawned 4-process gloo job (fp32, gpt-tiny, global batch 8) trains one step under each plan
-of a chain and reshapes in memory between them (``elastic/controller.py``: the MovePlan's
+of a chain and reshapes in memory between them (``elastic/live/controller.py``: the MovePlan's
 transfers point to point, the new engine built on the meta device and filled from the pieces):
 
     dp4 -> dp2 (processes 0 and 1 leave, planned) -> ZeRO-3 dp4 (0 and 1 join) -> tp2 x pp2
@@ -145,9 +145,9 @@ def job(rank: int, world_size: int, out_dir: str) -> None:
     """Spawned on every process: the whole chain, one step per plan, a move between plans."""
     import torch.distributed as dist
 
-    from meshmorph.elastic.controller import ReshapeRequest, reshape_in_memory
-    from meshmorph.elastic.local_state import extract_state, state_hashes
-    from meshmorph.run.engine import build_engine
+    from meshmorph.elastic.live.controller import ReshapeRequest, reshape_in_memory
+    from meshmorph.elastic.live.local_state import extract_state, state_hashes
+    from meshmorph.run.engine.train_engine import build_engine
 
     out = Path(out_dir)
     stages, data = chain(), batches(len(chain()))

@@ -2,7 +2,7 @@
 numbers of one device.
 
 4 gloo processes train gpt-tiny under ZeRO-3 over 4 (fp32, global batch 8); at every step
-boundary each writes its pieces to the node-local store (``/dev/shm``, ``elastic/store.py``).
+boundary each writes its pieces to the node-local store (``/dev/shm``, ``elastic/live/store.py``).
 In step 4, during the forward of its second micro-batch, rank 3 kills itself with SIGKILL. The
 survivors see the collective fail, form a process group of three, ask the planner for a plan of
 three devices with the same global batch, read the state of step 3 from the store (rank 3's
@@ -58,13 +58,13 @@ def _kill_in_second_forward(engine) -> None:  # noqa: ANN001
 def kill_job(rank: int, out: Path, run_id: str) -> None:
     import torch.distributed as dist
 
-    from meshmorph.elastic.controller import regroup, replan
-    from meshmorph.elastic.layout import layout_of
-    from meshmorph.elastic.local_state import extract_state, state_hashes
-    from meshmorph.elastic.move_plan import plan_move
-    from meshmorph.elastic.restore_state import restore_from_store, restore_step
-    from meshmorph.elastic.store import NodeStore
-    from meshmorph.run.engine import build_engine
+    from meshmorph.elastic.live.controller import regroup, replan
+    from meshmorph.elastic.moves.layout import layout_of
+    from meshmorph.elastic.live.local_state import extract_state, state_hashes
+    from meshmorph.elastic.moves.move_plan import plan_move
+    from meshmorph.elastic.live.restore_state import restore_from_store, restore_step
+    from meshmorph.elastic.live.store import NodeStore
+    from meshmorph.run.engine.train_engine import build_engine
 
     gpt, data = _gpt(), batches(STEPS)
     plan = _plan(gpt, dp=4, zero=3, global_batch=GLOBAL_BATCH, num_microbatches=2)
@@ -131,7 +131,7 @@ def _main(rank: int, out: str, run_id: str) -> None:
 
 def run_kill_job(out: Path, timeout_s: float = 200) -> dict[int, int | None]:
     """Start the 4 processes; every one still running at the timeout is killed. Exit codes."""
-    from meshmorph.elastic.store import NodeStore
+    from meshmorph.elastic.live.store import NodeStore
 
     run_id = f"test-kill-{uuid.uuid4().hex[:8]}"
     ctx = mp.get_context("spawn")

@@ -1,6 +1,6 @@
 """An unplanned loss: a rank's process is gone with its ZeRO-3 shards, the survivors rebuild a new
 plan in memory, and the pieces nobody alive holds come from the newest committed checkpoint by a
-partial DCP read of just those pieces (``elastic/checkpoint_pieces.py``).
+partial DCP read of just those pieces (``elastic/live/checkpoint_pieces.py``).
 
 One spawned 4-process gloo job (fp32, gpt-tiny): one step under ZeRO-3 dp4, a checkpoint, then
 process 3 stops taking part (``lost=(3,)``) and processes 0-2 reshape to ZeRO-3 dp2. Every
@@ -25,11 +25,11 @@ GLOBAL_BATCH = 8
 def job(rank: int, world_size: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from meshmorph.elastic.controller import ReshapeRequest, regroup, reshape_in_memory
-    from meshmorph.elastic.layout import layout_of
-    from meshmorph.elastic.local_state import extract_state, state_hashes
+    from meshmorph.elastic.live.controller import ReshapeRequest, regroup, reshape_in_memory
+    from meshmorph.elastic.moves.layout import layout_of
+    from meshmorph.elastic.live.local_state import extract_state, state_hashes
     from meshmorph.run.checkpoint import save_checkpoint
-    from meshmorph.run.engine import build_engine
+    from meshmorph.run.engine.train_engine import build_engine
 
     out = Path(out_dir)
     gpt = _gpt()

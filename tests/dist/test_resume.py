@@ -17,7 +17,7 @@ import pytest
 
 from meshmorph.cli import main as cli_main
 from meshmorph.run.checkpoint import verify_checkpoint
-from meshmorph.run.launch import descendants
+from meshmorph.run.launch.launcher import descendants
 
 STEPS, EVERY = 8, 4
 JOB = f"""
@@ -49,7 +49,7 @@ PP_PLAN = {"model": "gpt-tiny", "seq_len": 32, "global_batch": 8, "pp": 2, "sche
 def run_cli(args: list[str], *, timeout_s: float = 120) -> tuple[int, str]:
     """``meshmorph <args>`` in a subprocess; on a timeout every process it started is killed
     and the test fails showing all output (every rank's lines come through torchrun)."""
-    proc = subprocess.Popen([sys.executable, "-m", "meshmorph.cli", *args], text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "meshmorph.cli.app", *args], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -73,7 +73,7 @@ def _no_process_may_start(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a process was started before the job was refused")
 
-    monkeypatch.setattr("meshmorph.run.launch.subprocess.Popen", refuse)
+    monkeypatch.setattr("meshmorph.run.launch.launcher.subprocess.Popen", refuse)
 
 
 def _kill_after_first_checkpoint(run_dir: Path) -> None:

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from meshmorph.run.checkpoint import scan_checkpoints, verify_checkpoint
-from meshmorph.run.launch import descendants
+from meshmorph.run.launch.launcher import descendants
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "jobs"
 
 
 def start_cli(args: list[str], log: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "meshmorph.cli", *args], text=True,
+    return subprocess.Popen([sys.executable, "-m", "meshmorph.cli.app", *args], text=True,
                             stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from meshmorph.run.checkpoint import scan_checkpoints, verify_checkpoint
-from meshmorph.run.launch import descendants
+from meshmorph.run.launch.launcher import descendants
 
 JOB = """
 [model]
@@ -42,7 +42,7 @@ keep = 3
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "meshmorph.cli", *args], text=True,
+    return subprocess.Popen([sys.executable, "-m", "meshmorph.cli.app", *args], text=True,
                             stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -85,7 +85,7 @@ def ranks_of(proc: subprocess.Popen[str]) -> dict[int, int]:
     found = {}
     for pid in descendants(proc.pid):
         command = _cmdline(pid)  # torchrun's own command line names the trainer too
-        if "meshmorph.run.trainer" not in command or "meshmorph.run.agent" in command:
+        if "meshmorph.run.trainer" not in command or "meshmorph.run.launch.agent" in command:
             continue
         with contextlib.suppress(OSError):
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -95,7 +95,7 @@ def ranks_of(proc: subprocess.Popen[str]) -> dict[int, int]:
 
 
 def agent_of(proc: subprocess.Popen[str]) -> int:
-    return next(pid for pid in descendants(proc.pid) if "meshmorph.run.agent" in _cmdline(pid))
+    return next(pid for pid in descendants(proc.pid) if "meshmorph.run.launch.agent" in _cmdline(pid))
 
 
 def gone_within(pids: list[int], timeout_s: float) -> float:
@@ -204,11 +204,11 @@ def test_a_free_master_port_from_the_environment_is_the_rendezvous_port(tmp_path
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "meshmorph.cli", "run", "--config", str(job),
+    proc = subprocess.Popen([sys.executable, "-m", "meshmorph.cli.app", "run", "--config", str(job),
                              "--nproc", "2", "--out", str(run_dir)], text=True,
                             stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True, env={**os.environ, "MASTER_PORT": str(port)})
-    wait_for(lambda: any("meshmorph.run.agent" in _cmdline(pid)
+    wait_for(lambda: any("meshmorph.run.launch.agent" in _cmdline(pid)
                          for pid in descendants(proc.pid)), proc, log, 60)
     assert f"--rdzv-endpoint localhost:{port}" in _cmdline(agent_of(proc))
     assert finish(proc, log, 120) == 0, log.read_text()
@@ -252,7 +252,7 @@ def test_dp2_checkpoint_resumes_under_pp2_with_reshard_and_tied_head(tmp_path: P
                                 "dtype": "fp32"}))
     base = ["run", "--config", str(job), "--nproc", "2", "--out", str(run_dir), "--plan", str(plan),
             "--resume"]
-    refused = subprocess.run([sys.executable, "-m", "meshmorph.cli", *base], text=True,
+    refused = subprocess.run([sys.executable, "-m", "meshmorph.cli.app", *base], text=True,
                              capture_output=True, timeout=60)
     assert refused.returncode == 2 and "saved under another plan" in refused.stderr
     assert "pass --reshard" in refused.stderr and "Traceback" not in refused.stderr

@@ -31,8 +31,8 @@ def _job(rank: int, world: int, out: str) -> None:
     import torch
 
     from meshmorph.run.config import OptimConfig
-    from meshmorph.run.engine import build_engine
-    from meshmorph.run.pipeline import TRACE_ENV, RunTrace
+    from meshmorph.run.engine.train_engine import build_engine
+    from meshmorph.run.engine.pipeline import TRACE_ENV, RunTrace
     from meshmorph.spec import catalog_model
     from meshmorph.spec.plan import Plan
 

@@ -80,9 +80,9 @@ LAYOUTS: dict[str, Plan] = {
 
 
 def _run_layouts(rank: int, world_size: int, out_dir: str) -> None:
-    from meshmorph.run.engine import build_engine
+    from meshmorph.run.engine.train_engine import build_engine
     from meshmorph.run.metrics import MetricsLogger
-    from meshmorph.run.state_line import write_state_line
+    from meshmorph.run.engine.state_line import write_state_line
 
     for name, plan in LAYOUTS.items():
         model = _model(plan.model)

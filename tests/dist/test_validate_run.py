@@ -15,7 +15,7 @@ import pytest
 
 
 def _cli(args: list[str], timeout_s: float) -> str:
-    done = subprocess.run([sys.executable, "-m", "meshmorph.cli", *args], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "meshmorph.cli.app", *args], capture_output=True,
                           text=True, timeout=timeout_s)
     assert done.returncode == 0, f"meshmorph {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout

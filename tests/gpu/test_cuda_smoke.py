@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from meshmorph.run.loss import token_cross_entropy
-from meshmorph.run.models import build_model
+from meshmorph.run.model.decoder import build_model
+from meshmorph.run.model.loss import token_cross_entropy
 from meshmorph.spec.catalog import catalog_model
 
 pytestmark = [

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+from meshmorph.demos.nets import NETS, build_net, example_input
 from meshmorph.streams.assign import assign_streams
 from meshmorph.streams.cuda_graph import CudaStreamRunner, ModuleGraph, StreamGraph
-from meshmorph.streams.nets import NETS, build_net, example_input
 from meshmorph.streams.op_graph import build_op_graph
 from meshmorph.streams.overlap import trace_overlap
 

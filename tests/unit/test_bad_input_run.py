@@ -17,8 +17,8 @@ from meshmorph.cli import main as cli_main
 from meshmorph.run.checkpoint import MANIFEST, commit_checkpoint
 from meshmorph.run.fingerprint import run_fingerprint
 from meshmorph.run.job import load_job
-from meshmorph.run.launch import default_plan
-from meshmorph.run.run_folder import RunLock
+from meshmorph.run.launch.launcher import default_plan
+from meshmorph.run.launch.run_folder import RunLock
 from meshmorph.spec.catalog import load_model
 
 JOB = """

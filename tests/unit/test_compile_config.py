@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshmorph.run import compile as run_compile
 from meshmorph.run.job import parse_job
+from meshmorph.run.parallel import compile as run_compile
 
 BASE = {"model": {"source": "gpt-tiny", "seq_len": 16}, "train": {"steps": 1, "global_batch": 2}}
 

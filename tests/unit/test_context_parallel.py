@@ -12,7 +12,7 @@ from meshmorph.cost.context_parallel import kv_bytes, ring_step_flops, ring_time
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.rank_state import predict_rank_state
 from meshmorph.cost.rank_terms import head_loss_bytes, ring_buffer_bytes
-from meshmorph.elastic.layout import layout_of
+from meshmorph.elastic.moves.layout import layout_of
 from meshmorph.plan.search import search
 from meshmorph.plan.space import SearchOptions, configurations
 from meshmorph.spec.catalog import catalog_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshmorph.run.launch import ElasticNode, parse_node
+from meshmorph.run.launch.launcher import ElasticNode, parse_node
 from meshmorph.spec.plan import Plan
 
 PLAN4 = Plan(model="gpt-tiny", seq_len=32, global_batch=8, dp=4, micro_batch=2,
@@ -38,7 +38,7 @@ def test_a_node_that_cannot_join_is_refused_naming_the_fix(args: tuple, says: st
 def test_node_0_hosts_the_rendezvous_and_every_node_shares_its_id() -> None:
     from pathlib import Path
 
-    from meshmorph.run.launch import PreparedRun, elastic_args
+    from meshmorph.run.launch.launcher import PreparedRun, elastic_args
 
     def args_of(k: int) -> list[str]:
         run = PreparedRun(job_path=Path("job.toml"), job=None, model=None, plan=PLAN4,  # type: ignore[arg-type]

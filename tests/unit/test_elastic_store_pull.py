@@ -3,8 +3,8 @@ a worker must pull from another node (the pure half of ``store_pull`` and ``rest
 
 from __future__ import annotations
 
-from meshmorph.elastic.restore_state import old_ranks_read
-from meshmorph.elastic.store_pull import Inventory, claim_old_ranks, common_step
+from meshmorph.elastic.live.restore_state import old_ranks_read
+from meshmorph.elastic.live.store_pull import Inventory, claim_old_ranks, common_step
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.plan import Plan
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from meshmorph.run.grad_norm import (
+from meshmorph.run.engine.grad_norm import (
     CLASSES,
     clip_grads_,
     global_grad_norm,

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from meshmorph.cost.profile import Profile, layer_key
-from meshmorph.predict.validate import candidate_plans, predict, predict_between_steps
 from meshmorph.profile.hardware import CollectiveSamples
 from meshmorph.profile.interleaved import PlanPieces
 from meshmorph.profile.layers import LayerPasses, OptimizerTails
+from meshmorph.profile.validate import candidate_plans, predict, predict_between_steps
 from meshmorph.spec.catalog import catalog_model
 
 MODEL = catalog_model("gpt-small", 16)

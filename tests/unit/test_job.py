@@ -104,7 +104,7 @@ def test_example_job_files_load_and_their_data_exists(name: str) -> None:
 
 
 def test_demo_job_is_a_valid_job_file(tmp_path: Path) -> None:
-    from meshmorph.run.demo import _JOB, DEMO_GLOBAL_BATCH, DEMO_MODEL
+    from meshmorph.cli.demo import _JOB, DEMO_GLOBAL_BATCH, DEMO_MODEL
 
     path = _write(tmp_path, _JOB.format(model=DEMO_MODEL, seq_len=64, steps=50,
                                         global_batch=DEMO_GLOBAL_BATCH, out_dir="runs/demo"))

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from meshmorph.elastic.box import Box
-from meshmorph.elastic.layout import RNG_STATE_BYTES, Layout, layout_of
+from meshmorph.elastic.moves.box import Box
+from meshmorph.elastic.moves.layout import RNG_STATE_BYTES, Layout, layout_of
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan, PlanError, Schedule
@@ -135,7 +135,7 @@ def test_small_state_sits_on_every_rank_and_rng_on_its_own() -> None:
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
 def test_param_keys_and_shapes_are_the_one_device_models(name: str) -> None:
     torch = pytest.importorskip("torch")
-    from meshmorph.run.models import build_model
+    from meshmorph.run.model.decoder import build_model
 
     model = catalog_model(name, seq_len=16)
     with torch.device("meta"):

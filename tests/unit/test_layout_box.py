@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshmorph.elastic.box import Box
-from meshmorph.elastic.box_cells import cover
+from meshmorph.elastic.moves.box import Box
+from meshmorph.elastic.moves.box_cells import cover
 
 SHAPE = (7, 5)
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from meshmorph.run.loss_scale import LossScaler
+from meshmorph.run.engine.loss_scale import LossScaler
 
 
 def test_an_infinite_norm_skips_the_step_and_halves_the_scale() -> None:

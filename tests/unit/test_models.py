@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshmorph.run import models
-from meshmorph.run.models import build_chunk, build_model
-from meshmorph.run.recompute import apply_recompute
+from meshmorph.run.model import decoder as models
+from meshmorph.run.model.decoder import build_chunk, build_model
+from meshmorph.run.parallel.recompute import apply_recompute
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.transformer import TransformerShape, build_transformer
@@ -158,7 +158,7 @@ def test_padded_vocabulary_leaves_logits_loss_and_real_gradients_unchanged() -> 
     BLAS may block a 256-long sum differently from a 251-long one, so the check runs in float64,
     where that re-association moves a gradient by ~1e-16 relative while any real change (a pad
     logit leaking into the softmax, a pad row read) moves it by far more than 1e-12."""
-    from meshmorph.run.loss import token_cross_entropy
+    from meshmorph.run.model.loss import token_cross_entropy
 
     tokens = torch.randint(0, 251, (2, 9), generator=torch.Generator().manual_seed(0))
     grads, losses = [], []
@@ -186,7 +186,7 @@ def test_padded_vocabulary_rows_start_at_zero() -> None:
 
 
 def test_meta_chunk_allocates_nothing_until_materialized() -> None:
-    from meshmorph.run.materialize import materialize_
+    from meshmorph.run.model.materialize import materialize_
 
     spec = catalog_model("llama-tiny")
     chunk = build_chunk(spec, 3, spec.num_layers, seed=9, device="meta")
@@ -204,7 +204,7 @@ def test_tied_head_copy_on_a_later_chunk_starts_as_the_embedding() -> None:
     spec = catalog_model("gpt-tiny")
     first = build_chunk(spec, 0, 2, seed=3)
     last = build_chunk(spec, 2, spec.num_layers, seed=3, device="meta")
-    from meshmorph.run.materialize import materialize_
+    from meshmorph.run.model.materialize import materialize_
 
     materialize_(last, spec, seed=3, device="cpu")
     assert torch.equal(last.head.out.weight, first.embed.tok.weight)

@@ -1,4 +1,4 @@
-"""What a rank of a plan builds (``elastic/build_counts.py``) against the modules the runtime
+"""What a rank of a plan builds (``elastic/moves/build_counts.py``) against the modules the runtime
 builds on the meta device and the bytes the Layout allocates; and the move time's build,
 install and parts priced from those counts (hand-computed)."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from test_layout import plan_for
 
-from meshmorph.elastic.build_counts import build_counts
-from meshmorph.elastic.layout import layout_of
-from meshmorph.elastic.move_plan import plan_move
-from meshmorph.elastic.move_time import PARTS, MoveTimeModel, move_time
+from meshmorph.elastic.moves.build_counts import build_counts
+from meshmorph.elastic.moves.layout import layout_of
+from meshmorph.elastic.moves.move_plan import plan_move
+from meshmorph.elastic.moves.move_time import PARTS, MoveTimeModel, move_time
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.cluster import parse_cluster
 
@@ -23,7 +23,7 @@ PLANS = [dict(dp=4, zero=3, global_batch=8, num_microbatches=2),
 
 @pytest.mark.parametrize("kw", PLANS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
 def test_counts_match_the_meta_modules_and_the_layout(kw: dict) -> None:
-    from meshmorph.run.models import build_chunk
+    from meshmorph.run.model.decoder import build_chunk
 
     model = catalog_model("gpt-tiny", seq_len=16)
     plan = plan_for(model, **kw)

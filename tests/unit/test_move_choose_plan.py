@@ -1,5 +1,5 @@
-"""Choosing the next plan knowing the move (elastic/choose_plan.py), and the measured terms of
-the predicted move time (elastic/move_time.py), against hand-computed figures."""
+"""Choosing the next plan knowing the move (elastic/moves/choose_plan.py), and the measured terms of
+the predicted move time (elastic/moves/move_time.py), against hand-computed figures."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import math
 import pytest
 from test_layout import plan_for
 
-from meshmorph.elastic.choose_plan import rank_choices
-from meshmorph.elastic.layout import layout_of
-from meshmorph.elastic.local_state import ReshapeError
-from meshmorph.elastic.move_plan import plan_move
-from meshmorph.elastic.move_time import MoveTimeModel, move_time
+from meshmorph.elastic.live.local_state import ReshapeError
+from meshmorph.elastic.moves.choose_plan import rank_choices
+from meshmorph.elastic.moves.layout import layout_of
+from meshmorph.elastic.moves.move_plan import plan_move
+from meshmorph.elastic.moves.move_time import MoveTimeModel, move_time
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.cluster import parse_cluster
 
@@ -85,7 +85,7 @@ def test_no_candidate_is_refused() -> None:
 def test_the_surviving_ranks_need_not_be_the_first_ones() -> None:
     """A lost node whose ranks came first (old ranks 0 and 1): the survivors are 2 and 3, and the
     move is priced on a cluster that has their device numbers."""
-    from meshmorph.elastic.choose_plan import choose_plan
+    from meshmorph.elastic.moves.choose_plan import choose_plan
     from meshmorph.spec.catalog import load_model
     from meshmorph.spec.plan import Plan
 

@@ -11,9 +11,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_layout import plan_for
 
-from meshmorph.elastic.layout import DTYPE_BYTES, Layout, layout_of
-from meshmorph.elastic.move_plan import FROM_CHECKPOINT, MovePlan, plan_move
-from meshmorph.elastic.placement import ReshapeError
+from meshmorph.elastic.moves.layout import DTYPE_BYTES, Layout, layout_of
+from meshmorph.elastic.moves.move_plan import FROM_CHECKPOINT, MovePlan, plan_move
+from meshmorph.elastic.moves.placement import ReshapeError
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan, PlanError, Schedule

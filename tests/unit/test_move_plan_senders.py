@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from test_layout import plan_for
 from test_move_plan import reshapes
 
-from meshmorph.elastic.layout import Layout, layout_of
-from meshmorph.elastic.move_plan import plan_move
+from meshmorph.elastic.moves.layout import Layout, layout_of
+from meshmorph.elastic.moves.move_plan import plan_move
 from meshmorph.spec.catalog import catalog_model
 
 

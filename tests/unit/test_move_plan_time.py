@@ -7,9 +7,9 @@ import pytest
 from test_layout import plan_for
 
 from meshmorph.cost.coefficients import CostCoefficients
-from meshmorph.elastic.layout import layout_of
-from meshmorph.elastic.move_plan import plan_move
-from meshmorph.elastic.move_time import MoveTimeModel, move_time, node_of, predict_move_time_s
+from meshmorph.elastic.moves.layout import layout_of
+from meshmorph.elastic.moves.move_plan import plan_move
+from meshmorph.elastic.moves.move_time import MoveTimeModel, move_time, node_of, predict_move_time_s
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.cluster import parse_cluster
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshmorph.run.engine import defers_grad_reduce, validate_plan
+from meshmorph.run.engine.train_engine import defers_grad_reduce, validate_plan
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.plan import Plan, PlanError
 

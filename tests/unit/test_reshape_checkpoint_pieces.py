@@ -10,9 +10,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from meshmorph.elastic.box import Box
-from meshmorph.elastic.checkpoint_pieces import checkpoint_key, read_pieces
-from meshmorph.elastic.local_state import ReshapeError
+from meshmorph.elastic.live.checkpoint_pieces import checkpoint_key, read_pieces
+from meshmorph.elastic.live.local_state import ReshapeError
+from meshmorph.elastic.moves.box import Box
 
 
 def _save(path: Path) -> dict[str, torch.Tensor]:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from meshmorph.cli import main
-from meshmorph.elastic.layout import layout_of
-from meshmorph.elastic.move_plan import plan_move
-from meshmorph.elastic.move_time import predict_move_time_s
+from meshmorph.elastic.moves.layout import layout_of
+from meshmorph.elastic.moves.move_plan import plan_move
+from meshmorph.elastic.moves.move_time import predict_move_time_s
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.plan import Plan
@@ -90,7 +90,7 @@ def test_a_target_that_does_not_fit_memory_is_refused_before_anything_moves(
 
 def test_a_profile_prices_the_move_with_its_measured_point_to_point_fit(tmp_path: Path) -> None:
     from meshmorph.cost.profile import Profile
-    from meshmorph.elastic.move_time import MoveTimeModel
+    from meshmorph.elastic.moves.move_time import MoveTimeModel
 
     profile = tmp_path / "profile.json"
     Profile(collectives={"send_recv/2": {"alpha_s": 1e-3, "beta_s_per_byte": 1e-9, "r2": 1.0}}

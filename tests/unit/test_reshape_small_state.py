@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from meshmorph.elastic.local_state import _install_by_state_dict, extract_state, install_state
-from meshmorph.run.loss_scale import LossScaler
+from meshmorph.elastic.live.local_state import _install_by_state_dict, extract_state, install_state
+from meshmorph.run.engine.loss_scale import LossScaler
 
 
 @dataclass

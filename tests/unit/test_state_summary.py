@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshmorph.run.state_line import state_summary
+from meshmorph.run.engine.state_line import state_summary
 
 
 def _record(rank: int, params: int, sent: int, predicted_sent: int) -> dict[str, object]:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshmorph.elastic.local_state import HeldPiece, LocalState, SmallState
-from meshmorph.elastic.store import (
+from meshmorph.elastic.live.local_state import HeldPiece, LocalState, SmallState
+from meshmorph.elastic.live.store import (
     NodeStore,
     from_bytes,
     ring_interval_steps,

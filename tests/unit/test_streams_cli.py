@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshmorph.cli import main
-from meshmorph.streams.cli import CATALOG_NETS
+from meshmorph.cli.streams import CATALOG_NETS
 from meshmorph.streams.overlap import kernel_overlap
 
 FACTORY = '''
@@ -33,11 +33,11 @@ def build():
 
 
 def test_streams_subcommand_registers_without_importing_torch() -> None:
-    code = ("import argparse, sys; from meshmorph.streams.cli import register; "
+    code = ("import argparse, sys; from meshmorph.cli.streams import register; "
             "register(argparse.ArgumentParser().add_subparsers()); print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
-    from meshmorph.streams.nets import NETS
+    from meshmorph.demos.nets import NETS
 
     assert tuple(NETS) == CATALOG_NETS
 

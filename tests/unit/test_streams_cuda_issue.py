@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from meshmorph.demos.nets import build_net, example_input
 from meshmorph.streams import cuda_graph
 from meshmorph.streams.assign import assign_streams
-from meshmorph.streams.nets import build_net, example_input
 from meshmorph.streams.op_graph import build_op_graph
 from meshmorph.streams.race import TraceEvent, trace_races
 

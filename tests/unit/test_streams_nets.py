@@ -9,9 +9,9 @@ import networkx as nx
 import pytest
 import torch
 
+from meshmorph.demos.nets import NETS, build_net, example_input
 from meshmorph.streams.assign import StreamAssignment, assign_streams
 from meshmorph.streams.executor import ScheduleError, StreamExecutor, run_schedule
-from meshmorph.streams.nets import NETS, build_net, example_input
 from meshmorph.streams.op_graph import OpGraph, build_op_graph
 from meshmorph.streams.race import schedule_races, trace_races
 

@@ -6,14 +6,14 @@ import pytest
 
 from meshmorph.cost.profile import Profile, layer_key
 from meshmorph.predict.accuracy import kendall_tau, mape
-from meshmorph.predict.validate import (
+from meshmorph.profile.schedule_overhead import measures
+from meshmorph.profile.validate import (
     candidate_plans,
     phase_medians,
     plan_name,
     predict,
     spanning_plans,
 )
-from meshmorph.profile.schedule_overhead import measures
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import Recompute
 from meshmorph.spec.plan import Schedule

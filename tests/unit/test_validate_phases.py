@@ -1,4 +1,4 @@
-"""validate's phase clocks (predict/validate_phases.py) on a stand-in engine whose forward,
+"""validate's phase clocks (profile/validate_phases.py) on a stand-in engine whose forward,
 backward, reduction wait, optimizer and tail take known sleeps."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from meshmorph.predict.validate_phases import PHASES, StepPhases
+from meshmorph.profile.validate_phases import PHASES, StepPhases
 
 # every sleep at least 0.1 s: a phase that took another's sleep would be over by >= 0.1 s, far
 # beyond what a loaded machine's scheduler adds to one sleep

@@ -8,9 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from meshmorph.run.async_config import AsyncPipelineConfig
-from meshmorph.run.async_prediction import PredictionGuard, predict
-from meshmorph.run.async_schedule import (
+from meshmorph.run.async_pipe.actions import (
     Action,
     async_1f1b,
     drain_point,
@@ -18,7 +16,9 @@ from meshmorph.run.async_schedule import (
     sync_1f1b,
     two_bw,
 )
-from meshmorph.run.async_weights import WeightSource
+from meshmorph.run.async_pipe.config import AsyncPipelineConfig
+from meshmorph.run.async_pipe.prediction import PredictionGuard, predict
+from meshmorph.run.async_pipe.weights import WeightSource
 from meshmorph.spec.plan import Plan, PlanError, Schedule
 
 

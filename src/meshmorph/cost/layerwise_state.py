@@ -1,6 +1,6 @@
 """What one rank of a layerwise plan holds at the end of backward and sends in one step, in
 bytes: the prediction the run's ``state`` line puts beside its measurement for plans whose
-stage lists ``layer_strategies`` (run/layerwise_engine.py runs them). A rank holding several
+stage lists ``layer_strategies`` (run/engine/layerwise_engine.py runs them). A rank holding several
 chunks (interleaved, zbv, dualpipev) holds and sends the sum of its chunks' figures.
 
 Each layer i runs under its own (tp_i, dp_i, ZeRO_i) on the stage's D ranks (tp innermost: rank
@@ -19,12 +19,12 @@ compute dtype's bytes):
   the one summed all-reduce of a ZeRO 0/1 layer's gradients in ``reduce_dtype``, ZeRO-1's
   parameter all-gather, FSDP2's gathers and reduce-scatters of padded shards (a ZeRO-2 layer
   under a split-backward schedule, zb/zbv/dualpipev, reduce-scatters once per step:
-  run/layerwise_pipeline.py, the pp > 1 row);
+  run/engine/layerwise_pipeline.py, the pp > 1 row);
 - sent by its tensor-parallel group per micro-batch of ``b = B / dp_i`` sequences (B = plan dp x
   micro_batch): the uniform layout's all-reduces of ``b s h`` (row-parallel outputs, replayed
   under full recompute; column-parallel input gradients; the vocabulary-parallel embedding's
   output and the head's input gradient) and the head's all-gather of ``b s V / tp_i`` logits;
-- between neighbours whose tp differs, per micro-batch (run/layerwise_redistribute.py): the
+- between neighbours whose tp differs, per micro-batch (run/parallel/layerwise_redistribute.py): the
   forward all-gather input ``(B / dp_a) s h`` when tp grows, the backward all-gather of the
   gradient ``(B / dp_b) s h`` when it shrinks, in the residual stream's dtype there (fp32 from
   the embedding under autocast, 16-bit from the first layer FSDP2's mixed precision casts on:
@@ -54,7 +54,7 @@ from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
 from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, LayerStrategy, Plan, PlanError
 
 NORM_BYTES = 8
-"""run/layerwise_grads.py: one float64 sum of squares, all-reduced over the stage."""
+"""run/engine/layerwise_grads.py: one float64 sum of squares, all-reduced over the stage."""
 TOKEN_BYTES = 8
 """A token id (int64)."""
 
@@ -66,7 +66,7 @@ def _casts(plan: Plan, strategy: LayerStrategy) -> bool:
 
 
 def _boundary_bytes(plan: Plan) -> float:
-    """Bytes per element of the hidden state between pipeline stages (run/pipeline.py's
+    """Bytes per element of the hidden state between pipeline stages (run/engine/pipeline.py's
     ``io_dtypes``: the compute dtype under the plan's FSDP2 mixed precision, else fp32)."""
     if plan.dtype != "fp32" and plan.dp > 1 and plan.zero >= 2:
         return compute_bytes(plan.dtype)
@@ -160,7 +160,7 @@ def predict_layerwise_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dic
             if kind == LayerKind.EMBEDDING and vocab_split(model, t) and (d == 1 or sp) \
                     and not fsdp:  # FSDP2's reduce-scatter replaces the unsharded gradient
                 grads += GRAD * tensors[0].local_numel(t)  # torch's double-size local gradient
-            # a split backward reduces ZeRO-2 once per step (run/layerwise_pipeline.py)
+            # a split backward reduces ZeRO-2 once per step (run/engine/layerwise_pipeline.py)
             add_data_parallel_comm(comm, plan, zero=zero, dp=d,
                                    pp=plan.pp if split and zero == 2 else 1, whole=whole,
                                    padded=padded)

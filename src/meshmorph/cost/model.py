@@ -260,7 +260,7 @@ class CostModel:
         terms = rank_memory_terms(self, plan, pp_rank, gpu)
         params = stored = working = biggest = 0.0
         # a tied head in a chunk of its own (the V's rank 0 holds chunks 0 and 2pp - 1) is a
-        # second parameter the runtime holds, reduces and updates (run/engine.py sums the two
+        # second parameter the runtime holds, reduces and updates (run/engine/train_engine.py sums the two
         # gradients); chunk_params drops it only where one chunk holds both ends
         for start, stop, recompute in chunks:
             params += self.chunk_params(start, stop, plan.tp)
@@ -335,7 +335,7 @@ class CostModel:
 
     def tied_embedding_sync_s(self, plan: Plan, pp_rank: int, gpu: GPUSpec) -> float:
         """The all-reduce that sums a tied embedding's gradient over the two pipeline ranks
-        holding the embedding and the head (Megatron's embedding group; run/engine.py's tied
+        holding the embedding and the head (Megatron's embedding group; run/engine/train_engine.py's tied
         group), after the last backward and before the optimizer: V h / t gradients in the
         plan's reduce dtype (a 1/dp shard under FSDP2); 0 on the other ranks, without a
         pipeline, or where one rank holds both (the V schedules)."""

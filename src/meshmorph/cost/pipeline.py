@@ -127,7 +127,7 @@ def async_steady_step(p: int, m: int, fwd_s: Sequence[float], bwd_s: Sequence[fl
 def weight_copies(schedule: Schedule, weight_prediction: str, pp: int, pp_rank: int,
                   m: int) -> int:
     """Copies of a rank's weights held beside the weights themselves under asynchronous
-    pipelining, as ``run/async_weights.py`` keeps them: ``stash``, ``sgd`` and ``adam`` take one
+    pipelining, as ``run/async_pipe/weights.py`` keeps them: ``stash``, ``sgd`` and ``adam`` take one
     copy per forward (the stashed or predicted weights) that its backward still reads, so one
     per micro-batch in flight (PipeDream's count: ``pp - pp_rank`` under 1F1B, at most ``m``);
     ``2bw`` one per weight version, two at most; ``none`` computes on the weights themselves."""

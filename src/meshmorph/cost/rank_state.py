@@ -1,5 +1,5 @@
 """What one rank of a Plan holds at the end of backward and sends in one step, in bytes: the
-prediction the run's ``state`` line puts beside its measurement (run/state_line.py).
+prediction the run's ``state`` line puts beside its measurement (run/engine/state_line.py).
 
 Held (end of backward, before the optimizer step), per distinct tensor the rank allocates
 (cost/tensor_shapes.py; ``r`` its tensor-parallel-local dim-0 rows, ``k`` the rest of its
@@ -12,14 +12,14 @@ elements, ``d`` = dp, ``c`` the compute dtype's bytes; cost/state.py for the tab
   (``4 ceil(r/d) k`` each), plus for ZeRO-2 without pipeline parallelism the unsharded copy
   ``c ceil(r/d) d k``; moments ``8 r_i k`` (unpadded local shard).
 
-Sent per step (run/comm_count.py: each collective's input buffer on this rank; a receive sends
+Sent per step (run/engine/comm_count.py: each collective's input buffer on this rank; a receive sends
 nothing), ``m`` micro-batches of ``b`` sequences of ``s`` tokens:
 
 - data parallel: cost/state.py's traffic (``data_parallel_traffic``) applied to padded shards;
 - the tied embedding's gradient, summed over the first and last pipeline ranks (its local, and
   under FSDP2 sharded, gradient) where they are two ranks (under a V both copies sit on rank 0,
   in chunks 0 and 2pp - 1, and are summed there without a collective);
-- tensor parallel activations per micro-batch (DTensor as run/parallelize.py lays it out):
+- tensor parallel activations per micro-batch (DTensor as run/parallel/parallelize.py lays it out):
   without sequence parallelism, an all-reduce of ``b s h`` after the vocabulary-parallel
   embedding and after each row-parallel layer (2 per block) in forward, one per column-parallel
   layer's input gradient in backward (q, k, v and the first MLP projection(s)), one for the
@@ -53,16 +53,16 @@ from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
 from meshmorph.spec.plan import Plan
 
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "broadcast")
-"""Kinds of collectives in ``comm_bytes`` (run/comm_count.py counts the same)."""
+"""Kinds of collectives in ``comm_bytes`` (run/engine/comm_count.py counts the same)."""
 MASTER, GRAD, MOMENTS = 4, 4, 8
 """Bytes per element of fp32 parameters, fp32 gradients, and AdamW's two fp32 moments."""
 LOSS_BYTES = 8
 """The step's loss, one float64 all-reduce over every rank."""
 NORM_CLASS_BYTES = 32
-"""run/grad_norm.py: a float64 [4] vector of per-placement-class sums, all-reduced over dp when
+"""run/engine/grad_norm.py: a float64 [4] vector of per-placement-class sums, all-reduced over dp when
 the rank holds dp-sharded gradients (FSDP2) and over tp when it holds tp-split ones."""
 NORM_PP_BYTES = 8
-"""run/grad_norm.py: the float64 norm, all-reduced over pp when pp > 1."""
+"""run/engine/grad_norm.py: the float64 norm, all-reduced over pp when pp > 1."""
 HANDSHAKE_BYTES = 4
 """torch pipelining's first-step neighbour check: one float32 per neighbouring stage."""
 LOSS_PARALLEL_REDUCTIONS = 3
@@ -237,7 +237,7 @@ def _activation_traffic(model: ModelSpec, plan: Plan, chunk_ids: list[int]) -> d
                 # column-parallel input gradients, in the dtype of the input
                 out["all_reduce"] += (3 + up) * m * bsh * hidden_b
             else:  # head
-                if split:  # loss_parallel (run/loss.py): max, sum of exponentials, target logit
+                if split:  # loss_parallel (run/model/loss.py): max, sum of exponentials, target logit
                     out["all_reduce"] += m * LOSS_PARALLEL_REDUCTIONS * b * s * 4
                     if sp:
                         out["all_gather"] += m * bsh // t * hidden_b
@@ -260,7 +260,7 @@ def _tp_activation_bytes(plan: Plan) -> float:
 
 def _hidden_bytes(plan: Plan) -> float:
     """Bytes per element of the residual stream (the hidden state between pipeline stages,
-    run/pipeline.py, and the inputs of tensor-parallel regions): fp32 under autocast, the
+    run/engine/pipeline.py, and the inputs of tensor-parallel regions): fp32 under autocast, the
     compute dtype under FSDP2's mixed precision."""
     if plan.dtype == "fp32":
         return 4.0

@@ -1,5 +1,5 @@
 """The parameter tensors of each layer of a gpt/llama decoder, with how tensor parallelism splits
-them: what the runtime allocates (run/models.py), as pure Python, so the cost model can predict
+them: what the runtime allocates (run/model/decoder.py), as pure Python, so the cost model can predict
 byte-exact sharded and padded sizes (FSDP2 and ZeRO-1 shard every tensor by dim 0).
 """
 
@@ -79,7 +79,7 @@ def layer_tensors(model: ModelSpec, index: int, tp: int) -> list[ParamTensor]:
 def rank_tensors(model: ModelSpec, ranges: list[tuple[int, int]], tp: int) -> list[ParamTensor]:
     """Every distinct parameter tensor a rank holding the layer ``ranges`` (one per model chunk)
     allocates. A tied head weight is the embedding's when both are in one chunk; in two chunks
-    of one rank (the V schedules' rank 0) the head keeps its own copy (run/engine.py sums the
+    of one rank (the V schedules' rank 0) the head keeps its own copy (run/engine/train_engine.py sums the
     two gradients on the rank)."""
     tensors = []
     for start, stop in ranges:

@@ -21,7 +21,7 @@ that do not nest (2 and 3 on six devices) would need an all-to-all; they are ref
 
 With sequence parallelism a layer's input and output are split along the sequence over its tp
 ranks (a layer at tp 1 holds whole sequences), so every rank holds M = B s h c / D bytes whatever
-its split. Between tp's L < H that nest (k = H / L) the runtime (run/layerwise_redistribute.py,
+its split. Between tp's L < H that nest (k = H / L) the runtime (run/parallel/layerwise_redistribute.py,
 ``redistribute_sequence``) moves it by one all-to-all over the H layout's tp group, forward and
 again backward: each rank cuts its buffer into k pieces of M / k for k distinct ranks of that
 group. With L = 1 one of the k is the rank itself on every rank, so each rank sends and receives

@@ -5,10 +5,10 @@ Layout into another on the devices still alive (MovePlan), and its predicted tim
 between live engines lives beside them.
 """
 
-from meshmorph.elastic.box import Box
-from meshmorph.elastic.layout import Layout, Piece, StateTensor, layout_of
-from meshmorph.elastic.move_plan import FROM_CHECKPOINT, Batch, MovePlan, Transfer, plan_move
-from meshmorph.elastic.placement import ReshapeError
+from meshmorph.elastic.moves.box import Box
+from meshmorph.elastic.moves.layout import Layout, Piece, StateTensor, layout_of
+from meshmorph.elastic.moves.move_plan import FROM_CHECKPOINT, Batch, MovePlan, Transfer, plan_move
+from meshmorph.elastic.moves.placement import ReshapeError
 
 __all__ = ["FROM_CHECKPOINT", "Batch", "Box", "Layout", "MovePlan", "Piece", "ReshapeError",
            "StateTensor", "Transfer", "layout_of", "plan_move"]

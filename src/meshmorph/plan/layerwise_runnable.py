@@ -1,6 +1,6 @@
 """Which layerwise plans the layerwise runtime runs: one rule read by the search and the runtime.
 
-``plan --layerwise`` offers by default only what run/layerwise_engine.py runs, and the engine's
+``plan --layerwise`` offers by default only what run/engine/layerwise_engine.py runs, and the engine's
 ``validate_layerwise`` refuses a plan by calling ``check_layerwise_runnable`` here, so the two
 cannot drift. Pure Python (no torch): the planner imports it.
 
@@ -11,7 +11,7 @@ The runtime runs a plan with per-layer strategies when
   holding chunks r and 2 pp - 1 - r);
 - under the schedules that split backward into input- and weight-gradient passes (zb, zbv,
   dualpipev), no layer runs ZeRO-3 over more than one rank (torch pipelining's weight pass
-  would miss the gathered parameters FSDP2 frees after forward; run/layerwise_pipeline.py);
+  would miss the gathered parameters FSDP2 frees after forward; run/engine/layerwise_pipeline.py);
 - the model does not tie its embedding and head, or the two layers share tp and ZeRO stage
   (under pp > 1, with schedule gpipe or 1f1b, the last stage's head keeps its own copy of the
   embedding, laid out alike, and the two copies' gradients are summed), with a ZeRO stage below 2 when they have dp > 1 and

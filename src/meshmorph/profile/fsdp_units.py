@@ -51,8 +51,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from meshmorph.profile.alpha_beta import fit_alpha_beta
 from meshmorph.profile.hardware import DTYPES
 from meshmorph.profile.timing import every_rank, median_spread, timed, window_calls
-from meshmorph.run.models import build_chunk
-from meshmorph.run.recompute import apply_recompute
+from meshmorph.run.model.decoder import build_chunk
+from meshmorph.run.parallel.recompute import apply_recompute
 from meshmorph.spec.model import ModelSpec, Recompute
 
 CALLS_PER_SAMPLE = 3

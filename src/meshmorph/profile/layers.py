@@ -15,9 +15,9 @@ from torch import nn
 from meshmorph.cost.profile import layer_key
 from meshmorph.profile.hardware import DTYPES
 from meshmorph.profile.timing import every_rank, median_spread, timed, window_calls
-from meshmorph.run.grad_norm import clip_grads_, local_sums_of_squares
-from meshmorph.run.loss import token_cross_entropy
-from meshmorph.run.models import build_chunk
+from meshmorph.run.engine.grad_norm import clip_grads_, local_sums_of_squares
+from meshmorph.run.model.decoder import build_chunk
+from meshmorph.run.model.loss import token_cross_entropy
 from meshmorph.spec.model import ModelSpec
 
 
@@ -152,13 +152,13 @@ class OptimizerTails:
     chunk per ``sample()``; ``fit()`` is the line through their medians.
 
     ``shard_over`` > 1 with ``zero`` 1: the tail as a ZeRO-1 plan over that many ranks (all of
-    them) runs it, with run/zero1.py's ShardedAdamW (each rank updates its shard of every
+    them) runs it, with run/parallel/zero1.py's ShardedAdamW (each rank updates its shard of every
     parameter, then the shards are packed, all-gathered and copied back); the counts are then
     the parameters of one shard, as the cost model prices a sharded tail (params / dp x s per
     parameter). ``shard_over`` > 1 with ``zero`` 2 or 3: the tail as FSDP2 runs it, each chunk's
-    blocks and root ``fully_shard``-ed over that many ranks as run/parallelize.py shards them, so
+    blocks and root ``fully_shard``-ed over that many ranks as run/parallel/parallelize.py shards them, so
     AdamW (foreach, as the engine makes it) steps the sharded DTensor parameters and the norm
-    sums the squares of their DTensor gradients' local shards (run/grad_norm.py); the counts are
+    sums the squares of their DTensor gradients' local shards (run/engine/grad_norm.py); the counts are
     the parameters of one shard. ``repeats`` tails per chunk per sample, every one kept."""
 
     def __init__(self, model: ModelSpec, device: torch.device, *, slowest: bool = False,
@@ -190,7 +190,7 @@ class OptimizerTails:
             params = [p for p in chunk.parameters() if p.requires_grad]
             opt: torch.optim.Optimizer
             if mesh is not None and zero == 1:
-                from meshmorph.run.zero1 import ShardedAdamW
+                from meshmorph.run.parallel.zero1 import ShardedAdamW
                 opt = ShardedAdamW(params, dp_mesh=mesh, dp_tp_mesh=None, lr=1e-4,
                                    betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                                    foreach=device.type != "cuda", fused=device.type == "cuda")

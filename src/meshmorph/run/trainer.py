@@ -33,11 +33,11 @@ from meshmorph.run.checkpoint import (
     save_checkpoint,
 )
 from meshmorph.run.data import ByteTextFile, DataShard, SampleOrder, SampleSource, SyntheticTask
+from meshmorph.run.engine.state_line import write_state_line
 from meshmorph.run.fingerprint import run_fingerprint
 from meshmorph.run.job import JobConfig, load_job
+from meshmorph.run.launch.run_folder import stop_file
 from meshmorph.run.metrics import MetricsLogger
-from meshmorph.run.run_folder import stop_file
-from meshmorph.run.state_line import write_state_line
 from meshmorph.run.stop import StopFlag
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.model import ModelSpec
@@ -122,8 +122,8 @@ def find_resume_point(ckpt_dir: Path) -> CheckpointInfo | None:
 
 def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: StopFlag,
           elastic: Any = None) -> int:
-    from meshmorph.run.engine import build_engine
-    from meshmorph.run.pipeline import RunTrace
+    from meshmorph.run.engine.pipeline import RunTrace
+    from meshmorph.run.engine.train_engine import build_engine
 
     device = init_distributed(job.run.collective_timeout_s)
     rank = dist.get_rank()
@@ -133,8 +133,8 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
         return 0
     model = load_model(job.model.source, job.model.seq_len)
     source = make_source(job, model)
-    if plan.schedule == "async":  # no flush: the asynchronous executor (run/async_run.py)
-        from meshmorph.run.async_run import run_async_job
+    if plan.schedule == "async":  # no flush: the asynchronous executor (run/async_pipe/train.py)
+        from meshmorph.run.async_pipe.train import run_async_job
 
         return run_async_job(model=model, plan=plan, optim=job.optim, source=source,
                              data_seed=job.data.seed, steps=job.train.steps,
@@ -147,8 +147,8 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
         engine, plan = restored[0], restored[1]
     else:
         engine = build_engine(model, plan, job.optim, seed=job.train.seed, device=device)
-    if job.train.compile:  # torch.compile per block (run/compile.py)
-        from meshmorph.run.compile import compile_blocks, resolve_backend
+    if job.train.compile:  # torch.compile per block (run/parallel/compile.py)
+        from meshmorph.run.parallel.compile import compile_blocks, resolve_backend
 
         choice = resolve_backend(job.train.compile_backend, device)
         if rank == 0 and choice.note:
@@ -201,7 +201,7 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
             consumed += plan.global_batch
             metrics.log(step=step, loss=loss, lr=lr, grad_norm=engine.grad_norm_last(),
                         step_time_s=step_time_s, consumed_samples=consumed)
-            write_state_line(engine, metrics)  # once, after the first step (run/state_line.py)
+            write_state_line(engine, metrics)  # once, after the first step (run/engine/state_line.py)
             if elastic is not None:  # the step boundary, in the node-local store
                 elastic.after_step(engine, plan, step, consumed)
             if job.checkpoint.every and step % job.checkpoint.every == 0:
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             plan = Plan.load(args.plan)
             elastic = None
             if args.elastic_run_id:
-                from meshmorph.elastic.elastic_run import ElasticSession, parse_failure
+                from meshmorph.elastic.live.elastic_run import ElasticSession, parse_failure
 
                 elastic = ElasticSession(args.elastic_run_id, args.out,
                                          parse_failure(args.inject_failure))

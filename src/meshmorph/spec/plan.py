@@ -27,7 +27,7 @@ class Schedule(StrEnum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
     ZERO_BUBBLE = "zb"  # ZB-H1 (Qi et al. 2023): backward split into input- and weight-gradient
-    ASYNC = "async"  # 1F1B without flush, a step per micro-batch (PipeDream); run/async_pipeline.py
+    ASYNC = "async"  # 1F1B without flush, a step per micro-batch (PipeDream); run/async_pipe/executor.py
     ZBV = "zbv"  # zero-bubble V (Qi et al. 2023): vpp 2, rank r holds chunks r and 2pp - 1 - r
     DUALPIPEV = "dualpipev"  # DeepSeek's DualPipe folded into a V: vpp 2, the same placement
 

@@ -56,7 +56,7 @@ class TransformerShape:
     dropout: bool = False
     """Dropout after the embedding, the attention softmax and both residual branches
     (Megatron's hidden and attention dropout: 1-byte masks kept for backward). False: meshmorph's
-    runtime (run/models.py) has no dropout."""
+    runtime (run/model/decoder.py) has no dropout."""
     dtype_bytes: int = 2
     """Bytes per parameter/activation element in training."""
     padded_vocab_size: int | None = None
@@ -222,7 +222,7 @@ def build_transformer(shape: TransformerShape) -> ModelSpec:
         fwd_flops_per_token=2.0 * h * v,
         recompute_flops_per_token={Recompute.NONE: 0.0},
         # final-norm input 2h and head input 2h, plus the loss's fp32 log-softmax of the logits
-        # (4V, vocab-parallel), kept for backward (run/loss.py: the logits leave the head in the
+        # (4V, vocab-parallel), kept for backward (run/model/loss.py: the logits leave the head in the
         # compute dtype and the loss takes a fp32 copy of them)
         activation={Recompute.NONE: ActivationBytes(4.0 * h * scale, 4.0 * v)},
         # while the loss runs: in forward the compute-dtype logits and their fp32 copy beside the

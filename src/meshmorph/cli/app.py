@@ -1,0 +1,54 @@
+"""The one console script: ``meshmorph <subcommand>``.
+
+Each subcommand lives in its own module of this package and registers itself here through a
+``register(subparsers)`` function; this file only wires them together and turns the errors a
+user can act on into a one-line message and exit code 2. A module that fails to import is an
+error, never a missing command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# module path -> the subcommands it registers (imported lazily only when needed for speed)
+_COMMAND_MODULES = (
+    "meshmorph.cli.plan",  # plan, estimate
+    "meshmorph.cli.catalog",  # models, gpus
+    "meshmorph.cli.run",  # run, demo
+    "meshmorph.cli.reshape",  # reshape
+    "meshmorph.cli.timeline",  # timeline
+    "meshmorph.cli.streams",  # streams
+    "meshmorph.cli.simulate",  # simulate, advise
+    "meshmorph.cli.profile",  # profile, validate
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshmorph",
+        description="Plan, run and reshape hybrid-parallel training of PyTorch models.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in _COMMAND_MODULES:
+        importlib.import_module(module_name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("meshmorph: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError) as exc:
+        # PlanError, PlanDoesNotFit and config errors are ValueErrors with actionable messages
+        print(f"meshmorph: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Subcommands that list the catalogs: ``meshmorph models`` and ``meshmorph gpus``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from meshmorph.cli.output import check_writable, write_json
+from meshmorph.plan.report import report_console
+
+
+def model_rows() -> list[dict[str, Any]]:
+    """One row per catalog model: its shape and parameter count."""
+    from meshmorph.spec.catalog import MODEL_CATALOG
+    from meshmorph.spec.transformer import build_transformer
+
+    rows = []
+    for name, shape in MODEL_CATALOG.items():
+        spec = build_transformer(shape)
+        rows.append({"name": name, "arch": shape.arch, "layers": spec.num_blocks,
+                     "hidden": spec.hidden_size, "heads": spec.num_heads,
+                     "kv_heads": spec.num_kv_heads, "ffn": spec.ffn_hidden_size,
+                     "vocab": spec.vocab_size, "seq_len": spec.seq_len,
+                     "params": spec.num_params, "params_b": spec.num_params / 1e9})
+    return rows
+
+
+def _models(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    rows = model_rows()
+    table = Table(title="model catalog", title_justify="left")
+    for name in ("name", "arch", "layers", "hidden", "heads/kv", "ffn", "vocab", "seq",
+                 "params (B)"):
+        table.add_column(name, justify="left" if name in ("name", "arch") else "right")
+    for r in rows:
+        params = f"{r['params_b']:.2f}" if r["params_b"] >= 0.01 else f"{r['params_b']:.5f}"
+        table.add_row(r["name"], r["arch"], str(r["layers"]), str(r["hidden"]),
+                      f"{r['heads']}/{r['kv_heads']}", str(r["ffn"]), str(r["vocab"]),
+                      str(r["seq_len"]), params)
+    console = report_console()
+    console.print(table)
+    if args.json:
+        check_writable(args.json, "--json")
+        write_json(args.json, {"models": rows})
+    return 0
+
+
+def gpu_rows() -> list[dict[str, Any]]:
+    """One row per catalog GPU: memory, bandwidth, dense peaks, links (figures), dated prices."""
+    from meshmorph.spec.gpus import GPU_CATALOG, LINKS
+
+    def link_row(name: str) -> dict[str, Any]:
+        return {"name": name, "bandwidth_gbps": LINKS[name].bandwidth_gbps,
+                "latency_us": LINKS[name].latency_us}
+
+    return [{"name": g.name, "part": g.description, "memory_gib": g.memory_gib,
+             "hbm_gbps": g.hbm_gbps, "peak_tflops": dict(g.peak_tflops),
+             "intra_node_link": g.intra_node_link, "inter_node_link": g.inter_node_link,
+             "intra_node": link_row(g.intra_node_link), "inter_node": link_row(g.inter_node_link),
+             "price_per_hour": g.price_per_hour, "spot_price_per_hour": g.spot_price_per_hour,
+             "price_date": g.price_date, "price_source": g.price_source}
+            for g in GPU_CATALOG.values()]
+
+
+def _gpus(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    if args.gpus is not None:
+        from meshmorph.spec.gpus import load_gpus_toml
+
+        check_writable(args.json, "--json")
+        load_gpus_toml(args.gpus)
+    rows = gpu_rows()
+    table = Table(title="GPU catalog (dense peaks, no sparsity)", title_justify="left")
+    for name in ("name", "memory GiB", "HBM GB/s", "fp32", "tf32", "bf16", "fp8",
+                 "links (node / net)", "$/GPU-h", "spot $/h", "read"):
+        table.add_column(name, justify="left" if name in ("name", "links (node / net)", "read")
+                         else "right")
+
+    def price(value: float | None) -> str:
+        return f"{value:.2f}" if value is not None else "-"
+
+    for r in rows:
+        peaks = [f"{r['peak_tflops'][d]:g}" if d in r["peak_tflops"] else "-"
+                 for d in ("fp32", "tf32", "bf16", "fp8")]
+        table.add_row(r["name"], f"{r['memory_gib']:g}", f"{r['hbm_gbps']:g}", *peaks,
+                      f"{r['intra_node_link']} / {r['inter_node_link']}",
+                      price(r["price_per_hour"]), price(r["spot_price_per_hour"]),
+                      r["price_date"] or "-")
+    used = sorted({r[k] for r in rows for k in ("intra_node_link", "inter_node_link")})
+    links = Table(title="links (per GPU, per direction)", title_justify="left")
+    for name in ("link", "GB/s", "latency us"):
+        links.add_column(name, justify="left" if name == "link" else "right")
+    for r in rows:
+        for row in (r["intra_node"], r["inter_node"]):
+            if row["name"] in used:
+                used.remove(row["name"])
+                links.add_row(row["name"], f"{row['bandwidth_gbps']:.3g}", f"{row['latency_us']:g}")
+    console = report_console()
+    console.print(table)
+    console.print(links)
+    console.print("peak columns are dense TFLOP/s; link GB/s per GPU per direction; prices USD per "
+                  "GPU-hour, 'read' = when the price was read (- : undated typical list price); "
+                  "add or override entries with --gpus FILE")
+    if args.json:
+        write_json(args.json, {"gpus": rows})
+    return 0
+
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    models = subparsers.add_parser("models", help="list the model catalog")
+    models.add_argument("--json", type=Path, default=None, help="also write the list as JSON")
+    models.set_defaults(func=_models)
+
+    gpus = subparsers.add_parser("gpus", help="list the GPU catalog")
+    gpus.add_argument("--json", type=Path, default=None, help="also write the list as JSON")
+    gpus.add_argument("--gpus", type=Path, default=None,
+                      help="TOML file of [gpus.NAME] (and [links.NAME]) tables that add GPUs or "
+                           "override catalog figures and prices")
+    gpus.set_defaults(func=_gpus)

@@ -1,0 +1,227 @@
+"""``meshmorph reshape``: print (and draw) the MovePlan from one Plan to another, running nothing.
+
+Bytes per device and per link, messages, the predicted move time, the lower bound, and the same
+figures for the naive rank-order placement; ``--json`` writes them, ``--png`` draws the bytes
+each (source, destination) pair moves under both placements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from meshmorph.elastic.moves.move_plan import DEFAULT_STAGING_BYTES, MovePlan
+from meshmorph.elastic.moves.placement import ReshapeError
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated device ids such as 0,1,3, "
+                                         f"got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one device id")
+    return ids
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def summary(move: MovePlan, seconds: float) -> dict[str, Any]:
+    """The figures of one placement."""
+    return {"placement": {str(r): d for r, d in move.placement.items()},
+            "bytes_moved": move.bytes_moved, "network_bytes": move.network_bytes,
+            "checkpoint_bytes": move.checkpoint_bytes,
+            "busiest_device_bytes": move.busiest_device_bytes, "messages": move.messages,
+            "predicted_time_s": seconds,
+            "sent_bytes": {str(d): n for d, n in move.sent_bytes().items()},
+            "received_bytes": {str(d): n for d, n in move.received_bytes().items()}}
+
+
+def report(best: MovePlan, naive: MovePlan, best_s: float, naive_s: float) -> dict[str, Any]:
+    """The JSON of ``meshmorph reshape``."""
+    sent, received = best.sent_bytes(), best.received_bytes()
+    links = best.link_bytes()
+    messages: dict[tuple[int, int], int] = {}
+    for batch in best.batches:
+        messages[batch.src_device, batch.dst_device] = messages.get(
+            (batch.src_device, batch.dst_device), 0) + 1
+    return {
+        **summary(best, best_s),
+        "lower_bound_bytes": best.lower_bound_bytes, "naive_bytes": best.naive_bytes,
+        "staging_bytes": best.staging_bytes, "survivors": list(best.survivors),
+        "devices": [{"device": d, "sent_bytes": sent[d], "received_bytes": received[d]}
+                    for d in best.devices],
+        "links": [{"src": s, "dst": d, "bytes": n, "messages": messages[s, d]}
+                  for (s, d), n in links.items()],
+        "from_checkpoint": [{"dst": t.dst_device, "key": t.key, "box": str(t.box),
+                             "bytes": t.nbytes} for t in best.from_checkpoint],
+        "fresh_keys": list(best.fresh_keys),
+        "naive": summary(naive, naive_s),
+    }
+
+
+def _print(best: MovePlan, naive: MovePlan, best_s: float, naive_s: float, headline: str) -> None:
+    from rich.table import Table
+
+    from meshmorph.plan.report import report_console
+
+    console = report_console()
+    console.print(headline)
+    owner = {d: r for r, d in best.placement.items()}
+    devices = Table(title="bytes per device, best placement and rank order", title_justify="left")
+    for column in ("device", "new rank", "sends", "receives", "from checkpoint",
+                   "rank order: new rank", "sends", "receives"):
+        devices.add_column(column, justify="right")
+    sent, received = best.sent_bytes(), best.received_bytes()
+    naive_owner = {d: r for r, d in naive.placement.items()}
+    naive_sent, naive_received = naive.sent_bytes(), naive.received_bytes()
+    reads = {d: sum(t.nbytes for t in best.from_checkpoint if t.dst_device == d) for d in best.devices}
+    for d in best.devices:
+        devices.add_row(str(d), str(owner.get(d, "-")), _mib(sent[d]), _mib(received[d]),
+                        _mib(reads[d]), str(naive_owner.get(d, "-")), _mib(naive_sent[d]),
+                        _mib(naive_received[d]))
+    console.print(devices)
+    links = Table(title="bytes per link (best placement)", title_justify="left")
+    for column in ("source", "destination", "bytes", "messages"):
+        links.add_column(column, justify="right")
+    for (s, d), n in best.link_bytes().items():
+        links.add_row(str(s), str(d), _mib(n),
+                      str(sum(1 for b in best.batches if (b.src_device, b.dst_device) == (s, d))))
+    console.print(links)
+    both = Table(title="placements", title_justify="left")
+    for column in ("placement", "new rank -> device", "bytes moved", "lower bound",
+                   "busiest device", "messages", "predicted time"):
+        both.add_column(column, justify="right")
+    for name, move, seconds in (("best", best, best_s), ("rank order", naive, naive_s)):
+        both.add_row(name, " ".join(f"{r}->{d}" for r, d in sorted(move.placement.items())),
+                     _mib(move.bytes_moved), _mib(best.lower_bound_bytes),
+                     _mib(move.busiest_device_bytes), str(move.messages), f"{seconds:.4f} s")
+    console.print(both)
+    if best.from_checkpoint:
+        console.print(f"{len(best.from_checkpoint)} pieces ({_mib(best.checkpoint_bytes)}) have "
+                      "no live holder: read from the newest committed checkpoint")
+
+
+def draw(best: MovePlan, naive: MovePlan, out_png: Path) -> Path:
+    """Bytes per (source, destination) pair under both placements, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from meshmorph.viz.figure import save_figure
+
+    devices = sorted(set(best.devices) | set(naive.devices))
+    index = {d: i for i, d in enumerate(devices)}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+    top = max([1, *best.link_bytes().values(), *naive.link_bytes().values()]) / 2**20
+    for ax, (name, move) in zip(axes, (("best placement", best), ("rank order", naive)),
+                                strict=True):
+        grid = np.zeros((len(devices), len(devices)))
+        for (s, d), n in move.link_bytes().items():
+            grid[index[s], index[d]] = n / 2**20
+        image = ax.imshow(grid, cmap="viridis", vmin=0, vmax=top)
+        ax.set_xticks(range(len(devices)), [str(d) for d in devices])
+        ax.set_yticks(range(len(devices)), [str(d) for d in devices])
+        ax.set_xlabel("destination device")
+        ax.set_ylabel("source device")
+        ax.set_title(f"{name}: {move.bytes_moved / 2**20:.1f} MiB moved")
+        fig.colorbar(image, ax=ax, label="MiB")
+    return save_figure(fig, out_png)
+
+
+def _reshape(args: argparse.Namespace) -> int:
+    from meshmorph.cli.output import check_writable, write_json
+    from meshmorph.cost.model import CostModel
+    from meshmorph.elastic.moves.layout import layout_of
+    from meshmorph.elastic.moves.move_plan import plan_move
+    from meshmorph.elastic.moves.move_time import predict_move_time_s
+    from meshmorph.plan.report import does_not_fit_line, plan_headline
+    from meshmorph.spec.catalog import load_model
+    from meshmorph.spec.cluster import parse_cluster
+    from meshmorph.spec.plan_file import load_plan
+
+    check_writable(args.json, "--json")
+    check_writable(args.png, "--png")
+    plan_a, plan_b = load_plan(args.from_plan), load_plan(args.to_plan)
+    if (plan_a.model, plan_a.seq_len) != (plan_b.model, plan_b.seq_len):
+        raise ReshapeError(f"--from is a plan for {plan_a.model} at seq_len {plan_a.seq_len}, "
+                           f"--to for {plan_b.model} at seq_len {plan_b.seq_len}; a reshape "
+                           "keeps the model: give two plans for the same model")
+    model = load_model(plan_a.model, plan_a.seq_len)
+    plan_a = plan_a if plan_a.stages else plan_a.with_even_stages(model)
+    plan_b = plan_b if plan_b.stages else plan_b.with_even_stages(model)
+    if args.cluster:  # refused before anything is planned or moved
+        estimate = CostModel(model, parse_cluster(args.cluster)).estimate(plan_b)
+        line = does_not_fit_line(plan_b, estimate)
+        if line is not None:
+            raise ReshapeError(f"the target plan does not fit memory, nothing would move: {line}")
+    layout_a, layout_b = layout_of(model, plan_a), layout_of(model, plan_b)
+    survivors = args.survivors if args.survivors is not None else list(range(plan_a.world_size))
+    best = plan_move(layout_a, layout_b, survivors, args.new_devices,
+                     staging_bytes=int(args.staging_mib * 2**20))
+    naive = plan_move(layout_a, layout_b, survivors, args.new_devices,
+                      staging_bytes=best.staging_bytes, placement=best.naive_placement)
+    cluster = parse_cluster(args.cluster or f"cpu:1x{max(best.devices) + 1}")
+    if max(best.devices) >= cluster.world_size:
+        raise ReshapeError(f"the move uses device {max(best.devices)} but cluster "
+                           f"{cluster.describe()} has {cluster.world_size} devices; give a "
+                           "larger --cluster")
+    time_model = None
+    if args.profile is not None:  # measured point-to-point alpha/beta instead of the catalog's
+        from meshmorph.cost.profile import Profile
+        from meshmorph.elastic.moves.move_time import MoveTimeModel
+
+        time_model = MoveTimeModel.from_profile(Profile.load(args.profile))
+    best_s = predict_move_time_s(best, cluster, model=time_model)
+    naive_s = predict_move_time_s(naive, cluster, model=time_model)
+    headline = (f"reshape on {cluster.describe()}, survivors {','.join(map(str, best.survivors))}"
+                f"\n  from: {plan_headline(plan_a, model)}\n  to:   {plan_headline(plan_b, model)}")
+    _print(best, naive, best_s, naive_s, headline)
+    if args.json:
+        data = report(best, naive, best_s, naive_s)
+        data.update(cluster=cluster.describe(), from_plan=plan_a.to_dict(), to_plan=plan_b.to_dict())
+        write_json(args.json, json.loads(json.dumps(data)))
+        print(f"move plan written to {args.json}")
+    if args.png:
+        print(f"chart: {draw(best, naive, args.png)} (bytes per link, best vs rank order)")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "reshape", help="print the MovePlan from one plan to another (a dry run: nothing moves)",
+        description="Plan the move of a job's training state (fp32 parameters, both AdamW "
+                    "moments, step, LR schedule, RNG, data position) from plan A to plan B on "
+                    "the devices still alive, with the fewest bytes; print bytes per device and "
+                    "link, messages, the predicted time and the lower bound, beside the naive "
+                    "rank-order placement.")
+    parser.add_argument("--from", dest="from_plan", type=Path, required=True, metavar="A.json",
+                        help="the plan the job runs now")
+    parser.add_argument("--to", dest="to_plan", type=Path, required=True, metavar="B.json",
+                        help="the plan to move to (same model and global batch)")
+    parser.add_argument("--survivors", type=_ids, default=None, metavar="0,1,...",
+                        help="old ranks still alive (default: all of plan A's ranks)")
+    parser.add_argument("--new-devices", type=_ids, default=None, metavar="4,5,...",
+                        help="ids of devices that join holding nothing (default: as many as "
+                             "plan B lacks, numbered after plan A's ranks)")
+    parser.add_argument("--cluster", default=None, metavar="SPEC",
+                        help="cluster whose links price the move and whose memory the target "
+                             "must fit (h100:1x8, a .toml file); default: local CPU processes, "
+                             "no memory check")
+    parser.add_argument("--staging-mib", type=float, default=DEFAULT_STAGING_BYTES / 2**20,
+                        help="largest batch a destination buffers, MiB (default 256)")
+    parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
+                        help="price messages with a measured profile's send_recv/2 alpha/beta "
+                             "(meshmorph profile --out FILE) instead of the catalog's links")
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT",
+                        help="write the move's figures as JSON")
+    parser.add_argument("--png", type=Path, default=None, metavar="OUT",
+                        help="draw bytes per link for both placements")
+    parser.set_defaults(func=_reshape)

@@ -1,0 +1,359 @@
+"""Reshape a running job in memory: from an engine of Plan A on some processes to an engine of
+Plan B on others, moving only what the MovePlan says.
+
+Every process that takes part calls ``reshape_in_memory`` with the same arguments (its own
+``me`` and engine aside). The steps:
+
+1. this process's pieces out of its old engine (views, ``local_state.extract_state``);
+2. one process group over every process that sends or receives: the default group itself where
+   it already spans Plan A's processes in rank order and nobody joins, else a new one
+   (``regroup``);
+3. the first survivor computes Layouts A and B and the MovePlan (pure; a planned leave names the
+   processes that stay, and the placement is the best one among them, ``linear_sum_assignment``
+   on the receive matrix restricted to those devices) and broadcasts it with the small state
+   (step, LR schedule, data position, loss scaler); then the transfers
+   (``execute.execute_transfers``) and a barrier;
+4. the process group of Plan B, ranks in placement order (the move's group again where its ranks
+   are already in that order), the new engine built on the meta device and filled from the
+   pieces kept and received (``local_state.install_state``).
+
+The old engine is only read until step 4 succeeds: a failure before it leaves its state whole
+(its pieces can be installed again into a rebuilt Plan A engine). Process groups are formed over
+a ``FileStore`` in ``store_dir``, one file per step of the move.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshmorph.elastic.live.execute import ExecutionReport, execute_transfers, merge_pieces
+from meshmorph.elastic.live.local_state import (
+    LocalState,
+    ReshapeError,
+    SmallState,
+    extract_state,
+    install_state,
+)
+from meshmorph.elastic.moves.build_counts import build_counts
+from meshmorph.elastic.moves.layout import Layout, layout_of
+from meshmorph.elastic.moves.move_plan import DEFAULT_STAGING_BYTES, MovePlan, plan_move
+from meshmorph.elastic.moves.move_time import MoveTime, MoveTimeModel, move_time
+from meshmorph.run.config import OptimConfig
+from meshmorph.spec.cluster import parse_cluster
+from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import Plan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReshapeRequest:
+    """A change from Plan A on some processes to Plan B (the same on every process)."""
+
+    model: ModelSpec
+    """The model being trained."""
+    optim: OptimConfig
+    """Its optimizer settings (the new engine's AdamW and LR schedule)."""
+    plan_a: Plan
+    """The plan running now."""
+    processes_a: tuple[int, ...]
+    """Process of each rank of Plan A (index = rank)."""
+    plan_b: Plan
+    """The plan to run next."""
+    staying: tuple[int, ...] | None = None
+    """Processes that may host Plan B's ranks (a planned leave names the rest); None: any
+    process of ``processes_a`` or ``joining``."""
+    joining: tuple[int, ...] = ()
+    """Processes that hold nothing and may take Plan B's ranks (a join)."""
+    seed: int = 0
+    """Initialisation seed of the engines (overwritten by the state moved in)."""
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    """Most bytes one device receives per round of transfers."""
+    verify: bool = True
+    """Checksum every transfer (``content_hash``) and refuse a mismatch."""
+    cluster: str | None = None
+    """Cluster shorthand the move time is predicted on (None: ``cpu:1x<devices>``)."""
+    time_model: MoveTimeModel | None = None
+    """Coefficients of the predicted move time (None: ``MoveTimeModel()``'s defaults)."""
+    lost: tuple[int, ...] = ()
+    """Plan A's ranks whose processes are gone with their state (an unplanned loss): what they
+    held comes from live replicas, or from ``checkpoint`` where no live holder is left."""
+    checkpoint: Path | None = None
+    """A committed checkpoint (a ``step-N`` folder) that pieces with no live holder are read
+    from, by a partial DCP read of just those pieces (None: such a move is refused)."""
+
+
+@dataclass(slots=True)
+class ReshapeReport:
+    """What a move cost: the MovePlan's figures and this process's measurements."""
+
+    move: MovePlan
+    """The plan that was executed (devices: Plan A's ranks, joiners after them)."""
+    processes_b: tuple[int, ...]
+    """Process of each rank of Plan B."""
+    execution: ExecutionReport | None = None
+    """This process's part of the transfers (None: it took no part)."""
+    times_s: dict[str, float] = field(default_factory=dict)
+    """Wall time of each part of the move on this process, named as ``move_time.PARTS`` names
+    the predicted ones (extract, group, plan, agree, transfer, group_b, build, install; and
+    checkpoint where pieces are read from one)."""
+    predicted_time_s: float = 0.0
+    """The cost model's time of the move (``move_time.predict_move_time_s``): the transfers
+    alone with the default ``MoveTimeModel``, from the change to the new engine ready with a
+    measured one."""
+    consumed_samples: int | None = None
+    """The data position the move carried (None on a process that took no part)."""
+    predicted: MoveTime | None = None
+    """The predicted time's terms (network, fixed, rebuild)."""
+
+    def figures(self) -> dict[str, Any]:
+        """The keys of a ``{"event": "reshape"}`` line (sizes in bytes, times in seconds)."""
+        move = self.move
+        return {"bytes_moved": move.bytes_moved, "lower_bound_bytes": move.lower_bound_bytes,
+                "naive_bytes": move.naive_bytes,
+                "busiest_device_bytes": move.busiest_device_bytes, "messages": move.messages,
+                "from_checkpoint_bytes": move.checkpoint_bytes,
+                "predicted_time_s": self.predicted_time_s,
+                "measured_time_s": sum(self.times_s.values()),
+                "measured_transfer_s": self.times_s.get("transfer", 0.0),
+                "sources": {"kept": sum(t.nbytes for t in move.local_copies),
+                            "peers": move.bytes_moved, "checkpoint": move.checkpoint_bytes}}
+
+
+def clear_mesh_caches() -> None:
+    """Empty DTensor's caches keyed by device-mesh value. A DeviceMesh equals any other of the same
+    layout, so after a new process group puts this process at another rank, a cached sharding
+    decision would hand back the old mesh object and with it the old coordinates (FSDP2 shards
+    that claim another rank's rows)."""
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    caches = [*vars(propagator).values(),
+              getattr(type(propagator), "_propagate_tensor_meta_cached", None),
+              getattr(_redistribute, "_gen_transform_infos", None),
+              getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)]
+    for cache in caches:
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:  # the C++ dispatch fast path keeps its own copy
+        native()
+
+
+def regroup(store_dir: Path, tag: str, me: int, members: Sequence[int],
+            timeout_s: float = 120.0) -> bool:
+    """Leave the current default process group and, if ``me`` is in ``members``, join a new one
+    whose rank ``i`` is process ``members[i]``; whether ``me`` joined.
+
+    The new group's first act is a barrier: gloo connects every pair while the group is formed,
+    and a member that went on (and left, or exited) as soon as its own connections were up
+    would close them while a slower peer still finishes its handshake with it, and that peer
+    fails with "Connection closed by peer". After the barrier every member is past the
+    formation."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    clear_mesh_caches()
+    if me not in members:
+        return False
+    store = dist.FileStore(str(store_dir / f"store-{tag}"), len(members))
+    dist.init_process_group("gloo", store=store, rank=list(members).index(me),
+                            world_size=len(members), timeout=timedelta(seconds=timeout_s))
+    dist.barrier()
+    return True
+
+
+def plan_the_move(request: ReshapeRequest) -> tuple[MovePlan, Layout, Layout, dict[int, int]]:
+    """The MovePlan, both layouts, and device id -> process (devices: Plan A's ranks, then the
+    joining processes in order)."""
+    layout_a = layout_of(request.model, request.plan_a)
+    layout_b = layout_of(request.model, request.plan_b)
+    world_a = request.plan_a.world_size
+    process_of = dict(enumerate(request.processes_a))
+    joiners = list(range(world_a, world_a + len(request.joining)))
+    process_of.update(zip(joiners, request.joining, strict=True))
+    survivors = [r for r in range(world_a) if r not in request.lost]
+    hosts = None
+    if request.staying is not None:  # the new ranks run on the devices that stay
+        hosts = [d for d, p in sorted(process_of.items()) if p in request.staying]
+    move = plan_move(layout_a, layout_b, survivors, joiners, staging_bytes=request.staging_bytes,
+                     hosts=hosts)
+    return move, layout_a, layout_b, process_of
+
+
+def _current_group_is(processes: Sequence[int], me: int) -> bool:
+    """Whether the default process group spans exactly ``processes`` with rank ``i`` on
+    ``processes[i]`` (then it is reused instead of formed again)."""
+    return (dist.is_initialized() and me in processes
+            and dist.get_world_size() == len(processes)
+            and dist.get_rank() == list(processes).index(me))
+
+
+def state_tensors(layout: Layout) -> int:
+    """The most state tensors (parameters and moments) one rank of ``layout`` holds."""
+    from meshmorph.elastic.live.execute import is_tensor_key
+
+    return max((sum(1 for p in pieces if is_tensor_key(p.key))
+                for pieces in layout.held.values()), default=0)
+
+
+def install_bytes(layout: Layout) -> int:
+    """The most bytes of tensor state one rank of ``layout`` holds (what it copies in)."""
+    from meshmorph.elastic.live.execute import is_tensor_key
+    from meshmorph.elastic.moves.move_plan import DTYPE_BYTES
+
+    return max((sum(p.box.numel * DTYPE_BYTES[layout.tensors[p.key].dtype]
+                    for p in pieces if is_tensor_key(p.key))
+                for pieces in layout.held.values()), default=0)
+
+
+def _agree(request: ReshapeRequest, state: LocalState | None, root: int, members: list[int],
+           formed: int
+           ) -> tuple[MovePlan, dict[int, int], dict[str, tuple[int, ...]], SmallState, MoveTime]:
+    """The MovePlan, device -> process, global shapes, small state and predicted time, computed
+    on the group's rank ``root`` (the first survivor) and broadcast: every process then follows
+    the same plan, and the pure planning runs once instead of once per process. ``formed``:
+    process groups formed so far (the prediction adds Plan B's where it needs its own); the
+    prediction's ``plan_s`` is the planning time just measured."""
+    box: list[Any] = [None]
+    if dist.get_rank() == root:
+        if state is None:
+            raise ReshapeError("the first survivor has no small state to share")
+        start = time.perf_counter()
+        move, layout_a, layout_b, process_of = plan_the_move(request)
+        processes_b = [process_of[move.placement[r]] for r in range(request.plan_b.world_size)]
+        cluster = parse_cluster(request.cluster or f"cpu:1x{max(move.devices, default=0) + 1}")
+        shapes = {k: tuple(t.shape) for k, t in layout_a.tensors.items()}
+        small = SmallState(**{f.name: getattr(state.small, f.name) for f in fields(SmallState)})
+        small.rng = torch.empty(0, dtype=torch.uint8)  # each rank keeps its own stream
+        model = request.time_model or MoveTimeModel()
+        plan_s = time.perf_counter() - start
+        if request.time_model is not None:
+            model = replace(model, plan_s=plan_s)
+        group_b = int(processes_b != members)
+        agree_bytes = len(pickle.dumps((move, process_of, shapes, small)))
+        predicted = move_time(move, cluster, model=model, groups=formed + group_b,
+                              group_b=group_b, install_bytes=install_bytes(layout_b),
+                              build=build_counts(request.model, request.plan_b),
+                              state_tensors=state_tensors(layout_a),
+                              state_calls=2 * max(len(request.plan_a.chunks_of(p))
+                                                  for p in range(request.plan_a.pp)),
+                              agree_bytes=agree_bytes,
+                              held=build_counts(request.model, request.plan_a))
+        box = [(move, process_of, shapes, small, predicted, plan_s)]
+    dist.broadcast_object_list(box, src=root)
+    return box[0]
+
+
+def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed_samples: int,
+                      store_dir: Path, tag: str, device: torch.device | None = None
+                      ) -> tuple[Any, ReshapeReport]:
+    """Move this process's part of the job from ``engine`` (None on a joining process) to an
+    engine of Plan B; returns it (None where this process hosts no rank of Plan B) and the
+    report. Collective over every process of the request. Where the default process group
+    spans exactly Plan A's processes in rank order (and nobody joins), the move runs over it;
+    where the move's group already has Plan B's processes in Plan B's rank order, Plan B runs
+    over it too: no process group is formed that need not be."""
+    from meshmorph.run.engine.train_engine import build_engine
+    from meshmorph.run.model.materialize import state_installed_after
+
+    times: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        times[name] = times.get(name, 0.0) + now - clock
+        clock = now
+
+    state: LocalState | None = None
+    if engine is not None:
+        state = extract_state(engine, consumed_samples=consumed_samples, checksums=False)
+    lap("extract")
+    alive_a = [p for r, p in enumerate(request.processes_a) if r not in request.lost]
+    members = sorted(set(alive_a) | set(request.joining))
+    formed = 0
+    if not request.joining and not request.lost and _current_group_is(request.processes_a, me):
+        members = list(request.processes_a)
+    else:
+        regroup(store_dir, f"{tag}-move", me, members)
+        formed = 1
+    lap("group")
+    if me not in members:
+        raise ReshapeError(f"process {me} is neither alive in plan A {alive_a} nor joining "
+                           f"{list(request.joining)}; only they take part in the move")
+    move, process_of, shapes, small, predicted, plan_s = _agree(
+        request, state, members.index(alive_a[0]), members, formed)
+    processes_b = tuple(process_of[move.placement[r]] for r in range(request.plan_b.world_size))
+    report = ReshapeReport(move, processes_b, times_s=times, predicted_time_s=predicted.total_s,
+                           consumed_samples=small.consumed_samples, predicted=predicted)
+    small.rng = state.small.rng if state is not None else torch.get_rng_state()
+    lap("agree")  # waiting for the first survivor's planning, then the broadcast
+    times["plan"] = min(plan_s, times["agree"])
+    times["agree"] -= times["plan"]
+    device_of = {p: d for d, p in process_of.items() if d in move.devices}
+    held = state.pieces if state is not None else {}
+    from_checkpoint = []
+    if move.from_checkpoint:
+        if request.checkpoint is None:
+            raise ReshapeError(f"{len(move.from_checkpoint)} pieces have no live holder; give "
+                               "the newest committed checkpoint to read them from, or resume "
+                               "from it (meshmorph run --resume --reshard)")
+        from meshmorph.elastic.live.checkpoint_pieces import read_pieces
+
+        from_checkpoint = read_pieces(request.checkpoint, [
+            (t.key, t.box) for t in move.from_checkpoint if t.dst_device == device_of[me]],
+            shapes)
+        lap("checkpoint")
+    received, report.execution = execute_transfers(
+        move.transfers, device_of[me], held, shapes,
+        rank_of_device={d: members.index(p) for d, p in process_of.items() if p in members},
+        staging_bytes=request.staging_bytes, verify=request.verify)
+    dist.barrier()  # every transfer arrived and was checked before anything changes
+    lap("transfer")
+    new_engine = None
+    if list(processes_b) == members:
+        clear_mesh_caches()
+        joined = True
+    else:
+        joined = regroup(store_dir, f"{tag}-run", me, processes_b)
+    lap("group_b")
+    if joined:
+        with state_installed_after():  # every value is written by install_state below
+            new_engine = build_engine(request.model, request.plan_b, request.optim,
+                                      seed=request.seed, device=device or torch.device("cpu"))
+        lap("build")
+        install_state(new_engine, merge_pieces(held, received, from_checkpoint), small)
+        lap("install")
+    return new_engine, report
+
+
+def replan(model: ModelSpec, world_size: int, *, global_batch: int, dtype: str = "fp32",
+           cluster: str | None = None) -> Plan:
+    """The planner's best plan for ``world_size`` devices that the runtime accepts, with the
+    global batch kept (gradient accumulation absorbs a smaller dp)."""
+    from meshmorph.plan.search import search
+    from meshmorph.plan.space import SearchOptions
+    from meshmorph.run.engine.train_engine import validate_plan
+    from meshmorph.spec.plan import PlanError
+
+    result = search(model, parse_cluster(cluster or f"cpu:1x{world_size}"),
+                    global_batch=global_batch, options=SearchOptions(dtype=dtype, top_k=8, cp_max=1))
+    refused = []
+    for plan in result.plans:
+        plan = plan if plan.stages else plan.with_even_stages(model)
+        try:
+            validate_plan(model, plan, world_size)
+        except PlanError as exc:
+            refused.append(str(exc))
+            continue
+        return plan
+    raise ReshapeError(f"the planner found no plan of {model.name} for {world_size} devices with "
+                       f"global_batch {global_batch} that the runtime runs ({refused[:2]}); "
+                       "wait for more devices or restart from the checkpoint with a plan file")

@@ -1,0 +1,160 @@
+"""Rebuild a job's state after workers restart, from the node-local store, under a new Plan.
+
+Every file of a node's store lives in that node's shared memory, so each worker of the node can
+read what any of the node's old ranks held: a new rank reads, for each piece Layout B gives it,
+the overlapping boxes of the old ranks that Layout A says held them (its own old file first, then
+the lowest old rank), and fills its freshly built engine from them (``install_state``). Pieces
+of old ranks whose files are not on this node come from the ring copy (``NodeStore.replicas``)
+where there is one; none of either is refused with the way out (the newest checkpoint).
+
+``restore_report`` prices the same change as a MovePlan between devices (survivors: the old
+ranks still running; the rest of the state counted as from the store), for the reshape line.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from meshmorph.elastic.live.execute import is_tensor_key
+from meshmorph.elastic.live.local_state import HeldPiece, ReshapeError, SmallState, install_state
+from meshmorph.elastic.live.store import NodeStore, StoredState
+from meshmorph.elastic.moves.layout import layout_of
+from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import Plan
+
+
+@dataclass(slots=True)
+class RestoreReport:
+    """Where one new rank's state came from."""
+
+    step: int
+    """The step the state was stored at (training continues from it)."""
+    bytes_from: dict[str, int] = field(default_factory=dict)
+    """Bytes read per source: ``own`` (this rank's old file), ``node-rank<r>`` (another old
+    rank's file on this node), ``ring-rank<r>`` (the ring copy of another node's rank)."""
+    time_s: float = 0.0
+    """Wall time of reading and installing."""
+    consumed_samples: int = 0
+    """The data position stored with the state."""
+
+
+def _find(store: NodeStore, rank: int, step: int) -> tuple[StoredState, str]:
+    if store.path(rank, step).is_file():
+        return store.load(rank, step), "node"
+    if store.path(rank, step, store.replicas).is_file():
+        return store.load(rank, step, store.replicas), "ring"
+    raise ReshapeError(f"no copy of old rank {rank}'s state at step {step} in the node store "
+                       f"{store.dir} or its ring copy; restart from the newest checkpoint "
+                       "(meshmorph run --resume --reshard)")
+
+
+def _order(old_rank: int | None, local: set[int] | None) -> Any:
+    """Holders read first: this worker's old rank, then ranks its node holds, then the lowest."""
+    return lambda held: (held[0] != old_rank, local is not None and held[0] not in local,
+                         held[0])
+
+
+def old_ranks_read(model: ModelSpec, plan_a: Plan, plan_b: Plan, *, new_rank: int,
+                   old_rank: int | None, local: set[int]) -> list[int]:
+    """The old ranks whose stored files ``restore_from_store`` reads for ``new_rank`` when its
+    node holds those of ``local`` (the others must be pulled from another node first)."""
+    layout_a, layout_b = layout_of(model, plan_a), layout_of(model, plan_b)
+    read: list[int] = []
+    for piece in layout_b.held[new_rank]:
+        if not is_tensor_key(piece.key) or not piece.box.numel:
+            continue
+        remaining = [piece.box]
+        for rank, box in sorted(layout_a.holders(piece.key), key=_order(old_rank, local)):
+            if not remaining:
+                break
+            overlaps = [part.intersect(box) for part in remaining]
+            if all(o is None for o in overlaps):
+                continue
+            read += [rank] if rank not in read else []
+            remaining = [rest for part, common in zip(remaining, overlaps, strict=True)
+                         for rest in (part.minus(common) if common is not None else [part])]
+    if old_rank is not None and old_rank not in read:
+        read.append(old_rank)  # its small state (step, schedule, RNG stream)
+    return read
+
+
+def restore_from_store(store: NodeStore, *, new_rank: int, old_rank: int | None, step: int,
+                       model: ModelSpec, plan_b: Plan, engine: Any, plan_a: Plan | None = None,
+                       pulled: dict[int, tuple[StoredState, str]] | None = None,
+                       local_ranks: set[int] | None = None) -> RestoreReport:
+    """Fill ``engine`` (Plan B, rank ``new_rank``, freshly built) from the state the old ranks
+    stored at ``step``; ``old_rank`` is the rank this worker takes up (None: it joined).
+    ``pulled``: old rank -> (state, source) already fetched from another node
+    (``store_pull.pull_files``); ``local_ranks``: the old ranks this node holds (read before
+    the others)."""
+    start = time.perf_counter()
+    report = RestoreReport(step)
+    loaded: dict[int, tuple[StoredState, str]] = dict(pulled or {})
+    if plan_a is None:
+        first_rank = old_rank if old_rank is not None else 0
+        if first_rank not in loaded:
+            loaded[first_rank] = _find(store, first_rank, step)
+        plan_a = Plan.from_json(loaded[first_rank][0].plan_json)
+    first = next(iter(loaded.values()), None)
+    layout_a, layout_b = layout_of(model, plan_a), layout_of(model, plan_b)
+    pieces: dict[str, list[HeldPiece]] = {}
+    for piece in layout_b.held[new_rank]:
+        if not is_tensor_key(piece.key) or not piece.box.numel:
+            continue
+        remaining = [piece.box]
+        holders = sorted(layout_a.holders(piece.key), key=_order(old_rank, local_ranks))
+        for rank, box in holders:
+            if not remaining:
+                break
+            overlaps = [part.intersect(box) for part in remaining]
+            if not any(o is not None for o in overlaps):
+                continue
+            if rank not in loaded:
+                loaded[rank] = _find(store, rank, step)
+            stored, where = loaded[rank]
+            source = "own" if rank == old_rank and where == "node" else f"{where}-rank{rank}"
+            for common in overlaps:
+                if common is None:
+                    continue
+                (held,) = stored.state.pieces[piece.key]
+                local = tuple(slice(o - h, o - h + n) for o, n, h in
+                              zip(common.offset, common.length, held.offset, strict=True))
+                value = held.tensor[local] if local else held.tensor
+                pieces.setdefault(piece.key, []).append(
+                    HeldPiece(piece.key, common.offset, held.global_shape, value))
+                report.bytes_from[source] = report.bytes_from.get(source, 0) + \
+                    value.numel() * value.element_size()
+            remaining = [rest for part, common in zip(remaining, overlaps, strict=True)
+                         for rest in part.minus(common)]
+        if remaining:
+            raise ReshapeError(f"{piece.key} {remaining[0]} is held by no old rank of plan A; "
+                               "the stored plan and this model disagree")
+    if old_rank is not None and old_rank not in loaded:
+        loaded[old_rank] = _find(store, old_rank, step)
+    own = loaded.get(old_rank) if old_rank is not None else None
+    if first is None:
+        first = next(iter(loaded.values()))
+    small: SmallState = (own or first)[0].state.small
+    if own is None:
+        small = SmallState(small.step, small.param_group, small.lr_scheduler,
+                           torch.get_rng_state(), small.consumed_samples, small.loss_scaler)
+    install_state(engine, pieces, small)
+    report.consumed_samples = small.consumed_samples
+    report.time_s = time.perf_counter() - start
+    return report
+
+
+def restore_step(store: NodeStore, old_ranks: list[int]) -> int | None:
+    """The newest step every old rank stored on this node (or in its ring copy)."""
+    steps = store.steps()
+    ring = store.steps(store.replicas) if store.replicas.is_dir() else {}
+    common = None
+    for rank in old_ranks:
+        have = set(steps.get(rank, [])) | set(ring.get(rank, []))
+        common = have if common is None else common & have
+    return max(common) if common else None
+

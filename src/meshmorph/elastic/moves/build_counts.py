@@ -1,0 +1,97 @@
+"""What one rank builds when it builds an engine of a Plan: the counts the move time prices the
+new engine's build and install by (``move_time``), from the plan alone (pure: no torch).
+
+``run/engine.build_engine`` builds each chunk on the meta device, applies tensor parallelism
+(each TP-split parameter becomes a DTensor on the tp mesh), FSDP2 (one ``fully_shard`` unit per
+layer of the chunk and one for the chunk, every parameter a dim-0 shard) or DDP, then allocates
+and zeroes this rank's shards (``materialize_``, the values are written by the install). Before
+any of that, ``init_device_mesh`` forms the (pp, dp, tp) mesh: for every dimension smaller than
+the world, one ``new_group`` call per group of that dimension on every rank (torch reuses the
+default group for a dimension as large as the world), and this rank joins the one group holding
+it. The install then writes every parameter and creates AdamW's two moments beside it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshmorph.cost.tensor_shapes import layer_tensors
+from meshmorph.elastic.moves.layout import param_fqn
+from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import Plan
+
+ELEMENT_BYTES = 4
+"""Bytes of one fp32 element (the reshape's state is fp32)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BuildCounts:
+    """One rank's share of building and filling an engine of a plan."""
+
+    tensors: int
+    """Parameter tensors the rank builds (a tied head beside its embedding counted once)."""
+    tp_tensors: int
+    """Of those, the tensors tensor parallelism splits (DTensors on the tp mesh)."""
+    fsdp_units: int
+    """``fully_shard`` calls (ZeRO 2/3 over dp > 1: one per layer of each chunk, one per
+    chunk)."""
+    fsdp_tensors: int
+    """Tensors FSDP2 shards (every tensor of the rank under ZeRO 2/3 over dp > 1)."""
+    param_bytes: int
+    """Bytes of parameters the rank allocates and zeroes (FSDP2's padding rows included)."""
+    mesh_calls: int
+    """``new_group`` calls the device mesh makes on this rank (every rank makes every call)."""
+    mesh_groups: tuple[int, ...]
+    """Sizes of the mesh groups this rank joins that connect processes (1 < size < world)."""
+
+    @property
+    def dtensors(self) -> int:
+        """Tensors that are DTensors (FSDP2 shards every tensor; else TP its split ones)."""
+        return self.fsdp_tensors if self.fsdp_tensors else self.tp_tensors
+
+    @property
+    def moment_bytes(self) -> int:
+        """Bytes of AdamW's two moments the install creates and fills."""
+        return 2 * self.param_bytes
+
+
+def mesh_shape(plan: Plan) -> tuple[int, int, int]:
+    """The (pp, dp, tp) mesh ``run/mesh.build_mesh`` forms."""
+    return plan.pp, plan.dp, plan.tp
+
+
+def build_counts(model: ModelSpec, plan: Plan) -> dict[int, BuildCounts]:
+    """``BuildCounts`` of every rank of ``plan`` (by rank)."""
+    world = plan.world_size
+    dims = [size for size in mesh_shape(plan) if size < world]
+    calls = sum(world // size for size in dims)
+    groups = tuple(size for size in dims if size > 1)
+    fsdp = plan.dp > 1 and plan.zero >= 2
+    out = {}
+    for pp_rank in range(plan.pp):
+        tensors = tp_tensors = units = numel = 0
+        seen: set[str] = set()
+        for chunk in plan.chunks_of(pp_rank):
+            stage = plan.stages[chunk]
+            units += (stage.stop - stage.start + 1) if fsdp else 0
+            for layer in range(stage.start, stage.stop):
+                for tensor in layer_tensors(model, layer, plan.tp):
+                    fqn = param_fqn(model, layer, tensor.name)
+                    if fqn in seen:
+                        continue
+                    seen.add(fqn)
+                    tensors += 1
+                    split = plan.tp > 1 and tensor.tp_dim is not None
+                    tp_tensors += split
+                    shape = tensor.local_shape(plan.tp)
+                    rows = -(-shape[0] // plan.dp) if fsdp else shape[0]  # FSDP2 pads rows
+                    numel += rows * math.prod(shape[1:])
+        counts = BuildCounts(tensors=tensors, tp_tensors=tp_tensors, fsdp_units=units,
+                             fsdp_tensors=tensors if fsdp else 0,
+                             param_bytes=numel * ELEMENT_BYTES, mesh_calls=calls,
+                             mesh_groups=groups)
+        for dp_rank in range(plan.dp):
+            for tp_rank in range(plan.tp):
+                out[plan.rank_of(pp_rank, dp_rank, tp_rank)] = counts
+    return out

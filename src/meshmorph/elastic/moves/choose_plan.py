@@ -1,0 +1,116 @@
+"""Choose the new Plan after a membership change knowing what the move to it costs.
+
+The planner's fastest plan for the new device set is not always the best next plan: a plan
+whose layout is far from the running one moves more bytes, and over the few steps left its
+faster steps may not pay for the longer move. Every candidate (the planner's best few plans
+for the new device set that the runtime accepts) is priced as
+
+    time to finish = predicted move time (MovePlan from the running layout, ``move_time``)
+                     + steps left * predicted step time (the cost model's estimate)
+
+and the smallest wins: the throughput over the steps left minus the move's cost, in seconds.
+Pure (no torch.distributed); ``candidate_plans`` runs the planner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshmorph.elastic.live.local_state import ReshapeError
+from meshmorph.elastic.moves.layout import layout_of
+from meshmorph.elastic.moves.move_plan import plan_move
+from meshmorph.elastic.moves.move_time import MoveTimeModel, move_time
+from meshmorph.spec.cluster import Cluster, parse_cluster
+from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import Plan
+
+
+@dataclass(frozen=True, slots=True)
+class PlanChoice:
+    """One candidate next plan, priced."""
+
+    plan: Plan
+    """The candidate."""
+    step_time_s: float
+    """Its predicted step time (the cost model's estimate)."""
+    move_time_s: float
+    """Predicted time of the move from the running plan to it."""
+    bytes_moved: int
+    """Bytes its MovePlan sends between devices."""
+    steps_left: int
+    """Steps still to train."""
+
+    @property
+    def total_s(self) -> float:
+        """Predicted time to finish the run under this plan, the move included."""
+        return self.move_time_s + self.steps_left * self.step_time_s
+
+
+def rank_choices(model: ModelSpec, plan_a: Plan, candidates: Sequence[tuple[Plan, float]], *,
+                 survivors: Sequence[int], steps_left: int, cluster: Cluster | None = None,
+                 time_model: MoveTimeModel | None = None,
+                 hosts: Sequence[int] | None = None) -> list[PlanChoice]:
+    """Every ``(plan, step_time_s)`` candidate priced, best (least time to finish) first.
+    ``survivors``: Plan A's ranks still alive; devices that join hold nothing and are numbered
+    after Plan A's ranks; ``hosts``: the devices that may run the new plan (a planned leave)."""
+    if not candidates:
+        raise ReshapeError("no candidate plan to choose from; give at least one plan that the "
+                           "new device set runs")
+    if steps_left < 0:
+        raise ReshapeError(f"steps_left must be >= 0, got {steps_left}")
+    layout_a = layout_of(model, plan_a)
+    choices = []
+    for plan, step_s in candidates:
+        layout_b = layout_of(model, plan)
+        joining = max(0, plan.world_size - len(hosts if hosts is not None else survivors))
+        new = list(range(plan_a.world_size, plan_a.world_size + joining))
+        move = plan_move(layout_a, layout_b, survivors, new, hosts=hosts)
+        where = cluster or parse_cluster(f"cpu:1x{max(move.devices, default=0) + 1}")
+        seconds = move_time(move, where, model=time_model).total_s
+        choices.append(PlanChoice(plan, step_s, seconds, move.bytes_moved, steps_left))
+    return sorted(choices, key=lambda c: (c.total_s, c.move_time_s))
+
+
+def candidate_plans(model: ModelSpec, world_size: int, *, global_batch: int,
+                    dtype: str = "fp32", cluster: str | None = None,
+                    top_k: int = 8) -> list[tuple[Plan, float]]:
+    """The planner's ``top_k`` fastest plans for ``world_size`` devices that the runtime
+    accepts, with their predicted step times (the global batch kept)."""
+    from meshmorph.plan.search import search
+    from meshmorph.plan.space import SearchOptions
+    from meshmorph.run.engine.train_engine import validate_plan
+    from meshmorph.spec.plan import PlanError
+
+    result = search(model, parse_cluster(cluster or f"cpu:1x{world_size}"),
+                    global_batch=global_batch, options=SearchOptions(dtype=dtype, top_k=top_k, cp_max=1))
+    out = []
+    for plan, estimate in zip(result.plans, result.estimates, strict=True):
+        plan = plan if plan.stages else plan.with_even_stages(model)
+        try:
+            validate_plan(model, plan, world_size)
+        except PlanError:
+            continue
+        out.append((plan, estimate.step_time_s))
+    return out
+
+
+def choose_plan(model: ModelSpec, plan_a: Plan, world_size: int, *, survivors: Sequence[int],
+                steps_left: int, cluster: str | None = None,
+                time_model: MoveTimeModel | None = None) -> PlanChoice:
+    """The next plan for ``world_size`` devices: least predicted time to finish, move included.
+    Where the running plan still fits the device count it is a candidate too (it moves only
+    what the lost devices held)."""
+    candidates = candidate_plans(model, world_size, global_batch=plan_a.global_batch,
+                                 dtype=plan_a.dtype, cluster=cluster)
+    if plan_a.world_size == world_size and all(p != plan_a for p, _ in candidates):
+        from meshmorph.cost.model import CostModel
+
+        where = parse_cluster(cluster or f"cpu:1x{world_size}")
+        candidates.append((plan_a, CostModel(model, where).estimate(plan_a).step_time_s))
+    if not candidates:
+        raise ReshapeError(f"the planner found no plan of {model.name} for {world_size} devices "
+                           f"with global_batch {plan_a.global_batch} that the runtime runs; wait "
+                           "for more devices or restart from the checkpoint with a plan file")
+    return rank_choices(model, plan_a, candidates, survivors=survivors, steps_left=steps_left,
+                        time_model=time_model)[0]

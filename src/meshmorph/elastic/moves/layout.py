@@ -1,0 +1,206 @@
+"""Layout: which rank holds which box of every piece of training state under a Plan.
+
+A pure function of (ModelSpec, Plan), derived from ``cost/tensor_shapes.py`` (the one description
+of what the runtime allocates) and from how ``run/`` shards it:
+
+- pipeline: pipeline rank ``p`` holds the model chunks ``plan.chunks_of(p)`` (virtual stages
+  included); a tied head on a later pipeline rank holds a replica of the embedding's value,
+  optimizer moments included (its gradient is summed with the embedding's every step);
+- tensor parallelism: column-parallel weights (q/k/v, fc1, w1/w3) and their biases by dim 0,
+  row-parallel ones (wo, fc2, w2) by dim 1, embedding and head by vocabulary rows where tp divides
+  the padded vocabulary (``vocab_split``), everything else whole on every tp rank; tp always
+  divides a split dim (``Plan.check_against`` insists);
+- data parallelism by ZeRO stage: 0 replicates everything; 1 keeps parameters whole and shards
+  both AdamW moments by dim 0 of the tp-local tensor (``run/parallel/zero1.py``); 2 and 3 shard parameters
+  and moments the way FSDP2 does at a step boundary: dim 0 of the tp-local tensor cut into
+  ``ceil(n / dp)`` rows per rank (``torch.chunk``), the last ranks getting fewer or zero rows; FSDP2
+  allocates the full ``ceil(n / dp)`` rows on every rank, and ``Piece.pad_rows`` records the
+  padding beyond the real rows;
+- small state on every rank: the optimizer ``step``, the LR-scheduler position ``lr_scheduler``
+  and the data position ``data`` (consumed samples) are replicated; ``rng/<rank>`` is each rank's
+  own generator state.
+
+All state tensors are fp32 (parameters stay fp32 in every precision: see ``Plan.dtype``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshmorph.cost.tensor_shapes import layer_tensors
+from meshmorph.elastic.moves.box import Box
+from meshmorph.spec.cp_runtime import refuse_context_parallel
+from meshmorph.spec.model import LayerKind, ModelSpec
+from meshmorph.spec.plan import Plan, PlanError
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""AdamW's two moments, named as torch's optimizer state names them."""
+RNG_STATE_BYTES = 5056
+"""Bytes of torch's CPU generator state (``torch.get_rng_state().numel()``): one rank's stream."""
+DTYPE_BYTES = {"fp32": 4, "int64": 8, "uint8": 1}
+"""Bytes of one element of each state dtype."""
+
+
+@dataclass(frozen=True, slots=True)
+class StateTensor:
+    """One logical (whole, one-device) state tensor."""
+
+    key: str
+    """``param/<fqn>``, ``exp_avg/<fqn>``, ``exp_avg_sq/<fqn>`` (``<fqn>`` the parameter's name in
+    the one-device model, as DCP checkpoints name it), ``step``, ``lr_scheduler``, ``data`` or
+    ``rng/<rank>``."""
+    shape: tuple[int, ...]
+    """Whole shape; ``()`` for a counter, ``(bytes,)`` for an opaque byte string."""
+    dtype: str
+    """``fp32``, ``int64`` or ``uint8``."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """The box of one state tensor that a rank holds."""
+
+    key: str
+    """Key of the StateTensor."""
+    box: Box
+    """The elements held (real data only: FSDP2's padding is not in it)."""
+    pad_rows: int = 0
+    """Rows along dim 0 the rank allocates beyond ``box`` (FSDP2 pads every shard to
+    ``ceil(n / dp)`` rows)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Every state tensor of a job under one Plan, and what each rank holds of it."""
+
+    model: ModelSpec
+    """The model the state belongs to."""
+    plan: Plan
+    """The Plan the state is laid out by."""
+    world_size: int
+    """Ranks of the plan (tp x pp x dp)."""
+    tensors: dict[str, StateTensor]
+    """Logical state tensors by key."""
+    held: dict[int, tuple[Piece, ...]]
+    """Per rank, the pieces it holds (one per key it holds; replicas included)."""
+
+    def holders(self, key: str) -> list[tuple[int, Box]]:
+        """(rank, box) of every rank holding part of ``key``, replicas included, by rank."""
+        return [(rank, piece.box) for rank in sorted(self.held) for piece in self.held[rank]
+                if piece.key == key and piece.box.numel]
+
+    def piece(self, rank: int, key: str) -> Piece | None:
+        """What ``rank`` holds of ``key`` (None: nothing)."""
+        return next((p for p in self.held.get(rank, ()) if p.key == key), None)
+
+    def bytes_on(self, rank: int) -> int:
+        """Bytes of real state held by ``rank``."""
+        return sum(self._bytes(piece.key, piece.box.numel) for piece in self.held.get(rank, ()))
+
+    def allocated_bytes_on(self, rank: int) -> int:
+        """Bytes ``rank`` allocates for its state, FSDP2's padding rows included."""
+        return sum(self._bytes(p.key, p.box.numel + p.pad_rows * p.box.row_numel())
+                   for p in self.held.get(rank, ()))
+
+    def total_bytes(self) -> int:
+        """Bytes of the whole state, each tensor once."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def _bytes(self, key: str, numel: int) -> int:
+        return numel * DTYPE_BYTES[self.tensors[key].dtype]
+
+
+def param_fqn(model: ModelSpec, layer: int, name: str) -> str:
+    """A parameter's name in the one-device model (``run/model/decoder.py``): ``embed.tok.weight``,
+    ``blocks.3.attn.wq.weight`` (layer 4), ``head.out.weight``; a tied head's weight is the
+    embedding's ``embed.tok.weight``."""
+    kind = model.layers[layer].kind
+    if kind == LayerKind.EMBEDDING:
+        return f"embed.{name}"
+    if kind == LayerKind.HEAD:
+        if name == "out.weight" and model.tied_embeddings:
+            return "embed.tok.weight"
+        return f"head.{name}"
+    return f"blocks.{layer - 1}.{name}"
+
+
+def _dp_rows(rows: int, dp: int, dp_rank: int) -> tuple[int, int]:
+    """Rows [start, stop) of dim 0 that data-parallel rank ``dp_rank`` holds (``torch.chunk``:
+    ``ceil(rows / dp)`` per rank, the last ranks fewer or none), as FSDP2 and ZeRO-1 cut them."""
+    size = -(-rows // dp) if rows else 0
+    start = min(dp_rank * size, rows)
+    return start, min(start + size, rows)
+
+
+def _tp_box(shape: tuple[int, ...], tp_dim: int | None, tp: int, tp_rank: int) -> Box:
+    """The box a tensor-parallel rank holds of a whole tensor (tp divides the split dim)."""
+    if tp_dim is None or tp == 1:
+        return Box.whole(shape)
+    part = shape[tp_dim] // tp
+    offset = [0] * len(shape)
+    length = list(shape)
+    offset[tp_dim], length[tp_dim] = tp_rank * part, part
+    return Box(tuple(offset), tuple(length))
+
+
+def _dp_piece(key: str, local: Box, dp: int, dp_rank: int) -> Piece:
+    """A dim-0 data-parallel shard of the tp-local box ``local``, FSDP2's padding recorded."""
+    rows = local.length[0]
+    start, stop = _dp_rows(rows, dp, dp_rank)
+    box = Box((local.offset[0] + start, *local.offset[1:]), (stop - start, *local.length[1:]))
+    return Piece(key, box, pad_rows=(-(-rows // dp)) - (stop - start))
+
+
+def layout_of(model: ModelSpec, plan: Plan) -> Layout:
+    """The Layout of ``plan``'s training state (pure: no torch, no torch.distributed).
+
+    Raises PlanError where the plan does not fit the model (``Plan.check_against``), or lists
+    per-layer strategies (layerwise plans: their state is laid out layer by layer, not here)."""
+    if any(stage.layer_strategies is not None for stage in plan.stages):
+        raise PlanError("elastic layouts and reshapes cover plans with one tp/dp/ZeRO per stage; "
+                        "this plan lists layer_strategies (a layerwise plan): drop them, or "
+                        "re-plan with meshmorph plan --uniform")
+    refuse_context_parallel(plan, "elastic layouts and reshapes")
+    plan.check_against(model)
+    tensors: dict[str, StateTensor] = {}
+    held: dict[int, list[Piece]] = {}
+    small = {"step": StateTensor("step", (), "int64"),
+             "lr_scheduler": StateTensor("lr_scheduler", (), "int64"),
+             "data": StateTensor("data", (), "int64")}
+    tensors.update(small)
+    for pp_rank in range(plan.pp):
+        for dp_rank in range(plan.dp):
+            for tp_rank in range(plan.tp):
+                rank = plan.rank_of(pp_rank, dp_rank, tp_rank)
+                pieces = held.setdefault(rank, [])
+                seen: set[str] = set()
+                for chunk in plan.chunks_of(pp_rank):
+                    stage = plan.stages[chunk]
+                    for layer in range(stage.start, stage.stop):
+                        for tensor in layer_tensors(model, layer, plan.tp):
+                            fqn = param_fqn(model, layer, tensor.name)
+                            if fqn in seen:  # a tied head beside its embedding: one tensor
+                                continue
+                            seen.add(fqn)
+                            local = _tp_box(tensor.shape, tensor.tp_dim, plan.tp, tp_rank)
+                            for kind in ("param", *MOMENTS):
+                                key = f"{kind}/{fqn}"
+                                tensors.setdefault(key, StateTensor(key, tensor.shape, "fp32"))
+                                shard = plan.dp > 1 and (plan.zero >= 2 or
+                                                         (plan.zero == 1 and kind != "param"))
+                                pieces.append(_dp_piece(key, local, plan.dp, dp_rank) if shard
+                                              else Piece(key, local))
+                rng = f"rng/{rank}"
+                tensors[rng] = StateTensor(rng, (RNG_STATE_BYTES,), "uint8")
+                pieces.extend(Piece(key, Box.whole(t.shape)) for key, t in small.items())
+                pieces.append(Piece(rng, Box.whole(tensors[rng].shape)))
+    return Layout(model=model, plan=plan, world_size=plan.world_size, tensors=tensors,
+                  held={rank: tuple(pieces) for rank, pieces in sorted(held.items())})

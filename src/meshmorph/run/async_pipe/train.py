@@ -1,0 +1,173 @@
+"""``meshmorph run`` of a plan with ``schedule = "async"``: the job's model and data through the
+asynchronous pipeline executor (``run/async_pipe/executor.py``), one model chunk per rank.
+
+Pipeline rank ``k`` builds chunk ``k`` of the plan (``build_chunk``: the weights the whole model
+would hold) and trains it without flush: 1F1B across step boundaries, each stage stepping its
+optimizer as soon as a backward is done. What one logged step is:
+
+- ``none``, ``stash``, ``sgd``, ``adam``: every micro-batch is an update of every stage (PipeDream),
+  so a step of ``m`` micro-batches is ``m`` updates; the step's loss is the mean of its ``m``
+  micro-batch losses, each computed with the weights its forward saw;
+- ``2bw``: a step is one batch of ``m`` micro-batches with one update per stage (PipeDream-2BW).
+
+The optimizer is the job's AdamW (``sgd`` prediction: momentum SGD with momentum ``beta1`` and no
+weight decay, SpecTrain's rule); the learning rate of update ``u`` is the job's schedule at step
+``u // m`` (at step ``u`` under ``2bw``). What the synchronous engine adds and an asynchronous
+pipeline has no place for is left out and said so: gradient clipping and the global gradient norm
+(no moment where every stage holds the same step's gradients; ``grad_norm`` is logged as NaN),
+the sum of a tied embedding's two gradients (the head's copy trains as its own matrix), and
+checkpoints. The metrics are written by the last pipeline rank, which sees the losses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshmorph.run.async_pipe.config import AsyncPipelineConfig
+from meshmorph.run.async_pipe.executor import AsyncPipeline
+from meshmorph.run.config import OptimConfig
+from meshmorph.run.data import DataShard, SampleOrder, SampleSource
+from meshmorph.run.metrics import MetricsLogger
+from meshmorph.run.model.decoder import build_chunk
+from meshmorph.run.model.loss import token_cross_entropy
+from meshmorph.run.parallel.parallelize import TORCH_DTYPES
+from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import Plan, PlanError, Schedule
+
+
+def check_async_plan(model: ModelSpec, plan: Plan) -> None:
+    """Refuse an asynchronous plan the async executor cannot run; the message names the
+    constraint and a way out."""
+    if plan.schedule != Schedule.ASYNC:
+        return
+    if plan.pp < 2:
+        raise PlanError("schedule 'async' pipelines stages over ranks: it needs pp >= 2; raise "
+                        "pp or use schedule 1f1b")
+    if plan.tp != 1 or plan.dp != 1:
+        raise PlanError(f"schedule 'async' runs one model chunk per rank with tp 1 and dp 1, got "
+                        f"tp {plan.tp} dp {plan.dp}; set tp = dp = 1 (pp = the number of "
+                        f"processes) or use a synchronous schedule (1f1b, zb, zbv)")
+    if plan.vpp != 1:
+        raise PlanError(f"schedule 'async' holds one chunk per rank, got vpp {plan.vpp}; set vpp 1")
+    if plan.dtype == "fp16":
+        raise PlanError("schedule 'async' has no fp16 loss scaling (each stage steps on its "
+                        "own); use dtype bf16 or fp32")
+    if any(stage.layer_strategies is not None for stage in plan.stages):
+        raise PlanError("schedule 'async' does not run layer strategies; drop layer_strategies")
+
+
+class _Fp32Output(nn.Module):
+    """A chunk whose output goes to the next rank in fp32 (what the receiver allocates)."""
+
+    def __init__(self, chunk: nn.Module, last: bool) -> None:
+        super().__init__()
+        self.chunk, self.last = chunk, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.chunk(x)
+        return out if self.last else out.float()
+
+
+def async_config(plan: Plan, optim: OptimConfig) -> AsyncPipelineConfig:
+    """The executor's configuration for ``plan`` under the job's optimizer settings."""
+    sgd = plan.weight_prediction == "sgd"
+    return AsyncPipelineConfig(
+        weight_prediction=plan.weight_prediction, num_microbatches=plan.num_microbatches,
+        optimizer="sgd" if sgd else "adamw", lr=optim.lr, momentum=optim.beta1,
+        betas=(optim.beta1, optim.beta2), eps=optim.eps,
+        weight_decay=0.0 if sgd else optim.weight_decay, guard_threshold=None)
+
+
+def updates_per_step(plan: Plan) -> int:
+    """Optimizer updates of each stage per logged step."""
+    return 1 if plan.weight_prediction == "2bw" else plan.num_microbatches
+
+
+def train_async(*, model: ModelSpec, plan: Plan, optim: OptimConfig, batch_of_step:
+                Callable[[int], torch.Tensor], steps: int, seed: int, out_dir: Path,
+                device: torch.device) -> list[float]:
+    """Train ``steps`` steps of ``plan`` (``batch_of_step(step)``: that step's global batch,
+    LongTensor[G, s + 1]); writes metrics.jsonl from the last rank and returns the step losses
+    there (empty elsewhere). torch.distributed must be initialised with pp ranks."""
+    check_async_plan(model, plan)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != plan.pp:
+        raise PlanError(f"schedule 'async' runs pp {plan.pp} ranks, the job has {world}")
+    stage = plan.stages[rank]
+    chunk = build_chunk(model, stage.start, stage.stop, seed=seed, device=device)
+    last = rank == plan.pp - 1
+    config = async_config(plan, optim)
+    per_step = updates_per_step(plan)
+    autocast: Callable[[], contextlib.AbstractContextManager[object]] = (
+        (lambda: torch.autocast(device.type, dtype=TORCH_DTYPES[plan.dtype]))
+        if plan.dtype != "fp32" else contextlib.nullcontext)
+    pipeline = AsyncPipeline(
+        _Fp32Output(chunk, last), config,
+        feature_shapes=[(plan.seq_len,)] + [(plan.seq_len, model.hidden_size)] * (plan.pp - 1),
+        loss_fn=token_cross_entropy, lr_at=lambda version: optim.lr_at(version // per_step),
+        forward_context=autocast)
+    batches_per_step = 1 if plan.weight_prediction == "2bw" else plan.num_microbatches
+    rows = plan.global_batch // batches_per_step
+    cache: dict[int, torch.Tensor] = {}
+
+    def batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        step, piece = divmod(index, batches_per_step)
+        if step not in cache:
+            cache.clear()
+            cache[step] = batch_of_step(step).to(device)
+        tokens = cache[step][piece * rows:(piece + 1) * rows]
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    metrics = MetricsLogger(out_dir, enabled=last, total_steps=steps, start_step=0,
+                            tokens_per_step=plan.global_batch * plan.seq_len)
+    losses: list[float] = []
+    pending: list[float] = []
+    clock = [time.perf_counter()]
+
+    def on_loss(index: int, loss: float) -> None:
+        pending.append(loss)
+        if len(pending) < batches_per_step:
+            return
+        step = len(losses) + 1
+        now = time.perf_counter()
+        # the loss of a batch of micro-batches is already their mean (the executor divides)
+        losses.append(sum(pending) / len(pending) if batches_per_step > 1 else pending[0])
+        pending.clear()
+        metrics.log(step=step, loss=losses[-1], lr=optim.lr_at(step - 1), grad_norm=math.nan,
+                    step_time_s=now - clock[0], consumed_samples=step * plan.global_batch)
+        clock[0] = now
+
+    try:
+        pipeline.train(batch, steps * batches_per_step, rows, on_loss=on_loss)
+    finally:
+        metrics.close()
+    return losses
+
+
+def run_async_job(*, model: ModelSpec, plan: Plan, optim: OptimConfig, source: SampleSource,
+                  data_seed: int, steps: int, seed: int, out_dir: Path, device: torch.device,
+                  resume: bool, elastic: object) -> int:
+    """``meshmorph run``'s training loop for an asynchronous plan (``trainer.train`` hands it
+    over); the job's data in the job's sample order, the step's batch as the engine sees it."""
+    if resume or elastic is not None:
+        raise PlanError("schedule 'async' writes no checkpoint and has no step boundary to "
+                        "restart from: run it without --resume and --elastic, or use a "
+                        "synchronous schedule")
+    shard = DataShard(source, SampleOrder(len(source), data_seed),
+                      global_batch=plan.global_batch, dp_rank=0, dp_size=1)
+    losses = train_async(model=model, plan=plan, optim=optim,
+                         batch_of_step=lambda step: shard.batch(step * plan.global_batch),
+                         steps=steps, seed=seed, out_dir=out_dir, device=device)
+    if dist.get_rank() == plan.pp - 1:
+        print(f"finished at step {len(losses)} (schedule async, weight_prediction "
+              f"{plan.weight_prediction}); metrics in {out_dir / 'metrics.jsonl'}; no "
+              f"checkpoint (asynchronous runs save none)", flush=True)
+    return 0

@@ -1,0 +1,1 @@
+"""The launcher process: check a job completely, start torchrun, supervise it, own the run folder."""

@@ -1,0 +1,36 @@
+"""torchrun, with its failures said in one line.
+
+``python -m meshmorph.run.launch.agent <torchrun arguments>`` runs ``torch.distributed.run`` exactly as
+``torchrun`` does; when a rank fails it prints which rank, how (exit code or signal) and its pid,
+instead of torchrun's own traceback, and exits with 1. A signal that stops the agent itself
+(the launcher's escalation) exits quietly with 128 + the signal number.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
+               else f"exited with code {failure.exitcode}")
+        others = sorted(set(exc.failures) - {rank})
+        print(f"meshmorph: rank {rank} (pid {failure.pid}) {how}; the job stopped"
+              + (f" (ranks {', '.join(map(str, others))} failed after it)" if others else ""),
+              file=sys.stderr, flush=True)
+        return 1
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -56,7 +56,8 @@ from meshmorph.run.config import OptimConfig
 from meshmorph.run.parallel.parallelize import uses_fsdp_precision
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, PlanError, Schedule, StagePlan
+from meshmorph.spec.plan import Plan, PlanError, StagePlan
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
 WORLD = 4

@@ -24,10 +24,11 @@ from meshmorph.cost.transition import transition
 from meshmorph.plan.layerwise_runnable import layerwise_runnable, tied_ends_refusal
 from meshmorph.plan.layerwise_search import search_layerwise, solve_partitioned
 from meshmorph.plan.space import SearchOptions
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import LayerStrategy, Plan, Schedule
+from meshmorph.spec.plan import LayerStrategy, Plan
 
 MODES = (Recompute.NONE, Recompute.FULL)
 EXACT = dict(tolerance=0.0, max_nodes=None)

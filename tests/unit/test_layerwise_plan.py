@@ -12,10 +12,11 @@ from meshmorph.cost.model import CostModel
 from meshmorph.cost.rank_terms import head_loss_bytes
 from meshmorph.cost.transition import transition
 from meshmorph.plan.layerwise import stage_choices
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import LayerStrategy, Plan, PlanError, Schedule
+from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "plans" / "layerwise-gpt-small.json"
 

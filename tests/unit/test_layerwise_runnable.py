@@ -17,17 +17,11 @@ from meshmorph.plan.layerwise_runnable import (
 )
 from meshmorph.plan.layerwise_search import search_layerwise
 from meshmorph.plan.space import SearchOptions
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import catalog_model, load_model
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import (
-    SPLIT_BACKWARD_SCHEDULES,
-    V_SCHEDULES,
-    LayerStrategy,
-    Plan,
-    PlanError,
-    Schedule,
-)
+from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
 
 
 def _plans(model: ModelSpec) -> list[Plan]:
@@ -86,7 +80,7 @@ def test_the_wide_search_picks_a_v_plan_and_the_default_a_runnable_one() -> None
     options = SearchOptions(top_k=1)
     wide = search_layerwise(model, cluster, global_batch=64, options=options, cost=cost,
                             runnable=False)
-    assert wide.plan.schedule in V_SCHEDULES | SPLIT_BACKWARD_SCHEDULES
+    assert (wide.plan.schedule.v_shape or wide.plan.schedule.split_backward)
     default = search_layerwise(model, cluster, global_batch=64, options=options, cost=cost)
     assert default.runnable
     assert default.plan.pp == 1 or default.plan.schedule in RUNNABLE_PIPELINE_SCHEDULES
@@ -107,9 +101,9 @@ def test_the_default_search_offers_the_v_plan_the_wide_one_picks() -> None:
     options = SearchOptions(top_k=1)
     wide = search_layerwise(model, cluster, global_batch=64, options=options, cost=cost,
                             runnable=False)
-    assert wide.plan.schedule in V_SCHEDULES and not wide.plan.sequence_parallel
+    assert wide.plan.schedule.v_shape and not wide.plan.sequence_parallel
     default = search_layerwise(model, cluster, global_batch=64, options=options, cost=cost)
-    assert default.runnable and default.plan.schedule in V_SCHEDULES
+    assert default.runnable and default.plan.schedule.v_shape
     assert default.estimate.step_time_s == wide.estimate.step_time_s
     if any(st.layer_strategies for st in default.plan.stages):
         validate_layerwise(model, default.plan)

@@ -14,9 +14,10 @@ from test_layout import plan_for
 from meshmorph.elastic.moves.layout import DTYPE_BYTES, Layout, layout_of
 from meshmorph.elastic.moves.move_plan import FROM_CHECKPOINT, MovePlan, plan_move
 from meshmorph.elastic.moves.placement import ReshapeError
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan import Plan, PlanError
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
 GLOBAL_BATCH = 12

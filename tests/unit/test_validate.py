@@ -14,9 +14,9 @@ from meshmorph.profile.validate import (
     predict,
     spanning_plans,
 )
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import Schedule
 
 
 def test_mape_of_ten_percent_over_and_under_is_ten_percent() -> None:

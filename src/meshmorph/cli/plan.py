@@ -15,8 +15,9 @@ from pathlib import Path
 from meshmorph.cli.args import bounded_int, positive_int
 from meshmorph.cli.output import check_writable, unwritable, write_json
 from meshmorph.plan.report import report_console
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import V_SCHEDULES, WEIGHT_PREDICTIONS, Plan, PlanError, Schedule
+from meshmorph.spec.plan import WEIGHT_PREDICTIONS, Plan, PlanError
 from meshmorph.spec.plan_file import load_plan
 
 DTYPES = ("bf16", "fp16", "fp32")
@@ -121,8 +122,8 @@ def build_plan(args: argparse.Namespace, model) -> Plan:  # type: ignore[no-unty
     vpp = args.vpp
     schedule = Schedule(args.schedule) if args.schedule else (
         Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B)
-    if schedule in V_SCHEDULES:  # two chunks per rank in a V, whatever --vpp says
-        vpp = 2
+    if schedule.v_shape:  # the table's chunks per rank, whatever --vpp says
+        vpp = schedule.info.vpp_for(vpp)
     # default batch: one micro-batch per pipeline stage on every data-parallel rank
     global_batch = args.global_batch or dp * micro * pp
     if global_batch % (dp * micro):

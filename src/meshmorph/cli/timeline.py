@@ -16,8 +16,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from meshmorph.cli.args import positive_int
-from meshmorph.schedule.registry import SCHEDULE_NAMES, V_SHAPED, chunks_per_rank
+from meshmorph.schedule.registry import SCHEDULE_NAMES, chunks_per_rank
 from meshmorph.schedule.simulator import StageTimes, Timeline, simulate_schedule
+from meshmorph.schedule.table import Schedule
 from meshmorph.schedule.trace import OpRecord, read_trace_ops, timeline_events, write_trace
 
 TRACE_FILE = "trace.json"
@@ -122,7 +123,7 @@ def _simulated(args: argparse.Namespace) -> tuple[str, Timeline]:
     if args.schedule is None or args.pp is None or args.microbatches is None:
         raise ValueError("timeline needs --plan FILE, or --schedule NAME --pp P --microbatches M "
                          "(or --compare RUN_DIR)")
-    v = 2 if args.schedule in V_SHAPED else args.vpp
+    v = chunks_per_rank(args.schedule, 1 if Schedule(args.schedule).v_shape else args.vpp)
     timeline = simulate_schedule(args.schedule, args.pp, args.microbatches,
                                  uniform_times(args.schedule, args.pp, v), v=v)
     return (f"{args.schedule} pp {args.pp} m {args.microbatches}"

@@ -26,9 +26,10 @@ from importlib.resources import files
 from typing import Any
 
 from meshmorph.cost.coefficients import CostCoefficients
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import Cluster, parse_cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, Schedule
+from meshmorph.spec.plan import Plan
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
 SOURCES = ("narayanan2021_table1.json", "megatron_readme_tables.json")

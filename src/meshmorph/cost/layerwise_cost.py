@@ -43,15 +43,10 @@ from meshmorph.cost.estimate import Estimate, StageMemory
 from meshmorph.cost.pipeline import simulate
 from meshmorph.cost.rank_terms import RankMemoryTerms, head_loss_bytes, rank_memory_terms
 from meshmorph.cost.transition import transition
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import (
-    SPLIT_BACKWARD_SCHEDULES,
-    LayerStrategy,
-    Plan,
-    PlanError,
-    Schedule,
-)
+from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
 
 if TYPE_CHECKING:
     from meshmorph.cost.model import CostModel
@@ -287,7 +282,7 @@ def estimate_layerwise(cost: CostModel, plan: Plan) -> Estimate:
         ranks.append(rank_cost(cost, plan, k, [
             (plan.stages[c].start, plan.stages[c].stop, stage_strategies(plan, c),
              plan.stages[c].recompute) for c in ids], gpus[ids[0]]))
-    zb = plan.schedule in SPLIT_BACKWARD_SCHEDULES  # input and weight gradients apart
+    zb = plan.schedule.split_backward  # input and weight gradients apart
     fwd, bwd, wgrad = ([0.0] * plan.num_chunks for _ in range(3))
     for k, r in enumerate(ranks):
         for c, f, b, w in zip(plan.chunks_of(k), r.fwd_s, r.bwd_s, r.wgrad_s, strict=True):

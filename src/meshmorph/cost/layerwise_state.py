@@ -51,7 +51,7 @@ from meshmorph.cost.rank_state import (
 from meshmorph.cost.state import compute_bytes
 from meshmorph.cost.tensor_shapes import layer_tensors, vocab_split
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
-from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, LayerStrategy, Plan, PlanError
+from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
 
 NORM_BYTES = 8
 """run/engine/layerwise_grads.py: one float64 sum of squares, all-reduced over the stage."""
@@ -133,7 +133,7 @@ def predict_layerwise_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dic
     comm = dict.fromkeys(COMM_KINDS + (("all_to_all",) if sp else ()), 0.0)
     params = grads = moments = 0.0
     up = 1 if model.arch == "gpt" else 2
-    split = plan.pp > 1 and plan.schedule in SPLIT_BACKWARD_SCHEDULES
+    split = plan.pp > 1 and plan.schedule.split_backward
     for chunk in plan.chunks_of(pp_rank):  # one, or several (interleaved, V)
         stage = plan.stages[chunk]
         strategies = stage.layer_strategies

@@ -27,10 +27,11 @@ from meshmorph.cost.state import (
     gather_bytes_per_param,
     held_bytes_per_param,
 )
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.gpus import GPUSpec, LinkSpec
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, Plan, Schedule, StagePlan
+from meshmorph.spec.plan import Plan, StagePlan
 
 
 def steady_state(fwd_s: Sequence[float], bwd_s: Sequence[float], m: int) -> Timeline:
@@ -361,7 +362,7 @@ class CostModel:
 
     def assemble(self, plan: Plan, gpus: Sequence[GPUSpec], times: Sequence[ChunkTime]) -> Estimate:
         p, m, v = plan.pp, plan.num_microbatches, plan.vpp
-        zb = plan.schedule in SPLIT_BACKWARD_SCHEDULES  # input and weight gradients apart
+        zb = plan.schedule.split_backward  # input and weight gradients apart
         p2p = tuple(self.p2p_time(plan, g) for g in gpus)
         fwd = tuple(t.fwd_s for t in times)
         bwd = tuple(t.bgrad_s if zb else t.bwd_s for t in times)

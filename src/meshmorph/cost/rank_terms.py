@@ -25,8 +25,9 @@ from meshmorph.cost.context_parallel import kv_bytes
 from meshmorph.cost.pipeline import weight_copies
 from meshmorph.cost.state import MASTER_BYTES, compute_bytes
 from meshmorph.schedule.simulator import schedule_program
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.gpus import GPUSpec
-from meshmorph.spec.plan import V_SCHEDULES, Plan, Schedule
+from meshmorph.spec.plan import Plan
 
 if TYPE_CHECKING:  # CostModel builds on these terms: no import cycle at run time
     from meshmorph.cost.model import ChunkTime, CostModel
@@ -43,7 +44,7 @@ def in_flight_microbatches(schedule: Schedule, pp: int, pp_rank: int, m: int, vp
         # of one chunk (1/v of the rank's layers): rank 0 -> p + (p - 1)/v
         units = min(m * vpp, (pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1)
         return units / vpp
-    if schedule in V_SCHEDULES:
+    if schedule.v_shape:
         # two chunks per rank, each half the rank's layers: the peak (stage, micro-batch) pairs
         # of the V's action list, in units of the whole rank; with m >= 2pp that peak is 2pp
         # (zbv) or 2pp + 1 (dualpipev) on every rank (tests/unit/test_schedule_simulator.py),

@@ -28,9 +28,10 @@ from meshmorph.plan.fastest_layers import cluster_gpu, fastest_layer_times, uniq
 from meshmorph.plan.rank_bound import FillKind, RankBound, SplitTable, least_max
 from meshmorph.plan.relaxations import filled_share
 from meshmorph.plan.space import Config
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import LayerKind, Recompute
-from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, Plan, Schedule
+from meshmorph.spec.plan import Plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +72,7 @@ class ConfigBounds:
 
     def _sums_of(self, plan: Plan, gpus: list[GPUSpec]) -> _Sums:
         key = (plan.dtype, plan.micro_batch, plan.tp, plan.cp, plan.sequence_parallel,
-               plan.schedule in SPLIT_BACKWARD_SCHEDULES, tuple(g.name for g in gpus),
+               plan.schedule.split_backward, tuple(g.name for g in gpus),
                plan.overlap_grad_reduce, plan.tp_comm_overlap, plan.fsdp_prefetch)
         sums = self._sums.get(key)
         if sums is None:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshmorph.plan.layerwise_front import StageFronts
-from meshmorph.spec.plan import Schedule
+from meshmorph.schedule.table import Schedule
 
 GRID = tuple(2.0 ** j for j in range(-8, 9))
 """Multipliers tried, in units of (the layers' least busy time) / (the cap)."""

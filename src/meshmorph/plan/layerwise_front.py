@@ -24,9 +24,10 @@ from meshmorph.cost.layerwise_cost import reserved_bytes
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.transition import transition
 from meshmorph.plan.layerwise import TermsCache, stage_choices
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import LayerStrategy, Plan, PlanError, Schedule
+from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
 
 # a label: f, b, w, tail, additive memory, working set, gather buffer, parent, (layer, choice)
 _Label = tuple

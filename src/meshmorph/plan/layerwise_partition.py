@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from meshmorph.cost.pipeline import simulate
 from meshmorph.plan.layerwise_bounds import rest_bounds
 from meshmorph.plan.layerwise_front import FrontPoint, StageFronts
-from meshmorph.spec.plan import Schedule
+from meshmorph.schedule.table import Schedule
 
 Chosen = list[tuple[int, int, FrontPoint]]
 

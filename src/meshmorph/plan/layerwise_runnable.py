@@ -25,14 +25,9 @@ The runtime runs a plan with per-layer strategies when
 
 from __future__ import annotations
 
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import (
-    SPLIT_BACKWARD_SCHEDULES,
-    LayerStrategy,
-    Plan,
-    PlanError,
-    Schedule,
-)
+from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
 
 RUNNABLE_PIPELINE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE,
                                Schedule.INTERLEAVED, Schedule.ZBV, Schedule.DUALPIPEV)
@@ -85,7 +80,7 @@ def tied_ends_refusal(model: ModelSpec, embed: LayerStrategy, head: LayerStrateg
 def split_backward_refusal(plan: Plan) -> str | None:
     """Why a layer of ``plan`` may not run under its split-backward schedule (zb, zbv,
     dualpipev): ZeRO-3 over more than one rank; None when every layer may."""
-    if plan.pp == 1 or plan.schedule not in SPLIT_BACKWARD_SCHEDULES:
+    if plan.pp == 1 or not plan.schedule.split_backward:
         return None
     for chunk, stage in enumerate(plan.stages):
         for offset, strategy in enumerate(stage.layer_strategies or ()):

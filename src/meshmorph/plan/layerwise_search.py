@@ -54,17 +54,11 @@ from meshmorph.plan.layerwise_runnable import (
     tied_ends_refusal,
 )
 from meshmorph.plan.space import SearchOptions, divisors, tp_degrees
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import (
-    SPLIT_BACKWARD_SCHEDULES,
-    LayerStrategy,
-    Plan,
-    PlanError,
-    Schedule,
-    StagePlan,
-)
+from meshmorph.spec.plan import LayerStrategy, Plan, PlanError, StagePlan
 
 
 class LayerwiseDoesNotFit(PlanError):
@@ -321,7 +315,7 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
                 for schedule, vpp in shapes:
                     strategies = _strategies(model, cluster, options, devices, sequences,
                                              sequence_parallel=sp,
-                                             zero_bubble=schedule in SPLIT_BACKWARD_SCHEDULES)
+                                             zero_bubble=schedule.split_backward)
                     if not strategies or (sp and all(s.tp == 1 for s in strategies)):
                         continue  # nothing to split along the sequence: the same as sp off
                     # the data layout: at tp > 1 under sequence parallelism (a plan at tp 1
@@ -446,7 +440,7 @@ def _simulated_bound(cost: CostModel, plan: Plan, strategies: list[LayerStrategy
     backward) and weight gradient each at the sum of its layers' least, no transition, and each
     rank's tail at its layers' least. Every assignment's figures are at least these and the
     simulator is max-plus (never faster when a figure grows), so its step is at least this."""
-    split = plan.schedule in SPLIT_BACKWARD_SCHEDULES
+    split = plan.schedule.split_backward
     chunks = plan.num_chunks
     fwd, bwd, wgrad = ([0.0] * chunks for _ in range(3))
     tails = []

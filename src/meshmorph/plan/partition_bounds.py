@@ -20,8 +20,8 @@ from meshmorph.cost.pipeline import simulate
 from meshmorph.plan.fastest_layers import fastest_layer_times, unique_gpus
 from meshmorph.plan.relaxations import filled_share
 from meshmorph.plan.stage_recompute import StageChoice, StageSolver
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import LayerKind
-from meshmorph.spec.plan import Schedule
 
 if TYPE_CHECKING:
     from meshmorph.plan.rank_bound import SplitTable

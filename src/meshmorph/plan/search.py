@@ -28,10 +28,11 @@ from meshmorph.plan.partition_search import (
 )
 from meshmorph.plan.space import Config, SearchOptions, configurations
 from meshmorph.plan.stage_recompute import StageSolver
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan import Plan, PlanError
 
 
 class PlanDoesNotFit(PlanError):

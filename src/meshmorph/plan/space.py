@@ -18,9 +18,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from itertools import permutations
 
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, DType, Plan, Schedule
+from meshmorph.spec.plan import DType, Plan
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -218,23 +219,22 @@ def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int,
         if pp == 1:
             schedules.append((Schedule.ONE_F_ONE_B, 1))
         else:
-            for schedule in options.schedules:
-                one_chunk = (Schedule.GPIPE,) if m < pp else (
-                    Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.ASYNC)
-                if schedule in one_chunk:
-                    schedules.append((schedule, 1))
-                elif schedule == Schedule.INTERLEAVED and m >= pp and m % pp == 0:
+            for schedule in options.schedules:  # what each runs with: the schedule table
+                info = schedule.info
+                if m < info.min_microbatches_per_pp * pp or (
+                        info.microbatches_multiple_of_pp and m % pp):
+                    continue
+                if info.chunks_per_rank is None:  # interleaved: vpp is the search's to choose
                     schedules.extend((schedule, v) for v in range(2, options.max_vpp + 1)
                                      if pp * v <= blocks)
-                elif schedule in V_SCHEDULES and blocks >= 2 * pp and (
-                        schedule == Schedule.ZBV or m >= 2 * pp):
-                    schedules.append((schedule, 2))  # two chunks per rank in a V
+                elif info.chunks_per_rank == 1 or pp * info.chunks_per_rank <= blocks:
+                    schedules.append((schedule, info.chunks_per_rank))  # (a V needs 2pp blocks)
         for zero in options.zero_stages if dp > 1 else (0,):
             for sp in options.sequence_parallel if tp > 1 else (False,):
                 if sp and (model.seq_len // cp) % tp:
                     continue
                 for schedule, vpp in schedules:
-                    if schedule in SPLIT_BACKWARD_SCHEDULES and zero == 3:
+                    if schedule.split_backward and zero == 3:
                         continue  # torch's zero-bubble pipelining loses ZeRO-3's gradients
                     plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=global_batch,
                                 tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, micro_batch=b, num_microbatches=m,

@@ -22,9 +22,10 @@ from meshmorph.cost.rank_terms import (
     rank_memory_terms,
     rank_tail_s,
 )
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import Plan, Schedule
+from meshmorph.spec.plan import Plan
 
 _ORDER = (Recompute.FULL, Recompute.SELECTIVE, Recompute.NONE)
 _EDGE = 1e-9

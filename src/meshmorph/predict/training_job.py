@@ -9,9 +9,10 @@ from dataclasses import dataclass, field, replace
 from meshmorph.cost.state import compute_bytes
 from meshmorph.plan.search import PlanDoesNotFit, search
 from meshmorph.plan.space import SearchOptions
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan import Plan, PlanError
 
 OPTIMIZER_BYTES_PER_PARAM = 12.0
 """fp32 master weights and Adam's two fp32 moments, saved beside the compute-dtype weights."""

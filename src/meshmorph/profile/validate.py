@@ -23,10 +23,11 @@ from pathlib import Path
 
 from meshmorph.cost import CostModel, Profile
 from meshmorph.predict.accuracy import chart, kendall_tau, mape
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan import Plan, PlanError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

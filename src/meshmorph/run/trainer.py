@@ -133,7 +133,7 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
         return 0
     model = load_model(job.model.source, job.model.seq_len)
     source = make_source(job, model)
-    if plan.schedule == "async":  # no flush: the asynchronous executor (run/async_pipe/train.py)
+    if not plan.schedule.info.flush:  # no flush: the asynchronous executor (run/async_pipe/train.py)
         from meshmorph.run.async_pipe.train import run_async_job
 
         return run_async_job(model=model, plan=plan, optim=job.optim, source=source,

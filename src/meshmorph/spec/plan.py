@@ -19,24 +19,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import ModelSpec, Recompute
-
-
-class Schedule(StrEnum):
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved"
-    ZERO_BUBBLE = "zb"  # ZB-H1 (Qi et al. 2023): backward split into input- and weight-gradient
-    ASYNC = "async"  # 1F1B without flush, a step per micro-batch (PipeDream); run/async_pipe/executor.py
-    ZBV = "zbv"  # zero-bubble V (Qi et al. 2023): vpp 2, rank r holds chunks r and 2pp - 1 - r
-    DUALPIPEV = "dualpipev"  # DeepSeek's DualPipe folded into a V: vpp 2, the same placement
-
-
-V_SCHEDULES = frozenset({Schedule.ZBV, Schedule.DUALPIPEV})
-"""Schedules whose two chunks per rank sit in a V (rank r: chunks r and 2pp - 1 - r)."""
-SPLIT_BACKWARD_SCHEDULES = frozenset({Schedule.ZERO_BUBBLE, Schedule.ZBV, Schedule.DUALPIPEV})
-"""Schedules that split backwards into input-gradient and weight-gradient parts."""
-
 
 WEIGHT_PREDICTIONS = ("none", "stash", "2bw", "sgd", "adam")
 """Values of ``Plan.weight_prediction``."""
@@ -214,11 +198,11 @@ class Plan:
             raise PlanError(f"weight_prediction {self.weight_prediction!r} applies only to "
                             f"schedule 'async', not '{self.schedule}'; set schedule 'async' or "
                             f"weight_prediction 'none'")
-        if self.schedule in V_SCHEDULES and self.vpp != 2:
+        fixed = self.schedule.info.chunks_per_rank
+        if fixed == 2 and self.vpp != 2:
             raise PlanError(f"schedule {self.schedule} places two chunks per rank in a V: set "
                             f"vpp 2, not {self.vpp}")
-        if self.vpp > 1 and self.schedule != Schedule.INTERLEAVED \
-                and self.schedule not in V_SCHEDULES:
+        if fixed == 1 and self.vpp > 1:
             raise PlanError(f"vpp {self.vpp} > 1 needs schedule 'interleaved', not '{self.schedule}'")
         if self.sequence_parallel and self.tp == 1:
             object.__setattr__(self, "sequence_parallel", False)
@@ -285,13 +269,13 @@ class Plan:
 
     def chunks_of(self, pp_rank: int) -> list[int]:
         """Model chunks held by one pipeline rank: looped (c % pp), or a V for zbv/dualpipev."""
-        if self.schedule in V_SCHEDULES:
+        if self.schedule.v_shape:
             return [pp_rank, 2 * self.pp - 1 - pp_rank]
         return list(range(pp_rank, self.num_chunks, self.pp))
 
     def pp_rank_of_chunk(self, chunk: int) -> int:
         """The pipeline rank holding model chunk ``chunk`` (``chunks_of`` inverted)."""
-        if self.schedule in V_SCHEDULES and chunk >= self.pp:
+        if self.schedule.v_shape and chunk >= self.pp:
             return 2 * self.pp - 1 - chunk
         return chunk % self.pp
 
@@ -351,21 +335,23 @@ class Plan:
             raise PlanError(f"sequence parallel needs tp {self.tp} to divide the "
                             f"{self.seq_len // self.cp} tokens each of cp {self.cp} ranks holds; "
                             f"choose a tp or cp that divides them, or turn sequence parallel off")
-        if self.schedule in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.INTERLEAVED) \
-                and self.pp > 1 and self.num_microbatches < self.pp:
+        self.check_microbatches()
+
+    def check_microbatches(self) -> None:
+        """Refuse a micro-batch count the schedule cannot run with this pp (the schedule table)."""
+        info = self.schedule.info
+        least = info.min_microbatches_per_pp * self.pp
+        if self.pp > 1 and self.num_microbatches < least:
+            per = "" if info.min_microbatches_per_pp == 1 else f"{info.min_microbatches_per_pp} x "
             raise PlanError(
-                f"schedule {self.schedule} needs num_microbatches >= pp, got "
-                f"{self.num_microbatches} < {self.pp}; raise the batch or use gpipe"
+                f"schedule {self.schedule} needs num_microbatches >= {per}pp = {least}, got "
+                f"{self.num_microbatches}; raise the batch or use "
+                f"{'zbv' if self.schedule.v_shape else 'gpipe'}"
             )
-        if self.schedule == Schedule.DUALPIPEV and self.num_microbatches < 2 * self.pp:
+        if self.pp > 1 and info.microbatches_multiple_of_pp and self.num_microbatches % self.pp:
             raise PlanError(
-                f"dualpipev needs num_microbatches >= 2 x pp = {2 * self.pp}, got "
-                f"{self.num_microbatches}; raise the batch or use zbv"
-            )
-        if self.schedule == Schedule.INTERLEAVED and self.num_microbatches % self.pp:
-            raise PlanError(
-                f"interleaved needs num_microbatches ({self.num_microbatches}) to be a multiple "
-                f"of pp ({self.pp})"
+                f"{self.schedule} needs num_microbatches ({self.num_microbatches}) to be a "
+                f"multiple of pp ({self.pp})"
             )
 
     def with_even_stages(self, model: ModelSpec,

@@ -39,8 +39,9 @@ from meshmorph.run.metrics import MetricsLogger
 from meshmorph.run.model.decoder import build_chunk
 from meshmorph.run.model.loss import token_cross_entropy
 from meshmorph.run.parallel.parallelize import TORCH_DTYPES
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan import Plan, PlanError
 
 
 def check_async_plan(model: ModelSpec, plan: Plan) -> None:

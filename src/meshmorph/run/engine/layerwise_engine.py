@@ -73,7 +73,7 @@ from meshmorph.run.parallel.mesh import build_mesh
 from meshmorph.run.parallel.parallelize import TORCH_DTYPES
 from meshmorph.run.parallel.zero1 import ShardedAdamW
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, Plan
+from meshmorph.spec.plan import Plan
 
 PIPELINE_SCHEDULES = RUNNABLE_PIPELINE_SCHEDULES
 """The pipeline schedules a layerwise plan with pp > 1 runs (plan/layerwise_runnable.py)."""
@@ -154,7 +154,7 @@ class LayerwiseEngine(TrainEngine):
         self._fsdp_modules = [u.module for u in self.units if isinstance(u.module, FSDPModule)]
         self._zero2 = [u.module for u in self.units
                        if u.fsdp and u.strategy.zero == 2 and isinstance(u.module, FSDPModule)]
-        self._split_backward = plan.pp > 1 and plan.schedule in SPLIT_BACKWARD_SCHEDULES
+        self._split_backward = plan.pp > 1 and plan.schedule.split_backward
         """Whether the schedule splits backward into input- and weight-gradient passes: ZeRO-2
         layers then reduce once after the step's last weight pass (run/engine/layerwise_pipeline.py)."""
         self.capture_state = True

@@ -29,24 +29,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as pipelining_schedules
 from torch.distributed.pipelining.schedules import (
-    ScheduleDualPipeV,
-    ScheduleZBVZeroBubble,
+    PipelineScheduleSingle,
     _PipelineSchedule,
     _PipelineScheduleRuntime,
 )
 
 from meshmorph.run.parallel.mesh import TrainMesh
 from meshmorph.run.parallel.parallelize import TORCH_DTYPES, uses_fsdp_precision
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan import Plan, PlanError
 
 
 def io_dtypes(plan: Plan) -> tuple[torch.dtype, torch.dtype]:
@@ -233,17 +228,12 @@ def build_schedule(chunks: list[nn.Module], chunk_ids: list[int], spec: ModelSpe
 def _torch_schedule(stages: list[PipelineStage], plan: Plan, m: int,
                     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                     ) -> _PipelineSchedule:
-    if plan.schedule == Schedule.GPIPE:
-        return ScheduleGPipe(stages[0], m, loss_fn=loss_fn)
-    if plan.schedule == Schedule.ONE_F_ONE_B:
-        return Schedule1F1B(stages[0], m, loss_fn=loss_fn)
-    if plan.schedule == Schedule.INTERLEAVED:
-        return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
-    if plan.schedule == Schedule.ZERO_BUBBLE:
-        return ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss_fn)
-    if plan.schedule == Schedule.ZBV:
-        return ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn)
-    if plan.schedule == Schedule.DUALPIPEV:
-        return ScheduleDualPipeV(stages, m, loss_fn=loss_fn)
-    raise ValueError(f"unknown pipeline schedule {plan.schedule!r}; use gpipe, 1f1b, "
-                     "interleaved, zb, zbv or dualpipev")
+    """The torch.distributed.pipelining schedule the table names for the plan's schedule: a
+    single-stage class takes this rank's one stage, the others the list of its chunks."""
+    name = plan.schedule.info.torch_class
+    if name is None:
+        raise ValueError(f"schedule {plan.schedule} runs in meshmorph's own executor, not torch's "
+                         "pipelining (run/async_pipe/)")
+    cls = getattr(pipelining_schedules, name)
+    single = issubclass(cls, PipelineScheduleSingle)
+    return cls(stages[0] if single else stages, m, loss_fn=loss_fn)

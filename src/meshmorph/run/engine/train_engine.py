@@ -38,8 +38,9 @@ from meshmorph.run.model.loss import token_cross_entropy
 from meshmorph.run.parallel.mesh import TrainMesh, build_mesh
 from meshmorph.run.parallel.parallelize import TORCH_DTYPES, parallelize, uses_fsdp_precision
 from meshmorph.run.parallel.zero1 import ShardedAdamW
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, Plan, PlanError, Schedule
+from meshmorph.spec.plan import Plan, PlanError
 
 
 def validate_plan(model: ModelSpec, plan: Plan, world_size: int) -> None:
@@ -67,7 +68,7 @@ def validate_plan(model: ModelSpec, plan: Plan, world_size: int) -> None:
 
         validate_layerwise(model, plan)
     check_overlap_switches(plan)
-    if plan.schedule in SPLIT_BACKWARD_SCHEDULES and plan.pp > 1 and plan.dp > 1 \
+    if plan.schedule.split_backward and plan.pp > 1 and plan.dp > 1 \
             and plan.zero == 3:
         # measured with torch 2.13: the last stage's sharded parameters end the step without
         # gradients (its deferred weight-gradient pass and FSDP2's per-block resharding)

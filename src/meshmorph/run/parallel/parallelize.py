@@ -56,7 +56,7 @@ from meshmorph.run.model.materialize import materialize_
 from meshmorph.run.parallel.mesh import TrainMesh
 from meshmorph.run.parallel.recompute import apply_recompute
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, Plan, StagePlan
+from meshmorph.spec.plan import Plan, StagePlan
 
 
 class ReplicateParallel(ParallelStyle):
@@ -238,7 +238,7 @@ def parallelize(chunk: Transformer, spec: ModelSpec, plan: Plan, stage: StagePla
     apply_recompute(chunk, stage.start, stage.recompute)
     runner: nn.Module = chunk
     if plan.dp > 1:
-        split_backward = plan.pp > 1 and plan.schedule in SPLIT_BACKWARD_SCHEDULES
+        split_backward = plan.pp > 1 and plan.schedule.split_backward
         runner = apply_dp(chunk, mesh.sub("dp"), plan, allow_ddp=not split_backward,
                           materialize=materialize)
     materialize()

@@ -118,7 +118,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_layouts_are_what_they_claim() -> None:
     """The layouts exercise what the module docstring says (sequence parallelism kept on, tied
     ends apart), and the runtime's rule accepts them."""
-    from meshmorph.plan.layerwise_runnable import layerwise_refusal
+    from meshmorph.spec.runnable import layerwise_refusal
 
     for name, (model, plan) in layouts().items():
         assert layerwise_refusal(model, plan) is None, name

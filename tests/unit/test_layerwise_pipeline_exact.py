@@ -21,7 +21,6 @@ from meshmorph.cost.layerwise_cost import estimate_layerwise, layer_terms, reser
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.pipeline import simulate
 from meshmorph.cost.transition import transition
-from meshmorph.plan.layerwise_runnable import layerwise_runnable, tied_ends_refusal
 from meshmorph.plan.layerwise_search import search_layerwise, solve_partitioned
 from meshmorph.plan.space import SearchOptions
 from meshmorph.schedule.table import Schedule
@@ -29,6 +28,7 @@ from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import Recompute
 from meshmorph.spec.plan import LayerStrategy, Plan
+from meshmorph.spec.runnable import layerwise_runnable, tied_ends_refusal
 
 MODES = (Recompute.NONE, Recompute.FULL)
 EXACT = dict(tolerance=0.0, max_nodes=None)

@@ -10,11 +10,6 @@ import pytest
 
 from meshmorph.cost.model import CostModel
 from meshmorph.plan.layerwise_choice import REGULAR, choose_layerwise
-from meshmorph.plan.layerwise_runnable import (
-    RUNNABLE_PIPELINE_SCHEDULES,
-    layerwise_refusal,
-    layerwise_runnable,
-)
 from meshmorph.plan.layerwise_search import search_layerwise
 from meshmorph.plan.space import SearchOptions
 from meshmorph.schedule.table import Schedule
@@ -22,6 +17,11 @@ from meshmorph.spec.catalog import catalog_model, load_model
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
+from meshmorph.spec.runnable import (
+    RUNNABLE_PIPELINE_SCHEDULES,
+    layerwise_refusal,
+    layerwise_runnable,
+)
 
 
 def _plans(model: ModelSpec) -> list[Plan]:

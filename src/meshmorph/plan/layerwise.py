@@ -181,7 +181,7 @@ def solve_stage(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int
     ``upper_bound_s``). With ``chunks`` (a rank's interleaved chunks, in order) the program
     runs over their layers together, no transition between two chunks. With ``ends`` (tp, zero)
     the model's first and last layer, where the stage holds them, use only strategies of that tp
-    and ZeRO stage (a tied embedding and head, plan/layerwise_runnable.py)."""
+    and ZeRO stage (a tied embedding and head, spec/runnable.py)."""
     if not strategies:
         raise PlanError("solve_stage needs at least one layer strategy")
     m = plan.num_microbatches

@@ -47,18 +47,18 @@ from meshmorph.plan.layerwise import (
 from meshmorph.plan.layerwise_bounds import MemoryRelaxation, rest_bounds
 from meshmorph.plan.layerwise_front import FrontBudgetExceeded, StageFronts
 from meshmorph.plan.layerwise_partition import best_partition
-from meshmorph.plan.layerwise_runnable import (
-    RUNNABLE_PIPELINE_SCHEDULES,
-    TIED_PIPELINE_SCHEDULES,
-    layerwise_runnable,
-    tied_ends_refusal,
-)
 from meshmorph.plan.space import SearchOptions, divisors, tp_degrees
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import LayerStrategy, Plan, PlanError, StagePlan
+from meshmorph.spec.runnable import (
+    RUNNABLE_PIPELINE_SCHEDULES,
+    TIED_PIPELINE_SCHEDULES,
+    layerwise_runnable,
+    tied_ends_refusal,
+)
 
 
 class LayerwiseDoesNotFit(PlanError):
@@ -86,7 +86,7 @@ class LayerwiseResult:
     lower_bound_s: float = 0.0
     """No layerwise plan of the space is faster than this (proven by the bounds)."""
     runnable: bool = True
-    """Whether meshmorph runs ``plan`` (plan/layerwise_runnable.py); False only from the wide
+    """Whether meshmorph runs ``plan`` (spec/runnable.py); False only from the wide
     search (``runnable=False``), which prices schedules the layerwise runtime does not run."""
 
     @property
@@ -269,7 +269,7 @@ def search_layerwise(model: ModelSpec, cluster: Cluster, *, global_batch: int,
                      options: SearchOptions | None = None, cost: CostModel | None = None,
                      uniform_only: bool = False, runnable: bool = True) -> LayerwiseResult:
     """The fastest layerwise plan and the fastest uniform-per-stage plan (module docstring).
-    With ``runnable`` (the default) only plans meshmorph runs (plan/layerwise_runnable.py):
+    With ``runnable`` (the default) only plans meshmorph runs (spec/runnable.py):
     every pipeline schedule but async, sequence parallelism, a tied embedding and head under one
     runnable (tp, zero); without it every schedule of the options, priced only."""
     options = options or SearchOptions()

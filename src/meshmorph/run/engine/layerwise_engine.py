@@ -30,7 +30,7 @@ as one state dict keyed by parameter names, which any other plan loads.
 
 Refused here (a clear PlanError before any process group work): ZeRO-3 layers under
 zb, zbv or dualpipev, fp16 loss scaling, a tied embedding and head under different tp
-or ZeRO, or under ZeRO 2/3 (plan/layerwise_runnable.py). Sequence parallelism runs
+or ZeRO, or under ZeRO 2/3 (spec/runnable.py). Sequence parallelism runs
 (run/engine/layerwise_model.py), and a tied embedding and head on different pipeline stages keep
 two copies whose gradients are summed, as in the uniform engine.
 """
@@ -46,10 +46,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from meshmorph.plan.layerwise_runnable import (
-    RUNNABLE_PIPELINE_SCHEDULES,
-    check_layerwise_runnable,
-)
 from meshmorph.run.config import OptimConfig
 from meshmorph.run.engine import state_line
 from meshmorph.run.engine.layerwise_grads import (
@@ -74,9 +70,13 @@ from meshmorph.run.parallel.parallelize import TORCH_DTYPES
 from meshmorph.run.parallel.zero1 import ShardedAdamW
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
+from meshmorph.spec.runnable import (
+    RUNNABLE_PIPELINE_SCHEDULES,
+    check_layerwise_runnable,
+)
 
 PIPELINE_SCHEDULES = RUNNABLE_PIPELINE_SCHEDULES
-"""The pipeline schedules a layerwise plan with pp > 1 runs (plan/layerwise_runnable.py)."""
+"""The pipeline schedules a layerwise plan with pp > 1 runs (spec/runnable.py)."""
 
 
 def is_layerwise(plan: Plan) -> bool:
@@ -86,7 +86,7 @@ def is_layerwise(plan: Plan) -> bool:
 
 def validate_layerwise(model: ModelSpec, plan: Plan) -> None:
     """Refuse the layerwise plans this runtime cannot run (module docstring), naming a way out:
-    the rule the planner reads too (plan/layerwise_runnable.py)."""
+    the rule the planner reads too (spec/runnable.py)."""
     check_layerwise_runnable(model, plan)
 
 

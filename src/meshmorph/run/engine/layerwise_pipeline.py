@@ -17,7 +17,7 @@ stay registered from the first forward to the step's end (ZeRO-2), so the W pass
 parameters the I pass recorded.
 
 ZeRO-3 layers (resharded after forward) are refused under these schedules
-(plan/layerwise_runnable.py): the I pass records the sharded parameters, not the gathered ones
+(spec/runnable.py): the I pass records the sharded parameters, not the gathered ones
 the graph used, and their gradients would be lost.
 """
 

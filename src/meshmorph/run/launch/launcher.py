@@ -27,10 +27,10 @@ from pathlib import Path
 from meshmorph.run.checkpoint import CheckpointInfo
 from meshmorph.run.job import JobConfig, load_job
 from meshmorph.spec.catalog import load_model
-from meshmorph.spec.cp_runtime import refuse_context_parallel
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan, PlanError
 from meshmorph.spec.plan_file import load_plan
+from meshmorph.spec.runnable import refuse_context_parallel
 
 STOP_GRACE_S = 300.0
 """Seconds the ranks get, after the first Ctrl-C, to finish their step, save and exit before they

@@ -28,7 +28,7 @@ embedding and head (one matrix) in one chunk must share tp and ZeRO: they stay o
 one mesh, reduced once with the embedding's layer, under ZeRO 0 or 1 (FSDP2 cannot shard one
 matrix for two modules it runs apart; run/engine/layerwise_engine.py refuses it). Under pp > 1 the
 last stage's head holds its own copy, built with the embedding's values and laid out as the
-embedding (same tp and ZeRO: plan/layerwise_runnable.py); run/engine/layerwise_grads.py sums the two
+embedding (same tp and ZeRO: spec/runnable.py); run/engine/layerwise_grads.py sums the two
 gradients over each pair of ranks holding the same shard, so both copies step alike.
 """
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshmorph.spec.cp_runtime import refuse_context_parallel
 from meshmorph.spec.plan import Plan
+from meshmorph.spec.runnable import refuse_context_parallel
 
 MESH_DIMS = ("pp", "dp", "tp")
 """Names of the mesh dimensions, outermost first."""

@@ -1,4 +1,14 @@
-"""Which layerwise plans the layerwise runtime runs: one rule read by the search and the runtime.
+"""What the runtime runs: one place for every rule, read by the planners and by ``meshmorph run``.
+
+Context parallelism: meshmorph prices and plans cp > 1, it does not run it.
+
+torch's ``context_parallel`` (torch.distributed.tensor.experimental) rotates K/V through
+``scaled_dot_product_attention``'s flash and memory-efficient CUDA kernels; meshmorph's runtime
+trains on CPU processes over gloo as well, and its models, meshes and checkpoints have no
+sequence dimension split yet. So ``meshmorph run`` and the elastic layouts refuse a plan with
+cp > 1 before anything starts, and the planners the runtime calls search cp 1 only.
+
+Layer strategies: which layerwise plans the runtime runs, one rule read by the search and the runtime.
 
 ``plan --layerwise`` offers by default only what run/engine/layerwise_engine.py runs, and the engine's
 ``validate_layerwise`` refuses a plan by calling ``check_layerwise_runnable`` here, so the two
@@ -138,3 +148,15 @@ def layerwise_runnable(model: ModelSpec, plan: Plan) -> bool:
     if not any(stage.layer_strategies is not None for stage in plan.stages):
         return True
     return layerwise_refusal(model, plan) is None
+
+
+def refuse_context_parallel(plan: Plan, where: str = "meshmorph run") -> None:
+    """A PlanError naming the constraint and a way out when ``plan`` has cp > 1."""
+    if plan.cp > 1:
+        raise PlanError(
+            f"{where} does not run context parallelism: the plan has cp {plan.cp} (ring "
+            f"attention needs torch's context_parallel, which runs on CUDA SDPA kernels, and "
+            f"meshmorph's runtime does not split sequences); re-plan with cp 1 (meshmorph plan "
+            f"--max-cp 1) or fold the {plan.cp} ranks into dp or tp, at a shorter sequence if "
+            f"it no longer fits"
+        )

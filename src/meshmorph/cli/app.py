@@ -15,13 +15,16 @@ import sys
 # module path -> the subcommands it registers (imported lazily only when needed for speed)
 _COMMAND_MODULES = (
     "meshmorph.cli.plan",  # plan, estimate
-    "meshmorph.cli.catalog",  # models, gpus
-    "meshmorph.cli.run",  # run, demo
+    "meshmorph.cli.models",  # models
+    "meshmorph.cli.gpus",  # gpus
+    "meshmorph.cli.run",  # run
+    "meshmorph.cli.demo",  # demo
     "meshmorph.cli.reshape",  # reshape
     "meshmorph.cli.timeline",  # timeline
     "meshmorph.cli.streams",  # streams
     "meshmorph.cli.simulate",  # simulate, advise
-    "meshmorph.cli.profile",  # profile, validate
+    "meshmorph.cli.profile",  # profile
+    "meshmorph.cli.validate",  # validate
 )
 
 

@@ -7,6 +7,7 @@ loss.png into the run folder it names at the end.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from rich.console import Console
@@ -129,3 +130,20 @@ def _fits(plan: Plan, job: object, model: object, nproc: int) -> bool:
     except PlanError:
         return False
     return True
+
+
+def _demo(args: argparse.Namespace) -> int:
+    return run_demo(nproc=args.nproc, steps=args.steps, out=args.out)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    demo = subparsers.add_parser(
+        "demo", help="plan and train a small GPT on local CPU processes (about a minute)",
+        description="Plan gpt-small for local CPU processes, show the plans, train it on a "
+                    "synthetic task and write metrics.jsonl and loss.png.",
+    )
+    demo.add_argument("--nproc", type=int, default=4, help="processes (default 4)")
+    demo.add_argument("--steps", type=int, default=None,
+                      help="training steps (default: about a minute of training)")
+    demo.add_argument("--out", type=Path, default=None, help="run folder (default runs/demo)")
+    demo.set_defaults(func=_demo)

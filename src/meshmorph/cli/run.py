@@ -1,4 +1,4 @@
-"""Subcommands of the run package: ``meshmorph run`` and ``meshmorph demo``."""
+"""``meshmorph run``: check a job file, its data and its plan, then train it under torchrun."""
 
 from __future__ import annotations
 
@@ -18,12 +18,6 @@ def _run(args: argparse.Namespace) -> int:
                    out=args.out, reshard=args.reshard, elastic=args.elastic,
                    inject_failure=args.inject_failure, node_rank=args.node_rank,
                    rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from meshmorph.cli.demo import run_demo
-
-    return run_demo(nproc=args.nproc, steps=args.steps, out=args.out)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,14 +58,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="with --node-rank: the job's id, the same on every node (default: "
                           "from the endpoint)")
     run.set_defaults(func=_run)
-
-    demo = subparsers.add_parser(
-        "demo", help="plan and train a small GPT on local CPU processes (about a minute)",
-        description="Plan gpt-small for local CPU processes, show the plans, train it on a "
-                    "synthetic task and write metrics.jsonl and loss.png.",
-    )
-    demo.add_argument("--nproc", type=int, default=4, help="processes (default 4)")
-    demo.add_argument("--steps", type=int, default=None,
-                      help="training steps (default: about a minute of training)")
-    demo.add_argument("--out", type=Path, default=None, help="run folder (default runs/demo)")
-    demo.set_defaults(func=_demo)

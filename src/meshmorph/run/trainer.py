@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -266,7 +267,10 @@ def collective_failure(exc: BaseException, rank: str, timeout_s: float | None) -
             "(its message is above); continue from the newest checkpoint with --resume")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None,
+         make_elastic: Callable[[argparse.Namespace], Any] | None = None) -> int:
+    """One rank's run; ``make_elastic`` builds the elastic session from the parsed arguments
+    (``python -m meshmorph.elastic.live.worker`` passes it; None: a plain run)."""
     stop = StopFlag()
     stop.watch_parents()
     args = parse_args(argv)
@@ -279,12 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             job = load_job(args.job)
             timeout_s = job.run.collective_timeout_s
             plan = Plan.load(args.plan)
-            elastic = None
-            if args.elastic_run_id:
-                from meshmorph.elastic.live.elastic_run import ElasticSession, parse_failure
-
-                elastic = ElasticSession(args.elastic_run_id, args.out,
-                                         parse_failure(args.inject_failure))
+            elastic = make_elastic(args) if make_elastic and args.elastic_run_id else None
             code = train(job, plan, args.out, resume=args.resume, stop=stop, elastic=elastic)
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshmorph: error on rank {rank}: {exc}", file=sys.stderr, flush=True)

@@ -55,25 +55,6 @@ NODE_ID_ENV = "MESHMORPH_NODE_ID"
 the node's workers whatever group ranks torchrun's rendezvous hands out next."""
 
 
-def parse_failure(text: str | None) -> tuple[int, int] | None:
-    """``RANK@STEP`` -> (rank, step); None for None."""
-    if text is None:
-        return None
-    rank, sep, step = text.partition("@")
-    if not sep or not rank.isdigit() or not step.isdigit() or int(step) < 1:
-        raise ValueError(f"--inject-failure takes RANK@STEP (e.g. 3@4, step >= 1), got {text!r}")
-    return int(rank), int(step)
-
-
-def parse_elastic(text: str) -> tuple[int, int]:
-    """``MIN:MAX`` nodes (or one number) -> (min, max)."""
-    low, _, high = text.partition(":")
-    high = high or low
-    if not low.isdigit() or not high.isdigit() or not 1 <= int(low) <= int(high):
-        raise ValueError(f"--elastic takes MIN:MAX nodes with 1 <= MIN <= MAX, got {text!r}")
-    return int(low), int(high)
-
-
 def _plan_line(plan: Plan) -> str:
     return f"tp {plan.tp} x pp {plan.pp} x dp {plan.dp} (zero {plan.zero}, {plan.world_size} ranks)"
 

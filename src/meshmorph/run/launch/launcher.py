@@ -85,13 +85,30 @@ class ElasticNode:
         return self.run_id or "meshmorph-" + self.endpoint.replace(":", "-").replace(".", "-")
 
 
+def parse_failure(text: str | None) -> tuple[int, int] | None:
+    """``RANK@STEP`` -> (rank, step); None for None."""
+    if text is None:
+        return None
+    rank, sep, step = text.partition("@")
+    if not sep or not rank.isdigit() or not step.isdigit() or int(step) < 1:
+        raise ValueError(f"--inject-failure takes RANK@STEP (e.g. 3@4, step >= 1), got {text!r}")
+    return int(rank), int(step)
+
+
+def parse_elastic(text: str) -> tuple[int, int]:
+    """``MIN:MAX`` nodes (or one number) -> (min, max)."""
+    low, _, high = text.partition(":")
+    high = high or low
+    if not low.isdigit() or not high.isdigit() or not 1 <= int(low) <= int(high):
+        raise ValueError(f"--elastic takes MIN:MAX nodes with 1 <= MIN <= MAX, got {text!r}")
+    return int(low), int(high)
+
+
 def parse_node(node_rank: int | None, endpoint: str | None, run_id: str | None,
                elastic: str | None, nproc: int, plan: Plan) -> ElasticNode | None:
     """The node a ``--node-rank`` run is, checked (None without ``--node-rank``)."""
     if node_rank is None and endpoint is None and run_id is None:
         return None
-    from meshmorph.elastic.live.elastic_run import parse_elastic
-
     if elastic is None or node_rank is None or endpoint is None:
         raise ValueError("--node-rank and --rdzv-endpoint go together, with --elastic MIN:MAX "
                          "(e.g. --elastic 1:2 --node-rank 0 --rdzv-endpoint node0:29500)")
@@ -219,8 +236,6 @@ def prepare_run(job_path: Path, *, nproc: int | None, plan_arg: str | None, resu
     else:
         check_fresh(out_dir, job.checkpoint_dir(out_dir))
     if elastic is not None or inject_failure is not None:
-        from meshmorph.elastic.live.elastic_run import parse_elastic, parse_failure
-
         if elastic is not None:
             parse_elastic(elastic)
         failure = parse_failure(inject_failure)
@@ -289,13 +304,19 @@ def elastic_args(run: PreparedRun) -> tuple[list[str], list[str]]:
                                   if run.inject_failure else [])
 
 
+TRAINER = "meshmorph.run.trainer"
+"""The module each rank of a plain run runs."""
+ELASTIC_WORKER = "meshmorph.elastic.live.worker"
+"""The module each rank of an ``--elastic`` run runs: the trainer with the node-local store."""
+
+
 def torchrun_command(run: PreparedRun, plan_path: Path,
                      rendezvous: list[str] | None = None) -> list[str]:
     extra: list[str] = []
     if run.elastic:
         rendezvous, extra = elastic_args(run)
     command = [sys.executable, "-m", "meshmorph.run.launch.agent", *(rendezvous or ["--standalone"]),
-               "--nproc_per_node", str(run.nproc), "-m", "meshmorph.run.trainer",
+               "--nproc_per_node", str(run.nproc), "-m", ELASTIC_WORKER if run.elastic else TRAINER,
                "--job", str(run.job_path.resolve()), "--plan", str(plan_path.resolve()),
                "--out", str(run.out_dir.resolve()), *extra]
     return command + (["--resume"] if run.resume else [])

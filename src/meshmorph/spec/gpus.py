@@ -9,10 +9,11 @@ so that the demo can plan for them.
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+from meshmorph.files import read_document
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -237,13 +238,8 @@ def load_gpus_toml(path: Path | str) -> dict[str, GPUSpec]:
     """Add or override catalog GPUs (and links) from a TOML file, for this process; returns the
     entries the file defined."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"GPU file {path} does not exist; pass a .toml file with "
-                                "[gpus.NAME] tables") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not valid TOML: {exc}") from None
+    data = read_document(path, what="GPU file", fmt="toml",
+                         way_out="pass a .toml file with [gpus.NAME] and [links.NAME] tables")
     unknown = [k for k in data if k not in ("gpus", "links")]
     if unknown:
         raise ValueError(f"{path}: unknown table {', '.join(map(repr, unknown))}; a GPU file holds "

@@ -21,10 +21,10 @@ above zero in ``attention_dropout``, ``hidden_dropout``, ``attn_pdrop``, ``resid
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from meshmorph.files import read_document
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
@@ -62,21 +62,9 @@ def from_hf_config(path: Path | str, seq_len: int | None = None) -> ModelSpec:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"model config {path} does not exist; pass the path of a Hugging Face config.json, "
-            "a catalog name (meshmorph models) or a package.module:function factory"
-        )
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}; pass a Hugging Face config.json or "
-                         "a catalog name (meshmorph models)") from None
-    except OSError as exc:
-        raise ValueError(f"model config {path} cannot be read ({exc.strerror})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object of model settings, got {type(config).__name__}")
-    return config
+    return read_document(path, what="model config", fmt="json", way_out=(
+        "pass the path of a Hugging Face config.json, a catalog name (meshmorph models) or a "
+        "package.module:function factory"))
 
 
 def _name(config: dict[str, Any], path: Path) -> str:

@@ -474,8 +474,54 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
     return time.perf_counter() - start, out
 
 
+KERNEL_KINDS = (  # (kind, lower-case substrings of a CUDA kernel's name), first match wins
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "matmul", "wgmma")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("loss", ("softmax", "nll", "cross_entropy", "logsumexp")),
+    ("norm", ("layer_norm", "layernorm", "rms", "norm")),
+    ("copy_cast", ("copy", "cast", "to_copy", "catarray", "memcpy", "memset", "fill")),
+    ("triton", ("triton",)),
+    ("reduce", ("reduce",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "index")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def kernel_breakdown(engine: TrainEngine, batches: Iterator[torch.Tensor], device: torch.device,
+                     steps: int) -> dict[str, Any]:
+    """CUDA kernel time per step by kind (KERNEL_KINDS) over ``steps`` profiled steps, the busy
+    share of the wall time, and the 15 costliest kernels: where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step(next(batches))
+        synchronize(device)
+    wall = time.perf_counter() - start
+    per_kind: dict[str, float] = {}
+    per_kernel: dict[str, float] = {}
+    for event in prof.events():
+        if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = event.device_time / 1e3 / steps  # us -> ms per step
+        per_kind[kernel_kind(event.name)] = per_kind.get(kernel_kind(event.name), 0.0) + ms
+        per_kernel[event.name] = per_kernel.get(event.name, 0.0) + ms
+    busy = sum(per_kind.values())
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
+    return {"kernel_ms_per_step": dict(sorted(per_kind.items(), key=lambda kv: -kv[1])),
+            "kernel_busy_ms_per_step": busy, "profiled_wall_ms_per_step": wall * 1e3 / steps,
+            "top_kernels_ms_per_step": [[name[:120], ms] for name, ms in top]}
+
+
 def measure_steps(engine: TrainEngine, plan: Plan, device: torch.device, warmup: int, steps: int,
-                  split_repeats: int) -> dict[str, Any]:
+                  split_repeats: int, profile_steps: int = 0) -> dict[str, Any]:
     """Warm-up and timed steps; peak memory; then (split_repeats > 0) forward+backward alone and
     the optimizer step alone, each timed a few times."""
     batches = token_batches(plan, engine.spec.vocab_size, device)
@@ -500,6 +546,11 @@ def measure_steps(engine: TrainEngine, plan: Plan, device: torch.device, warmup:
         row["captured_state"] = dict(engine.captured_state or {})
     with contextlib.suppress(Exception):
         row["optimizer_fused"] = [opt.defaults.get("fused") for opt in engine.optimizers]
+    if profile_steps > 0 and device.type == "cuda":
+        try:
+            row["profile"] = kernel_breakdown(engine, batches, device, profile_steps)
+        except Exception as exc:  # the profiler is a diagnosis: the case's figures still stand
+            row["profile_error"] = error_text(exc)
     if split_repeats > 0:
         try:
             fwd_bwd, optimizer = [], []
@@ -672,7 +723,8 @@ class StepSection:
                 engine = self._next_engine(engine, plan)
             self._fresh = False
             release(device)
-            case |= measure_steps(engine, plan, device, warmup, args.steps, args.split_repeats)
+            case |= measure_steps(engine, plan, device, warmup, args.steps, args.split_repeats,
+                                  args.profile_steps)
             finish_case(case)
         except Exception as exc:
             case |= ({"status": f"oom: {error_text(exc)}"} if is_oom(exc)
@@ -1044,6 +1096,13 @@ def summary_table(data: dict[str, Any]) -> list[str]:
                                   f" (with reserve / reserved {c['peak_ratio_reserved']:.2f})")
                 lines.append(f"target {c['model']} compile b {c['micro_batch']}: "
                              + "; ".join(checks))
+        for c in step:
+            prof = c.get("profile")
+            if prof:
+                kinds = " ".join(f"{k} {v:.0f}" for k, v in prof["kernel_ms_per_step"].items())
+                lines.append(f"kern {c['model']} {c['mode']} b {c['micro_batch']}: busy "
+                             f"{prof['kernel_busy_ms_per_step']:.0f}/"
+                             f"{prof['profiled_wall_ms_per_step']:.0f} ms: {kinds}")
         for mode, summ in sections.get("step", {}).get("summary", {}).items():
             if summ.get("cases_ok"):
                 lines.extend(f"fit {mode}: {line}" for line in summary_lines(summ))
@@ -1086,6 +1145,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (8; 4 with --quick)")
     parser.add_argument("--split-repeats", type=int, default=None,
                         help="fwd+bwd-only and optimizer-only repeats (3; 0 with --quick)")
+    parser.add_argument("--profile-steps", type=int, default=2,
+                        help="steps of each case run again under torch.profiler for the kernel "
+                             "time by kind (0: none; CUDA only; default 2)")
     parser.add_argument("--gpu", default=None, help="GPU catalog name for the prediction")
     parser.add_argument("--budget-s", type=float, default=None,
                         help=f"watchdog limit for the whole run (default {TOTAL_BUDGET_S:.0f} s)")

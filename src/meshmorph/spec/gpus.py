@@ -27,6 +27,14 @@ class LinkSpec:
     latency_us: float
     """One-way latency of a small message, microseconds."""
 
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.bandwidth_gbps) and self.bandwidth_gbps > 0):
+            raise ValueError(f"link {self.name!r}: bandwidth_gbps must be a finite number > 0, "
+                             f"got {self.bandwidth_gbps!r}; give its GB/s per GPU per direction")
+        if not (math.isfinite(self.latency_us) and self.latency_us >= 0):
+            raise ValueError(f"link {self.name!r}: latency_us must be a finite number >= 0, got "
+                             f"{self.latency_us!r}")
+
 
 LINKS: dict[str, LinkSpec] = {
     link.name: link
@@ -78,6 +86,23 @@ class GPUSpec:
     sm_count: float = 0
     """Streaming multiprocessors (AMD: compute units) that run GEMM tiles in waves; 0: unknown
     (no wave quantisation). Vendor data sheets / architecture whitepapers."""
+
+    def __post_init__(self) -> None:
+        for key in ("memory_gib", "hbm_gbps"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"GPU {self.name!r}: {key} must be a finite number > 0, got "
+                                 f"{value!r}; give the part's data-sheet figure")
+        if not self.peak_tflops:
+            raise ValueError(f"GPU {self.name!r} lists no peak_tflops; give at least one dtype, "
+                             "e.g. { bf16 = 989.4 }")
+        for dtype, value in self.peak_tflops.items():
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"GPU {self.name!r}: peak_tflops.{dtype} must be a finite number "
+                                 f"> 0, got {value!r}; leave out a dtype the part does not run")
+        if not (math.isfinite(self.sm_count) and self.sm_count >= 0):
+            raise ValueError(f"GPU {self.name!r}: sm_count must be >= 0 (0: unknown), got "
+                             f"{self.sm_count!r}")
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for a training dtype; falls back to the next wider dtype."""

@@ -152,3 +152,8 @@ def test_a_dropout_probability_keeps_megatrons_masks(tmp_path):
 def test_bad_attention_and_dropout_fields_name_the_key(tmp_path, key, value, match):
     with pytest.raises(ValueError, match=match):
         from_hf_config(_write(tmp_path, {**GPT2_SMALL, key: value}))
+
+
+def test_a_billion_layers_is_refused_at_once_not_built(tmp_path):
+    with pytest.raises(ValueError, match=r"num_layers 1,000,000,000 is above meshmorph's limit"):
+        from_hf_config(_write(tmp_path, {**LLAMA2_7B, "num_hidden_layers": 10**9}))

@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from meshmorph.cli.args import positive_int
-from meshmorph.schedule.registry import SCHEDULE_NAMES, chunks_per_rank
+from meshmorph.schedule.registry import SCHEDULE_NAMES, check_size, chunks_per_rank
 from meshmorph.schedule.simulator import StageTimes, Timeline, simulate_schedule
 from meshmorph.schedule.table import Schedule
 from meshmorph.schedule.trace import OpRecord, read_trace_ops, timeline_events, write_trace
@@ -24,6 +24,9 @@ from meshmorph.schedule.trace import OpRecord, read_trace_ops, timeline_events, 
 TRACE_FILE = "trace.json"
 """Name of the measured trace inside a run folder."""
 
+
+MAX_DRAWN_PAIRS = 1 << 16
+"""The most (stage, micro-batch) pairs ``timeline`` draws: a chart of more cannot be read."""
 
 def uniform_times(name: str, p: int, v: int) -> StageTimes:
     """A rank's layers take F 1 ms and B 2 ms (I 1 ms + W 1 ms), split evenly over its chunks."""
@@ -124,6 +127,7 @@ def _simulated(args: argparse.Namespace) -> tuple[str, Timeline]:
         raise ValueError("timeline needs --plan FILE, or --schedule NAME --pp P --microbatches M "
                          "(or --compare RUN_DIR)")
     v = chunks_per_rank(args.schedule, 1 if Schedule(args.schedule).v_shape else args.vpp)
+    check_size(args.pp, args.microbatches, v, MAX_DRAWN_PAIRS, "a readable chart")
     timeline = simulate_schedule(args.schedule, args.pp, args.microbatches,
                                  uniform_times(args.schedule, args.pp, v), v=v)
     return (f"{args.schedule} pp {args.pp} m {args.microbatches}"

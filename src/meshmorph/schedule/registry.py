@@ -16,6 +16,9 @@ from meshmorph.schedule.one_f_one_b import (
 from meshmorph.schedule.table import Schedule
 from meshmorph.schedule.v_shape import dualpipev, v_stages, zbv
 
+MAX_PAIRS = 1 << 21
+"""The most (stage, micro-batch) pairs an action list is generated for: beyond it generating
+takes minutes (about 10 s a million on one core), and no plan needs it."""
 SCHEDULE_NAMES = tuple(str(s) for s in Schedule)
 """Every schedule's name, in the table's order (schedule/table.py)."""
 
@@ -60,6 +63,7 @@ def frozen_actions(name: str, p: int, m: int, v: int, steps: bool
     if p < 1 or m < 1:
         raise ScheduleShapeError(f"need pp >= 1 and micro-batches >= 1, got pp {p}, m {m}")
     chunks = chunks_per_rank(name, v)
+    check_size(p, m, chunks, MAX_PAIRS)
     schedule = _schedule(name)
     if not schedule.info.flush:  # steps are part of the schedule itself
         return tuple(tuple(order) for order in async_one_f_one_b(p, m))
@@ -69,6 +73,15 @@ def frozen_actions(name: str, p: int, m: int, v: int, steps: bool
         orders = with_steps(orders, [[s for s, k in enumerate(ranks) if k == r] for r in range(p)],
                             m)
     return tuple(tuple(order) for order in orders)
+
+
+def check_size(p: int, m: int, chunks: int, limit: int, what: str = "a schedule") -> None:
+    """Refuse ``p`` ranks x ``chunks`` x ``m`` micro-batches above ``limit`` pairs, naming them."""
+    pairs = p * chunks * m
+    if pairs > limit:
+        raise ScheduleShapeError(
+            f"pp {p:,} x {chunks} chunk(s) x {m:,} micro-batches = {pairs:,} (stage, micro-batch) "
+            f"pairs is above the {limit:,} {what} takes; lower pp or the micro-batch count")
 
 
 _GENERATORS = {

@@ -81,3 +81,14 @@ def test_an_unknown_field_is_a_key_error() -> None:
 def test_validate_without_flags_is_validate_config_defaults() -> None:
     args = build_parser().parse_args(["validate"])
     assert config_from(args, ValidateConfig) == ValidateConfig()
+
+
+def test_a_profile_too_large_for_memory_is_refused_before_any_process(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from meshmorph.cli import main
+
+    code = main(["profile", "--seq-len", "100000", "--out", str(tmp_path / "p.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("meshmorph: error: timing a block of gpt-small"), err
+    assert err.count("\n") == 1 and "lower --seq-len or --nproc" in err
+    assert not (tmp_path / "p.json").exists()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from meshmorph.cli.args import positive_int
 from meshmorph.cli.flags import add_field, add_fields, field_default
-from meshmorph.profile.job import ProfileConfig
+from meshmorph.profile.job import ProfileConfig, check_fits_memory
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -22,6 +22,7 @@ def _profile(args: argparse.Namespace) -> int:
     config = quick_config(args.nproc, models, args.seq_len) if args.quick else \
         ProfileConfig(nproc=args.nproc, models=models, seq_len=args.seq_len)
     config = replace(config, nice=args.nice)
+    check_fits_memory(config)  # before the progress bar: a refusal is one line
     console = Console(stderr=True)
     with Progress(TextColumn("profiling"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as bar:

@@ -92,3 +92,28 @@ def test_a_profile_too_large_for_memory_is_refused_before_any_process(
     assert code == 2 and err.startswith("meshmorph: error: timing a block of gpt-small"), err
     assert err.count("\n") == 1 and "lower --seq-len or --nproc" in err
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["validate", "--json", "{dir}"], ["validate", "--png", "{missing}/x/y.png"],
+    ["timeline", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--png", "{dir}"],
+    ["profile", "--out", "{dir}"], ["streams", "--model", "resnet-stack", "--png", "{dir}"],
+    ["models", "--json", "{dir}"],
+])
+def test_every_output_path_is_checked_before_any_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
+        argv: list[str]) -> None:
+    from meshmorph.cli import main
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("work started although an output path was bad")
+
+    monkeypatch.setattr("subprocess.Popen", refuse)
+    monkeypatch.setattr("multiprocessing.get_context", refuse)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    argv = [a.format(dir=tmp_path, missing=blocker) for a in argv]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "is a folder; pass a file path" in err or "is not a folder" in err

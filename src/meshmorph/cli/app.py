@@ -12,6 +12,8 @@ import argparse
 import importlib
 import sys
 
+from meshmorph.cli.output import check_outputs
+
 # module path -> the subcommands it registers (imported lazily only when needed for speed)
 _COMMAND_MODULES = (
     "meshmorph.cli.plan",  # plan, estimate
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_outputs(args)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("meshmorph: interrupted", file=sys.stderr)

@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
+from meshmorph.plan.report import print_plans, report_console
 from meshmorph.run.job import load_job
 from meshmorph.run.launch.launcher import PreparedRun, check_plan_for_job, launch, searched_plans
 from meshmorph.spec.catalog import load_model
@@ -54,30 +52,8 @@ out_dir = "{out_dir}"
 """
 
 
-def _plans_table(plans: list[Plan]) -> Table:
-    table = Table(title="plans for the demo, best first")
-    for column in ("#", "tp", "pp", "dp", "zero", "micro-batch x m", "schedule", "step time (pred.)"):
-        table.add_column(column, justify="right")
-    for index, plan in enumerate(plans):
-        predicted = (plan.predicted or {}).get("step_time_s")
-        table.add_row(str(index + 1), str(plan.tp), str(plan.pp), str(plan.dp), str(plan.zero),
-                      f"{plan.micro_batch} x {plan.num_microbatches}", str(plan.schedule),
-                      f"{predicted * 1e3:.1f} ms" if predicted else "-")
-    return table
-
-
-def show_plans(plans: list[Plan], console: Console) -> None:
-    try:
-        from meshmorph.plan.report import print_plans
-    except ModuleNotFoundError:
-        console.print(_plans_table(plans))
-        return
-    print_plans(plans, console)
-
-
 def run_demo(*, nproc: int = 4, steps: int | None = None, out: Path | None = None) -> int:
     """Plan, show, train; returns the launcher's exit code."""
-    from meshmorph.plan.report import report_console
     from meshmorph.run.launch.run_folder import RunLock, check_fresh, make_folder
 
     if nproc < 1 or (steps is not None and steps < 1):
@@ -106,7 +82,7 @@ def run_demo(*, nproc: int = 4, steps: int | None = None, out: Path | None = Non
         from meshmorph.run.launch.launcher import default_plan
 
         plans = [default_plan(job, model, nproc)]
-    show_plans(plans[:8], console)
+    print_plans(plans[:8], console)
     plan = plans[0]
     console.print(f"training plan 1: tp {plan.tp} x pp {plan.pp} x dp {plan.dp}, zero {plan.zero}, "
                   f"micro-batches {plan.num_microbatches} x {plan.micro_batch}, {plan.schedule}")

@@ -6,13 +6,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from meshmorph.cli.output import check_writable, write_json
+from meshmorph.cli.output import add_output, write_json
 from meshmorph.plan.report import report_console
+from meshmorph.spec.gpus import GPU_CATALOG, LINKS, load_gpus_toml
 
 
 def gpu_rows() -> list[dict[str, Any]]:
     """One row per catalog GPU: memory, bandwidth, dense peaks, links (figures), dated prices."""
-    from meshmorph.spec.gpus import GPU_CATALOG, LINKS
 
     def link_row(name: str) -> dict[str, Any]:
         return {"name": name, "bandwidth_gbps": LINKS[name].bandwidth_gbps,
@@ -31,9 +31,6 @@ def _gpus(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     if args.gpus is not None:
-        from meshmorph.spec.gpus import load_gpus_toml
-
-        check_writable(args.json, "--json")
         load_gpus_toml(args.gpus)
     rows = gpu_rows()
     table = Table(title="GPU catalog (dense peaks, no sparsity)", title_justify="left")
@@ -74,7 +71,7 @@ def _gpus(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     gpus = subparsers.add_parser("gpus", help="list the GPU catalog")
-    gpus.add_argument("--json", type=Path, default=None, help="also write the list as JSON")
+    add_output(gpus, "--json", help="also write the list as JSON")
     gpus.add_argument("--gpus", type=Path, default=None,
                       help="TOML file of [gpus.NAME] (and [links.NAME]) tables that add GPUs or "
                            "override catalog figures and prices")

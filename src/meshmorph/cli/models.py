@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
-from meshmorph.cli.output import check_writable, write_json
+from meshmorph.cli.output import add_output, write_json
 from meshmorph.plan.report import report_console
+from meshmorph.spec.catalog import MODEL_CATALOG
+from meshmorph.spec.transformer import build_transformer
 
 
 def model_rows() -> list[dict[str, Any]]:
     """One row per catalog model: its shape and parameter count."""
-    from meshmorph.spec.catalog import MODEL_CATALOG
-    from meshmorph.spec.transformer import build_transformer
 
     rows = []
     for name, shape in MODEL_CATALOG.items():
@@ -42,12 +41,11 @@ def _models(args: argparse.Namespace) -> int:
     console = report_console()
     console.print(table)
     if args.json:
-        check_writable(args.json, "--json")
         write_json(args.json, {"models": rows})
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     models = subparsers.add_parser("models", help="list the model catalog")
-    models.add_argument("--json", type=Path, default=None, help="also write the list as JSON")
+    add_output(models, "--json", help="also write the list as JSON")
     models.set_defaults(func=_models)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from meshmorph.cli.args import positive_int
 from meshmorph.cli.flags import add_field, add_fields, field_default
+from meshmorph.cli.output import add_output
 from meshmorph.profile.job import ProfileConfig, check_fits_memory
 
 
@@ -46,8 +47,7 @@ def _profile(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     prof = subparsers.add_parser(
         "profile", help="measure the local devices: GEMMs, collectives, layer and optimizer times")
-    prof.add_argument("--out", type=Path, default=Path("profile.json"),
-                      help="Profile JSON to write (default profile.json)")
+    add_output(prof, "--out", default=Path("profile.json"), help="Profile JSON to write (default profile.json)")
     add_fields(prof, ProfileConfig, "nproc", "nice")
     add_field(prof, ProfileConfig, "models", "--model", action="append", default=None, type=str,
               help="catalog model whose layers are timed (repeatable; default "

@@ -16,10 +16,15 @@ from collections import defaultdict
 from pathlib import Path
 
 from meshmorph.cli.args import positive_int
+from meshmorph.cli.output import add_output
+from meshmorph.cost.model import CostModel
 from meshmorph.schedule.registry import SCHEDULE_NAMES, check_size, chunks_per_rank
 from meshmorph.schedule.simulator import StageTimes, Timeline, simulate_schedule
 from meshmorph.schedule.table import Schedule
 from meshmorph.schedule.trace import OpRecord, read_trace_ops, timeline_events, write_trace
+from meshmorph.spec.catalog import load_model
+from meshmorph.spec.cluster import parse_cluster
+from meshmorph.spec.plan_file import load_plan
 
 TRACE_FILE = "trace.json"
 """Name of the measured trace inside a run folder."""
@@ -108,10 +113,6 @@ def _timeline(args: argparse.Namespace) -> int:
 
 def _simulated(args: argparse.Namespace) -> tuple[str, Timeline]:
     if args.plan is not None:
-        from meshmorph.cost.model import CostModel
-        from meshmorph.spec.catalog import load_model
-        from meshmorph.spec.cluster import parse_cluster
-        from meshmorph.spec.plan_file import load_plan
         from meshmorph.viz.timeline_chart import plan_timeline
 
         plan = load_plan(args.plan)
@@ -161,7 +162,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tl.add_argument("--vpp", type=positive_int, default=1, help="chunks per rank (interleaved)")
     tl.add_argument("--compare", type=Path, default=None, metavar="RUN_DIR",
                     help="overlay the measured trace of 'meshmorph run --trace' and the simulation")
-    tl.add_argument("--png", type=Path, default=None, help="write the Gantt chart here")
-    tl.add_argument("--trace", type=Path, default=None,
-                    help="write a Chrome/Perfetto trace here ({\"traceEvents\": [...]})")
+    add_output(tl, "--png", help="write the Gantt chart here")
+    add_output(tl, "--trace", help="write a Chrome/Perfetto trace here ({\"traceEvents\": [...]})")
     tl.set_defaults(func=_timeline)

@@ -4,9 +4,9 @@ times and state bytes with the cost model's predictions."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from meshmorph.cli.flags import add_field, add_fields, config_from
+from meshmorph.cli.output import add_output
 from meshmorph.profile.validate import ValidateConfig
 
 
@@ -27,6 +27,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_field(val, ValidateConfig, "interleave", "--profile-once",
               help="predict every plan from the profile taken before them all (default: from "
                    "profile pieces measured between each plan's own steps)")
-    val.add_argument("--json", type=Path, default=None, help="write the table as JSON")
-    val.add_argument("--png", type=Path, default=None, help="write the predicted-vs-measured chart")
+    add_output(val, "--json", help="write the table as JSON")
+    add_output(val, "--png", help="write the predicted-vs-measured chart")
     val.set_defaults(func=_validate)

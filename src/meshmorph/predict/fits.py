@@ -62,9 +62,6 @@ class Durations:
         return cls(tuple(float(h) for h in hours),
                    tuple(float(h) if e else math.inf for h, e in zip(hours, ended, strict=True)))
 
-    def __add__(self, other: Durations) -> Durations:
-        return Durations(self.low_h + other.low_h, self.high_h + other.high_h)
-
     @property
     def events(self) -> int:
         """Durations that ended inside the measurement."""

@@ -156,9 +156,12 @@ def _fit(runs: Runs, tick_s: float, mixture: bool, source: str) -> RunFit:
     total = float(sum(runs.ticks))
     p_min = 1 / (2 * total)
     p0 = min(max(runs.events / total, p_min), 1 - 1e-9)
-    starts = [np.array([special.logit(p0)])]
+    def logit(p: float) -> float:
+        return float(special.logit(min(max(p, p_min), 1 - 1e-9)))
+
+    starts = [np.array([logit(p0)])]
     if mixture:  # short runs of about a tick, long ones near the longest seen
-        starts = [np.array([special.logit(w), special.logit(0.7), special.logit(p)])
+        starts = [np.array([logit(w), logit(0.7), logit(p)])
                   for w, p in ((0.5, p0 / 2), (0.7, 1 / max(runs.ticks)))]
 
     def nll(theta: np.ndarray) -> float:

@@ -20,7 +20,8 @@ _COMMAND_MODULES = (
     "meshmorph.cli.reshape",  # reshape
     "meshmorph.cli.timeline",  # timeline
     "meshmorph.cli.streams",  # streams
-    "meshmorph.cli.simulate",  # simulate, advise
+    "meshmorph.cli.simulate",  # simulate
+    "meshmorph.cli.advise",  # advise
     "meshmorph.cli.profile",  # profile, validate
 )
 

@@ -81,8 +81,8 @@ def print_results(console: Console, results: list[PolicyResult], runs: int,
     """One row per policy (and per source with a trace): P10/P50/P90 time and cost, zones used."""
     table = Table(title=f"{runs} runs per policy: P10 / P50 / P90", title_justify="left")
     for name in ("policy", "from", "zones used (share of training)", "time h", "cost $",
-                 "preemptions") + (("met deadline",) if deadline is not None else ()):
-        table.add_column(name, justify="right" if name in ("time h", "cost $", "preemptions",
+                 "nodes lost") + (("met deadline",) if deadline is not None else ()):
+        table.add_column(name, justify="right" if name in ("time h", "cost $", "nodes lost",
                                                            "met deadline") else "left")
     for r in results:
         _row(table, str(r.policy), "fit", r.model, deadline)
@@ -147,6 +147,10 @@ def _simulate(args: argparse.Namespace) -> int:
                   + (f", {market.provider.max_runtime_h:g} h cap)" if market.provider.max_runtime_h
                      else ")") + (f"; deadline {args.deadline:g} h" if args.deadline else ""))
     print_market(console, market)
+    if args.spot and not args.policy and market.mode is PreemptionMode.CAPACITY:
+        console.print("[dim]note:[/] reshape is left out: in capacity mode a zone's capacity "
+                      "takes every node at once, so nobody survives to continue (it would be "
+                      "restart); --preemption lifetime has survivors")
     print_results(console, results, args.runs, args.deadline)
     if args.json:
         write_json(args.json, {

@@ -100,15 +100,20 @@ class Market:
         return next(z for z in self.zones if z.name == name)
 
 
+USER_WEIGHT = 10**6
+"""A user's figures are taken as exact: fitted as if from this many periods (no interval)."""
+
+
 def user_availability(zone: UserZone) -> ZoneAvailability:
     """A user zone's figures as geometric up and down runs on a one-minute tick."""
     up_ticks = zone.mean_up_h * 3600 / USER_TICK_S
     down_ticks = up_ticks * (1 - zone.share_available) / zone.share_available
     never = math.isinf(up_ticks) or zone.share_available == 1.0
+    n = USER_WEIGHT
     return ZoneAvailability(
         zone=zone.name, observed_share=1.0 if never else zone.share_available,
-        up=rate_fit(0 if never else 1, 1.0 if never else up_ticks, USER_TICK_S, zone.source),
-        down=rate_fit(1, max(down_ticks, 1.0), USER_TICK_S, zone.source),
+        up=rate_fit(0 if never else n, 1.0 if never else n * up_ticks, USER_TICK_S, zone.source),
+        down=rate_fit(n, n * max(down_ticks, 1.0), USER_TICK_S, zone.source),
         source=zone.source or "user zone")
 
 
@@ -127,9 +132,11 @@ def _availability(request: MarketRequest, catalog: CloudCatalog, provider: Provi
         zones = dict(data.availability) if data else {}
         notes += [note] if note else []
         source = data.key if data else "none"
-    for zone in catalog.zones.values():
-        if zone.provider == provider.name and zone.gpu in ("", request.gpu):
-            zones[zone.name] = user_availability(zone)
+    users = {z.name: user_availability(z) for z in catalog.zones.values()
+             if z.provider == provider.name and z.gpu in ("", request.gpu)}
+    if users and not zones:  # the user's zones are all there is: no stand-in to report
+        notes, source = [], "your zones"
+    zones.update(users)
     if not zones:
         zones = {"any": None}
     return zones, notes, source
@@ -149,7 +156,7 @@ def _lifetime(request: MarketRequest, catalog: CloudCatalog, provider: Provider,
     data, note = lifetimes_for(request.gpu, provider.cloud)
     if data is None or not provider.hazard:
         never = Hazard(name="none", edges_h=(0.0,), rates_per_h=(), source="none")
-        return provider.rules(never), note if provider.hazard else "", provider.name
+        return provider.rules(never), note if provider.hazard and not user else "", provider.name
     hazard, zone_note = zone_hazard(data, zone)
     return provider.rules(hazard), note, data.key + (" (pooled)" if zone_note else "")
 

@@ -122,9 +122,17 @@ def fit(data: list[SpeedPoint]) -> tuple[np.ndarray, np.ndarray]:
                      np.ones(len(single)))
     cluster = [p for p in data if not p.single]
     measured = np.log([p.steps_per_s for p in cluster])
+    # the formula of steps_per_s over all cluster points at once
+    step = np.array([step_time_s(worker, p) for p in cluster])
+    workers = np.array([p.workers for p in cluster], dtype=float)
+    servers = np.array([p.parameter_servers for p in cluster], dtype=float)
+    net = np.array([8 * p.params / NETWORK_BYTES_PER_S for p in cluster])
+    tensors = np.array([p.tensors for p in cluster], dtype=float)
 
     def residuals(theta: np.ndarray) -> np.ndarray:
-        return np.log([steps_per_s(worker, theta, p) for p in cluster]) - measured
+        a0, a1, a2, power = theta
+        load = workers * (a0 + a1 * net + a2 * tensors) / servers
+        return np.log(workers) - np.log(step**power + load**power) / power - measured
 
     server = least_squares(residuals, SERVER_START, bounds=([0, 0, 0, 1], np.inf)).x
     return worker, server

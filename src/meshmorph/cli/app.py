@@ -14,7 +14,7 @@ import sys
 
 from meshmorph.cli.output import check_outputs
 
-# module path -> the subcommands it registers (imported lazily only when needed for speed)
+# one module per subcommand, in the order of `meshmorph --help`
 _COMMAND_MODULES = (
     "meshmorph.cli.plan",  # plan, estimate
     "meshmorph.cli.models",  # models
@@ -24,7 +24,8 @@ _COMMAND_MODULES = (
     "meshmorph.cli.reshape",  # reshape
     "meshmorph.cli.timeline",  # timeline
     "meshmorph.cli.streams",  # streams
-    "meshmorph.cli.simulate",  # simulate, advise
+    "meshmorph.cli.simulate",  # simulate
+    "meshmorph.cli.advise",  # advise
     "meshmorph.cli.profile",  # profile
     "meshmorph.cli.validate",  # validate
 )

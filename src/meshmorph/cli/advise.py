@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.table import Table
 
 from meshmorph.cli.args import positive_float, positive_int
-from meshmorph.cli.output import check_writable, write_json
+from meshmorph.cli.output import add_output, write_json
 from meshmorph.plan.report import report_console
 from meshmorph.predict.advise import AdviceOptions, advise, pareto, recommend
 from meshmorph.predict.cloud_catalog import load_catalog
@@ -23,7 +23,6 @@ def _zones(shares: dict[str, float]) -> str:
 
 
 def _advise(args: argparse.Namespace) -> int:
-    check_writable(args.json, "--json")
     if args.gpus:
         load_gpus_toml(args.gpus)
     model = load_model(args.model)
@@ -77,5 +76,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     adv.add_argument("--catalog", type=Path, default=None,
                      help="your providers, zones and prices (TOML)")
     adv.add_argument("--gpus", type=Path, default=None, help="your GPU TOML ([gpus.NAME])")
-    adv.add_argument("--json", type=Path, default=None, help="write the options as JSON")
+    add_output(adv, "--json", help="write the options as JSON")
     adv.set_defaults(func=_advise)

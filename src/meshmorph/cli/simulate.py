@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshmorph.cli.args import positive_float, positive_int
-from meshmorph.cli.output import check_writable, write_json
+from meshmorph.cli.output import add_output, write_json
 from meshmorph.plan.report import report_console
 from meshmorph.predict.cloud_catalog import load_catalog
 from meshmorph.predict.market import Market, MarketRequest, build_market
@@ -122,8 +122,6 @@ def _market_json(market: Market) -> dict[str, Any]:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    for flag in ("json", "png"):
-        check_writable(getattr(args, flag), f"--{flag}")
     if args.gpus:
         load_gpus_toml(args.gpus)
     model, cluster = load_model(args.model), parse_cluster(args.cluster)
@@ -202,6 +200,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--catalog", type=Path, default=None,
                      help="your providers, zones and prices (TOML, examples/my_zones.toml)")
     sim.add_argument("--gpus", type=Path, default=None, help="your GPU TOML ([gpus.NAME])")
-    sim.add_argument("--json", type=Path, default=None, help="write the results as JSON")
-    sim.add_argument("--png", type=Path, default=None, help="write a timeline chart (PNG)")
+    add_output(sim, "--json", help="write the results as JSON")
+    add_output(sim, "--png", help="write a timeline chart (PNG)")
     sim.set_defaults(func=_simulate)

@@ -38,79 +38,18 @@ from meshmorph.run.model.loss import token_cross_entropy
 from meshmorph.run.parallel.mesh import TrainMesh, build_mesh
 from meshmorph.run.parallel.parallelize import TORCH_DTYPES, parallelize, uses_fsdp_precision
 from meshmorph.run.parallel.zero1 import ShardedAdamW
-from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import Plan, PlanError
+from meshmorph.spec.plan import Plan
+from meshmorph.spec.runnable import check_runnable, defers_grad_reduce
+
+__all__ = ["TrainEngine", "build_engine", "defers_grad_reduce", "validate_plan"]
 
 
 def validate_plan(model: ModelSpec, plan: Plan, world_size: int) -> None:
-    """Refuse, before any process group exists, a plan this model or job cannot run."""
+    """Refuse, before any process group exists, a plan this model or job cannot run: the plan's
+    own checks, then every rule of spec/runnable.py."""
     plan.check_against(model, world_size)
-    if model.arch not in ("gpt", "llama"):
-        raise PlanError(
-            f"model {model.name!r} has arch {model.arch!r}; the runtime builds only 'gpt' and "
-            "'llama' decoders (catalog models or HF configs)"
-        )
-    if plan.seq_len != model.seq_len:
-        raise PlanError(
-            f"plan seq_len {plan.seq_len} != model seq_len {model.seq_len}; load the model at "
-            f"seq_len {plan.seq_len} (ModelSpec.with_seq_len) or re-plan"
-        )
-    if plan.pp == 1 and plan.num_chunks > 1:
-        raise PlanError(f"vpp {plan.vpp} needs pp > 1; set vpp 1 or raise pp")
-    if plan.schedule == Schedule.ASYNC:  # runs in the asynchronous executor (run/async_pipe/train.py)
-        from meshmorph.run.async_pipe.train import check_async_plan
-
-        check_async_plan(model, plan)
-        return
-    if any(stage.layer_strategies is not None for stage in plan.stages):
-        from meshmorph.run.engine.layerwise_engine import validate_layerwise
-
-        validate_layerwise(model, plan)
-    check_overlap_switches(plan)
-    if plan.schedule.split_backward and plan.pp > 1 and plan.dp > 1 \
-            and plan.zero == 3:
-        # measured with torch 2.13: the last stage's sharded parameters end the step without
-        # gradients (its deferred weight-gradient pass and FSDP2's per-block resharding)
-        raise PlanError(
-            "the zero-bubble schedule with ZeRO-3 loses the last stage's weight gradients in "
-            "torch's pipelining; use zero 2 (or 0/1) with zb, or schedule 1f1b with zero 3"
-        )
-    if plan.schedule == Schedule.ZERO_BUBBLE and plan.pp > 1:
-        rounds = max(1, plan.num_microbatches // plan.pp)
-        if plan.num_microbatches % rounds:
-            raise PlanError(
-                f"zero-bubble runs micro-batches in rounds of pp {plan.pp}: num_microbatches "
-                f"{plan.num_microbatches} is not a multiple of {rounds} rounds; use a multiple of pp"
-            )
-
-
-def defers_grad_reduce(plan: Plan) -> bool:
-    """Whether the runtime reduces this plan's gradients after the backward itself
-    (``overlap_grad_reduce`` off): DDP under ``no_sync`` for every micro-batch, then one
-    all-reduce per gradient. Only the DDP path realises it (dp > 1, ZeRO 0/1, tp 1, pp 1)."""
-    return not plan.overlap_grad_reduce and plan.dp > 1 and plan.zero <= 1 and plan.tp == 1 \
-        and plan.pp == 1 and plan.cp == 1
-
-
-def check_overlap_switches(plan: Plan) -> None:
-    """Refuse an overlap switch the runtime does not realise, saying what to set instead."""
-    if plan.tp_comm_overlap:
-        raise PlanError(
-            "tp_comm_overlap: meshmorph's runtime does not overlap tensor-parallel communication "
-            "with the GEMMs (Megatron-LM does it with TransformerEngine's userbuffers, torch's "
-            "async TP needs CUDA symmetric memory); set tp_comm_overlap false to run the plan "
-            "(estimate prices both)")
-    if not plan.overlap_grad_reduce and plan.grad_replicas > 1 and not defers_grad_reduce(plan):
-        raise PlanError(
-            f"overlap_grad_reduce false: the runtime reduces gradients after the backward only "
-            f"where DDP runs the chunk (dp > 1, zero 0 or 1, tp 1, pp 1, cp 1), not with tp "
-            f"{plan.tp}, pp {plan.pp}, zero {plan.zero}, cp {plan.cp}; set overlap_grad_reduce "
-            f"true (FSDP2 and torch's pipelining reduce during the backward)")
-    if any(stage.layer_strategies for stage in plan.stages) and (
-            not plan.overlap_grad_reduce or not plan.fsdp_prefetch):
-        raise PlanError("layerwise plans run with overlap_grad_reduce and fsdp_prefetch on; set "
-                        "both true or drop layer_strategies")
+    check_runnable(model, plan)
 
 
 def _make_optimizer(params: list[nn.Parameter], optim: OptimConfig, *,

@@ -1,5 +1,10 @@
 """The global gradient norm over every pipeline, data- and tensor-parallel shard, and clipping.
 
+Every figure stays on the device: the norm is a float64 tensor, and clipping scales the
+gradients by a clamped tensor coefficient, as ``torch.nn.utils.clip_grad_norm_`` does, so a step
+reads nothing back to the host until its metrics (run/engine/train_engine.py: the loss and the
+norm together, once).
+
 A uniform plan's gradients all live on the plan's mesh and fall into placement classes by the
 mesh dims they are sharded over: none (whole on every rank: DDP, replicated norms), ``dp``
 (FSDP2 shards), ``tp`` (tensor-parallel splits) or both. Each rank sums the squares of its local
@@ -142,13 +147,19 @@ def grad_norm(segments: list[Segment], mesh: TrainMesh, skip: set[int],
                             if p.grad is not None and id(p) not in skip], mesh)
 
 
-def clip_grads_(grads: Iterable[torch.Tensor], norm: float, max_norm: float) -> None:
+def clip_grads_(grads: Iterable[torch.Tensor], norm: float | torch.Tensor,
+                max_norm: float) -> None:
     """Scale gradients so their global norm is at most ``max_norm`` (torch's clip_grad_norm_ rule:
-    coef = max_norm / (norm + 1e-6), capped at 1)."""
+    coef = max_norm / (norm + 1e-6), capped at 1). A tensor ``norm`` stays on its device: the
+    gradients are multiplied by the clamped coefficient, 1 where no clipping is needed."""
     coef = max_norm / (norm + 1e-6)
-    if max_norm <= 0 or coef >= 1.0:
+    if max_norm <= 0 or (not isinstance(coef, torch.Tensor) and coef >= 1.0):
         return
-    torch._foreach_mul_([_storage(g) for g in grads], coef)  # scaling is linear: Partial too
+    storages = [_storage(g) for g in grads]  # scaling is linear: Partial too
+    if isinstance(coef, torch.Tensor) and storages:  # the kernel rounds it to their dtype
+        coef = torch.clamp(coef, max=1.0).to(storages[0].dtype)
+    if storages:
+        torch._foreach_mul_(storages, coef)
 
 
 def _storage(grad: torch.Tensor) -> torch.Tensor:

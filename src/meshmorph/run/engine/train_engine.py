@@ -11,8 +11,8 @@ layers differ: the last segment's layout at pp 1, the data layout at a pipeline 
 torch's own 1/m would miss a ZeRO-2 layer's shards, whose gathered copies are registered at the
 step's end). Gradients torch's wrappers do not reduce are reduced after the backward, tied
 embedding copies on different pipeline ranks are summed (run/engine/grads.py), the global
-gradient norm is taken over every shard once (run/engine/grad_norm.py), gradients are clipped,
-and AdamW and the LR schedule step. The tests' one-device oracle
+gradient norm is taken over every shard once (run/engine/grad_norm.py), gradients are clipped on
+the device, and AdamW and the LR schedule step. The tests' one-device oracle
 (tests/dist/reference.py) runs the same arithmetic.
 
 Precision: parameters, gradients and Adam moments stay fp32; a 16-bit plan computes under
@@ -20,7 +20,7 @@ FSDP2's MixedPrecisionPolicy (ZeRO 2/3 segments) and ``torch.autocast`` (unless 
 cast by FSDP2), and an fp16 plan scales its loss (``LossScaler``). ZeRO-2 keeps the parameters
 FSDP2 gathered for the first micro-batch to the end of the step and reshards them after the
 optimizer step. The first step also records what this rank holds at the end of backward and
-sends (run/engine/state_line.py).
+sends (run/engine/state_line.py). A step reads the device once: the loss and the norm together.
 """
 
 from __future__ import annotations
@@ -245,10 +245,8 @@ class TrainEngine:
         if self.scaler is not None:
             loss_sum /= self.scaler.scale
             self.scaler.unscale_(grads)
-        norm = float(grad_norm(self.segments, self.train_mesh, self.tied.head_copies,
-                               self.device))
-        self._grad_norm = norm
-        if self.scaler is None or self.scaler.update(norm):
+        norm = grad_norm(self.segments, self.train_mesh, self.tied.head_copies, self.device)
+        if self.scaler is None or self.scaler.update(float(norm)):
             if self.optim.grad_clip > 0:
                 clip_grads_(grads, norm, self.optim.grad_clip)
             for opt in self.optimizers:
@@ -261,7 +259,8 @@ class TrainEngine:
         if not self.has_last:
             loss_sum.zero_()
         dist.all_reduce(loss_sum)
-        return float(loss_sum) / (plan.num_microbatches * plan.dp * plan.tp)
+        loss, self._grad_norm = torch.stack((loss_sum, norm.to(loss_sum))).tolist()  # one read
+        return loss / (plan.num_microbatches * plan.dp * plan.tp)
 
     def grad_norm_last(self) -> float:
         """The global gradient norm of the last step, before clipping."""

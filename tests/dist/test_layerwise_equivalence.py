@@ -124,10 +124,9 @@ def _train(model: ModelSpec, plan: Plan, out: Path, rank: int) -> None:
 
     from meshmorph.run.engine import state_line
     from meshmorph.run.engine.train_engine import build_engine
-    from meshmorph.run.engine.layerwise_engine import LayerwiseEngine
 
     engine = build_engine(model, plan, OPTIM, seed=SEED, device=torch.device("cpu"))
-    assert isinstance(engine, LayerwiseEngine)
+    assert engine.summed  # every segment's data parallelism runs layer by layer
     share = plan.global_batch // plan.dp
     losses, norms = [], []
     for batch in batches(model, plan):

@@ -90,7 +90,7 @@ def test_a_zero3_layer_is_refused_only_under_a_split_backward_schedule(schedule:
 def test_async_layerwise_pipelines_are_refused() -> None:
     plan = _mixed_llama(SPLIT_MIXED, dp=2, pp=2, global_batch=8, num_microbatches=4,
                         schedule="async")
-    from meshmorph.run.engine.layerwise_engine import validate_layerwise
+    from meshmorph.spec.runnable import check_layerwise_runnable as validate_layerwise
 
     with pytest.raises(PlanError, match="run the schedules gpipe, 1f1b, zb, interleaved, zbv"):
         validate_layerwise(_llama(), plan)

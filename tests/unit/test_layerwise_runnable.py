@@ -56,7 +56,7 @@ def _plans(model: ModelSpec) -> list[Plan]:
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
 def test_the_predicate_agrees_with_the_runtime_validation(name: str) -> None:
-    from meshmorph.run.engine.layerwise_engine import validate_layerwise
+    from meshmorph.spec.runnable import check_layerwise_runnable as validate_layerwise
 
     model = catalog_model(name, seq_len=16)
     plans = _plans(model)
@@ -93,7 +93,7 @@ def test_every_synchronous_pipeline_schedule_is_runnable() -> None:
 
 
 def test_the_default_search_offers_the_v_plan_the_wide_one_picks() -> None:
-    from meshmorph.run.engine.layerwise_engine import validate_layerwise
+    from meshmorph.spec.runnable import check_layerwise_runnable as validate_layerwise
 
     model = load_model("llama2-7b", 2048)
     cluster = parse_cluster("a100-80g:2x8")
@@ -127,7 +127,7 @@ def test_split_backward_searches_offer_no_zero3_layer(schedule: str) -> None:
 
 
 def test_the_sequence_parallel_plan_the_wide_search_picks_is_runnable_and_offered() -> None:
-    from meshmorph.run.engine.layerwise_engine import validate_layerwise
+    from meshmorph.spec.runnable import check_layerwise_runnable as validate_layerwise
 
     model = load_model("llama2-7b")  # seq 4096
     cluster = parse_cluster("a100-40g:1x4")
@@ -197,7 +197,7 @@ def test_sequence_parallelism_runs_where_every_layer_tp_divides_the_sequence() -
 
 @pytest.mark.parametrize("zeros", [(0, 3), (3,), (2,)])
 def test_a_tied_embedding_gets_one_runnable_layout_for_embedding_and_head(zeros: tuple) -> None:
-    from meshmorph.run.engine.layerwise_engine import validate_layerwise
+    from meshmorph.spec.runnable import check_layerwise_runnable as validate_layerwise
 
     model = catalog_model("gpt-tiny")
     cluster = parse_cluster("a100-80g:1x4")

@@ -1,7 +1,6 @@
-"""Moving activations between two layers whose (tp, dp) splits of a stage differ.
+"""Moving activations between two runs of layers whose (tp, dp) splits of a stage differ.
 
-The runtime half of layerwise plans, first piece: the redistribution cost/transition.py prices,
-as an autograd function. Ranks of a stage are numbered with tp innermost; under (tp, dp) rank r
+The redistribution cost/transition.py prices, as autograd functions. Ranks of a stage are numbered with tp innermost; under (tp, dp) rank r
 holds the sequences of data-parallel block r // tp of a micro-batch (B / dp sequences),
 replicated on the block's tp ranks. From a = (tp_a, dp_a) to b = (tp_b, dp_b):
 
@@ -11,8 +10,8 @@ replicated on the block's tp ranks. From a = (tp_a, dp_a) to b = (tp_b, dp_b):
   the ranks sharing r % tp_a, backward keeps its slice of the (replicated) gradient.
 
 Process groups are made once per (tp_a, tp_b) pair by every rank of the job, in one order, as
-``torch.distributed.new_group`` requires. run/engine/layerwise_model.py moves every activation (and
-the token ids and labels) of a layerwise chunk through it.
+``torch.distributed.new_group`` requires (run/parallel/mesh.py makes them). run/parallel/segments.py
+moves every activation (and the token ids and labels) between a chunk's segments through it.
 
 With sequence parallelism (``redistribute_sequence``) a layer's hidden state is also split along
 the sequence over its tp ranks: under (tp, dp) rank r holds the B / dp sequences of block
@@ -52,7 +51,7 @@ class LayoutGroups:
         self._made: dict[tuple[int, int], dict[int, Any]] = {}
         self.tp_groups: dict[int, Any] = {}
         """tp degree -> this rank's tp group of that degree's layout (its H-block), for
-        ``redistribute_sequence``; filled by run/layerwise_parallelize.LayerLayouts."""
+        ``redistribute_sequence``; filled by run/parallel/mesh.py's ``build_mesh``."""
 
     def groups(self, low: int, high: int) -> dict[int, Any]:
         """Stage-local rank -> its group of k = high / low ranks (same high-block, same

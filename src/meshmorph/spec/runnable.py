@@ -160,3 +160,10 @@ def refuse_context_parallel(plan: Plan, where: str = "meshmorph run") -> None:
             f"--max-cp 1) or fold the {plan.cp} ranks into dp or tp, at a shorter sequence if "
             f"it no longer fits"
         )
+
+
+def zero_runs_under(schedule: Schedule, zero: int, dp: int) -> bool:
+    """Whether a plan (or one layer of a layerwise plan) at ZeRO ``zero`` over ``dp`` ranks runs
+    under ``schedule``: torch pipelining's split backward (zb, zbv, dualpipev) loses ZeRO-3's
+    weight gradients, so ZeRO-3 over more than one rank does not run under it."""
+    return not (schedule.split_backward and zero == 3 and dp > 1)

@@ -74,6 +74,8 @@ _E = TypeVar("_E", bound=StrEnum)
 
 def _member(name: str, kind: type[_E], value: object) -> _E:
     """``value`` as a member of ``kind``; a PlanError naming the field and the choices otherwise."""
+    if type(value) is kind:  # already a member (every Plan the planner copies)
+        return value  # type: ignore[return-value]
     try:
         return kind(value)
     except ValueError:
@@ -82,6 +84,8 @@ def _member(name: str, kind: type[_E], value: object) -> _E:
 
 def _zero_stage(name: str, value: object) -> ZeroStage:
     """``value`` as a ZeroStage; a PlanError naming the field otherwise."""
+    if type(value) is ZeroStage:  # already a member (every Plan the planner copies)
+        return value
     if value not in (0, 1, 2, 3):
         raise PlanError(f"{name} must be 0, 1, 2 or 3, got {value}")
     return ZeroStage(int(value))  # type: ignore[call-overload]
@@ -89,7 +93,7 @@ def _zero_stage(name: str, value: object) -> ZeroStage:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayerStrategy:
-    """How one layer of a stage splits the stage's devices (plan/layerwise.py chooses them)."""
+    """How one layer of a stage splits the stage's devices (plan/strategy_dp.py chooses them)."""
 
     tp: int
     """Tensor-parallel degree of the layer (its ranks consecutive, inside a node)."""

@@ -6,8 +6,8 @@ costs as little to evaluate as a 3-layer one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from meshmorph.cost import comm, context_parallel
 from meshmorph.cost.coefficients import CostCoefficients
@@ -17,11 +17,10 @@ from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import LayerKind, LayerSpec, ModelSpec, Recompute
 
 
-@dataclass(frozen=True, slots=True)
-class PieceCost:
+class PieceCost(NamedTuple):
     """What a piece of one rank's model costs per micro-batch on one tensor-parallel rank: one
     layer (``LayerCoster.layer``), a segment of layers under one strategy or a whole model chunk
-    (``CostModel.chunk_time``, ``CostModel.stage_time``)."""
+    (``CostModel.chunk_time``, ``CostModel.stage_time``). A tuple: the planner prices millions."""
 
     fwd_s: float
     """Forward, exposed TP, ZeRO-3 and context-parallel communication included."""
@@ -37,12 +36,6 @@ class PieceCost:
     """Recomputed forward compute."""
     tp_comm_s: float
     """Exposed tensor-parallel communication, forward + backward + recompute."""
-    activation_bytes: float = 0.0
-    """Bytes kept for backward per micro-batch."""
-    working_bytes: float = 0.0
-    """Extra bytes while a layer's backward rematerialises activations (the largest layer's)."""
-    flops: float = 0.0
-    """Hardware FLOPs on this rank (recompute included)."""
     cp_comm_s: float = 0.0
     """Exposed context-parallel ring exchange (cost/context_parallel.py), forward + backward +
     recompute; included in fwd_s and bgrad_s."""
@@ -51,6 +44,14 @@ class PieceCost:
     in fwd_s and bwd_s. 0 for one layer priced alone by ``LayerCoster``."""
     params: float = 0.0
     """Parameters on one tensor-parallel rank (before ZeRO sharding); 0 from ``LayerCoster``."""
+    activation_bytes: float = 0.0
+    """Bytes kept for backward per micro-batch (a layer's; a chunk's memory is added up per
+    rank by ``CostModel.segments_memory``, so ``chunk_time`` leaves it 0)."""
+    working_bytes: float = 0.0
+    """Extra bytes while the layer's backward rematerialises activations (a layer's, as
+    ``activation_bytes``)."""
+    flops: float = 0.0
+    """Hardware FLOPs on this rank, recompute included (a layer's, as ``activation_bytes``)."""
     transition_s: float = 0.0
     """Forward + backward redistribution between layers of different tp (a layerwise chunk,
     cost/transition.py); in fwd_s, bwd_s and bgrad_s."""

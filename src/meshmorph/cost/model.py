@@ -23,7 +23,6 @@ from meshmorph.cost.layer_cost import LayerCoster, PieceCost
 from meshmorph.cost.pipeline import Timeline, async_steady_step, simulate
 from meshmorph.cost.profile import Profile
 from meshmorph.cost.rank_terms import (
-    RankMemoryTerms,
     rank_memory_terms,
     tail_overlap_window_s,
 )
@@ -152,7 +151,7 @@ class CostModel:
         embedding; ``units``: its FSDP2 units (default each block and the chunk's root)."""
         layer = self.coster(plan.dtype, plan.cp, plan.tp_comm_overlap).layer
         micro_batch, tp, sp = plan.micro_batch, plan.tp, plan.sequence_parallel
-        f = b = bg = wg = comp = re = tpc = cpc = act = work = flops = 0.0
+        f = b = bg = wg = comp = re = tpc = cpc = 0.0
         for offset, index in enumerate(range(start, stop)):
             cost = layer(index, gpu, micro_batch, tp, sp, recompute[offset])
             f += cost.fwd_s
@@ -163,14 +162,12 @@ class CostModel:
             re += cost.recompute_s
             tpc += cost.tp_comm_s
             cpc += cost.cp_comm_s
-            act += cost.activation_bytes
-            if cost.working_bytes > work:
-                work = cost.working_bytes
-            flops += cost.flops
         params = self.chunk_params(start, stop, tp)
         if drop_tied:
             params -= self.model.layers[-1].tied_params / tp
         z3 = 0.0
+        if plan.grad_replicas == 1:  # no data-parallel traffic inside a micro-batch
+            return PieceCost(f, b, bg, wg, comp, re, tpc, cpc, z3, params)
         gathers, scatter = self.microbatch_dp_traffic(plan, params, gpu)
         if (gathers or scatter) and self.fsdp_measured(plan):
             # FSDP2's own per-unit work, measured (profile/fsdp_units.py): every unit (each block
@@ -186,12 +183,12 @@ class CostModel:
         if gathers or scatter:
             ef, eb = self.zero_exposed(plan, gathers, scatter, f, b)
             f, b, bg, z3 = f + ef, b + eb, bg + eb, ef + eb
-        return PieceCost(f, b, bg, wg, comp, re, tpc, act, work, flops, cpc, z3, params)
+        return PieceCost(f, b, bg, wg, comp, re, tpc, cpc, z3, params)
 
     def segment_time(self, segment: Segment, gpu: GPUSpec) -> PieceCost:
         """One segment's per-micro-batch figures (``chunk_time`` under its plan)."""
         return self.chunk_time(segment.plan, segment.start, segment.stop, segment.recompute, gpu,
-                               drop_tied=segment.drop_tied, units=segment.units)
+                               drop_tied=segment.drop_tied, units=1 if segment.alone else None)
 
     def stage_time(self, plan: Plan, segments: Sequence[Segment],
                    gpu: GPUSpec) -> tuple[PieceCost, list[PieceCost]]:
@@ -201,12 +198,11 @@ class CostModel:
         pieces = [self.segment_time(segment, gpu) for segment in segments]
         if len(pieces) == 1:
             return pieces[0], pieces
-        f = b = bg = wg = comp = re = tpc = cpc = act = work = flops = z3 = params = moved = 0.0
+        f = b = bg = wg = comp = re = tpc = cpc = z3 = params = moved = 0.0
         for at, (segment, t) in enumerate(zip(segments, pieces, strict=True)):
             f, b, bg, wg = f + t.fwd_s, b + t.bwd_s, bg + t.bgrad_s, wg + t.wgrad_s
             comp, re, tpc, cpc = comp + t.compute_s, re + t.recompute_s, tpc + t.tp_comm_s, \
                 cpc + t.cp_comm_s
-            act, work, flops = act + t.activation_bytes, max(work, t.working_bytes), flops + t.flops
             z3, params = z3 + t.zero3_comm_s, params + t.params
             if at:
                 step = transition(self, segments[at - 1].strategy, segment.strategy,
@@ -214,8 +210,8 @@ class CostModel:
                                   sequence_parallel=plan.sequence_parallel)
                 f, b, bg = f + step.fwd_s, b + step.bwd_s, bg + step.bwd_s
                 moved += step.fwd_s + step.bwd_s
-        return PieceCost(f, b, bg, wg, comp, re, tpc, act, work, flops, cpc, z3, params,
-                         moved), pieces
+        return PieceCost(f, b, bg, wg, comp, re, tpc, cpc, z3, params,
+                         transition_s=moved), pieces
 
     def layer_alone(self, plan: Plan, index: int, recompute: Recompute, gpu: GPUSpec, *,
                     drop_tied: bool = False) -> tuple[PieceCost, float]:
@@ -225,6 +221,10 @@ class CostModel:
         tied embedding's all-reduce too), as ``estimate`` adds them up."""
         piece = self.chunk_time(plan, index, index + 1, (recompute,), gpu, drop_tied=drop_tied,
                                 units=1)
+        own = self.coster(plan.dtype, plan.cp, plan.tp_comm_overlap).layer(
+            index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel, recompute)
+        piece = piece._replace(activation_bytes=own.activation_bytes,
+                               working_bytes=own.working_bytes, flops=own.flops)
         sync, optimizer = self.rank_tail(plan, piece.params, tail_overlap_window_s(piece), gpu)
         if index in (0, self.model.num_layers - 1):  # 0 unless tied and the ends are apart
             holder = plan.pp_rank_of_chunk(0 if index == 0 else plan.num_chunks - 1)
@@ -311,7 +311,7 @@ class CostModel:
         """Peak memory of one rank of pipeline rank ``pp_rank`` holding ``chunks`` (start, stop,
         recompute) under ``plan``'s own strategy (``segments_memory`` of their segments)."""
         return self.segments_memory(plan, pp_rank, uniform_segments(
-            self.model, plan, [(a, b, tuple(r)) for a, b, r in chunks]), gpu)
+            plan, [(a, b, tuple(r)) for a, b, r in chunks]), gpu)
 
     def segments_memory(self, plan: Plan, pp_rank: int, segments: Sequence[Segment],
                         gpu: GPUSpec) -> StageMemory:
@@ -323,14 +323,18 @@ class CostModel:
         (the largest layer plus a prefetch), and the rank's reserve (the head's loss buffers
         under the head's strategy)."""
         stored = working = 0.0
-        groups: dict[tuple[int, int, int, int], list] = {}  # strategy -> [plan, params, largest]
+        groups: list[list] = []  # per strategy (one plan object each): [plan, params, largest]
         tied, last = self.model.layers[-1].tied_params, self.model.num_layers - 1
         head_plan = plan
         for segment in segments:
             sub = segment.plan
+            group = groups[-1] if groups and groups[-1][0] is sub else \
+                next((g for g in groups if g[0] is sub), None)
+            if group is None:
+                group = [sub, 0.0, 0.0]
+                groups.append(group)
             layer = self.coster(sub.dtype, sub.cp).layer
             micro_batch, tp, sp = sub.micro_batch, sub.tp, sub.sequence_parallel
-            group = groups.setdefault((tp, sub.dp, sub.zero, micro_batch), [sub, 0.0, 0.0])
             # a tied head in a chunk of its own (the V's rank 0 holds chunks 0 and 2pp - 1) is a
             # second parameter the runtime holds, reduces and updates (run/engine/train_engine.py
             # sums the two gradients); chunk_params drops it only where one chunk holds both ends
@@ -350,33 +354,29 @@ class CostModel:
             group[2] = largest
             if segment.stop == last + 1:
                 head_plan = sub
-        return self._held_memory(plan, pp_rank, list(groups.values()), stored, working,
-                                 head_plan, gpu)
-
-    def _held_memory(self, plan: Plan, pp_rank: int, groups: list[list], stored: float,
-                     working: float, head_plan: Plan, gpu: GPUSpec) -> StageMemory:
-        """``segments_memory`` from its sums: per strategy [plan, parameters, largest layer's]."""
-        terms: dict[int, RankMemoryTerms] = {}
+        # ZeRO as the runtime realises it (cost/state.py): fp32 masters, gradients and moments;
+        # ZeRO-3 gathers its largest layer plus a prefetch; transient unsharded copies and whole
+        # gradients between micro-batches (held.peak_extra)
         params = grads = optimizer = extra = 0.0
-        gather = []
+        gather = None
+        rank = None
         for sub, count, largest in groups:
             held = self.held(sub)
-            own = terms[id(sub)] = rank_memory_terms(self, sub, pp_rank, gpu)
-            # ZeRO as the runtime realises it (cost/state.py): fp32 masters, gradients and
-            # moments; ZeRO-3 gathers its largest layer plus a prefetch; transient unsharded
-            # copies and whole gradients between micro-batches (held.peak_extra)
-            params += count * (held.params + own.weight_copy_bytes_per_param)
+            terms = rank_memory_terms(self, sub, pp_rank, gpu)
+            if sub is head_plan is plan:
+                rank = terms
+            params += count * (held.params + terms.weight_copy_bytes_per_param)
             grads += count * held.grads
             optimizer += count * held.optimizer
             extra += count * held.peak_extra
-            gather.append(largest * own.gather_bytes_per_param)
-        rank = terms.get(id(head_plan)) if head_plan is plan else None
+            held_gather = largest * terms.gather_bytes_per_param
+            gather = held_gather if gather is None or held_gather > gather else gather
         if rank is None:
             rank = rank_memory_terms(self, plan, pp_rank, gpu, head_plan=head_plan)
         return StageMemory(params=params, grads=grads, optimizer=optimizer,
                            activations=rank.activation_bytes(stored, working),
-                           buffers=max(gather, default=0.0) + extra,
-                           reserved=rank.reserved_bytes, in_flight_microbatches=rank.in_flight)
+                           buffers=(gather or 0.0) + extra, reserved=rank.reserved_bytes,
+                           in_flight_microbatches=rank.in_flight)
 
     def rank_tail(self, plan: Plan, params: float, last_bwd_s: float, gpu: GPUSpec,
                   units: int = 1, least: bool = False) -> tuple[float, float]:
@@ -501,18 +501,25 @@ class CostModel:
         its own. The overlap window is the unit's first piece's compute without recompute, so
         that more recompute never shortens the step (the planner's per-stage choice relies on
         it). The tied all-reduce runs under the strategy of the end the rank holds."""
-        units = [[part] for part in parts if part[0].alone]
-        together = [part for part in parts if not part[0].alone]
-        if together:
-            units.append(together)
+        units: list[Sequence[tuple[Segment, PieceCost]]] = [parts]
+        if parts[0][0].alone or len(parts) > 1 and any(segment.alone for segment, _ in parts):
+            units = [[part] for part in parts if part[0].alone]
+            together = [part for part in parts if not part[0].alone]
+            units += [together] if together else []
         sync = optimizer = 0.0
+        ends = plan
+        last = self.model.num_layers
         for unit in units:
-            s, o = self.rank_tail(unit[0][0].plan, sum(t.params for _, t in unit),
-                                  tail_overlap_window_s(unit[0][1]), gpu,
-                                  units=sum(segment.units for segment, _ in unit))
+            first, piece = unit[0]
+            sub = first.plan
+            s, o = self.rank_tail(sub, piece.params if len(unit) == 1 else
+                                  sum(t.params for _, t in unit), tail_overlap_window_s(piece), gpu,
+                                  units=sum(segment.units(self.model) for segment, _ in unit)
+                                  if self.fsdp_measured(sub) else 1)
             sync, optimizer = sync + s, optimizer + o
-        ends = [s.plan for s, _ in parts if s.start == 0 or s.stop == self.model.num_layers]
-        tied = self.tied_embedding_sync_s(ends[0] if ends else plan, pp_rank, gpu)
+            if first.start == 0 or unit[-1][0].stop == last:
+                ends = sub  # the end's (one strategy: a unit of several is uniform)
+        tied = self.tied_embedding_sync_s(ends, pp_rank, gpu)
         return sync + tied, optimizer, tied
 
     def assemble(self, plan: Plan, gpus: Sequence[GPUSpec], times: Sequence[PieceCost],
@@ -520,15 +527,20 @@ class CostModel:
         """The Estimate of ``plan`` whose chunks cost ``times`` (``parts``: each chunk's
         segments with their figures; default one segment per chunk under the plan)."""
         p, m = plan.pp, plan.num_microbatches
+        layerwise = parts is not None and is_layerwise(plan)
         if parts is None:
-            parts = [[(segment, times[c])] for c, segment in enumerate(uniform_segments(
-                self.model, plan, [(s.start, s.stop, s.recompute) for s in plan.stages]))]
+            parts = [[(Segment(s.start, s.stop, plan, s.recompute), times[c])]
+                     for c, s in enumerate(plan.stages)]
         timeline, steps = self._timeline(plan, gpus, times)
         memory, ends, tails = [], [], []
+        # every pipeline rank's tp x dp GPUs share the GPU type of its first chunk
+        rank_gpus = []
         for k in range(p):
             chunk_ids = plan.chunks_of(k)
             gpu = gpus[chunk_ids[0]]
-            rank = [part for c in chunk_ids for part in parts[c]]
+            rank_gpus.append(gpu)
+            rank = parts[chunk_ids[0]] if len(chunk_ids) == 1 else \
+                [part for c in chunk_ids for part in parts[c]]
             memory.append(self.segments_memory(plan, k, [s for s, _ in rank], gpu))
             sync, opt, tied = self.rank_tails(plan, k, rank, gpu)
             if steps is not None:  # m optimizer steps, already inside the simulated window
@@ -546,8 +558,7 @@ class CostModel:
             for layer, mode in zip(self.model.layers, plan.recompute_of_layer(), strict=True)
         )
         world = plan.world_size
-        # every pipeline rank's tp x dp GPUs share the GPU type of its first chunk
-        peak = sum(gpus[plan.chunks_of(k)[0]].peak_flops(plan.dtype) for k in range(p)) * world / p
+        peak = sum(gpu.peak_flops(plan.dtype) for gpu in rank_gpus) * world / p
         return Estimate(
             step_time_s=step,
             tokens_per_s=tokens / step,
@@ -556,14 +567,14 @@ class CostModel:
             mfu=model_flops / step / peak,
             bubble_fraction=timeline.bubble_fraction,
             memory=tuple(memory),
-            memory_budget_bytes=tuple(gpus[plan.chunks_of(k)[0]].memory_bytes for k in range(p)),
-            breakdown_s=self._breakdown(plan, times, timeline, crit, tails[crit]),
+            memory_budget_bytes=tuple(gpu.memory_bytes for gpu in rank_gpus),
+            breakdown_s=self._breakdown(plan, times, timeline, crit, tails[crit], layerwise),
             stage_times_s=tuple((t.fwd_s, t.bwd_s) for t in times),
         )
 
     @staticmethod
     def _breakdown(plan: Plan, times: Sequence[PieceCost], timeline: Timeline, crit: int,
-                   tail: tuple[float, float, float]) -> dict[str, float]:
+                   tail: tuple[float, float, float], layerwise: bool) -> dict[str, float]:
         """The step's terms on the rank that ends last (``crit``), whose tail is (sync with the
         tied all-reduce, optimizer, tied all-reduce)."""
         m = plan.num_microbatches
@@ -582,6 +593,6 @@ class CostModel:
         }
         if plan.cp > 1:  # the ring's K/V exchange beyond each step's attention block
             breakdown["cp_comm_exposed"] = sum(times[c].cp_comm_s for c in crit_chunks) * m
-        if is_layerwise(plan):  # activations moved between layers of different tp
+        if layerwise:  # activations moved between layers of different tp
             breakdown["transitions"] = sum(times[c].transition_s for c in crit_chunks) * m
         return breakdown

@@ -24,15 +24,16 @@ runs the plan:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from typing import NamedTuple
 
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
 from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
 
 
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """Consecutive layers of one chunk that run under one strategy as one unit."""
+class Segment(NamedTuple):
+    """Consecutive layers of one chunk that run under one strategy as one unit (a tuple: the
+    planner makes one per chunk of every plan it prices)."""
 
     start: int
     """Index of the first layer."""
@@ -42,14 +43,16 @@ class Segment:
     """The uniform plan its layers see: the plan itself, or ``layer_plan`` of a layer strategy."""
     recompute: tuple[Recompute, ...]
     """Recompute of each of its layers."""
-    units: int
-    """FSDP2 units it holds (each block and the chunk's root; one for a layer wrapped alone)."""
     drop_tied: bool = False
     """It holds the head of a chunk that also holds the tied embedding: the tied matrix is
     counted once, with the embedding."""
     alone: bool = False
     """It reduces its gradients on its own (a layer of a layerwise stage), not together with
-    the rank's other segments."""
+    the rank's other segments; its one layer is one FSDP2 unit."""
+
+    def units(self, model: ModelSpec) -> int:
+        """FSDP2 units it holds: each block and the chunk's root, one for a layer alone."""
+        return 1 if self.alone else fsdp_units(model, self.start, self.stop)
 
     @property
     def strategy(self) -> LayerStrategy:
@@ -88,8 +91,7 @@ def chunk_segments(model: ModelSpec, plan: Plan, chunk: int,
     stage = plan.stages[chunk]
     tied = model.tied_embeddings and stage.start == 0 and stage.stop == model.num_layers
     if stage.layer_strategies is None:
-        return [Segment(stage.start, stage.stop, plan, tuple(stage.recompute),
-                        fsdp_units(model, stage.start, stage.stop))]
+        return [Segment(stage.start, stage.stop, plan, tuple(stage.recompute))]
     plans = {} if plans is None else plans
     out = []
     for offset, strategy in enumerate(stage.layer_strategies):
@@ -97,16 +99,15 @@ def chunk_segments(model: ModelSpec, plan: Plan, chunk: int,
         if sub is None:
             sub = plans[strategy] = layer_plan(plan, strategy)
         index = stage.start + offset
-        out.append(Segment(index, index + 1, sub, (stage.recompute[offset],), 1,
+        out.append(Segment(index, index + 1, sub, (stage.recompute[offset],),
                            drop_tied=tied and index == model.num_layers - 1, alone=True))
     return out
 
 
-def uniform_segments(model: ModelSpec, plan: Plan,
+def uniform_segments(plan: Plan,
                      chunks: list[tuple[int, int, tuple[Recompute, ...]]]) -> list[Segment]:
     """Segments of chunks (start, stop, recompute) that run under ``plan`` itself."""
-    return [Segment(start, stop, plan, tuple(recompute), fsdp_units(model, start, stop))
-            for start, stop, recompute in chunks]
+    return [Segment(start, stop, plan, tuple(recompute)) for start, stop, recompute in chunks]
 
 
 def as_layerwise(plan: Plan) -> Plan:

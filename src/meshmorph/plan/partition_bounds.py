@@ -108,7 +108,7 @@ class PartitionBounds:
             after: float) -> float:
         """``rank_step_bound`` of rank k holding a stage of times ``t`` and tail ``tail``."""
         return rank_step_bound(self.schedule, self.zb, self.m, self.p, k, prefix_f, prefix_b,
-                               t.fwd_s, self.step_b(t), t.bwd_s, tail, after)
+                               t.fwd_s, t.bgrad_s if self.zb else t.bwd_s, t.bwd_s, tail, after)
 
     def flow_shop(self, prefix: float, max_f: float, max_b: float, t: PieceCost,
                   after: float) -> float:

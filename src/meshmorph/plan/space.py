@@ -129,6 +129,9 @@ class SearchOptions:
             raise ValueError(f"cp_max must be at least 1 (or None: no cap), got {self.cp_max}")
         if self.max_microbatches < 1:
             raise ValueError(f"max_microbatches must be at least 1, got {self.max_microbatches}")
+        if self.weight_prediction not in tuple(WeightPrediction):
+            raise ValueError(f"weight_prediction must be one of {', '.join(WeightPrediction)}, "
+                             f"got {self.weight_prediction!r}")
         object.__setattr__(self, "weight_prediction", WeightPrediction(self.weight_prediction))
 
 

@@ -6,7 +6,7 @@ its engine per layout) and writes losses, gradient norms, final parameters and e
 measured state of the first step; each test then checks one layout against the float64
 one-device run with the equivalence matrix's rule (tests/dist/test_equivalence.py: every
 figure within K x its one-device fp32 noise), and the example's state against
-cost/layerwise_state.py (within 2%, per rank).
+cost/rank_state.py (within 2%, per rank).
 
 - ``example``: examples/plans/layerwise-gpt-small.json as committed (gpt-small, dp4 ->
   tp2 x dp2 -> ZeRO-3 dp4 -> dp4, one micro-batch);
@@ -285,13 +285,13 @@ def test_layerwise_plan_matches_one_device_within_measured_noise(name: str,
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("name", list(layouts()))
 def test_layerwise_state_matches_prediction_per_rank(name: str, results: Path) -> None:
-    from meshmorph.cost.layerwise_state import predict_layerwise_rank_state
+    from meshmorph.cost.rank_state import predict_rank_state
 
     model, plan = layouts()[name]
     gaps = []
     for rank, report in enumerate(_reports(results / name)):
         measured = report["state"]
-        predicted = predict_layerwise_rank_state(model, plan, rank)
+        predicted = predict_rank_state(model, plan, rank)
         pairs = [(key, measured[key], predicted[key])
                  for key in ("params_bytes", "grads_bytes", "optimizer_bytes")]
         pairs += [(kind, measured["comm_bytes"].get(kind, 0), predicted["comm_bytes"][kind])

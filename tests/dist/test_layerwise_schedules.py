@@ -6,7 +6,7 @@ two ranks each, layers under their own tp/dp/ZeRO inside each chunk) and writes 
 norms, final parameters and every rank's measured state of the first step. Each test then holds
 a layout to the equivalence matrix's rule against the float64 one-device run
 (tests/dist/test_layerwise_equivalence.py) and every rank's state to
-cost/layerwise_state.py (within 2%).
+cost/rank_state.py (within 2%).
 
 - ``zb_pp2``: ZB-H1, one chunk per rank, a ZeRO-2 layer beside tp2 and ZeRO-0/1 ones in each
   stage (ZeRO-2 reduced once after the last weight-gradient pass);
@@ -219,13 +219,13 @@ def _one_device_names(model: ModelSpec) -> list[tuple[str, None]]:
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("name", list(layouts()))
 def test_schedule_plan_state_matches_prediction_per_rank(name: str, results: Path) -> None:
-    from meshmorph.cost.layerwise_state import predict_layerwise_rank_state
+    from meshmorph.cost.rank_state import predict_rank_state
 
     model, plan = layouts()[name]
     gaps = []
     for rank, report in enumerate(_reports(results / name)):
         measured = report["state"]
-        predicted = predict_layerwise_rank_state(model, plan, rank)
+        predicted = predict_rank_state(model, plan, rank)
         pairs = [(key, measured[key], predicted[key])
                  for key in ("params_bytes", "grads_bytes", "optimizer_bytes")]
         pairs += [(kind, measured["comm_bytes"].get(kind, 0), predicted["comm_bytes"][kind])

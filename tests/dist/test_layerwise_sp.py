@@ -5,7 +5,7 @@ One spawned 4-process gloo job trains every layout below for three steps (the ha
 tests/dist/test_layerwise_equivalence.py: each rank rebuilds its engine per layout and writes
 losses, gradient norms, final parameters and its measured state of the first step); each test
 then checks one layout against the float64 one-device run with the equivalence matrix's rule,
-and every rank's state line against cost/layerwise_state.py byte for byte.
+and every rank's state line against cost/rank_state.py byte for byte.
 
 - ``llama_sp_tp124_mixed_zero``: sequence parallelism, data cut tp2 x dp2, layers at tp 1, 2 and
   4 (ZeRO 0 to 3, full and selective recompute): every kind of move between sequence-split
@@ -157,13 +157,13 @@ def test_layerwise_sp_and_tied_plans_match_one_device(name: str, results: Path) 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", list(layouts()))
 def test_layerwise_sp_and_tied_state_equals_prediction(name: str, results: Path) -> None:
-    from meshmorph.cost.layerwise_state import predict_layerwise_rank_state
+    from meshmorph.cost.rank_state import predict_rank_state
 
     model, plan = layouts()[name]
     gaps = []
     for rank, report in enumerate(_reports(results / name)):
         measured = report["state"]
-        predicted = predict_layerwise_rank_state(model, plan, rank)
+        predicted = predict_rank_state(model, plan, rank)
         pairs = [(key, measured[key], predicted[key])
                  for key in ("params_bytes", "grads_bytes", "optimizer_bytes")]
         kinds = set(predicted["comm_bytes"]) | set(measured["comm_bytes"])

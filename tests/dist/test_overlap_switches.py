@@ -68,7 +68,7 @@ def _run_layouts(rank: int, world_size: int, out_dir: str) -> None:
                                        generator=generator)
                 losses.append(engine.step(tokens))
                 write_state_line(engine, metrics)
-            metrics.close(chart=False)
+            metrics.close()
             if rank == 0:
                 (Path(out_dir) / f"{name}.losses.json").write_text(json.dumps(losses))
         except Exception:

@@ -96,7 +96,7 @@ def _run_layouts(rank: int, world_size: int, out_dir: str) -> None:
                                     start_step=0, tokens_per_step=1)
             write_state_line(engine, metrics)
             write_state_line(engine, metrics)  # a second call writes nothing
-            metrics.close(chart=False)
+            metrics.close()
         except Exception:
             (Path(out_dir) / f"{name}.rank{rank}.error").write_text(traceback.format_exc())
             raise

@@ -9,8 +9,7 @@ from dataclasses import replace
 import pytest
 
 from meshmorph.cost.model import CostModel
-from meshmorph.plan.layerwise_choice import REGULAR, choose_layerwise
-from meshmorph.plan.layerwise_search import search_layerwise
+from meshmorph.plan.search import REGULAR, SearchResult, search, search_per_layer
 from meshmorph.plan.space import SearchOptions
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import catalog_model, load_model
@@ -22,6 +21,17 @@ from meshmorph.spec.runnable import (
     layerwise_refusal,
     layerwise_runnable,
 )
+
+
+def _choose(model: ModelSpec, cluster: object, batch: int, options: SearchOptions,
+            cost: CostModel) -> SearchResult:
+    """What ``plan --layerwise`` returns: the faster of the two spaces' best plans."""
+    return search(model, cluster, global_batch=batch,  # type: ignore[arg-type]
+                  options=replace(options, layerwise=True), cost=cost)
+
+
+def _tokens(result: SearchResult) -> float:
+    return result.estimates[0].tokens_per_s
 
 
 def _plans(model: ModelSpec) -> list[Plan]:
@@ -78,14 +88,14 @@ def test_the_wide_search_picks_a_v_plan_and_the_default_a_runnable_one() -> None
     cluster = parse_cluster("a100-80g:2x8")
     cost = CostModel(model, cluster)
     options = SearchOptions(top_k=1)
-    wide = search_layerwise(model, cluster, global_batch=64, options=options, cost=cost,
-                            runnable=False)
-    assert (wide.plan.schedule.v_shape or wide.plan.schedule.split_backward)
-    default = search_layerwise(model, cluster, global_batch=64, options=options, cost=cost)
+    wide = search_per_layer(model, cluster, global_batch=64, cost=cost,
+                            options=replace(options, runnable_only=False))
+    assert (wide.plans[0].schedule.v_shape or wide.plans[0].schedule.split_backward)
+    default = search_per_layer(model, cluster, global_batch=64, options=options, cost=cost)
     assert default.runnable
-    assert default.plan.pp == 1 or default.plan.schedule in RUNNABLE_PIPELINE_SCHEDULES
-    assert not default.plan.sequence_parallel
-    assert default.estimate.step_time_s >= wide.estimate.step_time_s  # a smaller space
+    assert default.plans[0].pp == 1 or default.plans[0].schedule in RUNNABLE_PIPELINE_SCHEDULES
+    assert not default.plans[0].sequence_parallel
+    assert default.estimates[0].step_time_s >= wide.estimates[0].step_time_s  # a smaller space
 
 
 def test_every_synchronous_pipeline_schedule_is_runnable() -> None:
@@ -99,14 +109,14 @@ def test_the_default_search_offers_the_v_plan_the_wide_one_picks() -> None:
     cluster = parse_cluster("a100-80g:2x8")
     cost = CostModel(model, cluster)
     options = SearchOptions(top_k=1)
-    wide = search_layerwise(model, cluster, global_batch=64, options=options, cost=cost,
-                            runnable=False)
-    assert wide.plan.schedule.v_shape and not wide.plan.sequence_parallel
-    default = search_layerwise(model, cluster, global_batch=64, options=options, cost=cost)
-    assert default.runnable and default.plan.schedule.v_shape
-    assert default.estimate.step_time_s == wide.estimate.step_time_s
-    if any(st.layer_strategies for st in default.plan.stages):
-        validate_layerwise(model, default.plan)
+    wide = search_per_layer(model, cluster, global_batch=64, cost=cost,
+                            options=replace(options, runnable_only=False))
+    assert wide.plans[0].schedule.v_shape and not wide.plans[0].sequence_parallel
+    default = search_per_layer(model, cluster, global_batch=64, options=options, cost=cost)
+    assert default.runnable and default.plans[0].schedule.v_shape
+    assert default.estimates[0].step_time_s == wide.estimates[0].step_time_s
+    if any(st.layer_strategies for st in default.plans[0].stages):
+        validate_layerwise(model, default.plans[0])
 
 
 @pytest.mark.parametrize("schedule", ["zb", "zbv", "dualpipev"])
@@ -117,8 +127,8 @@ def test_split_backward_searches_offer_no_zero3_layer(schedule: str) -> None:
     cluster = parse_cluster("a100-80g:1x4")
     options = SearchOptions(top_k=1, zero_stages=(3,), schedules=(Schedule(schedule),),
                             pp_degrees=(2,))
-    result = search_layerwise(model, cluster, global_batch=8, options=options)
-    plan = result.plan
+    result = search_per_layer(model, cluster, global_batch=8, options=options)
+    plan = result.plans[0]
     assert result.runnable and plan.schedule == schedule and plan.pp == 2
     layers = [s for st in plan.stages for s in st.layer_strategies or ()] or \
         [LayerStrategy(tp=plan.tp, dp=plan.dp, zero=plan.zero)]
@@ -133,14 +143,14 @@ def test_the_sequence_parallel_plan_the_wide_search_picks_is_runnable_and_offere
     cluster = parse_cluster("a100-40g:1x4")
     cost = CostModel(model, cluster)
     options = SearchOptions(top_k=1)
-    wide = search_layerwise(model, cluster, global_batch=16, options=options, cost=cost,
-                            runnable=False)
-    assert wide.runnable and wide.plan.sequence_parallel
-    validate_layerwise(model, wide.plan)
-    default = search_layerwise(model, cluster, global_batch=16, options=options, cost=cost)
-    assert default.runnable and default.plan.sequence_parallel
-    validate_layerwise(model, default.plan)
-    assert default.estimate.step_time_s == pytest.approx(wide.estimate.step_time_s, rel=1e-12)
+    wide = search_per_layer(model, cluster, global_batch=16, cost=cost,
+                            options=replace(options, runnable_only=False))
+    assert wide.runnable and wide.plans[0].sequence_parallel
+    validate_layerwise(model, wide.plans[0])
+    default = search_per_layer(model, cluster, global_batch=16, options=options, cost=cost)
+    assert default.runnable and default.plans[0].sequence_parallel
+    validate_layerwise(model, default.plans[0])
+    assert default.estimates[0].step_time_s == pytest.approx(wide.estimates[0].step_time_s, rel=1e-12)
 
 
 def _tied(pp: int, embed: LayerStrategy, head: LayerStrategy, **kw: object) -> tuple[ModelSpec,
@@ -203,40 +213,38 @@ def test_a_tied_embedding_gets_one_runnable_layout_for_embedding_and_head(zeros:
     cluster = parse_cluster("a100-80g:1x4")
     cost = CostModel(model, cluster)
     options = SearchOptions(top_k=1, zero_stages=zeros, max_micro_batch=8)
-    wide = search_layerwise(model, cluster, global_batch=8, options=options, cost=cost,
-                            runnable=False)
-    default = search_layerwise(model, cluster, global_batch=8, options=options, cost=cost)
+    wide = search_per_layer(model, cluster, global_batch=8, cost=cost,
+                            options=replace(options, runnable_only=False))
+    default = search_per_layer(model, cluster, global_batch=8, options=options, cost=cost)
     assert default.runnable
-    if any(st.layer_strategies for st in default.plan.stages):
-        validate_layerwise(model, default.plan)
-    assert default.estimate.step_time_s >= wide.estimate.step_time_s
+    if any(st.layer_strategies for st in default.plans[0].stages):
+        validate_layerwise(model, default.plans[0])
+    assert default.estimates[0].step_time_s >= wide.estimates[0].step_time_s
 
 
 def test_the_regular_plan_is_returned_where_it_is_faster() -> None:
     model = load_model("llama2-7b", 2048)
     cluster = parse_cluster("a100-80g:2x8")
     cost = CostModel(model, cluster)
-    choice = choose_layerwise(model, cluster, global_batch=64, options=SearchOptions(top_k=1),
-                              cost=cost)
+    choice = _choose(model, cluster, 64, SearchOptions(top_k=1), cost)
     assert choice.layerwise is not None and choice.regular is not None
-    assert choice.regular_tokens_per_s > choice.layerwise.estimate.tokens_per_s
+    assert _tokens(choice.regular) > choice.layerwise.estimates[0].tokens_per_s
     assert choice.source == REGULAR and choice.runnable
-    assert choice.plan == choice.regular.plans[0]
-    assert all(st.layer_strategies is None for st in choice.plan.stages)
-    assert choice.estimate.tokens_per_s == choice.regular_tokens_per_s
+    assert choice.plans[0] == choice.regular.plans[0]
+    assert all(st.layer_strategies is None for st in choice.plans[0].stages)
+    assert choice.estimates[0].tokens_per_s == _tokens(choice.regular)
 
 
 def test_the_layerwise_plan_is_returned_where_it_is_faster() -> None:
     model = load_model("llama2-7b", 2048)
     cluster = parse_cluster("a100-40g:1x8")
     cost = CostModel(model, cluster)
-    choice = choose_layerwise(model, cluster, global_batch=16, options=SearchOptions(top_k=1),
-                              cost=cost)
-    assert choice.layerwise is not None and choice.regular_tokens_per_s is not None
-    best = max(choice.layerwise.estimate.tokens_per_s, choice.regular_tokens_per_s)
-    assert choice.estimate.tokens_per_s == best
-    assert choice.source == ("layerwise" if choice.layerwise.estimate.tokens_per_s
-                             > choice.regular_tokens_per_s else REGULAR)
+    choice = _choose(model, cluster, 16, SearchOptions(top_k=1), cost)
+    assert choice.layerwise is not None and choice.regular is not None
+    best = max(choice.layerwise.estimates[0].tokens_per_s, _tokens(choice.regular))
+    assert choice.estimates[0].tokens_per_s == best
+    assert choice.source == ("layerwise" if choice.layerwise.estimates[0].tokens_per_s
+                             > _tokens(choice.regular) else REGULAR)
 
 
 def test_fp16_layerwise_search_is_refused_and_the_regular_plan_returned() -> None:
@@ -245,7 +253,7 @@ def test_fp16_layerwise_search_is_refused_and_the_regular_plan_returned() -> Non
     cost = CostModel(model, cluster)
     options = SearchOptions(top_k=1, dtype="fp16")
     with pytest.raises(PlanError, match="fp32 or bf16"):
-        search_layerwise(model, cluster, global_batch=8, options=options, cost=cost)
-    choice = choose_layerwise(model, cluster, global_batch=8, options=options, cost=cost)
+        search_per_layer(model, cluster, global_batch=8, options=options, cost=cost)
+    choice = _choose(model, cluster, 8, options, cost)
     assert choice.source == REGULAR and choice.layerwise is None
-    assert choice.layerwise_error is not None and "fp16" in choice.layerwise_error
+    assert "fp16" in choice.errors["layerwise"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshmorph.cost.profile import Profile, layer_key
-from meshmorph.predict.accuracy import kendall_tau, mape
+from meshmorph.profile.accuracy import kendall_tau, mape
 from meshmorph.profile.schedule_overhead import measures
 from meshmorph.profile.validate import (
     candidate_plans,

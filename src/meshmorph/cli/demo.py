@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from meshmorph.cli.run import draw_loss_chart
 from meshmorph.plan.report import print_plans, report_console
 from meshmorph.run.job import load_job
 from meshmorph.run.launch.launcher import PreparedRun, check_plan_for_job, launch, searched_plans
+from meshmorph.run.metrics import METRICS_FILE, read_metrics
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.plan import Plan, PlanError
 
@@ -89,10 +91,9 @@ def run_demo(*, nproc: int = 4, steps: int | None = None, out: Path | None = Non
     check_plan_for_job(plan, job, model, nproc)
     code = launch(PreparedRun(job_path=job_path, job=job, model=model, plan=plan, nproc=nproc,
                               out_dir=out_dir, resume=False))
-    metrics = out_dir / "metrics.jsonl"
+    metrics = out_dir / METRICS_FILE
     if code == 0 and metrics.is_file():
-        from meshmorph.viz.loss_chart import read_metrics
-
+        draw_loss_chart(out_dir)
         records = read_metrics(metrics)
         console.print(f"loss {records[0]['loss']:.3f} at step 1 -> {records[-1]['loss']:.3f} at "
                       f"step {records[-1]['step']}")

@@ -6,18 +6,33 @@ import argparse
 import os
 from pathlib import Path
 
+from meshmorph.run.engine.pipeline import TRACE_ENV
+from meshmorph.run.launch.launcher import launch, prepare_run
+from meshmorph.run.metrics import LOSS_CHART, METRICS_FILE, read_metrics
+
+
+def draw_loss_chart(out_dir: Path) -> Path | None:
+    """``loss.png`` of a run folder from its ``metrics.jsonl`` (None without step records)."""
+    from meshmorph.viz.loss_chart import write_loss_chart
+
+    metrics = out_dir / METRICS_FILE
+    records = read_metrics(metrics) if metrics.is_file() else []
+    return write_loss_chart(records, out_dir / LOSS_CHART) if records else None
+
 
 def _run(args: argparse.Namespace) -> int:
-    from meshmorph.run.launch.launcher import run_job
-
     if args.trace:  # the ranks (started by torchrun) inherit it: run/engine/pipeline.py's RunTrace
-        from meshmorph.run.engine.pipeline import TRACE_ENV
-
         os.environ[TRACE_ENV] = str(args.trace)
-    return run_job(args.config, nproc=args.nproc, plan_arg=args.plan, resume=args.resume,
-                   out=args.out, reshard=args.reshard, elastic=args.elastic,
-                   inject_failure=args.inject_failure, node_rank=args.node_rank,
-                   rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+    run = prepare_run(args.config, nproc=args.nproc, plan_arg=args.plan, resume=args.resume,
+                      out=args.out, reshard=args.reshard, elastic=args.elastic,
+                      inject_failure=args.inject_failure, node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+    code = launch(run)
+    if run.node is None or run.node.rank == 0:
+        chart = draw_loss_chart(run.out_dir)
+        if chart is not None:
+            print(f"loss chart in {chart}", flush=True)
+    return code
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

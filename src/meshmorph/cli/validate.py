@@ -12,8 +12,8 @@ from rich.table import Table
 from meshmorph.cli.flags import add_field, add_fields, config_from
 from meshmorph.cli.output import add_output
 from meshmorph.plan.report import report_console
-from meshmorph.predict.accuracy import chart
 from meshmorph.profile.validate import ValidateConfig
+from meshmorph.viz.validate_chart import chart
 
 
 def report(result: dict[str, object], *, json_path: Path | None, png_path: Path | None) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from meshmorph.cost import CostModel, Profile
-from meshmorph.predict.accuracy import kendall_tau, mape
+from meshmorph.profile.accuracy import kendall_tau, mape
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.cluster import parse_cluster

@@ -219,14 +219,13 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:
                 elastic.store.clear()
     finally:
-        chart = metrics.close()
+        metrics.close()
     if rank == 0:
         state = "stopped by a signal" if interrupted else "finished"
         saved = (f"checkpoint {ckpt_dir / f'step-{step}'}" if saved_step == step and step
                  else "no checkpoint saved ([checkpoint] every = 0)" if interrupted
                  and not job.checkpoint.every else "")
-        print(f"{state} at step {step}; metrics in {metrics.path}"
-              + (f", loss chart in {chart}" if chart else "") + (f"; {saved}" if saved else ""),
+        print(f"{state} at step {step}; metrics in {metrics.path}" + (f"; {saved}" if saved else ""),
               flush=True)
     return 0
 

@@ -261,6 +261,13 @@ def layerwise_runnable(model: ModelSpec, plan: Plan) -> bool:
 
 
 # --- pipeline schedules ------------------------------------------------------------------------
+def zero_runs_under(schedule: Schedule, zero: int, dp: int) -> bool:
+    """Whether a plan (or one layer of a layerwise plan) at ZeRO ``zero`` over ``dp`` ranks runs
+    under ``schedule``: torch pipelining's split backward (zb, zbv, dualpipev) loses ZeRO-3's
+    weight gradients, so ZeRO-3 over more than one rank does not run under it."""
+    return not (schedule.split_backward and zero == 3 and dp > 1)
+
+
 def split_backward_refusal(plan: Plan) -> str | None:
     """Why a layer of ``plan`` may not run under its split-backward schedule (zb, zbv,
     dualpipev): ZeRO-3 over more than one rank; None when every layer may."""
@@ -268,7 +275,7 @@ def split_backward_refusal(plan: Plan) -> str | None:
         return None
     for chunk, stage in enumerate(plan.stages):
         for offset, strategy in enumerate(stage_strategies(plan, stage)):
-            if strategy.zero == 3 and strategy.dp > 1:
+            if not zero_runs_under(plan.schedule, strategy.zero, strategy.dp):
                 where = (f"layer {stage.start + offset} (chunk {chunk})"
                          if stage.layer_strategies is not None else "the plan")
                 return (f"{where} runs ZeRO-3 over dp {strategy.dp} under schedule "

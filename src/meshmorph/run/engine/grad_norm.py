@@ -18,7 +18,7 @@ A plan whose layers' strategies differ has gradients on several meshes. There a 
 is held by ``replicas`` ranks of its stage: its segment's dp for a ZeRO 0/1 segment (every dp
 rank holds the same reduced gradient) times the tp degree for a tensor the segment's tp does not
 split, 1 for FSDP2's shards. Every rank sums ``||local||^2 / replicas`` in float64 and one
-all-reduce of that scalar over the job gives every element once (what cost/layerwise_state.py
+all-reduce of that scalar over the job gives every element once (what cost/rank_state.py
 prices).
 """
 

@@ -9,7 +9,7 @@ sharded and unsharded gradients), both deduplicated by storage; after the step,
 (run/engine/comm_count.py: bytes sent per collective kind over the whole step, meshmorph's own loss and
 gradient-norm reductions included). ``write_state_line`` gathers every rank's record on rank 0,
 puts the cost model's prediction for that rank beside it (cost/rank_state.py; for a plan whose
-layers' strategies differ, cost/layerwise_state.py) and writes
+layers' strategies differ, segment by segment) and writes
 ``{"event": "state", "ranks": [{"rank", "measured", "predicted"}, ...]}`` once.
 """
 
@@ -23,12 +23,10 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from meshmorph.cost.layerwise_state import predict_layerwise_rank_state
 from meshmorph.cost.rank_state import predict_peak_bytes, predict_rank_state
 from meshmorph.spec.gpus import GPU_CATALOG
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
-from meshmorph.spec.runnable import is_uniform
 
 if TYPE_CHECKING:
     from meshmorph.run.engine.train_engine import TrainEngine
@@ -116,11 +114,9 @@ def state_records(model: ModelSpec, plan: Plan, measured: list[dict[str, object]
     """One record per rank: its measured figures beside the cost model's (and, on a catalog
     ``gpu``, the predicted peak allocation beside the measured one)."""
     records = []
-    uniform = is_uniform(plan)  # else each layer's own tp/dp/ZeRO (cost/layerwise_state.py)
     for rank, m in enumerate(measured):
-        predicted = predict_rank_state(model, plan, rank) if uniform \
-            else predict_layerwise_rank_state(model, plan, rank)
-        if gpu is not None and "peak_allocated_bytes" in m and uniform:
+        predicted = predict_rank_state(model, plan, rank)
+        if gpu is not None and "peak_allocated_bytes" in m:
             predicted["peak_allocated_bytes"] = predict_peak_bytes(model, plan, rank, gpu)
         records.append({"rank": rank, "measured": m, "predicted": predicted})
     return records

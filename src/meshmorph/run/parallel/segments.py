@@ -6,7 +6,7 @@ zero: ``spec.runnable.is_uniform``) gives every chunk one segment on the plan's 
 whole by torch's wrappers (DDP or ``replicate``, FSDP2 per block plus the chunk root). A plan
 whose layers differ runs each layer's data parallelism on its own (``Segment.per_layer``: one
 FSDP2 unit per layer, one summed all-reduce per ZeRO 0/1 segment after the backward), as
-cost/layerwise_state.py prices it, and its chunks run through ``SegmentRunner``, which moves the
+cost/rank_state.py prices it, and its chunks run through ``SegmentRunner``, which moves the
 activation between neighbouring segments whose splits differ.
 
 Under a split (tp, dp) a rank runs the B / dp sequences of its data-parallel block (rank // tp,

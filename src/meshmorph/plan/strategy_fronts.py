@@ -2,7 +2,7 @@
 
 With pp > 1 the step is the schedule simulated over every stage's per-micro-batch forward and
 backward times (zero-bubble: input and weight gradient apart), each rank's end plus its tail
-(cost/layerwise_cost.py). The simulator is max-plus, so the step never decreases when one of
+(``CostModel.estimate``, each layer its own segment). The simulator is max-plus, so the step never decreases when one of
 those figures grows: of the assignments of a stage that fit its rank's memory, only those that no
 other beats on every one of (f, b, [w,] tail) can be part of an optimum — the stage's front.
 
@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meshmorph.cost.layerwise_cost import reserved_bytes
+from meshmorph.cost.layer_cost import PieceCost
 from meshmorph.cost.model import CostModel
-from meshmorph.cost.transition import transition
-from meshmorph.plan.layerwise import TermsCache, stage_choices
+from meshmorph.cost.rank_terms import device_reserve_bytes
+from meshmorph.plan.strategy_dp import Choice, Moves, TermsCache, pin_ends, stage_choices
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import Recompute
@@ -113,21 +113,23 @@ class StageFronts:
         or None."""
         self.p, self.m, self.L = plan.pp, plan.num_microbatches, cost.model.num_layers
         self.zb = plan.schedule == Schedule.ZERO_BUBBLE
-        self.cap = gpu.memory_bytes - reserved_bytes(cost, gpu)
-        self._rows: dict[int, list[list[tuple]]] = {}
+        self.reserve = device_reserve_bytes(cost, gpu)
+        self.cap = gpu.memory_bytes - self.reserve
+        self._rows: dict[int, list[list[Choice]]] = {}
         self._fronts: dict[tuple[int, int], tuple[float, dict[int, list[FrontPoint]]]] = {}
-        self._moves: dict[tuple[int, int], tuple[float, float]] = {}
+        self.move = Moves(cost, plan, strategies, gpu)
+        """(forward, backward) seconds per micro-batch from a layer at one tp to one at another."""
         self.programs = 0
         """Dynamic programs run (each gives the fronts of many stages)."""
         self.labels = 0
         """Labels the programs kept in all (their work)."""
         rows = self.rows(0)
         # the least figures of each layer, whatever its strategy (the bounds read them)
-        self.least_f = [min(c[4].fwd_s for c in row) for row in rows]
-        self.least_b = [min(self._b(c[4]) for c in row) for row in rows]
-        self.least_w = [min(self._w(c[4]) for c in row) for row in rows]
-        self.least_busy = [min(c[2] for c in row) for row in rows]
-        self.least_tail = [min(c[4].tail_s for c in row) for row in rows]
+        self.least_f = [min(c.piece.fwd_s for c in row) for row in rows]
+        self.least_b = [min(self._b(c.piece) for c in row) for row in rows]
+        self.least_w = [min(self._w(c.piece) for c in row) for row in rows]
+        self.least_busy = [min(c.busy_s for c in row) for row in rows]
+        self.least_tail = [min(c.tail_s for c in row) for row in rows]
         self.prefix_f = [0.0]
         self.prefix_b = [0.0]
         self.prefix_busy = [0.0]
@@ -142,13 +144,13 @@ class StageFronts:
                      for pos in range(self.L + 1)]
         self.max_labels = max_labels
 
-    def _b(self, t) -> float:  # type: ignore[no-untyped-def]
+    def _b(self, t: PieceCost) -> float:
         return t.bwd_s - t.wgrad_s if self.zb else t.bwd_s
 
-    def _w(self, t) -> float:  # type: ignore[no-untyped-def]
+    def _w(self, t: PieceCost) -> float:
         return t.wgrad_s if self.zb else 0.0
 
-    def rows(self, k: int) -> list[list[tuple]]:
+    def rows(self, k: int) -> list[list[Choice]]:
         """Each layer's choices on rank k (no rank of pp > 1 holds both tied ends; with ``ends``
         the first and last layer's only under that (tp, zero)), less those
         another choice at the same tp (so the same transitions) beats or equals on every
@@ -162,14 +164,11 @@ class StageFronts:
                                     self.recompute, self.gpu, self.cache)]
             if self.ends is not None:  # before pruning: a choice at another ZeRO stage may
                 # be what beats the allowed ones
-                for index in (0, L - 1):
-                    every[index] = [c for c in every[index]
-                                    if (self.strategies[c[0]].tp,
-                                        self.strategies[c[0]].zero) == self.ends]
+                pin_ends(every, range(L), self.strategies, self.ends, L)
             self._rows[k] = [self._undominated(row) for row in every]
         return self._rows[k]
 
-    def _undominated(self, row: list[tuple]) -> list[tuple]:
+    def _undominated(self, row: list[Choice]) -> list[Choice]:
         """``_pruned`` of one row, once per row (identical blocks share one row object, which
         the terms cache keeps alive) and zero-bubble setting."""
         key = ("undominated", id(row), self.zb)
@@ -178,11 +177,11 @@ class StageFronts:
             done = self.cache[key] = (row, self._pruned(row))
         return done[1]
 
-    def _pruned(self, row: list[tuple]) -> list[tuple]:
-        def figures(c: tuple) -> tuple:
-            t = c[4]
-            return (self.strategies[c[0]].tp, t.fwd_s, self._b(t), self._w(t), t.tail_s, c[3],
-                    t.working_bytes, t.gather_bytes)
+    def _pruned(self, row: list[Choice]) -> list[Choice]:
+        def figures(c: Choice) -> tuple:
+            t = c.piece
+            return (self.strategies[c.strategy].tp, t.fwd_s, self._b(t), self._w(t), c.tail_s,
+                    c.memory_bytes, t.working_bytes, c.gather_bytes)
 
         keyed = sorted(((figures(c), i, c) for i, c in enumerate(row)), key=lambda x: (x[0], x[1]))
         kept: list[tuple] = []
@@ -192,19 +191,6 @@ class StageFronts:
                 continue
             kept.append((fig, c))
         return [c for _, c in kept]
-
-    def move(self, a: int, b: int) -> tuple[float, float]:
-        """(forward, backward) seconds per micro-batch from a layer at tp ``a`` to one at ``b``."""
-        if (a, b) not in self._moves:
-            by_tp = {s.tp: s for s in self.strategies}
-            try:
-                step = transition(self.cost, by_tp[a], by_tp[b],
-                                  self.plan.dp * self.plan.micro_batch, self.plan.dtype, self.gpu,
-                                  sequence_parallel=self.plan.sequence_parallel)
-                self._moves[a, b] = (step.fwd_s, step.bwd_s)
-            except PlanError:  # tp's that do not nest cannot be neighbours
-                self._moves[a, b] = (float("inf"), float("inf"))
-        return self._moves[a, b]
 
     def label_bound(self, start: int, f: float, b: float, w: float, tail: float) -> float:
         """No step of a plan whose rank holding layers from ``start`` has at least these figures
@@ -257,7 +243,7 @@ class StageFronts:
         return {at: self._front_of([pt.node for pt in points]) for at, points in merged.items()}
 
     def _front_of(self, labels: list[_Label]) -> list[FrontPoint]:
-        reserve = reserved_bytes(self.cost, self.gpu)
+        reserve = self.reserve
         points = [FrontPoint(x[0], x[1], x[2], x[3], x[4] + x[5] + x[6] + reserve, x)
                   for x in pareto(list(labels), dims=4)]
         return sorted(points, key=lambda pt: pt.busy_s(self.m))
@@ -276,10 +262,10 @@ class StageFronts:
         fronts: dict[int, list[FrontPoint]] = {}
         layer: dict[int, list[_Label]] = {}
         for pos, index in enumerate(order):
-            choices = [c for c in rows[index] if c[0] in allowed_set]
+            choices = [c for c in rows[index] if c.strategy in allowed_set]
             nxt: dict[int, list[_Label]] = {}
             for c in choices:
-                t, tp = c[4], strategies[c[0]].tp
+                t, tp = c.piece, strategies[c.strategy].tp
                 cf, cb, cw = t.fwd_s, self._b(t), self._w(t)
                 sources = layer.items() if pos else [(tp, [None])]
                 for other, labs in sources:
@@ -291,8 +277,9 @@ class StageFronts:
                     for lab in labs:
                         base = (0.0,) * 7 if lab is None else lab
                         new = (base[0] + mf + cf, base[1] + mb + cb, base[2] + cw,
-                               base[3] + t.tail_s, base[4] + c[3], max(base[5], t.working_bytes),
-                               max(base[6], t.gather_bytes), lab, (index, c[0], c[1]))
+                               base[3] + c.tail_s, base[4] + c.memory_bytes,
+                               max(base[5], t.working_bytes), max(base[6], c.gather_bytes), lab,
+                               (index, c.strategy, c.mode))
                         if new[4] + new[5] + new[6] > cap:
                             continue
                         if self.label_bound(bound_start, new[0], new[1], new[2], new[3]) >= cut:

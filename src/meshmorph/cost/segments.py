@@ -8,8 +8,7 @@ neighbouring segments whose tp differs the activation is redistributed (cost/tra
 Which layers form one unit is the engine's choice, so the segments follow the engine that
 runs the plan:
 
-- a stage without layer strategies (or a plan whose listed strategies all equal its own:
-  ``spec.runnable.is_uniform``) runs as a whole: its chunk is one segment under
+- a stage without layer strategies runs as a whole: its chunk is one segment under
   the plan itself, and a rank's segments reduce their gradients together after the last
   backward (DDP's buckets over every chunk of the rank, FSDP2's one step reduction), so every
   uniform figure is the one the cost model gave before segments existed;
@@ -30,7 +29,7 @@ from typing import NamedTuple
 
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
 from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
-from meshmorph.spec.runnable import is_uniform
+from meshmorph.spec.runnable import lists_layer_strategies
 
 
 class Segment(NamedTuple):
@@ -63,9 +62,9 @@ class Segment(NamedTuple):
 
 
 def is_layerwise(plan: Plan) -> bool:
-    """Whether the engine runs ``plan`` layer by layer: some stage lists layer strategies and
-    they do not all equal the plan's own (spec/runnable.py's ``is_uniform``)."""
-    return not is_uniform(plan)
+    """Whether the engine runs ``plan`` layer by layer: some stage lists layer strategies
+    (spec/runnable.py's ``lists_layer_strategies``)."""
+    return lists_layer_strategies(plan)
 
 
 def layer_plan(plan: Plan, strategy: LayerStrategy) -> Plan:
@@ -93,7 +92,7 @@ def chunk_segments(model: ModelSpec, plan: Plan, chunk: int,
     ``layer_plan`` by strategy across chunks."""
     stage = plan.stages[chunk]
     tied = model.tied_embeddings and stage.start == 0 and stage.stop == model.num_layers
-    if stage.layer_strategies is None or is_uniform(plan):  # the runtime runs it as a whole
+    if stage.layer_strategies is None:
         return [Segment(stage.start, stage.stop, plan, tuple(stage.recompute))]
     plans = {} if plans is None else plans
     out = []

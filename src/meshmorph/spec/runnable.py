@@ -37,9 +37,9 @@ nothing else.
 - **fp16** (``fp16_refusal``): loss scaling runs in the synchronous step of plans without
   per-layer strategies.
 
-A plan whose stages list layer strategies that all equal the plan's own tp, dp and zero
-(``is_uniform``) runs exactly as the plan without them (run/parallel/segments.py); the rules for
-listed strategies still apply to it.
+A plan whose stages list layer strategies runs them layer by layer even where they all equal the
+plan's own tp, dp and zero (run/parallel/segments.py, priced so by cost/segments.py: the per-layer
+search's prices add up layer by layer); the plan without the list runs each chunk as a whole.
 """
 
 from __future__ import annotations
@@ -81,13 +81,6 @@ def stage_strategies(plan: Plan, stage: StagePlan) -> tuple[LayerStrategy, ...]:
 def lists_layer_strategies(plan: Plan) -> bool:
     """Whether any stage of ``plan`` lists per-layer strategies."""
     return any(stage.layer_strategies is not None for stage in plan.stages)
-
-
-def is_uniform(plan: Plan) -> bool:
-    """Whether every layer runs the plan's own tp, dp and zero (no stage lists strategies, or
-    every listed one equals the plan's): the runtime then parallelizes each chunk as a whole."""
-    own = plan_strategy(plan)
-    return all(s == own for stage in plan.stages for s in stage.layer_strategies or ())
 
 
 def tp_degrees_of(plan: Plan) -> set[int]:

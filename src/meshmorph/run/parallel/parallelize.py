@@ -76,7 +76,7 @@ from meshmorph.run.parallel.segments import (
 )
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan, StagePlan
-from meshmorph.spec.runnable import is_uniform, stage_strategies
+from meshmorph.spec.runnable import lists_layer_strategies, stage_strategies
 
 
 class ReplicateParallel(ParallelStyle):
@@ -277,7 +277,7 @@ def set_prefetch(chunk: Transformer, prefetch: bool, *, wait_for_device: bool) -
 def _segments(chunk: Transformer, spec: ModelSpec, plan: Plan, stage: StagePlan,
               mesh: TrainMesh) -> list[Segment]:
     """The chunk's segments (run/parallel/segments.py), before any parallelism."""
-    per_layer = not is_uniform(plan)
+    per_layer = lists_layer_strategies(plan)  # as cost/segments.py prices it
     segments = []
     for start, stop, strategy in strategy_runs(plan, stage):
         named = [layer_module(chunk, spec, index) for index in range(start, stop)]

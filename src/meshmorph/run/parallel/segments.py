@@ -1,10 +1,9 @@
 """A model chunk as segments: runs of consecutive layers that share a strategy (tp, dp, ZeRO),
 each parallelized once on its own split of the stage's devices (run/parallel/parallelize.py).
 
-A uniform plan (no per-layer strategies, or listed ones that all equal the plan's own tp, dp and
-zero: ``spec.runnable.is_uniform``) gives every chunk one segment on the plan's mesh, run as a
+A plan without per-layer strategies gives every chunk one segment on the plan's mesh, run as a
 whole by torch's wrappers (DDP or ``replicate``, FSDP2 per block plus the chunk root). A plan
-whose layers differ runs each layer's data parallelism on its own (``Segment.per_layer``: one
+that lists them runs each layer's data parallelism on its own (``Segment.per_layer``: one
 FSDP2 unit per layer, one summed all-reduce per ZeRO 0/1 segment after the backward), as
 cost/rank_state.py prices it, and its chunks run through ``SegmentRunner``, which moves the
 activation between neighbouring segments whose splits differ.

@@ -47,6 +47,7 @@ from meshmorph.elastic.moves.build_counts import build_counts
 from meshmorph.elastic.moves.layout import Layout, layout_of
 from meshmorph.elastic.moves.move_plan import DEFAULT_STAGING_BYTES, MovePlan, plan_move
 from meshmorph.elastic.moves.move_time import MoveTime, MoveTimeModel, move_time
+from meshmorph.plan.runnable_plans import runnable_plans
 from meshmorph.run.config import OptimConfig
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import ModelSpec
@@ -338,22 +339,11 @@ def replan(model: ModelSpec, world_size: int, *, global_batch: int, dtype: str =
            cluster: str | None = None) -> Plan:
     """The planner's best plan for ``world_size`` devices that the runtime accepts, with the
     global batch kept (gradient accumulation absorbs a smaller dp)."""
-    from meshmorph.plan.search import search
-    from meshmorph.plan.space import SearchOptions
-    from meshmorph.run.engine.train_engine import validate_plan
-    from meshmorph.spec.plan import PlanError
-
-    result = search(model, parse_cluster(cluster or f"cpu:1x{world_size}"),
-                    global_batch=global_batch, options=SearchOptions(dtype=dtype, top_k=8, cp_max=1))
-    refused = []
-    for plan in result.plans:
-        plan = plan if plan.stages else plan.with_even_stages(model)
-        try:
-            validate_plan(model, plan, world_size)
-        except PlanError as exc:
-            refused.append(str(exc))
-            continue
-        return plan
-    raise ReshapeError(f"the planner found no plan of {model.name} for {world_size} devices with "
-                       f"global_batch {global_batch} that the runtime runs ({refused[:2]}); "
-                       "wait for more devices or restart from the checkpoint with a plan file")
+    found = runnable_plans(model, world_size, global_batch=global_batch, dtype=dtype,
+                           cluster=cluster)
+    if not found.plans:
+        raise ReshapeError(f"the planner found no plan of {model.name} for {world_size} devices "
+                           f"with global_batch {global_batch} that the runtime runs "
+                           f"({found.refused[:2]}); wait for more devices or restart from the "
+                           "checkpoint with a plan file")
+    return found.plans[0][0]

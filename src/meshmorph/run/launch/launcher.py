@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshmorph.plan.runnable_plans import runnable_plans
 from meshmorph.run.checkpoint import CheckpointInfo
 from meshmorph.run.job import JobConfig, load_job
 from meshmorph.spec.catalog import load_model
@@ -143,29 +144,17 @@ def default_plan(job: JobConfig, model: ModelSpec, nproc: int) -> Plan:
 
 
 def searched_plans(job: JobConfig, model: ModelSpec, nproc: int) -> tuple[list[Plan], float]:
-    """Plans the planner ranks best first for ``nproc`` local CPU processes, and its search time."""
-    try:
-        from meshmorph.plan.search import search
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("meshmorph"):
-            raise PlanError(
-                "--plan auto needs the planner (meshmorph.plan.search), which this build lacks; "
-                "pass --plan FILE, or leave --plan out for pure data parallelism"
-            ) from None
-        raise
-    from meshmorph.plan.space import SearchOptions
-    from meshmorph.spec.cluster import parse_cluster
-
-    options = SearchOptions(dtype=job.train.dtype, top_k=8, cp_max=1)  # the runtime runs cp 1
-    result = search(model, parse_cluster(f"cpu:1x{nproc}"), global_batch=job.train.global_batch,
-                    options=options)
-    plans = [plan if plan.stages else plan.with_even_stages(model) for plan in result.plans]
-    if not plans:
+    """Plans the planner ranks best first for ``nproc`` local CPU processes that the runtime
+    runs, and its search time."""
+    found = runnable_plans(model, nproc, global_batch=job.train.global_batch,
+                           dtype=job.train.dtype)
+    if not found.plans:
         raise PlanError(
             f"the planner found no plan for {model.name} on {nproc} CPU processes with "
-            f"global_batch {job.train.global_batch}; try another --nproc or batch"
+            f"global_batch {job.train.global_batch} that the runtime runs; try another --nproc "
+            "or batch"
         )
-    return plans, float(result.search_time_s)
+    return [plan for plan, _ in found.plans], found.search_time_s
 
 
 def check_plan_for_job(plan: Plan, job: JobConfig, model: ModelSpec, nproc: int) -> None:

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshmorph.cost import comm
+from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.elastic.live.controller import replan
 from meshmorph.elastic.live.local_state import extract_state
 from meshmorph.elastic.live.restore_state import old_ranks_read, restore_from_store
@@ -47,6 +49,8 @@ from meshmorph.elastic.moves.choose_plan import choose_plan
 from meshmorph.elastic.moves.layout import layout_of
 from meshmorph.elastic.moves.move_plan import plan_move
 from meshmorph.elastic.moves.move_time import predict_move_time_s
+from meshmorph.run.engine.train_engine import build_engine
+from meshmorph.run.model.materialize import state_installed_after
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.plan import Plan
 
@@ -122,8 +126,6 @@ class ElasticSession:
         if nodes < 2 or world % size:
             return
         if self.ring_every is None:  # K from the budget, the same on every rank (the largest)
-            from meshmorph.cost import comm
-            from meshmorph.cost.coefficients import CostCoefficients
 
             link = comm.Link.from_spec(parse_cluster(f"cpu:{nodes}x{size}").inter_link,
                                        CostCoefficients().link_efficiency)
@@ -171,8 +173,6 @@ class ElasticSession:
         world size changed, the new plan is the one with the least predicted time to finish,
         its move included (``choose_plan``, over the ``total_steps`` left; without them, the
         planner's fastest). The store then holds the new plan's state at that step alone."""
-        from meshmorph.run.engine.train_engine import build_engine
-        from meshmorph.run.model.materialize import state_installed_after
 
         inventories = gather_inventories(self.store, self.local)
         if all(inv.empty for inv in inventories):

@@ -2,8 +2,8 @@
 the step rate of every layout of the equivalence matrix.
 
 Section 1 (2 gloo processes on CPU): a small GPT trained by ``build_engine`` and by the
-hand-written torch loop of the same family (bench/torch_baselines.py: DDP; DDP with torch's
-ZeroRedundancyOptimizer against meshmorph's ZeRO-1; FSDP2 ZeRO-3;
+hand-written torch loop of the same family (bench/torch_baselines.py: DDP; ZeRO-1 as
+Megatron-LM's distributed optimizer written with FSDP2; FSDP2 ZeRO-3;
 tensor parallelism with DTensor; a 1F1B pipeline with torch.distributed.pipelining) on the same
 model, data and arithmetic. Steps alternate between the two so drift hits both alike; each
 figure is the ratio of median step times after warm-up (target <= 1.05 per family), beside the

@@ -2,7 +2,8 @@
 
 Each is what an engineer would write with torch alone for the same model, data and arithmetic as
 meshmorph's engine (micro-batch accumulation with the loss scaled by 1/m, the global gradient
-norm clipped, AdamW, LambdaLR, the global mean loss all-reduced): DDP, FSDP2 ZeRO-3 per block,
+norm clipped, AdamW, LambdaLR, the global mean loss all-reduced): DDP, ZeRO-1 as Megatron-LM's
+distributed optimizer on FSDP2, FSDP2 ZeRO-3 per block,
 tensor parallelism with DTensor (Megatron's split by parallelize_module), and a 1F1B pipeline with
 torch.distributed.pipelining. Each factory returns ``step(tokens) -> loss`` for this rank's share
 of the global batch.
@@ -44,18 +45,9 @@ def _accumulate(model: nn.Module, tokens: torch.Tensor, m: int,
 
 
 def _data_parallel_step(model: nn.Module, optim: OptimConfig, m: int,
-                        no_sync: Callable[[int], Any], *, zero1: bool = False) -> Step:
-    """Accumulate, clip with torch's clip_grad_norm_, step, and return the global mean loss;
-    ``zero1``: torch's ZeroRedundancyOptimizer around AdamW (optimizer state sharded)."""
-    if zero1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                                      lr=optim.lr, betas=(optim.beta1, optim.beta2),
-                                      eps=optim.eps, weight_decay=optim.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: optim.lr_at(s) / optim.lr)
-    else:
-        opt, sched = _optimizer(model.parameters(), optim)
+                        no_sync: Callable[[int], Any]) -> Step:
+    """Accumulate, clip with torch's clip_grad_norm_, step, and return the global mean loss."""
+    opt, sched = _optimizer(model.parameters(), optim)
 
     def step(tokens: torch.Tensor) -> float:
         opt.zero_grad(set_to_none=True)
@@ -69,22 +61,47 @@ def _data_parallel_step(model: nn.Module, optim: OptimConfig, m: int,
     return step
 
 
-def ddp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int, *,
-             zero1: bool = False) -> Step:
-    """DistributedDataParallel over every rank (``zero1``: with ZeroRedundancyOptimizer)."""
+def ddp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:
+    """DistributedDataParallel over every rank."""
     from contextlib import nullcontext
 
     from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(build_model(spec, seed=seed))
     return _data_parallel_step(model, optim, m,
-                               lambda i: model.no_sync() if i < m - 1 else nullcontext(),
-                               zero1=zero1)
+                               lambda i: model.no_sync() if i < m - 1 else nullcontext())
 
 
 def zero1_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:
-    """ZeRO-1 as torch offers it: DDP plus ZeroRedundancyOptimizer."""
-    return ddp_step(spec, optim, m, seed, zero1=True)
+    """ZeRO-1 as Megatron-LM's distributed optimizer, written with FSDP2: every block and the
+    root ``fully_shard``-ed without resharding after forward or backward (gathered once per
+    step), gradient sync only in the last micro-batch (one reduce-scatter per unit), AdamW on
+    the shards, the parameters resharded after the step."""
+    from contextlib import contextmanager
+
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_model(spec, seed=seed)
+    units = [*model.blocks.values(), model]
+    for unit in units:
+        fully_shard(unit, reshard_after_forward=False)
+    for unit in units:
+        unit.set_reshard_after_backward(False)  # type: ignore[operator]
+
+    @contextmanager
+    def sync(i: int):  # type: ignore[no-untyped-def]  # noqa: ANN202
+        model.set_requires_gradient_sync(i == m - 1)  # type: ignore[operator]
+        yield
+
+    inner = _data_parallel_step(model, optim, m, sync)
+
+    def step(tokens: torch.Tensor) -> float:
+        loss = inner(tokens)
+        for unit in units:
+            unit.reshard()  # type: ignore[operator]
+        return loss
+
+    return step
 
 
 def fsdp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:

@@ -57,6 +57,12 @@ LAYOUTS: dict[str, Plan] = {
     "pp2_dp2_zero1": _plan(pp=2, dp=2, zero=1, num_microbatches=4),
     "tp2_pp2": _plan(tp=2, pp=2, num_microbatches=4),
     "dp4_zero2_bf16": _plan(dp=4, zero=2, dtype="bf16"),
+    "dp4_zero1_bf16": _plan(dp=4, zero=1, dtype="bf16"),
+    "dp4_zero1_bf16_sync_after": _plan(dp=4, zero=1, dtype="bf16", overlap_grad_reduce=False,
+                                       overlap_param_gather=False),
+    "dp4_zero1_bf16_reduce": _plan(dp=4, zero=1, dtype="bf16", reduce_dtype="bf16"),
+    "tp2_dp2_zero1_bf16": _plan(tp=2, dp=2, zero=1, dtype="bf16"),
+    "tp2_dp2_zero2": _plan(tp=2, dp=2, zero=2),
     "tp2_pp2_bf16": _plan(tp=2, pp=2, num_microbatches=4, dtype="bf16"),
     "tp2_dp2_sp_zero1": _plan(tp=2, dp=2, zero=1, sequence_parallel=True),
     "pp2_dp2_zero3_bf16": _plan(pp=2, dp=2, zero=3, num_microbatches=4, dtype="bf16"),
@@ -123,7 +129,8 @@ def _pairs(record: dict) -> list[tuple[str, float, float]]:
     """(field, measured, predicted) of every figure of one rank's record."""
     measured, predicted = record["measured"], record["predicted"]
     pairs = [(key, measured[key], predicted[key])
-             for key in ("params_bytes", "grads_bytes", "optimizer_bytes")]
+             for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_state_bytes")
+             if key in measured or key in predicted]
     for kind in set(measured["comm_bytes"]) | set(predicted["comm_bytes"]):
         pairs.append((f"comm_bytes.{kind}", measured["comm_bytes"].get(kind, 0),
                       predicted["comm_bytes"].get(kind, 0)))
@@ -156,21 +163,46 @@ def test_zero_stages_hold_what_their_definitions_say_at_dp4(
         state_lines: dict[str, list[dict]]) -> None:
     z0, z1, z2, z3 = (_rank0(state_lines, f"dp4_zero{k}") for k in range(4))
     whole = z0["params_bytes"]
-    # ZeRO-1: whole parameters and gradients, a quarter of the optimizer state
-    assert z1["params_bytes"] == whole and z1["grads_bytes"] == whole
+    # ZeRO-1 and 2 (FSDP2): fp32 master and gradient shards, plus the gathered copy (fp32 here)
+    # kept to the step's end; ZeRO-3 everything sharded
+    assert z1["params_bytes"] == z2["params_bytes"] == whole + whole // 4
+    assert z1["grads_bytes"] == z2["grads_bytes"] == z3["grads_bytes"] == whole // 4
     assert z1["optimizer_bytes"] * 4 == z0["optimizer_bytes"] == 2 * whole
-    # ZeRO-2: gradients sharded (4x fewer than ZeRO-1's), unsharded fp32 copies kept to the end
-    assert z1["grads_bytes"] == 4 * z2["grads_bytes"]
-    assert z2["params_bytes"] == whole + whole // 4
-    # ZeRO-3: everything sharded
     assert z2["params_bytes"] > z3["params_bytes"] == whole // 4
-    # traffic: ZeRO 0/1 all-reduce the gradients, ZeRO-1 all-gathers its updated quarter;
-    # ZeRO-2 gathers once per step and ZeRO-3 twice per micro-batch (m = 2)
+    # between micro-batches ZeRO-1 accumulates whole gradients, ZeRO-2 reduces every micro-batch
+    assert z1["peak_state_bytes"] == whole + whole // 4 + whole + z1["optimizer_bytes"]
+    assert z2["peak_state_bytes"] == whole + whole // 4 + whole // 4 + z2["optimizer_bytes"]
+    # traffic (m = 2): ZeRO-0 all-reduces the gradients; ZeRO-1 reduce-scatters them once and
+    # gathers the parameters once; ZeRO-2 reduce-scatters every micro-batch, ZeRO-3 also gathers
+    # twice per micro-batch
     assert z0["comm_bytes"]["all_gather"] == 0
-    assert z1["comm_bytes"]["all_gather"] == whole // 4
-    assert z2["comm_bytes"]["all_gather"] == whole // 4
+    assert z1["comm_bytes"].get("all_reduce", 0) < whole // 100  # the loss and the norm only
+    assert z1["comm_bytes"]["all_gather"] == z2["comm_bytes"]["all_gather"] == whole // 4
+    assert z1["comm_bytes"]["reduce_scatter"] == whole
     assert z3["comm_bytes"]["all_gather"] == 4 * (whole // 4)
     assert z2["comm_bytes"]["reduce_scatter"] == z3["comm_bytes"]["reduce_scatter"] == 2 * whole
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_bf16_zero1_holds_6_plus_12_over_dp_bytes_per_parameter_like_megatron(
+        state_lines: dict[str, list[dict]]) -> None:
+    # Megatron-LM's distributed optimizer: a bf16 parameter (2) and an fp32 gradient buffer (4)
+    # whole, the fp32 master and both moments (12) sharded; one reduce-scatter of the fp32
+    # gradients and one all-gather of the bf16 parameters per step
+    params = _rank0(state_lines, "dp4_zero0")["params_bytes"] / 4  # fp32 parameters
+    for name in ("dp4_zero1_bf16", "dp4_zero1_bf16_sync_after"):
+        z1 = _rank0(state_lines, name)
+        assert z1["peak_state_bytes"] == pytest.approx((6 + 12 / 4) * params, rel=0.02), name
+        assert z1["params_bytes"] + z1["grads_bytes"] + z1["optimizer_bytes"] == \
+            pytest.approx((2 + 16 / 4) * params, rel=0.02), name
+        assert z1["comm_bytes"]["reduce_scatter"] == pytest.approx(4 * params, rel=0.02), name
+        assert z1["comm_bytes"]["all_gather"] == pytest.approx(2 * params / 4, rel=0.02), name
+        assert z1["comm_bytes"].get("all_reduce", 0) < params / 100, name
+    # a bf16 reduction halves the gradient buffer and the reduce-scatter
+    half = _rank0(state_lines, "dp4_zero1_bf16_reduce")
+    assert half["peak_state_bytes"] == pytest.approx((4 + 12 / 4) * params, rel=0.02)
+    assert half["comm_bytes"]["reduce_scatter"] == pytest.approx(2 * params, rel=0.02)
 
 
 @pytest.mark.dist

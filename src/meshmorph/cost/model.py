@@ -27,6 +27,7 @@ from meshmorph.cost.rank_terms import (
     tail_overlap_window_s,
 )
 from meshmorph.cost.segments import (
+    LayerPlan,
     Segment,
     chunk_segments,
     fsdp_units,
@@ -34,8 +35,10 @@ from meshmorph.cost.segments import (
     uniform_segments,
 )
 from meshmorph.cost.state import (
+    DataParallelTraffic,
     HeldBytes,
     data_parallel_traffic,
+    fsdp_shards,
     gather_bytes_per_param,
     held_bytes_per_param,
 )
@@ -121,9 +124,19 @@ class CostModel:
 
     @staticmethod
     def held(plan: Plan) -> HeldBytes:
-        """Bytes per parameter a rank of ``plan`` holds (cost/state.py: what the runtime holds)."""
+        """Bytes per parameter a rank of ``plan`` holds (cost/state.py: what the runtime holds;
+        a ``LayerPlan`` as the layerwise engine holds a layer run alone)."""
         return held_bytes_per_param(zero=plan.zero, dp=plan.grad_replicas, pp=plan.pp,
-                                    dtype=plan.dtype)
+                                    dtype=plan.dtype, reduce_dtype=plan.reduce_dtype,
+                                    per_layer=isinstance(plan, LayerPlan))
+
+    @staticmethod
+    def dp_traffic(plan: Plan) -> DataParallelTraffic:
+        """What a rank of ``plan`` moves per step for data parallelism over dp x cp
+        (cost/state.py; a ``LayerPlan`` as the layerwise engine moves a layer run alone)."""
+        return data_parallel_traffic(zero=plan.zero, dp=plan.grad_replicas, pp=plan.pp,
+                                     dtype=plan.dtype, reduce_dtype=plan.reduce_dtype,
+                                     per_layer=isinstance(plan, LayerPlan))
 
     # --- pieces the planner reuses ------------------------------------------------------------
     def chunk_params(self, start: int, stop: int, tp: int) -> float:
@@ -261,10 +274,29 @@ class CostModel:
         return comm.overlapped([(reduce_s, self.coef.dp_overlap)], window_s,
                                self.coef.overlap_slowdown, least_exposed_s=floor)
 
+    def param_gather_s(self, plan: Plan, gather_s: float, window_s: float, gather_bytes: float, *,
+                       first_bucket: bool = True) -> float:
+        """Seconds the once-per-step parameter all-gather of ZeRO-1/2 (``gather_s``) adds before
+        or beside the first forward, whose compute lasts ``window_s``. ``overlap_param_gather``
+        on, FSDP2's units of a whole chunk: each unit's gather runs while the unit before it
+        computes, up to ``zero3_overlap`` of it and the window, but the first unit's
+        (``grad_bucket_bytes`` of the ``gather_bytes`` gathered) waits in front of the first
+        forward; what hides slows the compute by ``overlap_slowdown``. Off, or a layer run alone
+        (a ``LayerPlan``: its gather, or ShardedAdamW's, on the critical path): all of it.
+        ``first_bucket`` False leaves that floor out (a lower bound, for the planner)."""
+        if gather_s <= 0 or not plan.overlap_param_gather or isinstance(plan, LayerPlan):
+            return max(gather_s, 0.0)
+        floor = 0.0
+        if first_bucket:
+            floor = gather_s * min(1.0, self.coef.grad_bucket_bytes / max(gather_bytes, 1.0))
+        return comm.overlapped([(gather_s, self.coef.zero3_overlap)], window_s,
+                               self.coef.overlap_slowdown, least_exposed_s=floor)
+
     def fsdp_measured(self, plan: Plan) -> bool:
-        """Whether the Profile measured FSDP2's per-unit calls for this plan's dp group."""
+        """Whether the Profile measured FSDP2's per-unit calls for this plan's dp group (a plan
+        whose parameters FSDP2 shards)."""
         d = plan.grad_replicas
-        return plan.zero >= 2 and d > 1 and \
+        return fsdp_shards(zero=plan.zero, dp=d, per_layer=isinstance(plan, LayerPlan)) and \
             f"fsdp_all_gather/{d}" in self.profile.collectives and \
             f"fsdp_reduce_scatter/{d}" in self.profile.collectives
 
@@ -288,8 +320,7 @@ class CostModel:
         The group is dp x cp (``Plan.grad_replicas``: context-parallel ranks hold the same
         parameters)."""
         d = plan.grad_replicas
-        traffic = data_parallel_traffic(zero=plan.zero, dp=d, pp=plan.pp, dtype=plan.dtype,
-                                        reduce_dtype=plan.reduce_dtype)
+        traffic = self.dp_traffic(plan)
         if d == 1:
             return 0.0, 0.0
         if units > 0:
@@ -380,30 +411,29 @@ class CostModel:
 
     def rank_tail(self, plan: Plan, params: float, last_bwd_s: float, gpu: GPUSpec,
                   units: int = 1, least: bool = False) -> tuple[float, float]:
-        """(exposed data-parallel gradient sync, optimizer step) after a rank's last backward;
-        ``units``: the rank's FSDP2 units (priced per unit where the Profile measured them);
-        ``least``: without the last bucket's floor (``grad_sync_s``), for the planner's bounds.
-        Gradients are reduced over dp x cp (``Plan.grad_replicas``)."""
+        """(exposed data-parallel sync, optimizer step) of a rank's step beyond its compute: the
+        gradient reduction after the last backward (``grad_sync_s``) and the once-per-step
+        parameter all-gather of ZeRO-1/2 before the next forward (``param_gather_s``, whose
+        window is the first forward: half the backward ``last_bwd_s``); ``units``: the rank's
+        FSDP2 units (priced per unit where the Profile measured them); ``least``: without the
+        first and last buckets' floors, for the planner's bounds. Gradients are reduced over
+        dp x cp (``Plan.grad_replicas``)."""
         d = plan.grad_replicas
-        traffic = data_parallel_traffic(zero=plan.zero, dp=d, pp=plan.pp, dtype=plan.dtype,
-                                        reduce_dtype=plan.reduce_dtype)
+        traffic = self.dp_traffic(plan)
         link = self.group_link(gpu, plan.tp * d)
-        # gradient reductions overlap the last backward; parameter gathers (ZeRO-1 after the
-        # update, ZeRO-2 before the first forward) do not
         reduce = self.collective("all_reduce", d, params * traffic.all_reduce_per_step, link)
-        if self.fsdp_measured(plan):  # ZeRO-2/3: FSDP2's per-step gathers and reduce-scatters
+        gathered = params * traffic.all_gather_per_step * d  # the buffer the gathers fill
+        if self.fsdp_measured(plan):  # ZeRO-1/2/3: FSDP2's per-step gathers and reduce-scatters
             reduce += self.fsdp_calls("reduce_scatter", d, 1.0,
                                       params * traffic.reduce_scatter_per_step, units)
-            gather = self.fsdp_calls("all_gather", d, 1.0,
-                                     params * traffic.all_gather_per_step * d, units)
+            gather = self.fsdp_calls("all_gather", d, 1.0, gathered, units)
         else:
             reduce += self.collective("reduce_scatter", d,
                                       params * traffic.reduce_scatter_per_step, link)
-            gather = self.collective("all_gather", d,
-                                     params * traffic.all_gather_per_step * d, link)
+            gather = self.collective("all_gather", d, gathered, link)
         grad_bytes = params * (traffic.all_reduce_per_step + traffic.reduce_scatter_per_step)
-        exposed = self.grad_sync_s(plan, reduce, last_bwd_s, grad_bytes,
-                                   last_bucket=not least) + gather
+        exposed = self.grad_sync_s(plan, reduce, last_bwd_s, grad_bytes, last_bucket=not least) \
+            + self.param_gather_s(plan, gather, last_bwd_s / 2, gathered, first_bucket=not least)
         if self.profile.collectives:  # the step's two scalar all-reduces (loss, gradient norm)
             exposed += 2 * (self.profile.collective_s("all_reduce", plan.world_size, 8.0) or 0.0)
         shard = d if plan.zero >= 1 else 1
@@ -441,7 +471,8 @@ class CostModel:
         if not self.model.tied_embeddings or first == last or pp_rank not in (first, last):
             return 0.0
         grads = self.model.layers[-1].tied_params / plan.tp
-        if plan.zero >= 2 and plan.grad_replicas > 1:  # FSDP2 shards over dp x cp
+        if fsdp_shards(zero=plan.zero, dp=plan.grad_replicas,
+                       per_layer=isinstance(plan, LayerPlan)):  # FSDP2 shards over dp x cp
             grads /= plan.grad_replicas
         nbytes = grads * (4.0 if plan.reduce_dtype == "fp32" else 2.0)
         return self.collective("all_reduce", 2, nbytes, self.group_link(gpu, plan.world_size))

@@ -6,12 +6,20 @@ Held (end of backward, before the optimizer step), per distinct tensor the rank 
 (cost/tensor_shapes.py; ``r`` its tensor-parallel-local dim-0 rows, ``k`` the rest of its
 elements, ``d`` = dp, ``c`` the compute dtype's bytes; cost/state.py for the table by stage):
 
-- ZeRO 0/1 (or dp 1): parameters ``4 r k``, gradients ``4 r k`` (DDP's buckets, or FSDP2
-  ``replicate``'s reduced gradients); ZeRO-1's moments ``8 r_i k`` on the rank's own rows ``r_i``
-  (DTensor's Shard(0) rule: ``ceil(r / d)`` rows each, the last ranks fewer), ZeRO-0's ``8 r k``.
-- FSDP2 (ZeRO 2/3): sharded parameters and gradients padded to ``ceil(r / d)`` rows
-  (``4 ceil(r/d) k`` each), plus for ZeRO-2 without pipeline parallelism the unsharded copy
-  ``c ceil(r/d) d k``; moments ``8 r_i k`` (unpadded local shard).
+- ZeRO 0 (or dp 1), and a layerwise plan's ZeRO-1 layers: parameters ``4 r k``, gradients
+  ``4 r k`` (DDP's buckets, FSDP2 ``replicate``'s reduced gradients, or the layerwise engine's
+  summed ones); ZeRO-1's moments ``8 r_i k`` on the rank's own rows ``r_i`` (DTensor's Shard(0)
+  rule: ``ceil(r / d)`` rows each, the last ranks fewer), ZeRO-0's ``8 r k``.
+- FSDP2 (ZeRO 1/2/3 of a whole chunk, ZeRO 2/3 of a layer run alone): sharded parameters and
+  gradients padded to ``ceil(r / d)`` rows (``4 ceil(r/d) k`` each), plus for ZeRO-1/2 without
+  pipeline parallelism the unsharded copy ``c ceil(r/d) d k``; moments ``8 r_i k`` (unpadded
+  local shard).
+
+At its peak (``peak_state_bytes``, pp 1: the most parameter, gradient and moment bytes at the end
+of any micro-batch's backward) a rank holds the same, except under ZeRO-1 of a whole chunk with
+more than one micro-batch: between micro-batches FSDP2 accumulates the whole gradients, ``q r k``
+in the reduce dtype's ``q`` bytes, in place of their shard (cost/state.py: 6 + 12/d bytes per
+parameter under bf16).
 
 Sent per step (run/engine/comm_count.py: each collective's input buffer on this rank; a receive sends
 nothing), ``m`` micro-batches of ``b`` sequences of ``s`` tokens:
@@ -74,8 +82,8 @@ from dataclasses import dataclass, field
 
 from meshmorph.cost.context_parallel import kv_bytes
 from meshmorph.cost.model import CostModel
-from meshmorph.cost.segments import Segment, chunk_segments, is_layerwise
-from meshmorph.cost.state import compute_bytes, data_parallel_traffic
+from meshmorph.cost.segments import LayerPlan, Segment, chunk_segments, is_layerwise
+from meshmorph.cost.state import compute_bytes, data_parallel_traffic, fsdp_shards
 from meshmorph.cost.tensor_shapes import ParamTensor, layer_tensors, rank_tensors, vocab_split
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
@@ -116,13 +124,14 @@ def _own_rows(rows: int, dp: int, dp_rank: int) -> int:
     return min(start + size, rows) - start
 
 
-def held_state(tensors: list[ParamTensor], tp: int, dp: int, dp_rank: int,
-               zero: int) -> tuple[float, float, float, float, float]:
+def held_state(tensors: list[ParamTensor], tp: int, dp: int, dp_rank: int, zero: int, *,
+               per_layer: bool = False) -> tuple[float, float, float, float, float]:
     """What one rank holds of ``tensors`` at the end of backward: (params, grads, moments) bytes,
-    plus the elements of the whole local tensors and of their padded dim-0 shards. FSDP2 (ZeRO-2/3
-    over dp > 1) holds padded dim-0 shards of everything; otherwise whole tensors, with AdamW's
-    moments sharded by rows under ZeRO-1."""
-    fsdp = dp > 1 and zero >= 2
+    plus the elements of the whole local tensors and of their padded dim-0 shards. FSDP2
+    (``fsdp_shards``: ZeRO-1/2/3 over dp > 1, ZeRO-2/3 for a layer run alone, ``per_layer``)
+    holds padded dim-0 shards of everything; otherwise whole tensors, with AdamW's moments
+    sharded by rows under ZeRO-1."""
+    fsdp = fsdp_shards(zero=zero, dp=dp, per_layer=per_layer)
     params = grads = moments = whole = padded = 0.0
     for tensor in tensors:
         rows, rest = _rows_rest(tensor, tp)
@@ -141,13 +150,13 @@ def held_state(tensors: list[ParamTensor], tp: int, dp: int, dp_rank: int,
 
 
 def add_data_parallel_comm(comm: dict[str, float], plan: Plan, *, zero: int, dp: int, pp: int,
-                           whole: float, padded: float) -> None:
+                           whole: float, padded: float, per_layer: bool = False) -> None:
     """Add to ``comm`` the bytes one rank sends per step for data parallelism over ``dp`` ranks
-    at ``zero``: cost/state.py's multiples applied to ``whole`` local elements (all-reduce) and to
-    the ``padded`` dim-0 shards torch moves (an all-gather sends a padded shard, a reduce-scatter
-    dp of them)."""
+    at ``zero`` (``per_layer``: a layer run alone): cost/state.py's multiples applied to
+    ``whole`` local elements (all-reduce) and to the ``padded`` dim-0 shards torch moves (an
+    all-gather sends a padded shard, a reduce-scatter dp of them)."""
     traffic = data_parallel_traffic(zero=zero, dp=dp, pp=pp, dtype=plan.dtype,
-                                    reduce_dtype=plan.reduce_dtype)
+                                    reduce_dtype=plan.reduce_dtype, per_layer=per_layer)
     m = plan.num_microbatches
     comm["all_reduce"] += traffic.all_reduce_per_step * whole
     comm["all_gather"] += (traffic.all_gather_per_step
@@ -177,12 +186,18 @@ class _RankState:
     params: float = 0.0
     grads: float = 0.0
     moments: float = 0.0
+    between_grads: float = 0.0
+    """Gradient bytes at the end of a micro-batch's backward before the last (pp 1)."""
     tensors: list[ParamTensor] = field(default_factory=list)
     comm: dict[str, float] = field(default_factory=dict)
 
     def result(self) -> dict[str, object]:
-        return {"params_bytes": self.params, "grads_bytes": self.grads,
-                "optimizer_bytes": self.moments, "comm_bytes": self.comm}
+        held = {"params_bytes": self.params, "grads_bytes": self.grads,
+                "optimizer_bytes": self.moments}
+        if self.plan.pp == 1:  # measured where the engine sees micro-batch boundaries
+            held["peak_state_bytes"] = self.params + self.moments + max(self.grads,
+                                                                        self.between_grads)
+        return {**held, "comm_bytes": self.comm}
 
 
 def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, object]:
@@ -212,24 +227,36 @@ def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, obj
     return state.result()
 
 
+def _fsdp(plan: Plan) -> bool:
+    """Whether FSDP2 shards the parameters of a layer under ``plan``'s (segment's) strategy: a
+    ``LayerPlan`` and every layer of a layerwise plan run as the layerwise engine runs them."""
+    per_layer = isinstance(plan, LayerPlan) or is_layerwise(plan)
+    return fsdp_shards(zero=plan.zero, dp=plan.grad_replicas, per_layer=per_layer)
+
+
 def _casts(plan: Plan) -> bool:
     """Whether FSDP2's mixed precision casts a layer under ``plan``'s (segment's) strategy to
     the compute dtype; under autocast alone the residual stream keeps the dtype it comes in."""
-    return plan.grad_replicas > 1 and plan.zero >= 2 and plan.dtype != "fp32"
+    return plan.dtype != "fp32" and _fsdp(plan)
 
 
 def _held(model: ModelSpec, state: _RankState, segment: Segment) -> None:
-    """A segment's parameters, gradients and moments, and its data-parallel traffic."""
+    """A segment's parameters, gradients and moments (at the end of backward and between
+    micro-batches), and its data-parallel traffic."""
     plan, sub = state.plan, segment.plan
     t, d, zero = sub.tp, sub.grad_replicas, sub.zero
-    fsdp = d > 1 and zero >= 2
+    fsdp = _fsdp(sub)
     tensors = rank_tensors(model, [(segment.start, segment.stop)], t)
     if segment.drop_tied:  # the head's matrix is the embedding's, in the same chunk
         tensors = [x for x in tensors if x.name != "out.weight"]
     state.tensors += tensors
-    params, grads, moments, whole, padded = held_state(tensors, t, d, state.in_stage // t, zero)
-    if fsdp and zero == 2 and (plan.pp == 1 or state.layerwise):
+    params, grads, moments, whole, padded = held_state(tensors, t, d, state.in_stage // t, zero,
+                                                       per_layer=segment.alone)
+    between = grads
+    if fsdp and zero <= 2 and (plan.pp == 1 or state.layerwise):
         params += compute_bytes(plan.dtype) * padded * d  # gathered once, kept to the step's end
+        if zero == 1 and plan.num_microbatches > 1:  # whole gradients accumulated, unsynced
+            between = compute_bytes(plan.reduce_dtype) * whole
     if segment.start == 0 and vocab_split(model, t) and (
             d == 1 or state.layerwise and plan.sequence_parallel and not fsdp):
         # torch: the vocabulary-parallel embedding's local gradient is a view into a storage
@@ -237,13 +264,14 @@ def _held(model: ModelSpec, state: _RankState, segment: Segment) -> None:
         grads += GRAD * tensors[0].local_numel(t)
     state.params += params
     state.grads += grads
+    state.between_grads += between
     state.moments += moments
     # the uniform engine reduces FSDP2 once per step under a pipeline (torch's pipelining);
     # the layerwise engine per micro-batch, but once per step for a ZeRO-2 layer under a
     # split backward (run/engine/layerwise_pipeline.py)
     once = plan.pp > 1 and (not state.layerwise or plan.schedule.split_backward and zero == 2)
     add_data_parallel_comm(state.comm, plan, zero=zero, dp=d, pp=plan.pp if once else 1,
-                           whole=whole, padded=padded)
+                           whole=whole, padded=padded, per_layer=segment.alone)
 
 
 def _transition(model: ModelSpec, state: _RankState, before: Segment, after: Segment,
@@ -262,7 +290,7 @@ def _activations(model: ModelSpec, state: _RankState, segment: Segment, stream: 
     t, m, s, h = sub.tp, plan.num_microbatches, plan.seq_len // plan.cp, model.hidden_size
     sp, c = plan.sequence_parallel and t > 1, compute_bytes(plan.dtype)
     bsh = sub.micro_batch * s * h
-    fsdp = sub.grad_replicas > 1 and sub.zero >= 2
+    fsdp = _fsdp(sub)
     for offset, index in enumerate(range(segment.start, segment.stop)):
         kind = model.layers[index].kind
         # the embedding's output, or the layer's input (cast, or as it came)
@@ -389,7 +417,8 @@ def _rank_ends(model: ModelSpec, state: _RankState, pp_rank: int) -> None:
         t, d, zero = (embed[0].tp, embed[0].dp, embed[0].zero) if embed else \
             (plan.tp, plan.grad_replicas, plan.zero)
         rows, rest = _rows_rest(layer_tensors(model, 0, t)[0], t)
-        comm["all_reduce"] += GRAD * (math.ceil(rows / d) if d > 1 and zero >= 2 else rows) * rest
+        sharded = fsdp_shards(zero=zero, dp=d, per_layer=bool(embed))
+        comm["all_reduce"] += GRAD * (math.ceil(rows / d) if sharded else rows) * rest
     if state.layerwise:
         if plan.pp == 1:
             layers = plan.stages[0].layer_strategies or ()
@@ -399,7 +428,7 @@ def _rank_ends(model: ModelSpec, state: _RankState, pp_rank: int) -> None:
                         * plan.seq_len * TOKEN_BYTES
         comm["all_reduce"] += LOSS_BYTES + NORM_BYTES
         return
-    fsdp = plan.grad_replicas > 1 and plan.zero >= 2
+    fsdp = _fsdp(plan)
     split = plan.tp > 1 and any(tensor.tp_dim is not None for tensor in state.tensors)
     comm["all_reduce"] += LOSS_BYTES + NORM_CLASS_BYTES * (fsdp + split) \
         + NORM_PP_BYTES * (plan.pp > 1)

@@ -24,7 +24,7 @@ runs the plan:
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
@@ -67,7 +67,15 @@ def is_layerwise(plan: Plan) -> bool:
     return lists_layer_strategies(plan)
 
 
-def layer_plan(plan: Plan, strategy: LayerStrategy) -> Plan:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerPlan(Plan):
+    """The uniform plan one layer of a layerwise stage sees (``layer_plan``): a Plan whose
+    type says the layerwise engine runs the layer as its own unit, so the cost model prices the
+    layer's data parallelism as that engine realises it (cost/state.py's ``per_layer``: a
+    ZeRO-1 layer keeps whole parameters and steps ``ShardedAdamW``)."""
+
+
+def layer_plan(plan: Plan, strategy: LayerStrategy) -> LayerPlan:
     """The uniform plan a layer under ``strategy`` sees: the plan's devices, schedule and
     micro-batch count, the layer's tp, dp, ZeRO and its per-rank micro-batch (the stage's
     plan dp x micro_batch sequences per micro-batch, over the layer's dp)."""
@@ -76,9 +84,11 @@ def layer_plan(plan: Plan, strategy: LayerStrategy) -> Plan:
         raise PlanError(f"layer dp {strategy.dp} does not divide the stage's {sequences} sequences "
                         "per micro-batch; choose a dp that divides them")
     micro = sequences // strategy.dp
-    return replace(plan, tp=strategy.tp, dp=strategy.dp, zero=strategy.zero, micro_batch=micro,
-                   global_batch=strategy.dp * micro * plan.num_microbatches,
-                   sequence_parallel=plan.sequence_parallel and strategy.tp > 1, stages=())
+    own = {name: getattr(plan, name) for name in plan.__dataclass_fields__}
+    own.update(tp=strategy.tp, dp=strategy.dp, zero=strategy.zero, micro_batch=micro,
+               global_batch=strategy.dp * micro * plan.num_microbatches,
+               sequence_parallel=plan.sequence_parallel and strategy.tp > 1, stages=())
+    return LayerPlan(**own)
 
 
 def fsdp_units(model: ModelSpec, start: int, stop: int) -> int:

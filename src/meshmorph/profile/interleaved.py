@@ -19,6 +19,7 @@ import time
 import torch
 
 from meshmorph.cost.profile import Profile
+from meshmorph.cost.state import fsdp_shards
 from meshmorph.profile.alpha_beta import AlphaBeta, ring_link
 from meshmorph.profile.fsdp_units import FsdpUnits
 from meshmorph.profile.hardware import CollectiveSamples
@@ -53,10 +54,9 @@ class PlanPieces:
         # compute as the slowest rank did it, collectives as the last rank to reach them
         # saw them: a step that synchronises its ranks waits for the slowest one's compute
         self.layers = LayerPasses(model, plan.micro_batch, plan.dtype, device, slowest=True)
-        # the tail as the plan runs it: ZeRO-1's sharded AdamW, FSDP2's DTensor shards (plans
-        # whose dp group is the whole world)
-        self.zero1 = plan.zero == 1 and plan.dp == world and world > 1
-        fsdp = plan.zero >= 2 and plan.dp > 1 and plan.dp == world
+        # the tail as the plan runs it: FSDP2's DTensor shards (plans whose dp group is the
+        # whole world)
+        fsdp = fsdp_shards(zero=plan.zero, dp=plan.dp) and plan.dp == world
         self.tails = OptimizerTails(model, device, slowest=True, zero=plan.zero,
                                     shard_over=world if plan.dp == world else 1,
                                     repeats=TAIL_REPEATS if fsdp else 1)
@@ -109,12 +109,7 @@ class PlanPieces:
             alpha, bw = ring_link("all_reduce", self.world,
                                   AlphaBeta(row["alpha_s"], row["beta_s_per_byte"], row["r2"]))
             bandwidth["loopback"], latency["loopback"] = bw / 1e9, alpha * 1e6
-        gather = None
-        if self.zero1 and f"all_gather/{self.world}" in fits:
-            row = fits[f"all_gather/{self.world}"]
-            line = AlphaBeta(row["alpha_s"], row["beta_s_per_byte"], row["r2"])
-            gather = line.time_s
-        fixed, per_param = self.tails.fit(window, gather_s=gather)
+        fixed, per_param = self.tails.fit(window)
         return Profile(link_bandwidth_gbps=bandwidth, link_latency_us=latency, source=source,
                        collectives=fits, layer_times=self.layers.times(window),
                        optimizer_s_per_param=per_param, optimizer_fixed_s=fixed,

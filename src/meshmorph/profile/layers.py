@@ -151,15 +151,12 @@ class OptimizerTails:
     model of growing size (the second layer; the first half; the whole model), one tail per
     chunk per ``sample()``; ``fit()`` is the line through their medians.
 
-    ``shard_over`` > 1 with ``zero`` 1: the tail as a ZeRO-1 plan over that many ranks (all of
-    them) runs it, with run/parallel/zero1.py's ShardedAdamW (each rank updates its shard of every
-    parameter, then the shards are packed, all-gathered and copied back); the counts are then
-    the parameters of one shard, as the cost model prices a sharded tail (params / dp x s per
-    parameter). ``shard_over`` > 1 with ``zero`` 2 or 3: the tail as FSDP2 runs it, each chunk's
-    blocks and root ``fully_shard``-ed over that many ranks as run/parallel/parallelize.py shards them, so
-    AdamW (foreach, as the engine makes it) steps the sharded DTensor parameters and the norm
-    sums the squares of their DTensor gradients' local shards (run/engine/grad_norm.py); the counts are
-    the parameters of one shard. ``repeats`` tails per chunk per sample, every one kept."""
+    ``shard_over`` > 1 with ``zero`` 1, 2 or 3: the tail as FSDP2 runs it (the runtime shards
+    a uniform chunk's parameters under every ZeRO stage, cost/state.py's ``fsdp_shards``), each
+    chunk's blocks and root ``fully_shard``-ed over that many ranks as run/parallel/parallelize.py
+    shards them, so AdamW (foreach, as the engine makes it) steps the sharded DTensor parameters
+    and the norm sums the squares of their DTensor gradients' local shards
+    (run/engine/grad_norm.py); the counts are the parameters of one shard. ``repeats`` tails per chunk per sample, every one kept."""
 
     def __init__(self, model: ModelSpec, device: torch.device, *, slowest: bool = False,
                  shard_over: int = 1, zero: int = 0, repeats: int = 1):
@@ -172,8 +169,6 @@ class OptimizerTails:
         """Tails of every chunk per ``sample()`` (the fit takes the median of all kept)."""
         self.counts: list[float] = []
         """Parameters each chunk's tail updates on one rank."""
-        self.gathered_bytes: list[float] = []
-        """Bytes each chunk's ZeRO-1 all-gather fills (0 without ZeRO-1)."""
         self.tails: list[Callable[[], None]] = []
         mesh = None
         if shard > 1:
@@ -182,27 +177,19 @@ class OptimizerTails:
         for start, stop in sorted({(1, 2), (1, max(2, n // 2)), (0, n)}):
             chunk = build_chunk(model, start, stop, seed=0, device=device)
             numel = float(sum(p.numel() for p in chunk.parameters() if p.requires_grad))
-            if mesh is not None and zero >= 2:
+            if mesh is not None:
                 from torch.distributed.fsdp import fully_shard
                 for block in chunk.blocks.values():
                     fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3)
                 fully_shard(chunk, mesh=mesh, reshard_after_forward=zero == 3)
             params = [p for p in chunk.parameters() if p.requires_grad]
-            opt: torch.optim.Optimizer
-            if mesh is not None and zero == 1:
-                from meshmorph.run.parallel.zero1 import ShardedAdamW
-                opt = ShardedAdamW(params, dp_mesh=mesh, dp_tp_mesh=None, lr=1e-4,
-                                   betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                                   foreach=device.type != "cuda", fused=device.type == "cuda")
-            else:
-                opt = torch.optim.AdamW(params, lr=1e-4, foreach=device.type != "cuda",
-                                        fused=device.type == "cuda")
+            opt = torch.optim.AdamW(params, lr=1e-4, foreach=device.type != "cuda",
+                                    fused=device.type == "cuda")
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
             for p in params:
                 p.grad = torch.full_like(p, 1e-3)
             self.tails.append(partial(_tail, params, opt, sched))
             self.counts.append(numel / shard)
-            self.gathered_bytes.append(numel * 4.0 if mesh is not None and zero == 1 else 0.0)
         self.seconds: list[list[float]] = [[] for _ in self.tails]
 
     def sample(self, *, keep: bool = True) -> None:
@@ -214,16 +201,10 @@ class OptimizerTails:
             for out, t in zip(self.seconds, times, strict=True):
                 out.extend(t)
 
-    def fit(self, window: slice = slice(None), *,
-            gather_s: Callable[[float], float] | None = None) -> tuple[float, float]:
+    def fit(self, window: slice = slice(None)) -> tuple[float, float]:
         """(fixed s, s per parameter), least squares through the chunks' medians of the kept
-        samples in ``window``, never below 0. ``gather_s`` (seconds of an all-gather filling
-        so many bytes, as the cost model prices ZeRO-1's parameter gather apart from the tail)
-        is taken off each ZeRO-1 chunk's median, so the gather is not counted twice."""
+        samples in ``window``, never below 0."""
         medians = [median_spread(window_calls(s, self.repeats, window))[0] for s in self.seconds]
-        if gather_s is not None:
-            medians = [max(med - gather_s(nbytes), 0.0) if nbytes else med
-                       for med, nbytes in zip(medians, self.gathered_bytes, strict=True)]
         slope, intercept = np.polyfit(self.counts, medians, 1)
         return max(float(intercept), 0.0), max(float(slope), 0.0)
 

@@ -204,6 +204,11 @@ class Plan:
     fsdp_prefetch: bool = True
     """ZeRO-3: the next unit's all-gather issued while this unit computes (FSDP2's forward and
     backward prefetch), one more gathered unit held; False: each gather on the critical path."""
+    overlap_param_gather: bool = True
+    """ZeRO-1/2: the updated parameters' all-gather (one per FSDP2 unit, in the compute dtype)
+    overlapped with the next step's forward, each unit's gather issued while the unit before it
+    computes, so the first forward waits only for its own unit (Megatron-LM's
+    ``--overlap-param-gather``); False: each unit's gather on the critical path."""
     predicted: dict[str, Any] | None = field(default=None, compare=False)
     """Predicted figures (step_time_s, tokens_per_s, ...) from the cost model, if any."""
 

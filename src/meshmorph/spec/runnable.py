@@ -33,7 +33,10 @@ nothing else.
   frees after forward, and the gradients are lost); ``rounds_refusal``: torch's interleaved
   runtimes run the micro-batches in equal rounds.
 - **Overlap switches** (``overlap_refusal``): no tensor-parallel communication overlap; a
-  gradient reduction after the backward only where DDP runs the chunk.
+  gradient reduction after the backward only at pp 1, for ZeRO-0 where DDP runs the chunk and
+  for ZeRO-1. ``overlap_param_gather`` is realised by a uniform chunk's FSDP2 units (ZeRO-1/2);
+  a layerwise plan's ZeRO-2 layers gather in their own forward and its ZeRO-1 layers after the
+  optimizer step, as the cost model prices a layer run alone, so the switch refuses nothing.
 - **fp16** (``fp16_refusal``): loss scaling runs in the synchronous step of plans without
   per-layer strategies.
 
@@ -298,10 +301,13 @@ def rounds_refusal(plan: Plan) -> str | None:
 # --- overlap switches --------------------------------------------------------------------------
 def defers_grad_reduce(plan: Plan) -> bool:
     """Whether the runtime reduces this plan's gradients after the backward itself
-    (``overlap_grad_reduce`` off): DDP under ``no_sync`` for every micro-batch, then one
-    all-reduce per gradient. Only the DDP path realises it (dp > 1, ZeRO 0/1, tp 1, pp 1)."""
-    return not plan.overlap_grad_reduce and plan.dp > 1 and plan.zero <= 1 and plan.tp == 1 \
-        and plan.pp == 1 and plan.cp == 1
+    (``overlap_grad_reduce`` off): ZeRO-0's DDP under ``no_sync`` for every micro-batch, then
+    one all-reduce per gradient (tp 1), or ZeRO-1's FSDP2 units without gradient sync, then one
+    reduce-scatter per unit; dp > 1 and pp 1 (``overlap_refusal`` refuses it to layerwise
+    plans)."""
+    if plan.overlap_grad_reduce or plan.dp == 1 or plan.pp > 1 or plan.cp > 1:
+        return False
+    return plan.zero == 1 or (plan.zero == 0 and plan.tp == 1)
 
 
 def overlap_refusal(plan: Plan) -> str | None:
@@ -313,9 +319,9 @@ def overlap_refusal(plan: Plan) -> str | None:
                 "false to run the plan (estimate prices both)")
     if not plan.overlap_grad_reduce and plan.grad_replicas > 1 and not defers_grad_reduce(plan):
         return (f"overlap_grad_reduce false: the runtime reduces gradients after the backward "
-                f"only where DDP runs the chunk (dp > 1, zero 0 or 1, tp 1, pp 1, cp 1), not with "
-                f"tp {plan.tp}, pp {plan.pp}, zero {plan.zero}, cp {plan.cp}; set "
-                f"overlap_grad_reduce true (FSDP2 and torch's pipelining reduce during the "
+                f"only with pp 1 and cp 1, for zero 0 where DDP runs the chunk (tp 1) and for "
+                f"zero 1, not with tp {plan.tp}, pp {plan.pp}, zero {plan.zero}, cp {plan.cp}; "
+                f"set overlap_grad_reduce true (FSDP2 and torch's pipelining reduce during the "
                 f"backward)")
     if lists_layer_strategies(plan) and not (plan.overlap_grad_reduce and plan.fsdp_prefetch):
         return ("layerwise plans run with overlap_grad_reduce and fsdp_prefetch on; set both "

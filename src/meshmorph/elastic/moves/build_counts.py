@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from meshmorph.cost.state import fsdp_shards
 from meshmorph.cost.tensor_shapes import layer_tensors
 from meshmorph.elastic.moves.layout import param_fqn
 from meshmorph.spec.model import ModelSpec
@@ -34,10 +35,10 @@ class BuildCounts:
     tp_tensors: int
     """Of those, the tensors tensor parallelism splits (DTensors on the tp mesh)."""
     fsdp_units: int
-    """``fully_shard`` calls (ZeRO 2/3 over dp > 1: one per layer of each chunk, one per
+    """``fully_shard`` calls (ZeRO 1-3 over dp > 1: one per layer of each chunk, one per
     chunk)."""
     fsdp_tensors: int
-    """Tensors FSDP2 shards (every tensor of the rank under ZeRO 2/3 over dp > 1)."""
+    """Tensors FSDP2 shards (every tensor of the rank under ZeRO 1-3 over dp > 1)."""
     param_bytes: int
     """Bytes of parameters the rank allocates and zeroes (FSDP2's padding rows included)."""
     mesh_calls: int
@@ -67,7 +68,7 @@ def build_counts(model: ModelSpec, plan: Plan) -> dict[int, BuildCounts]:
     dims = [size for size in mesh_shape(plan) if size < world]
     calls = sum(world // size for size in dims)
     groups = tuple(size for size in dims if size > 1)
-    fsdp = plan.dp > 1 and plan.zero >= 2
+    fsdp = fsdp_shards(zero=plan.zero, dp=plan.dp)
     out = {}
     for pp_rank in range(plan.pp):
         tensors = tp_tensors = units = numel = 0

@@ -10,17 +10,19 @@ of what the runtime allocates) and from how ``run/`` shards it:
   row-parallel ones (wo, fc2, w2) by dim 1, embedding and head by vocabulary rows where tp divides
   the padded vocabulary (``vocab_split``), everything else whole on every tp rank; tp always
   divides a split dim (``Plan.check_against`` insists);
-- data parallelism by ZeRO stage: 0 replicates everything; 1 keeps parameters whole and shards
-  both AdamW moments by dim 0 of the tp-local tensor (``run/parallel/zero1.py``); 2 and 3 shard parameters
-  and moments the way FSDP2 does at a step boundary: dim 0 of the tp-local tensor cut into
-  ``ceil(n / dp)`` rows per rank (``torch.chunk``), the last ranks getting fewer or zero rows; FSDP2
-  allocates the full ``ceil(n / dp)`` rows on every rank, and ``Piece.pad_rows`` records the
-  padding beyond the real rows;
+- data parallelism by ZeRO stage: 0 replicates everything; 1, 2 and 3 (all FSDP2,
+  ``run/parallel/parallelize.py``) shard the fp32 master parameters and both AdamW moments the
+  way FSDP2 does at a step boundary: dim 0 of the tp-local tensor cut into ``ceil(n / dp)`` rows
+  per rank (``torch.chunk``), the last ranks getting fewer or zero rows; FSDP2 allocates the full
+  ``ceil(n / dp)`` rows on every rank, and ``Piece.pad_rows`` records the padding beyond the real
+  rows. The 16-bit or fp32 copies ZeRO-1/2 gather during a step, and the gradients, are not
+  state: at a step boundary they are freed, and the next step gathers them from the shards;
 - small state on every rank: the optimizer ``step``, the LR-scheduler position ``lr_scheduler``
   and the data position ``data`` (consumed samples) are replicated; ``rng/<rank>`` is each rank's
   own generator state.
 
-All state tensors are fp32 (parameters stay fp32 in every precision: see ``Plan.dtype``).
+All state tensors are fp32 (the master parameters are fp32 in every precision: see
+``Plan.dtype``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from meshmorph.cost.state import fsdp_shards
 from meshmorph.cost.tensor_shapes import layer_tensors
 from meshmorph.elastic.moves.box import Box
 from meshmorph.spec.model import LayerKind, ModelSpec
@@ -194,8 +197,7 @@ def layout_of(model: ModelSpec, plan: Plan) -> Layout:
                             for kind in ("param", *MOMENTS):
                                 key = f"{kind}/{fqn}"
                                 tensors.setdefault(key, StateTensor(key, tensor.shape, "fp32"))
-                                shard = plan.dp > 1 and (plan.zero >= 2 or
-                                                         (plan.zero == 1 and kind != "param"))
+                                shard = fsdp_shards(zero=plan.zero, dp=plan.dp)
                                 pieces.append(_dp_piece(key, local, plan.dp, dp_rank) if shard
                                               else Piece(key, local))
                 rng = f"rng/{rank}"

@@ -1,10 +1,11 @@
 """The optimizers of one model chunk: AdamW (fused on CUDA, foreach elsewhere) with its LR
 schedule, one per group of the chunk's segments that share a split and a kind of parameter.
 
-A uniform plan's chunk is one segment, so one group and one optimizer: ``ShardedAdamW``
-(run/parallel/zero1.py) for ZeRO-1 over dp > 1, else AdamW. A plan whose layers' strategies
+A uniform plan's chunk is one segment, so one group and one optimizer: AdamW over whole
+parameters (ZeRO-0) or over FSDP2's fp32 shards (ZeRO 1-3). A plan whose layers' strategies
 differ gets one per (tp degree, kind): foreach kernels and ZeRO-1's shard all-gathers take
-parameters of one mesh and one kind (plain tensors or tp DTensors, FSDP2 shards, ZeRO-1).
+parameters of one mesh and one kind (plain tensors or tp DTensors, FSDP2 shards, or a ZeRO-1
+layer's whole parameters, stepped by ``ShardedAdamW``, run/parallel/zero1.py).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ Optimizers = tuple[list[torch.optim.Optimizer], list[torch.optim.lr_scheduler.LR
 class ParamKind(StrEnum):
     """How a segment's parameters are held, which sets the optimizer that steps them."""
 
-    FSDP = "fsdp"  # FSDP2's dim-0 shards (ZeRO 2/3 over dp > 1)
+    FSDP = "fsdp"  # FSDP2's dim-0 shards (Segment.fsdp)
     WHOLE = "whole"  # whole parameters or tensor-parallel DTensors
-    ZERO1 = "zero1"  # whole parameters whose optimizer state ZeRO-1 shards over dp
+    ZERO1 = "zero1"  # a layerwise ZeRO-1 layer's whole parameters, moments sharded over dp
 
 
 def param_kind(segment: Segment) -> ParamKind:

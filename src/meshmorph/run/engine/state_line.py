@@ -4,10 +4,13 @@
 anything touches the gradients): ``params_bytes`` (every live storage behind the chunk's
 parameters: the fp32 masters, and for FSDP2 the sharded fp32 storage plus every unsharded copy it
 still holds), ``grads_bytes`` (every live storage behind the gradients: DDP's buckets, FSDP2's
-sharded and unsharded gradients), both deduplicated by storage; after the step,
-``optimizer_bytes`` (AdamW's moments, the per-tensor step counters left out), and ``comm_bytes``
-(run/engine/comm_count.py: bytes sent per collective kind over the whole step, meshmorph's own loss and
-gradient-norm reductions included). ``write_state_line`` gathers every rank's record on rank 0,
+sharded and unsharded gradients and the whole gradients it accumulates without sync), both
+deduplicated by storage; after the step, ``optimizer_bytes`` (AdamW's moments, the per-tensor
+step counters left out), ``peak_state_bytes`` without a pipeline (the most parameter and gradient
+bytes at the end of any micro-batch's backward, plus the moments: ZeRO-1's whole gradients
+accumulated between micro-batches are there) and ``comm_bytes`` (run/engine/comm_count.py: bytes
+sent per collective kind over the whole step, meshmorph's own loss and gradient-norm reductions
+included). ``write_state_line`` gathers every rank's record on rank 0,
 puts the cost model's prediction for that rank beside it (cost/rank_state.py; for a plan whose
 layers' strategies differ, segment by segment) and writes
 ``{"event": "state", "ranks": [{"rank", "measured", "predicted"}, ...]}`` once.
@@ -76,7 +79,13 @@ def held_bytes(engine: TrainEngine) -> dict[str, object]:
         if unsharded is not None:
             params.append(unsharded)
             grads.append(unsharded.grad)
+        grads.append(record.unsharded_accumulated_grad)  # accumulated without gradient sync
     return {"params_bytes": storage_bytes(params), "grads_bytes": storage_bytes(grads)}
+
+
+def state_bytes(held: dict[str, object]) -> int:
+    """Parameter and gradient bytes of a ``held_bytes`` record."""
+    return int(held["params_bytes"]) + int(held["grads_bytes"])  # type: ignore[call-overload]
 
 
 def optimizer_bytes(engine: TrainEngine) -> int:

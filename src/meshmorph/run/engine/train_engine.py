@@ -15,12 +15,15 @@ gradient norm is taken over every shard once (run/engine/grad_norm.py), gradient
 the device, and AdamW and the LR schedule step. The tests' one-device oracle
 (tests/dist/reference.py) runs the same arithmetic.
 
-Precision: parameters, gradients and Adam moments stay fp32; a 16-bit plan computes under
-FSDP2's MixedPrecisionPolicy (ZeRO 2/3 segments) and ``torch.autocast`` (unless every layer is
-cast by FSDP2), and an fp16 plan scales its loss (``LossScaler``). ZeRO-2 keeps the parameters
-FSDP2 gathered for the first micro-batch to the end of the step and reshards them after the
-optimizer step. The first step also records what this rank holds at the end of backward and
-sends (run/engine/state_line.py). A step reads the device once: the loss and the norm together.
+Precision: master parameters, gradients and Adam moments stay fp32; a 16-bit plan computes
+under FSDP2's MixedPrecisionPolicy (segments FSDP2 shards) and ``torch.autocast`` (unless every
+layer is cast by FSDP2), and an fp16 plan scales its loss (``LossScaler``). ZeRO-1 and ZeRO-2
+keep the parameters FSDP2 gathered for the first micro-batch to the end of the step and reshard
+them after the optimizer step; ZeRO-1 turns gradient sync off for every micro-batch but the
+last, whose backward reduce-scatters each unit's accumulated gradients as it ends (with
+``overlap_grad_reduce`` off: after the backward, unit by unit). The first step also records what
+this rank holds at the end of backward and at every micro-batch boundary, and what it sends
+(run/engine/state_line.py). A step reads the device once: the loss and the norm together.
 """
 
 from __future__ import annotations
@@ -113,6 +116,8 @@ class TrainEngine:
         """This rank's measured state of the captured step (run/engine/state_line.py), once taken."""
         self.state_written = False
         """Whether the state line of the captured step was written (run/engine/state_line.py)."""
+        self._boundary_bytes = 0
+        """The most parameter and gradient bytes at a micro-batch boundary of the captured step."""
 
     def _set_up_gradients(self) -> None:
         """What the step does to gradients besides the backward: its loss share, the ZeRO-2
@@ -126,10 +131,10 @@ class TrainEngine:
             loss_dp = segments[-1].strategy.dp if plan.pp == 1 else plan.dp
         self._share = plan.num_microbatches * loss_dp if plan.pp == 1 or self.summed else 1
         """What a micro-batch's loss is divided by in its backward (1: the schedule divides)."""
-        self._zero2: list[FSDPModule] = [
-            unit for segment in segments if segment.strategy.zero == 2
+        self._kept: list[FSDPModule] = [
+            unit for segment in segments if segment.fsdp and segment.strategy.zero <= 2
             for unit in segment.fsdp_units]  # type: ignore[misc]
-        """ZeRO-2's FSDP2 units: gathered once per step, resharded after the optimizer step."""
+        """ZeRO-1/2's FSDP2 units: gathered once per step, resharded after the optimizer step."""
         # torch pipelining defers FSDP2's reduction only for a stage module that is an
         # FSDPModule; the units below a plain one wait for the weight passes here (grads.py)
         split = plan.pp > 1 and plan.schedule.split_backward
@@ -164,12 +169,16 @@ class TrainEngine:
         chunk, m = self.chunks[0], self.plan.num_microbatches
         model = chunk.runner
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        defer = isinstance(model, DistributedDataParallel) and defers_grad_reduce(self.plan)
+        defer = defers_grad_reduce(self.plan)
+        # ZeRO-1 on FSDP2 with overlap_grad_reduce off: no unit reduces in the backward, each
+        # reduce-scatters once after it
+        held = [model] if defer and isinstance(model, FSDPModule) else []
+        hold_reduction(held)
         for i, (x, y) in enumerate(zip(inputs.chunk(m), labels.chunk(m), strict=True)):
-            # zero 2/3 reduce-scatter every micro-batch; DDP reduces in the last micro-batch's
-            # backward (overlap_grad_reduce) or after it (defer)
+            # zero 2/3 reduce-scatter every micro-batch; DDP and ZeRO-1's FSDP2 units reduce in
+            # the last micro-batch's backward (overlap_grad_reduce) or after it (defer)
             sync = (i == m - 1 and not defer) or self.plan.zero >= 2
-            if isinstance(model, FSDPModule):
+            if isinstance(model, FSDPModule) and not held:
                 model.set_requires_gradient_sync(sync)
             no_sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not sync \
                 else contextlib.nullcontext()
@@ -178,6 +187,10 @@ class TrainEngine:
                     loss = self._scaled_loss(model(x), chunk.labels(y))
                 (loss / self._share).backward()  # d(mean over the batch) = sum of d(loss_i) / share
             total += loss.detach().double()
+            if self.capture_state and i < m - 1:  # a micro-batch boundary: what is held now
+                self._boundary_bytes = max(self._boundary_bytes,
+                                           state_line.state_bytes(state_line.held_bytes(self)))
+        reduce_held(held)
         return total
 
     def _pipelined(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -210,7 +223,7 @@ class TrainEngine:
         inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        for module in self._zero2:
+        for module in self._kept:
             module.set_reshard_after_backward(False)  # gathered once, kept to the step's end
         total = self._accumulate(inputs, labels) if self.schedule is None \
             else self._pipelined(inputs, labels)
@@ -225,10 +238,14 @@ class TrainEngine:
         if not self.capture_state:
             return self._step(tokens)
         counter = CommCounter()
+        self._boundary_bytes = 0
         with counter:
             loss = self._step(tokens)
         assert self.captured_state is not None
         self.captured_state["optimizer_bytes"] = state_line.optimizer_bytes(self)
+        if self.schedule is None:  # the micro-batch boundaries this engine saw
+            self.captured_state["peak_state_bytes"] = self.captured_state["optimizer_bytes"] \
+                + max(self._boundary_bytes, state_line.state_bytes(self.captured_state))
         self.captured_state["comm_bytes"] = dict(counter.sent_bytes)
         self.capture_state = False
         return loss
@@ -253,7 +270,7 @@ class TrainEngine:
                 opt.step()
         for sched in self.lr_schedulers:
             sched.step()
-        for module in self._zero2:
+        for module in self._kept:
             module.reshard()  # the next step gathers the updated weights
         # every last-stage rank holds the sum of its m micro-batch means; tp ranks repeat it
         if not self.has_last:

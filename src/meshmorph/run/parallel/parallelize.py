@@ -8,19 +8,27 @@ Data parallelism by ZeRO stage (what each holds and sends: cost/state.py, docs/c
   are plain tensors (tp 1; the fastest path), FSDP2's composable ``replicate`` where tensor
   parallelism made them DTensors, and under a zero-bubble schedule. The DDP wrapper is only what
   runs the chunk: the chunk itself, with its original parameter names, stays the engine's model part.
-- zero 1: zero 0's wrapping and gradient all-reduce; the optimizer shards its state
-  (run/parallel/zero1.py: AdamW on a dim-0 shard of every parameter, updated shards all-gathered back).
-- zero 2: FSDP2 ``fully_shard(reshard_after_forward=False)``; the engine also turns off
-  resharding after backward, so parameters are gathered once per step and stay unsharded to its
-  end (the engine reshards after the optimizer step); gradients are reduce-scattered after every
-  micro-batch and only the shard is kept.
+- zero 1: FSDP2 ``fully_shard(reshard_after_forward=False)`` on every block and on the chunk
+  root, Megatron's distributed optimizer on torch's pieces: each rank keeps the fp32 master
+  shard of every parameter and its AdamW moments; the engine turns gradient sync off for every
+  micro-batch but the last (FSDP2 accumulates the whole gradients in ``reduce_dtype``) and
+  resharding after backward off, so each unit reduce-scatters its gradients once, in the last
+  micro-batch's backward, as soon as they are produced, and is gathered once per step, in the
+  compute dtype, kept to the optimizer step, then resharded.
+- zero 2: the same, with gradient sync on in every micro-batch: gradients are reduce-scattered
+  after every micro-batch and only the shard is kept.
+- zero 1/2, ``Plan.overlap_param_gather``: each unit's gather of the next step is issued
+  asynchronously while the unit before it computes (FSDP2 forward prefetch with
+  ``set_unshard_async_op``), so the first forward waits only for the root's; off, each unit
+  gathers on the critical path in its own pre-forward.
 - zero 3: FSDP2 ``fully_shard(reshard_after_forward=True)`` on every block and on the chunk root:
   parameters are gathered per block in forward and again in backward.
 
-Precision: a 16-bit plan keeps fp32 parameters. FSDP2 (zero 2/3) computes through
-``MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=plan.reduce_dtype)``; everywhere else the
-engine runs forward under ``torch.autocast`` and gradients are reduced in fp32, or through DDP's
-bf16/fp16 compress hook (``replicate``'s ``reduce_dtype``) when the plan's ``reduce_dtype`` is 16-bit.
+Precision: the fp32 master parameters live in FSDP2's shards (zero 1-3) or whole (zero 0).
+FSDP2 computes through ``MixedPrecisionPolicy(param_dtype=plan.dtype,
+reduce_dtype=plan.reduce_dtype)``; zero 0 runs forward under ``torch.autocast`` and reduces
+gradients in fp32, or through DDP's bf16/fp16 compress hook (``replicate``'s ``reduce_dtype``)
+when the plan's ``reduce_dtype`` is 16-bit.
 
 With tensor parallelism every parameter of the chunk is a DTensor on the tp mesh (parameters TP
 does not split are replicated DTensors), so with data parallelism on top every parameter lives on
@@ -33,9 +41,9 @@ logits gathered rather than vocabulary-parallel) over its own split's tp mesh, t
 recompute, and per layer: FSDP2 ``fully_shard`` of the layer alone for ZeRO 2/3, gradients summed
 over the segment's dp group; ZeRO 0/1 layers keep whole parameters and the engine all-reduces
 their summed gradients after the backward (run/engine/grads.py), ZeRO 1 then steps a
-``ShardedAdamW`` over that group. Gradients are sums there, never means: the engine
-back-propagates each rank's share of the micro-batch mean. A tied embedding and head in one
-chunk stay one parameter (ZeRO 0/1: FSDP2 cannot shard one matrix for two modules it runs
+``ShardedAdamW`` (run/parallel/zero1.py) over that group. Gradients are sums there, never means:
+the engine back-propagates each rank's share of the micro-batch mean. A tied embedding and head
+in one chunk stay one parameter (ZeRO 0/1: FSDP2 cannot shard one matrix for two modules it runs
 apart); on two pipeline stages each holds its copy, laid out alike, and the engine sums their
 gradients.
 """
@@ -63,6 +71,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from meshmorph.cost.state import fsdp_shards
 from meshmorph.run.model.decoder import Transformer
 from meshmorph.run.model.materialize import materialize_
 from meshmorph.run.parallel.mesh import TrainMesh
@@ -186,16 +195,20 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 
 def uses_fsdp_precision(plan: Plan) -> bool:
     """Whether FSDP2's MixedPrecisionPolicy sets the compute dtype of the plan's own layout
-    (zero 2/3 over dp > 1): what pipeline stages hand over (run/engine/pipeline.io_dtypes)."""
-    return plan.dp > 1 and plan.zero >= 2
+    (cost/state.py's ``fsdp_shards``: zero 1-3 over dp > 1, zero 2/3 for a layerwise plan's):
+    what pipeline stages hand over (run/engine/pipeline.io_dtypes)."""
+    return fsdp_shards(zero=plan.zero, dp=plan.dp, per_layer=lists_layer_strategies(plan))
 
 
 def autocasts(plan: Plan) -> bool:
     """Whether the forward runs under ``torch.autocast``: a 16-bit plan with some layer that
-    FSDP2's mixed precision does not cast (ZeRO 0/1, or dp 1); where every layer is cast the
-    parameters are already 16-bit and autocast would only move norms and softmax to fp32."""
+    FSDP2's mixed precision does not cast (ZeRO 0, dp 1, a layerwise plan's ZeRO-1 layers);
+    where every layer is cast the parameters are already 16-bit and autocast would only move
+    norms and softmax to fp32."""
+    per_layer = lists_layer_strategies(plan)
     return plan.dtype != "fp32" and not all(
-        s.dp > 1 and s.zero >= 2 for stage in plan.stages for s in stage_strategies(plan, stage))
+        fsdp_shards(zero=s.zero, dp=s.dp, per_layer=per_layer)
+        for stage in plan.stages for s in stage_strategies(plan, stage))
 
 
 def _bf16_compress(state, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
@@ -227,10 +240,10 @@ def apply_dp(chunk: Transformer, dp_mesh: DeviceMesh, plan: Plan, *, allow_ddp: 
              materialize: Callable[[], None] = lambda: None) -> nn.Module:
     """Data parallelism over ``dp_mesh`` by ZeRO stage (see the module docstring); returns the
     module that runs the chunk (a DDP wrapper, or the chunk itself). ``allow_ddp`` False keeps
-    zero 0/1 on ``replicate`` (a zero-bubble schedule computes weight gradients apart from the
+    zero 0 on ``replicate`` (a zero-bubble schedule computes weight gradients apart from the
     backward that DDP's reducer hooks into, and DDP then misses them). ``materialize`` gives a
     chunk built on the meta device its storage; it runs before DDP, which needs real tensors."""
-    if plan.zero <= 1:  # zero 1 shards only the optimizer (run/parallel/zero1.py)
+    if plan.zero == 0:
         if allow_ddp and not any(isinstance(p, DTensor) for p in chunk.parameters()):
             materialize()
             # every rank built the same weights: no initial broadcast needed; gradients are views
@@ -247,9 +260,37 @@ def apply_dp(chunk: Transformer, dp_mesh: DeviceMesh, plan: Plan, *, allow_ddp: 
         replicate(chunk, mesh=dp_mesh, mp_policy=policy)
         return chunk
     _fully_shard([*chunk.blocks.values(), chunk], dp_mesh, plan, plan.zero, summed=False)
+    cuda = dp_mesh.device_type == "cuda"
     if plan.zero == 3:
-        set_prefetch(chunk, plan.fsdp_prefetch, wait_for_device=dp_mesh.device_type == "cuda")
+        set_prefetch(chunk, plan.fsdp_prefetch, wait_for_device=cuda)
+    else:
+        set_gather_overlap(chunk, plan.overlap_param_gather, wait_for_device=cuda)
     return chunk
+
+
+def set_gather_overlap(chunk: Transformer, overlap: bool, *, wait_for_device: bool) -> None:
+    """ZeRO-1/2's ``Plan.overlap_param_gather`` on FSDP2 units (the chunk root, then its blocks
+    in order), whose parameters are gathered once per step, in the first forward. On: each unit
+    issues the next one's all-gather asynchronously (``set_unshard_async_op``: on gloo it runs on
+    the backend's thread, on NCCL on its stream) and its own pre-forward waits for it, so each
+    gather runs while the unit before computes and the first forward waits only for the root's.
+    Off: each unit gathers in its own pre-forward, after (``wait_for_device``, CUDA) the queued
+    compute, the gather on the critical path."""
+    units = [chunk, *chunk.blocks.values()]
+    if overlap:
+        chunk._set_unshard_async_op(True)  # type: ignore[operator]  # every unit below the root
+    for index, unit in enumerate(units):
+        if overlap and index + 1 < len(units):
+            unit.set_modules_to_forward_prefetch([units[index + 1]])
+        elif not overlap and wait_for_device:
+            _gather_after_compute(unit)
+
+
+def _gather_after_compute(unit: nn.Module) -> None:
+    """Make ``unit``'s pre-forward wait for the compute queued on the device (CUDA) before it
+    gathers, so no gather runs beside compute."""
+    unit.register_forward_pre_hook(lambda *_: torch.cuda.current_stream().synchronize(),
+                                   prepend=True)
 
 
 def set_prefetch(chunk: Transformer, prefetch: bool, *, wait_for_device: bool) -> None:
@@ -270,8 +311,7 @@ def set_prefetch(chunk: Transformer, prefetch: bool, *, wait_for_device: bool) -
             continue
         unit.set_modules_to_backward_prefetch([unit])
         if wait_for_device:
-            unit.register_forward_pre_hook(
-                lambda *_: torch.cuda.current_stream().synchronize(), prepend=True)
+            _gather_after_compute(unit)
 
 
 def _segments(chunk: Transformer, spec: ModelSpec, plan: Plan, stage: StagePlan,

@@ -2,11 +2,12 @@
 each parallelized once on its own split of the stage's devices (run/parallel/parallelize.py).
 
 A plan without per-layer strategies gives every chunk one segment on the plan's mesh, run as a
-whole by torch's wrappers (DDP or ``replicate``, FSDP2 per block plus the chunk root). A plan
-that lists them runs each layer's data parallelism on its own (``Segment.per_layer``: one
-FSDP2 unit per layer, one summed all-reduce per ZeRO 0/1 segment after the backward), as
-cost/rank_state.py prices it, and its chunks run through ``SegmentRunner``, which moves the
-activation between neighbouring segments whose splits differ.
+whole by torch's wrappers (DDP or ``replicate`` for ZeRO-0, FSDP2 per block plus the chunk root
+for ZeRO 1-3). A plan that lists them runs each layer's data parallelism on its own
+(``Segment.per_layer``: one FSDP2 unit per ZeRO 2/3 layer, one summed all-reduce per ZeRO 0/1
+segment after the backward), as cost/rank_state.py prices it, and its chunks run through
+``SegmentRunner``, which moves the activation between neighbouring segments whose splits
+differ.
 
 Under a split (tp, dp) a rank runs the B / dp sequences of its data-parallel block (rank // tp,
 stage-local) of a stage micro-batch of B = plan dp x micro_batch sequences, replicated on its tp
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from meshmorph.cost.state import fsdp_shards
 from meshmorph.run.model.decoder import Transformer
 from meshmorph.run.parallel.mesh import SegmentMesh
 from meshmorph.run.parallel.redistribute import LayoutGroups, redistribute, redistribute_sequence
@@ -67,8 +69,9 @@ class Segment:
 
     @property
     def fsdp(self) -> bool:
-        """Whether FSDP2 shards it (ZeRO 2/3 over more than one rank)."""
-        return self.strategy.dp > 1 and self.strategy.zero >= 2
+        """Whether FSDP2 shards it (cost/state.py's ``fsdp_shards``: ZeRO 1-3 over more than one
+        rank, ZeRO 2/3 where its data parallelism runs layer by layer)."""
+        return fsdp_shards(zero=self.strategy.zero, dp=self.strategy.dp, per_layer=self.per_layer)
 
     @property
     def reduced_after_backward(self) -> bool:

@@ -1,9 +1,12 @@
-"""ZeRO-1: AdamW whose moments live on this rank's dim-0 shard of every parameter.
+"""ZeRO-1 of a layerwise plan's layers: AdamW whose moments live on this rank's dim-0 shard of
+every parameter. (A uniform chunk's ZeRO-1 runs on FSDP2 instead, run/parallel/parallelize.py.)
 
-Parameters and gradients stay whole on every data-parallel rank (ZeRO-0's gradient all-reduce
-made them so); each rank updates only its dim-0 shard of every parameter — a view of the local
-parameter tensor, whose gradient is the matching view of the all-reduced gradient (no copy) —
-with torch's own AdamW arithmetic (``torch.optim.adamw.adamw``), then the updated shards are
+The layerwise engine keeps a ZeRO-1 layer's parameters and gradients whole on every
+data-parallel rank (its summed gradient all-reduce makes them so, and a tied embedding and head
+in one chunk stay one parameter, which FSDP2 cannot shard for two layers run apart); each rank
+updates only its dim-0 shard of every parameter — a view of the local parameter tensor, whose
+gradient is the matching view of the all-reduced gradient (no copy) — with torch's own AdamW
+arithmetic (``torch.optim.adamw.adamw``), then the updated shards are
 all-gathered back into the whole parameters in buckets: each rank packs its padded shards of a
 bucket's parameters into one flat buffer and one ``all_gather_into_tensor`` per bucket brings
 everyone's (Megatron's distributed optimizer gathers its parameter buckets the same way). The

@@ -42,11 +42,17 @@ LAYOUTS: dict[str, Plan] = {
     "zero1_bf16_overlap": _plan(zero=1, dtype="bf16", reduce_dtype="bf16"),
     "zero1_bf16_after_backward": _plan(zero=1, dtype="bf16", reduce_dtype="bf16",
                                        overlap_grad_reduce=False),
+    "zero1_bf16_gather_apart": _plan(zero=1, dtype="bf16", reduce_dtype="bf16",
+                                     overlap_param_gather=False),
+    "zero2_gather_overlap": _plan(zero=2, dtype="fp32"),
+    "zero2_gather_apart": _plan(zero=2, dtype="fp32", overlap_param_gather=False),
     "zero3_prefetch": _plan(zero=3, dtype="fp32"),
     "zero3_no_prefetch": _plan(zero=3, dtype="fp32", fsdp_prefetch=False),
 }
 PAIRS = [("zero0_overlap", "zero0_after_backward"),
          ("zero1_bf16_overlap", "zero1_bf16_after_backward"),
+         ("zero1_bf16_overlap", "zero1_bf16_gather_apart"),
+         ("zero2_gather_overlap", "zero2_gather_apart"),
          ("zero3_prefetch", "zero3_no_prefetch")]
 
 
@@ -109,6 +115,6 @@ def test_switch_off_trains_as_on(results: dict, on: str, off: str) -> None:
 def test_state_line_is_exact_with_every_switch(results: dict, layout: str) -> None:
     for record in results[layout][1]:
         measured, predicted = record["measured"], record["predicted"]
-        for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+        for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_state_bytes"):
             assert measured[key] == predicted[key], (layout, record["rank"], key)
         assert measured["comm_bytes"] == predicted["comm_bytes"], (layout, record["rank"])

@@ -38,8 +38,8 @@ def _model_states(zero: int, d: int, dtype: str = "bf16") -> tuple[float, float]
 
 @pytest.mark.parametrize("zero,bytes_per_param", [
     (0, lambda d: 16.0),                 # DDP: fp32 master 4 + fp32 grad 4 + Adam m, v 8
-    (1, lambda d: 8.0 + 8.0 / d),        # ZeRO-1 shards the Adam moments
-    (2, lambda d: 2.0 + 16.0 / d),       # ZeRO-2 also grads and masters; a bf16 copy stays whole
+    (1, lambda d: 2.0 + 16.0 / d),       # ZeRO-1 at the end of backward: gradients reduce-scattered
+    (2, lambda d: 2.0 + 16.0 / d),       # ZeRO-2: grads and masters sharded; a bf16 copy stays whole
     (3, lambda d: 16.0 / d),             # ZeRO-3 everything
 ])
 @pytest.mark.parametrize("d", [1, 8, 64])
@@ -50,12 +50,29 @@ def test_zero_model_state_bytes_per_parameter_as_the_runtime_holds_them(
     assert states == pytest.approx(expected, rel=1e-12)
 
 
-def test_zero_paper_7_5b_on_64_gpus_with_fp32_masters_is_120_61_16_1_9_gb() -> None:
+def _peak_states(zero: int, d: int, dtype: str = "bf16", reduce_dtype: str = "fp32") -> float:
+    """Model-state bytes per parameter at their peak (``CostModel.held``: the states plus the
+    transient bytes between micro-batches)."""
+    plan = Plan(model="gpt-1k", seq_len=2048, global_batch=d * 2, dp=d, zero=zero, dtype=dtype,
+                reduce_dtype=reduce_dtype, num_microbatches=2).with_even_stages(GPT)
+    return CostModel.held(plan).at_peak
+
+
+@pytest.mark.parametrize("d", [2, 8, 64])
+def test_bf16_zero1_peaks_at_megatrons_distributed_optimizer_6_plus_12_over_d(d: int) -> None:
+    # Megatron-LM's distributed optimizer: bf16 parameters 2 and fp32 gradient buffer 4 whole,
+    # fp32 master and moments 12 sharded; a bf16 reduction keeps a 2-byte gradient buffer
+    assert _peak_states(1, d) == pytest.approx(6.0 + 12.0 / d, rel=1e-12)
+    assert _peak_states(1, d, reduce_dtype="bf16") == pytest.approx(4.0 + 12.0 / d, rel=1e-12)
+    assert _peak_states(1, d, dtype="fp32") == pytest.approx(8.0 + 12.0 / d, rel=1e-12)
+
+
+def test_zero_paper_7_5b_on_64_gpus_with_fp32_masters_is_120_46_17_2_gb() -> None:
     # the ZeRO paper's 120 / 31.4 / 16.6 / 1.9 GB keep 16-bit weights and gradients whole; with
-    # fp32 masters and fp32 gradients (what torch runs) ZeRO-1 and 2 hold more, ZeRO-0 and 3 the same
-    gb = [round(states / psi * 7.5e9 / 1e9, 1)
-          for states, psi in (_model_states(zero, 64) for zero in (0, 1, 2, 3))]
-    assert gb == [120.0, 60.9, 16.9, 1.9]
+    # fp32 masters (what torch runs) ZeRO-1 holds a bf16 working copy and whole fp32 gradients
+    # at its peak, ZeRO-2 a bf16 working copy, ZeRO-0 and 3 the same
+    gb = [round(_peak_states(zero, 64) * 7.5, 1) for zero in (0, 1, 2, 3)]
+    assert gb == [135.0, 46.4, 16.9, 1.9]
 
 
 def test_fp32_and_bf16_plans_hold_the_same_fp32_state_without_data_parallelism() -> None:

@@ -137,8 +137,9 @@ def test_a_tied_embedding_in_a_layerwise_pipeline_runs_under_one_layout_for_both
 
 def test_a_layerwise_pipeline_of_one_strategy_predicts_what_the_uniform_pipeline_does() -> None:
     model = _llama()
-    for uniform in ({"dp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 3},
-                    {"tp": 2, "dp": 1, "micro_batch": 2}):
+    # (ZeRO-1 differs by design: a layerwise ZeRO-1 layer keeps whole parameters and steps
+    # ShardedAdamW, a uniform chunk's runs on FSDP2; the next test checks that difference)
+    for uniform in ({"dp": 2}, {"dp": 2, "zero": 3}, {"tp": 2, "dp": 1, "micro_batch": 2}):
         tp, dp, zero = uniform.get("tp", 1), uniform["dp"], uniform.get("zero", 0)
         layerwise = _mixed_llama([(tp, dp, zero)] * 6, pp=2, global_batch=4,
                                  **uniform)  # type: ignore[arg-type]
@@ -194,8 +195,7 @@ def test_elastic_layouts_refuse_layerwise_plans() -> None:
 
 def test_one_strategy_for_every_layer_holds_what_the_uniform_plan_holds() -> None:
     model = _gpt()
-    for strategy, uniform in (((1, 4, 0), {"dp": 4}), ((1, 4, 1), {"dp": 4, "zero": 1}),
-                              ((1, 4, 3), {"dp": 4, "zero": 3})):
+    for strategy, uniform in (((1, 4, 0), {"dp": 4}), ((1, 4, 3), {"dp": 4, "zero": 3})):
         layerwise = _mixed([strategy] * 6, **uniform)
         flat = replace(layerwise, stages=tuple(replace(s, layer_strategies=None)
                                                for s in layerwise.stages))
@@ -206,6 +206,24 @@ def test_one_strategy_for_every_layer_holds_what_the_uniform_plan_holds() -> Non
                 assert got[key] == pytest.approx(want[key]), (strategy, rank, key)
             assert got["comm_bytes"]["reduce_scatter"] == pytest.approx(  # type: ignore[index]
                 want["comm_bytes"]["reduce_scatter"])  # type: ignore[index]
+
+
+def test_a_layerwise_zero1_layer_keeps_whole_parameters_where_the_uniform_plan_shards_them(
+        ) -> None:
+    model = _gpt()
+    layerwise = _mixed([(1, 4, 1)] * 6, dp=4, zero=1)
+    flat = replace(layerwise, stages=tuple(replace(s, layer_strategies=None)
+                                           for s in layerwise.stages))
+    whole = predict_rank_state(model, _mixed([(1, 4, 0)] * 6, dp=4), 0)
+    got, want = predict_rank_state(model, layerwise, 0), predict_rank_state(model, flat, 0)
+    # both shard the moments; ShardedAdamW keeps whole fp32 parameters and gradients and
+    # all-reduces them, FSDP2 keeps fp32 shards (plus the gathered copy) and reduce-scatters
+    assert got["optimizer_bytes"] == pytest.approx(want["optimizer_bytes"])
+    assert got["params_bytes"] == whole["params_bytes"] > want["grads_bytes"] * 3
+    assert got["grads_bytes"] == whole["grads_bytes"] == pytest.approx(4 * want["grads_bytes"],
+                                                                       rel=0.05)
+    assert got["comm_bytes"]["reduce_scatter"] == 0  # type: ignore[index]
+    assert want["comm_bytes"]["reduce_scatter"] > 0  # type: ignore[index]
 
 
 def test_a_layer_moved_to_tp2_adds_its_activation_gathers() -> None:

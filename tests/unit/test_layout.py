@@ -61,7 +61,7 @@ def expected_replicas(model: ModelSpec, plan: Plan, layout: Layout, key: str) ->
         (vocab and model.padded_vocab_size % plan.tp == 0)
         or any(f".{n}." in f".{fqn}" for n in ("wq", "wk", "wv", "fc1", "w1", "w3"))
         or (any(f".{n}." in f".{fqn}" for n in ("wo", "fc2", "w2")) and len(shape) == 2))
-    sharded = plan.dp > 1 and (plan.zero >= 2 or (plan.zero == 1 and kind != "param"))
+    sharded = plan.dp > 1 and plan.zero >= 1  # FSDP2 shards masters and moments under ZeRO 1-3
     copies = 2 if fqn == "embed.tok.weight" and model.tied_embeddings and plan.pp > 1 else 1
     return (1 if split else plan.tp) * (1 if sharded else plan.dp) * copies
 
@@ -95,14 +95,15 @@ def test_zero3_dp4_cuts_rows_like_torch_chunk_with_the_last_rank_empty() -> None
     assert layout.holders("exp_avg/embed.pos.weight") == [(r, boxes[r].box) for r in range(3)]
 
 
-def test_zero1_keeps_params_whole_and_shards_moments_of_the_tp_local_rows() -> None:
+def test_zero1_shards_masters_and_moments_of_the_tp_local_rows() -> None:
     model = catalog_model("gpt-tiny", seq_len=16)  # hidden 64, ffn 256
     layout = layout_of(model, plan_for(model, tp=2, dp=2, zero=1, global_batch=2))
     rank = layout.plan.rank_of(0, 1, 1)  # dp 1, tp 1
     fc1 = "blocks.0.mlp.fc1.weight"  # (256, 64), column-parallel: tp 1 holds rows 128..256
-    assert layout.piece(rank, f"param/{fc1}").box == Box((128, 0), (128, 64))
+    assert layout.piece(rank, f"param/{fc1}").box == Box((192, 0), (64, 64))
     assert layout.piece(rank, f"exp_avg/{fc1}").box == Box((192, 0), (64, 64))
     fc2 = "blocks.0.mlp.fc2.weight"  # (64, 256), row-parallel: tp 1 holds columns 128..256
+    assert layout.piece(rank, f"param/{fc2}").box == Box((32, 128), (32, 128))
     assert layout.piece(rank, f"exp_avg_sq/{fc2}").box == Box((32, 128), (32, 128))
 
 

@@ -145,14 +145,12 @@ def test_tails_take_every_repeat_of_the_window() -> None:
     assert fixed == pytest.approx(5e-3) and per_param == pytest.approx(5e-6)
 
 
-def test_zero1_tails_take_the_gather_off_before_the_fit() -> None:
+def test_tails_fit_the_line_through_each_chunks_median() -> None:
     tails = OptimizerTails.__new__(OptimizerTails)
     tails.counts, tails.repeats = [1000.0, 2000.0, 4000.0], 1
-    tails.gathered_bytes = [8000.0, 16000.0, 32000.0]  # 2 ranks: 4 bytes x 2 x shard params
-    # update: 1 ms + 1 us per shard parameter; gather: 0.5 ms + 0.1 us per byte
-    gather = [5e-4 + 1e-7 * b for b in tails.gathered_bytes]
-    tails.seconds = [[1e-3 + 1e-6 * c + g] * 3 for c, g in zip(tails.counts, gather, strict=True)]
-    fixed, per_param = tails.fit(gather_s=lambda b: 5e-4 + 1e-7 * b)
+    # update: 1 ms + 1 us per shard parameter; one outlier per chunk the median leaves out
+    tails.seconds = [[1e-3 + 1e-6 * c, 1e-3 + 1e-6 * c, 1.0] for c in tails.counts]
+    fixed, per_param = tails.fit()
     assert fixed == pytest.approx(1e-3) and per_param == pytest.approx(1e-6)
-    fixed, per_param = tails.fit()  # with the gather left in
-    assert fixed == pytest.approx(1.5e-3) and per_param == pytest.approx(1e-6 + 8e-7)
+    tails.seconds = [[5e-3 - 1e-6 * c] * 3 for c in tails.counts]  # never below 0
+    assert tails.fit()[1] == 0.0

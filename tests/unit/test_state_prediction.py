@@ -37,12 +37,24 @@ def test_zero0_dp4_holds_16_bytes_per_parameter_and_all_reduces_fp32_gradients(g
                                    "reduce_scatter": 0, "send_recv": 0, "broadcast": 0}
 
 
-def test_zero1_dp4_shards_only_the_moments_and_gathers_the_updated_quarter(gpt: ModelSpec) -> None:
+def test_zero1_dp4_reduce_scatters_once_and_gathers_the_updated_parameters_once(
+        gpt: ModelSpec) -> None:
     state = predict_rank_state(gpt, _plan(gpt, dp=4, zero=1), 0)
+    # at the end of backward: the fp32 quarter plus the gathered (fp32) copy, a quarter of the
+    # gradients and of the moments; between the two micro-batches the whole gradients
     assert (state["params_bytes"], state["grads_bytes"], state["optimizer_bytes"]) == (
-        4 * WHOLE, 4 * WHOLE, 2 * WHOLE)
-    assert state["comm_bytes"]["all_gather"] == WHOLE  # 4 bytes x a quarter
-    assert state["comm_bytes"]["all_reduce"] == 4 * WHOLE + 8
+        WHOLE + 4 * WHOLE, WHOLE, 2 * WHOLE)
+    assert state["peak_state_bytes"] == 5 * WHOLE + 4 * WHOLE + 2 * WHOLE
+    assert state["comm_bytes"]["all_gather"] == WHOLE  # 4 bytes x a quarter, once
+    assert state["comm_bytes"]["reduce_scatter"] == 4 * WHOLE  # once, not per micro-batch
+    assert state["comm_bytes"]["all_reduce"] == 8 + 32  # loss + gradient-norm classes over dp
+
+
+def test_bf16_zero1_dp4_is_megatrons_distributed_optimizer(gpt: ModelSpec) -> None:
+    state = predict_rank_state(gpt, _plan(gpt, dp=4, zero=1, dtype="bf16"), 3)
+    assert state["peak_state_bytes"] == (6 + 12 / 4) * WHOLE  # bf16 2 + fp32 grads 4 + 12 / dp
+    assert state["comm_bytes"]["all_gather"] == 2 * WHOLE // 4  # bf16 parameters
+    assert state["comm_bytes"]["reduce_scatter"] == 4 * WHOLE  # fp32 gradients
 
 
 def test_zero3_dp3_pads_every_dim0_shard_and_the_last_rank_owns_fewer_rows(gpt: ModelSpec) -> None:

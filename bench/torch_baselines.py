@@ -73,35 +73,25 @@ def ddp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:
 
 
 def zero1_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:
-    """ZeRO-1 as Megatron-LM's distributed optimizer, written with FSDP2: every block and the
-    root ``fully_shard``-ed without resharding after forward or backward (gathered once per
-    step), gradient sync only in the last micro-batch (one reduce-scatter per unit), AdamW on
-    the shards, the parameters resharded after the step."""
+    """ZeRO-1 as Megatron-LM's distributed optimizer, written with FSDP2 the plain way: every
+    block and the root ``fully_shard``-ed without resharding after forward, gradient sync only in
+    the last micro-batch (one reduce-scatter per unit per step), AdamW on the shards. (FSDP2
+    reshards after each backward here, so each micro-batch's forward gathers again; meshmorph
+    keeps the gathered parameters to the step's end.)"""
     from contextlib import contextmanager
 
     from torch.distributed.fsdp import fully_shard
 
     model = build_model(spec, seed=seed)
-    units = [*model.blocks.values(), model]
-    for unit in units:
+    for unit in [*model.blocks.values(), model]:
         fully_shard(unit, reshard_after_forward=False)
-    for unit in units:
-        unit.set_reshard_after_backward(False)  # type: ignore[operator]
 
     @contextmanager
     def sync(i: int):  # type: ignore[no-untyped-def]  # noqa: ANN202
         model.set_requires_gradient_sync(i == m - 1)  # type: ignore[operator]
         yield
 
-    inner = _data_parallel_step(model, optim, m, sync)
-
-    def step(tokens: torch.Tensor) -> float:
-        loss = inner(tokens)
-        for unit in units:
-            unit.reshard()  # type: ignore[operator]
-        return loss
-
-    return step
+    return _data_parallel_step(model, optim, m, sync)
 
 
 def fsdp_step(spec: ModelSpec, optim: OptimConfig, m: int, seed: int) -> Step:

@@ -211,7 +211,8 @@ def build_plan(args: argparse.Namespace, model) -> Plan:  # type: ignore[no-unty
                 num_microbatches=num_microbatches,
                 schedule=schedule, vpp=vpp, sequence_parallel=args.sequence_parallel,
                 dtype=args.dtype, overlap_grad_reduce=not args.no_overlap_grad_reduce,
-                tp_comm_overlap=args.tp_comm_overlap, fsdp_prefetch=not args.no_fsdp_prefetch)
+                tp_comm_overlap=args.tp_comm_overlap, fsdp_prefetch=not args.no_fsdp_prefetch,
+                overlap_param_gather=not args.no_overlap_param_gather)
     return plan.with_even_stages(model, recompute)
 
 
@@ -345,6 +346,9 @@ def _register_estimate(subparsers: argparse._SubParsersAction) -> None:
                           "run refuses it)")
     est.add_argument("--no-fsdp-prefetch", action="store_true",
                      help="ZeRO-3 without FSDP prefetch: each gather exposed, one unit gathered")
+    est.add_argument("--no-overlap-param-gather", action="store_true",
+                     help="ZeRO-1/2 without overlapping the parameter all-gather with the next "
+                          "forward (Megatron-LM's --overlap-param-gather off): every gather exposed")
     est.add_argument("--sequence-parallel", action="store_true",
                      help="Megatron sequence parallelism (needs tp > 1)")
     est.add_argument("--dtype", choices=DTYPES, default="bf16", help="training dtype (default bf16)")

@@ -11,6 +11,19 @@ accumulation, interleaved 1F1B with the smallest v in
 2..6 that splits the blocks evenly under pipeline parallelism (the sources do not state v).
 The figure compared is hardware TFLOP/s per GPU as Narayanan Eq. 3 counts it (recompute included).
 
+torchtitan's published runs (``torchtitan_runs.json``: FSDP2, TP and async TP on 64 A100-80GB and
+on 8 to 128 H100 96GB HBM2e at 500 W, described in ``data/h100_96g_hbm2e_500w.toml``) are
+estimated as torchtitan ran them (``_torchtitan_run``): Llama blocks with a flash attention kernel
+(SDPA) and no dropout, FSDP2 resharding after forward (ZeRO-3) over the FSDP degree, bf16
+parameters and fp32 gradient reduce-scatters, the whole local batch one micro-batch, DTensor
+tensor parallelism with sequence parallelism, async TP priced as tensor-parallel communication
+overlapped with its GEMMs (``Plan.tp_comm_overlap``), full, per-layer (every second block) or
+per-op selective checkpointing (``TransformerShape.selective = "op"``), and memory-bound ops
+unfused (``CostCoefficients.eager_elementwise_passes``) unless the run used torch.compile. They
+publish tokens per second per GPU; the TFLOP/s compared is the step's hardware FLOPs as meshmorph
+counts them over the published step time, so its error is the error of the predicted throughput.
+Their out-of-memory rows are kept apart (``published_oom_runs``): they must be predicted not to fit.
+
 ``fit`` chooses the named coefficients by least squares on log(predicted / published);
 ``leave_one_out`` refits without each run and predicts it, the honest error of the fitted model.
 """
@@ -19,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
@@ -28,12 +42,16 @@ from typing import Any
 from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.model import CostModel
 from meshmorph.schedule.table import Schedule
-from meshmorph.spec.cluster import Cluster, parse_cluster
+from meshmorph.spec.cluster import Cluster, NodeGroup, parse_cluster
+from meshmorph.spec.gpus import GPUSpec, gpu, gpus_from_toml, link
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan
+from meshmorph.spec.plan import Plan, StagePlan, ZeroStage
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
-SOURCES = ("narayanan2021_table1.json", "megatron_readme_tables.json")
+SOURCES = ("narayanan2021_table1.json", "megatron_readme_tables.json", "torchtitan_runs.json")
+H100_500W_TOML = "h100_96g_hbm2e_500w.toml"
+"""The GPUs of torchtitan's H100 runs, described in TOML beside the catalog (not the catalog's
+H100 SXM5 80GB bent to them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +69,13 @@ class PublishedRun:
     plan: Plan
     """The layout it ran with (see the module docstring for what is inferred)."""
     published_tflops: float
-    """Achieved hardware TFLOP/s per GPU as published."""
+    """Achieved hardware TFLOP/s per GPU as published (torchtitan: the step's hardware FLOPs as
+    meshmorph counts them over the published step time)."""
+    published_tokens_per_s_per_gpu: float | None = None
+    """Tokens per second per GPU as published (torchtitan), None where the source gives TFLOP/s."""
+    eager: bool = False
+    """The run's memory-bound ops ran unfused, one kernel each (torchtitan without
+    torch.compile): priced with ``eager_elementwise_passes``."""
 
 
 def _cluster_text(entry: dict[str, Any]) -> str:
@@ -105,18 +129,134 @@ def _run(entry: dict[str, Any], source: str) -> PublishedRun:
 
 
 @cache
-def published_runs() -> tuple[PublishedRun, ...]:
-    """Every published run of the calibration sources, in file order."""
-    runs = []
+def h100_500w() -> GPUSpec:
+    """The H100 96GB HBM2e at 500 W of torchtitan's runs, read from its TOML."""
+    data = tomllib.loads(files("meshmorph").joinpath(f"data/{H100_500W_TOML}").read_text())
+    gpus, _ = gpus_from_toml(data, H100_500W_TOML)
+    return gpus["h100-96g-hbm2e-500w"]
+
+
+def _torchtitan_cluster(entry: dict[str, Any]) -> Cluster:
+    hw = entry["hardware"]
+    total, per_node = hw["total_gpus"], hw["gpus_per_node"] or 8
+    if "A100" in hw["gpu"]:
+        # node size and network not stated: HGX A100 nodes of 8. The 70B rows at local batch 1
+        # and 2 run at the same tokens/s, so the step is compute-bound: the network moves a 70B
+        # step's FSDP traffic (560 GB per GPU) within the batch-1 step (11.5 s), 390 Gb/s per
+        # GPU at least; described as a 400 Gb/s NIC per GPU (ib-ndr)
+        spec, inter = gpu("a100-80g"), link("ib-ndr")
+    else:
+        spec = h100_500w()
+        inter = link(spec.inter_node_link)  # "400 Gb/s per GPU" backend RDMA
+    nodes, per = (1, total) if total <= per_node else (total // per_node, per_node)
+    group = NodeGroup(gpu=spec, num_nodes=nodes, gpus_per_node=per,
+                      intra_link=link(spec.intra_node_link))
+    return Cluster(groups=(group,), inter_link=inter, name=f"{spec.name}:{nodes}x{per}")
+
+
+def _recompute(model: ModelSpec, plan: Plan, checkpoint: str) -> Plan:
+    """The plan with torchtitan's activation checkpointing: ``full``, ``none``, ``selective
+    op`` (per-op, the model's SELECTIVE) or ``selective layer`` (every second block whole, as
+    torchtitan's default ``selective_ac_option = "2"`` wraps blocks 2, 4, ...)."""
+    if checkpoint.startswith("full"):
+        return plan.with_even_stages(model, Recompute.FULL)
+    if checkpoint == "none":
+        return plan.with_even_stages(model, Recompute.NONE)
+    if "layer" not in checkpoint:
+        return plan.with_even_stages(model, Recompute.SELECTIVE)
+    plan = plan.with_even_stages(model, Recompute.NONE)
+    modes = tuple(Recompute.FULL if 1 <= i <= model.num_blocks and i % 2 == 0 else Recompute.NONE
+                  for i in range(model.num_layers))
+    return replace(plan, stages=(StagePlan(start=0, stop=model.num_layers, recompute=modes),))
+
+
+def _torchtitan_run(entry: dict[str, Any], source: str) -> PublishedRun | None:
+    """A torchtitan entry as it ran (see the module docstring); None for a run that did not
+    (out of memory) or a layout meshmorph does not price (pipeline or context parallel, float8)."""
+    shape, par, hw, pub = entry["model"], entry["parallel"], entry["hardware"], entry["published"]
+    if par["pipeline_parallel"] != 1 or par["context_parallel"] != 1 or par.get("float8_recipe"):
+        return None
+    seq = shape["seq_length"] or shape["seq_length_inferred"]["value"]
+    model = build_transformer(TransformerShape(
+        name=entry["id"], arch="llama", num_layers=shape["num_layers"],
+        hidden_size=shape["hidden_size"], num_heads=shape["num_attention_heads"],
+        num_kv_heads=shape["num_kv_heads"], ffn_hidden_size=shape["ffn_hidden_size"],
+        vocab_size=shape["vocab_size"], seq_len=seq, tied_embeddings=False,
+        flash_attention=True, dropout=False, selective="op"))
+    tp, total, local = par["tensor_parallel"], hw["total_gpus"], par["local_batch"]
+    dp = total // tp
+    plan = Plan(model=entry["id"], seq_len=seq, global_batch=dp * local, tp=tp, dp=dp,
+                zero=ZeroStage.PARAMETERS, micro_batch=local, num_microbatches=1,
+                sequence_parallel=tp > 1, tp_comm_overlap=bool(par["async_tp"]))
+    plan = _recompute(model, plan, par["activation_checkpoint"])
+    cluster = _torchtitan_cluster(entry)
+    tokens = pub["tokens_per_s_per_gpu"]
+    if tokens is None:
+        return PublishedRun(id=entry["id"], source=source, model=model, cluster=cluster,
+                            plan=plan, published_tflops=0.0)
+    # the step's hardware FLOPs as meshmorph counts them (no coefficient changes them) over the
+    # published step time: global tokens / (tokens per s per GPU x GPUs)
+    estimate = CostModel(model, cluster).estimate(plan)
+    step_s = plan.global_batch * seq / (tokens * total)
+    return PublishedRun(id=entry["id"], source=source, model=model, cluster=cluster, plan=plan,
+                        published_tflops=estimate.tflops_per_gpu * estimate.step_time_s / step_s,
+                        published_tokens_per_s_per_gpu=float(tokens),
+                        eager=not par["compile"])
+
+
+@cache
+def _all_runs() -> tuple[PublishedRun, ...]:
+    runs: list[PublishedRun] = []
     for source in SOURCES:
         entries = json.loads(files("meshmorph").joinpath(f"data/{source}").read_text())["entries"]
-        runs.extend(_run(entry, source) for entry in entries)
+        for entry in entries:
+            run = _torchtitan_run(entry, source) if source == "torchtitan_runs.json" \
+                else _run(entry, source)
+            if run is not None:
+                runs.append(run)
     return tuple(runs)
+
+
+def published_runs() -> tuple[PublishedRun, ...]:
+    """Every published run of the calibration sources that ran and reports its throughput, in
+    file order."""
+    return tuple(run for run in _all_runs() if run.published_tflops > 0)
+
+
+def published_oom_runs() -> tuple[PublishedRun, ...]:
+    """The published runs that ran out of memory (torchtitan's OOM rows): no throughput."""
+    return tuple(run for run in _all_runs() if run.published_tflops <= 0)
+
+
+def run_coefficients(run: PublishedRun, coef: CostCoefficients) -> CostCoefficients:
+    """The coefficients a run is priced with: the eager passes where its kernels were unfused."""
+    return replace(coef, elementwise_passes=coef.eager_elementwise_passes) if run.eager else coef
 
 
 def predicted_tflops(run: PublishedRun, coef: CostCoefficients) -> float:
     """Hardware TFLOP/s per GPU the cost model predicts for the run's layout."""
-    return CostModel(run.model, run.cluster, coef).estimate(run.plan).tflops_per_gpu
+    return CostModel(run.model, run.cluster, run_coefficients(run, coef)).estimate(
+        run.plan).tflops_per_gpu
+
+
+def coefficient(coef: CostCoefficients, name: str) -> float:
+    """A fitted coefficient by name: a CostCoefficients field, or ``matmul_efficiency:GPU`` for
+    one GPU's own GEMM ceiling (``gpu_matmul_efficiency``; the shared one where it has none)."""
+    if ":" in name:
+        return dict(coef.gpu_matmul_efficiency).get(name.split(":", 1)[1], coef.matmul_efficiency)
+    return float(getattr(coef, name))
+
+
+def with_coefficients(coef: CostCoefficients, names: Sequence[str],
+                      values: Sequence[float]) -> CostCoefficients:
+    """``coef`` with the named coefficients (as ``coefficient`` names them) set."""
+    fields, per_gpu = {}, dict(coef.gpu_matmul_efficiency)
+    for name, value in zip(names, values, strict=True):
+        if ":" in name:
+            per_gpu[name.split(":", 1)[1]] = float(value)
+        else:
+            fields[name] = float(value)
+    return replace(coef, **fields, gpu_matmul_efficiency=tuple(sorted(per_gpu.items())))
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,14 +278,14 @@ def fit(runs: Sequence[PublishedRun], space: FitSpace, start: CostCoefficients,
     from scipy.optimize import least_squares
 
     def residuals(x: Sequence[float]) -> list[float]:
-        coef = replace(start, **dict(zip(space.names, (float(v) for v in x), strict=True)))
+        coef = with_coefficients(start, space.names, x)
         return [math.log(predict(run, coef) / run.published_tflops) for run in runs]
 
-    x0 = [min(max(getattr(start, n), lo), hi)
+    x0 = [min(max(coefficient(start, n), lo), hi)
           for n, lo, hi in zip(space.names, space.lower, space.upper, strict=True)]
     result = least_squares(residuals, x0, bounds=(space.lower, space.upper), x_scale="jac",
                            diff_step=1e-3, xtol=1e-4, ftol=1e-5, max_nfev=200)
-    return replace(start, **dict(zip(space.names, (float(v) for v in result.x), strict=True)))
+    return with_coefficients(start, space.names, result.x)
 
 
 def errors(runs: Sequence[PublishedRun], coef: CostCoefficients,
@@ -168,10 +308,14 @@ def leave_one_out(runs: Sequence[PublishedRun], space: FitSpace, start: CostCoef
 
 
 FIT_SPACE = FitSpace(
-    names=("matmul_efficiency", "elementwise_passes", "link_efficiency"),
-    lower=(0.3, 0.0, 0.3),
-    upper=(1.0, 12.0, 1.0),
+    names=("matmul_efficiency", "elementwise_passes", "link_efficiency",
+           "eager_elementwise_passes", "matmul_efficiency:h100-96g-hbm2e-500w"),
+    lower=(0.3, 0.0, 0.3, 6.0, 0.3),
+    upper=(1.0, 12.0, 1.0, 24.0, 1.0),
 )
 """The coefficients calibration chooses, each within its physical range: the GEMM ceiling (the
 share of dense peak a large, well-tiled GEMM reaches), HBM passes of the memory-bound kernels
-over the saved activations, and the achieved share of nominal link bandwidth."""
+over the saved activations, fused (Megatron-LM, torch.compile) and unfused (eager PyTorch: at
+least half again the fused count), the achieved share of nominal link bandwidth, and the GEMM
+ceiling of the 500 W H100 of torchtitan's runs (its power limit holds the clock below the one
+its nominal peak assumes)."""

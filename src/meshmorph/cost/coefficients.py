@@ -1,10 +1,12 @@
 """The few coefficients of the cost model, shared by every estimate.
 
-The three fitted ones (matmul_efficiency, elementwise_passes, link_efficiency) are least-squares
-fits, rounded, over 32 published runs (Narayanan et al. 2021 Table 1, the Megatron-LM README
-tables of 2020-09 and 2021-01; ``python bench/calibrate.py`` reports their in-sample and
-leave-one-out error) and are used unchanged for every GPU; see docs/cost-model.md for the source
-of every coefficient. A Profile measured on real hardware overrides them.
+The three fitted defaults (matmul_efficiency, elementwise_passes, link_efficiency) are
+least-squares fits, rounded, over the 32 Megatron-LM runs (Narayanan et al. 2021 Table 1, the
+Megatron-LM README tables of 2020-09 and 2021-01) and are used unchanged for every GPU.
+``python bench/calibrate.py`` fits them again, with eager_elementwise_passes and the 500 W
+H100's own GEMM ceiling, over 46 published runs (those 32 and torchtitan's 14) and reports the
+in-sample and leave-one-out error; see docs/cost-model.md for the source of every coefficient.
+A Profile measured on real hardware overrides them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ class CostCoefficients:
     token (no recompute, this rank's share) * tokens / HBM bandwidth; a third in forward (it
     writes them), two thirds in backward (reads them, writes their gradients), a recomputed
     forward repeats the forward's third. Physically about 3."""
+    eager_elementwise_passes: float = 12.0
+    """``elementwise_passes`` of a run whose memory-bound ops each run as their own kernels
+    (eager PyTorch Llama: RMSNorm's fp32 upcast, power, mean, rsqrt and scale, RoPE's complex
+    products, SiLU and the gate product, about 12 passes over the saved activations); the fused
+    kernels of Megatron-LM and of torch.compile make ``elementwise_passes``. Calibration prices
+    the published runs that state eager execution with it."""
+    gpu_matmul_efficiency: tuple[tuple[str, float], ...] = ()
+    """(GPU name, ceiling) pairs that replace ``matmul_efficiency`` for those GPUs: a part whose
+    sustained clock is not its data sheet's (a power limit below the board's rating) reaches its
+    own share of the nominal peak. A Profile's measured ceiling still wins."""
     gemm_tile: int = 128
     """Output tile edge of a tensor-core GEMM threadblock (CUTLASS's default 128 x 128); with the
     GPU's SM count it sets the wave quantisation of each GEMM (cost/gemm.py)."""
@@ -80,7 +92,10 @@ class CostCoefficients:
         for name in ("grad_bucket_bytes", "tp_overlap_buffers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("elementwise_passes", "efficiency_half_width", "efficiency_half_tokens"):
+        for name, value in self.gpu_matmul_efficiency:
+            if not 0 < value <= 1:
+                raise ValueError(f"gpu_matmul_efficiency of {name} must be in (0, 1], got {value}")
+        for name in ("elementwise_passes", "eager_elementwise_passes", "efficiency_half_width", "efficiency_half_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.gemm_tile < 0:

@@ -78,7 +78,9 @@ class CostModel:
         self.intra = {g.gpu.name: self._link(g.intra_link.name, g.intra_link, eff) for g in cluster.groups}
         self.inter = self._link(cluster.inter_link.name, cluster.inter_link, eff)
         self.efficiency = {
-            g.gpu.name: self.profile.matmul_efficiency.get(g.gpu.name, self.coef.matmul_efficiency)
+            g.gpu.name: self.profile.matmul_efficiency.get(
+                g.gpu.name, dict(self.coef.gpu_matmul_efficiency).get(g.gpu.name,
+                                                                      self.coef.matmul_efficiency))
             for g in cluster.groups
         }
         self._costers: dict[str, LayerCoster] = {}

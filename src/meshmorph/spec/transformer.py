@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     pass
 
 VOCAB_MULTIPLE = 128
+ATTENTION_TILE = 128
+"""Query and key rows of one tile of a flash attention kernel (FlashAttention-2's forward on
+A100 and H100 takes 128 queries per block): a causal kernel computes the diagonal tiles whole."""
 """The runtime pads the vocabulary to a multiple of this (tensor-core friendly head and embedding
 matmuls on GPUs; every tensor-parallel degree up to 128 that is a power of two divides it)."""
 
@@ -64,6 +67,13 @@ class TransformerShape:
     """Dropout after the embedding, the attention softmax and both residual branches
     (Megatron's hidden and attention dropout: 1-byte masks kept for backward). False: meshmorph's
     runtime (run/model/decoder.py) has no dropout."""
+    selective: str = "attention"
+    """What ``Recompute.SELECTIVE`` keeps: ``attention`` (Korthikanti et al. 2022: recompute the
+    attention core, keep the rest) or ``op`` (torchtitan's per-op selective checkpointing, Llama
+    only: keep the outputs of the first, third, fifth and seventh matmul of the block (q, v, the
+    MLP's gate and down projections), the attention kernel's output and the layer input; recompute
+    the other matmuls (k, the output projection, the MLP's up projection) and every
+    memory-bound op)."""
     dtype_bytes: int = 2
     """Bytes per parameter/activation element in training."""
     padded_vocab_size: int | None = None
@@ -89,6 +99,10 @@ class TransformerShape:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.kv_heads}"
             )
+        if self.selective not in ("attention", "op") or (self.selective == "op"
+                                                         and self.arch != "llama"):
+            raise ValueError(f"selective must be 'attention' or 'op' (Llama only), got "
+                             f"{self.selective!r} for arch {self.arch!r}")
         if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
             raise ValueError(f"padded_vocab_size {self.padded_vocab_size} is below vocab_size "
                              f"{self.vocab_size}; leave it None to pad to a multiple of "
@@ -133,6 +147,7 @@ class TransformerShape:
             tied_embeddings=spec.tied_embeddings,
             flash_attention=_spec_flash(spec),
             dropout=_spec_dropout(spec),
+            selective=_spec_selective(spec),
             dtype_bytes=spec.dtype_bytes,
             padded_vocab_size=spec.padded_vocab_size,
         )
@@ -143,8 +158,11 @@ def _first_block(spec: ModelSpec) -> LayerSpec:
 
 
 def _spec_flash(spec: ModelSpec) -> bool:
-    block = _first_block(spec)
-    return block.activation[Recompute.NONE].split == block.activation[Recompute.SELECTIVE].split
+    # the s x s scores are the only split bytes beyond the block's projections and MLP
+    h, f, scale = spec.hidden_size, spec.ffn_hidden_size, spec.dtype_bytes / 2
+    h_kv = spec.num_kv_heads * spec.head_dim
+    split = 8.0 * h + 4.0 * f if spec.arch == "gpt" else 4.0 * h + 4.0 * h_kv + 8.0 * f
+    return _first_block(spec).activation[Recompute.NONE].split <= split * scale
 
 
 def _spec_dropout(spec: ModelSpec) -> bool:
@@ -152,6 +170,13 @@ def _spec_dropout(spec: ModelSpec) -> bool:
     # projection inputs (both archs)
     return _first_block(spec).activation[Recompute.NONE].shared > \
         8.0 * spec.hidden_size * spec.dtype_bytes / 2
+
+
+def _spec_selective(spec: ModelSpec) -> str:
+    # per-op selective recompute re-runs matmuls, the attention form only the attention core
+    block = _first_block(spec)
+    return "op" if block.recompute_flops_per_token[Recompute.SELECTIVE] \
+        != 4.0 * spec.seq_len * spec.hidden_size else "attention"
 
 
 def _block(shape: TransformerShape, index: int) -> LayerSpec:
@@ -185,6 +210,15 @@ def _block(shape: TransformerShape, index: int) -> LayerSpec:
         # softmax output 2as (+ dropout mask as + dropout output 2as)
         scores = 0.0 if shape.flash else (5.0 if shape.dropout else 2.0) * a * s
     fwd = matmul_flops + attention_flops
+    selective_flops, selective_act = attention_flops, ActivationBytes(shared * scale, split * scale)
+    if shape.selective == "op":
+        # torchtitan's policy keeps every other matmul's output (the 1st, 3rd, 5th, 7th of the
+        # block: q 2h, v 2h_kv, gate 2f, down 2h, the latter a partial sum held whole by every
+        # tensor-parallel rank), the attention output 2h and the layer input 2h (the checkpoint's
+        # input, sequence-parallel); it re-runs k, the output projection and the up projection
+        selective_flops = 2.0 * (h * h_kv + h * h + h * f)
+        selective_act = ActivationBytes((2.0 * h + 2.0 * h) * scale,
+                                        (2.0 * h + 2.0 * h_kv + 2.0 * h + 2.0 * f) * scale)
     return LayerSpec(
         name=f"block.{index}",
         kind=LayerKind.BLOCK,
@@ -193,12 +227,12 @@ def _block(shape: TransformerShape, index: int) -> LayerSpec:
         fwd_flops_per_token=fwd,
         recompute_flops_per_token={
             Recompute.NONE: 0.0,
-            Recompute.SELECTIVE: attention_flops,
+            Recompute.SELECTIVE: selective_flops,
             Recompute.FULL: fwd,
         },
         activation={
             Recompute.NONE: ActivationBytes(shared * scale, (split + scores) * scale),
-            Recompute.SELECTIVE: ActivationBytes(shared * scale, split * scale),
+            Recompute.SELECTIVE: selective_act,
             # full recompute keeps only the layer input: 2*s*b*h (16-bit)
             Recompute.FULL: ActivationBytes(2.0 * h * scale, 0.0),
         },
@@ -258,4 +292,12 @@ def build_transformer(shape: TransformerShape) -> ModelSpec:
         seq_len=s,
         tied_embeddings=shape.tied,
         dtype_bytes=shape.dtype_bytes,
+        attention_executed_share=causal_flash_share(s) if shape.flash else 1.0,
     )
+
+
+def causal_flash_share(seq_len: int, tile: int = ATTENTION_TILE) -> float:
+    """Share of the full s x s attention FLOPs a causal flash kernel executes: of n x n tiles
+    (n = ceil(s / tile)) it computes the n (n + 1) / 2 on and below the diagonal."""
+    n = -(-seq_len // tile)
+    return (n + 1) / (2 * n)

@@ -40,7 +40,7 @@ from meshmorph.cost.segments import layer_plan
 from meshmorph.plan.block_run import BlockRun, block_run
 from meshmorph.plan.fastest_layers import cluster_gpu, fastest_layer_times, unique_gpus
 from meshmorph.plan.partition_bounds import rest_bounds
-from meshmorph.plan.rank_bound import FillKind, RankBound, SplitTable, least_max
+from meshmorph.plan.rank_bound import FillKind, RankBound, SplitTable, least_max, rank_tail_line
 from meshmorph.plan.relaxations import MemoryRelaxation, filled_share
 from meshmorph.plan.space import Config
 from meshmorph.plan.strategy_dp import TermsCache, stage_choices, stage_lower_bound_s
@@ -79,6 +79,7 @@ class ConfigBounds:
         self.modes = modes
         self._sums: dict[tuple, _Sums] = {}
         self._ranks: dict[tuple, RankBound] = {}
+        self._tail_lines: dict[int, tuple[Plan, dict[str, tuple[float, float]]]] = {}
         self.cache: TermsCache = {}
         """Per-layer figures of configurations with layer strategies, shared with their solving
         (plan/solve_config.py)."""
@@ -251,9 +252,17 @@ class ConfigBounds:
                plan.overlap_grad_reduce, plan.tp_comm_overlap, plan.fsdp_prefetch)
         rank = self._ranks.get(key)
         if rank is None:
-            rank = self._ranks[key] = RankBound(self.cost, plan, run, k,
-                                                cluster_gpu(self.cost, gpu_name),
-                                                self.modes)
+            gpu = cluster_gpu(self.cost, gpu_name)
+            # the tail line is the plan's, the same for each of its ranks on one GPU type
+            plan_lines = self._tail_lines.get(id(plan))
+            if plan_lines is None or plan_lines[0] is not plan:
+                if len(self._tail_lines) > 4096:
+                    self._tail_lines.clear()
+                plan_lines = self._tail_lines[id(plan)] = (plan, {})
+            line = plan_lines[1].get(gpu_name)
+            if line is None:
+                line = plan_lines[1][gpu_name] = rank_tail_line(self.cost, plan, gpu)
+            rank = self._ranks[key] = RankBound(self.cost, plan, run, k, gpu, self.modes, line)
         return rank
 
     # --- configurations with per-layer strategies ----------------------------------------------

@@ -39,7 +39,9 @@ class RankBound:
     """h(n) of one pipeline rank (module docstring), memoised."""
 
     def __init__(self, cost: CostModel, plan: Plan, run: BlockRun, k: int, gpu: GPUSpec,
-                 modes: tuple[Recompute, ...]):
+                 modes: tuple[Recompute, ...], tail_line: tuple[float, float] | None = None):
+        """``tail_line``: ``tail_line(cost, plan, gpu)``, when the caller has it (every rank of
+        a plan on one GPU type shares it)."""
         coster = cost.coster(plan.dtype, plan.cp, plan.tp_comm_overlap)
         model = cost.model
         b, tp, sp = plan.micro_batch, plan.tp, plan.sequence_parallel
@@ -80,8 +82,7 @@ class RankBound:
                 self.working = min(self.working, c.working_bytes)
         self.hull = recompute_hull(points)
         self.m = plan.num_microbatches
-        t0 = least_rank_tail_s(cost, plan, 0.0, gpu)
-        self.tail0, self.tail1 = t0, (least_rank_tail_s(cost, plan, 1e9, gpu) - t0) / 1e9
+        self.tail0, self.tail1 = tail_line or rank_tail_line(cost, plan, gpu)
         self._h: dict[int, float] = {}
 
     def h(self, n: int) -> float:
@@ -144,6 +145,13 @@ class RankBound:
             return math.inf
         return (self.m * (self.fixed_work + n * self.block_work + extra)
                 + self.tail0 + self.tail1 * params)
+
+
+def rank_tail_line(cost: CostModel, plan: Plan, gpu: GPUSpec) -> tuple[float, float]:
+    """``least_rank_tail_s`` of a rank of ``plan`` on ``gpu`` as a line in its parameters:
+    (value at none, slope)."""
+    t0 = least_rank_tail_s(cost, plan, 0.0, gpu)
+    return t0, (least_rank_tail_s(cost, plan, 1e9, gpu) - t0) / 1e9
 
 
 def least_max(ranks: list[RankBound], least: list[int],

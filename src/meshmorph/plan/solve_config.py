@@ -175,12 +175,11 @@ def solve_config(cost: CostModel, config: Config, options: SearchOptions,
                 candidate, gpus, times = counts_times(cost, config, counts, mode)
                 if busiest_rank_s(plan, times) >= bound or dominated(times, fitted):
                     continue  # no faster than the best found or than a mode that fits
-                estimate = cost.assemble(candidate, gpus, times)
-                if estimate.fits:
+                estimate = cost.assemble_below(candidate, gpus, times, bound)
+                if estimate is not None and estimate.fits:  # below the bound, and fits
                     fitted.append(times)
-                    if estimate.step_time_s < bound:
-                        bound = estimate.step_time_s
-                        best = (candidate, estimate)
+                    bound = estimate.step_time_s
+                    best = (candidate, estimate)
         return PartitionResult(best, float("inf"))
     if plan.num_chunks > plan.pp:  # the V schedules: blocks split evenly
         best = None
@@ -189,12 +188,11 @@ def solve_config(cost: CostModel, config: Config, options: SearchOptions,
             candidate, gpus, times = _even_times(cost, config, mode)
             if dominated(times, fitted):
                 continue  # no faster than a mode that fits
-            estimate = cost.assemble(candidate, gpus, times)
-            if estimate.fits:
+            estimate = cost.assemble_below(candidate, gpus, times, bound)
+            if estimate is not None and estimate.fits:  # below the bound, and fits
                 fitted.append(times)
-                if estimate.step_time_s < bound:
-                    bound = estimate.step_time_s
-                    best = (candidate, estimate)
+                bound = estimate.step_time_s
+                best = (candidate, estimate)
         return PartitionResult(best, float("inf"))
     gpus = [cluster_gpu(cost, name) for name in config.rank_gpus]
     return solve_partition(StageSolver(cost, plan, gpus, options.recompute), bound,

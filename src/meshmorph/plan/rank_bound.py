@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
+import numpy as np
+
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.rank_terms import least_rank_tail_s, rank_memory_terms
 from meshmorph.plan.block_run import BlockRun
@@ -84,6 +86,7 @@ class RankBound:
         self.m = plan.num_microbatches
         self.tail0, self.tail1 = tail_line or rank_tail_line(cost, plan, gpu)
         self._h: dict[int, float] = {}
+        self._values: dict[tuple[FillKind, int], np.ndarray] = {}
 
     def h(self, n: int) -> float:
         value = self._h.get(n)
@@ -120,6 +123,21 @@ class RankBound:
     def fb(self, n: int) -> float:
         """work(n) without the weight-gradient ops (zero-bubble's W)."""
         return self.work(n) - self.m * (self.fixed_wgrad + n * self.block_wgrad)
+
+    def value(self, kind: FillKind, n: int) -> float:
+        """h(n), work(n) or fb(n), by ``kind``."""
+        if kind == FillKind.WITH_TAIL:
+            return self.h(n)
+        return self.work(n) if kind == FillKind.WORK else self.fb(n)
+
+    def values(self, kind: FillKind, most: int) -> np.ndarray:
+        """``value(kind, n)`` for n = 0..most, memoised (ranks with the same figures share one
+        RankBound)."""
+        key = (kind, most)
+        found = self._values.get(key)
+        if found is None:
+            found = self._values[key] = np.array([self.value(kind, n) for n in range(most + 1)])
+        return found
 
     def block_chain(self, kind: FillKind) -> float:
         """One block's share of micro-batch 0's chain in the fill bound of ``kind``: its forward,
@@ -191,6 +209,11 @@ class SplitTable:
     in less (their own work, recompute and tail; infinity when they cannot hold them)."""
     balanced: list[int]
     """Blocks per rank of the split that minimises the bound (empty when none fits)."""
+    fill: tuple[tuple[bool, list[list[float]]], ...] = ()
+    """Per kind of the fill bound (whether its chain is the forward alone, or the forward and
+    the backward the chain waits for): fill[k][n], the least time after micro-batch 0's chain
+    through ranks before k reached rank k in which ranks k.. holding the last n whole blocks
+    finish (plan/bounds.py's ``_fill_tables``)."""
 
     def blocks_from(self, start: int) -> int:
         """Blocks among layers [start, L)."""

@@ -132,6 +132,8 @@ class _LayerWork:
         self.gpus = [cluster_gpu(cost, config.rank_gpus[self.plan.pp_rank_of_chunk(c)])
                      for c in range(self.plan.num_chunks)]
         self._prefix: dict[tuple[str, Recompute], list[float]] = {}
+        self._by_mode: dict[Recompute, list[list[float]]] = {}
+        self._rank_of_chunk = [self.plan.pp_rank_of_chunk(c) for c in range(self.plan.num_chunks)]
 
     def prefix(self, gpu: GPUSpec, mode: Recompute) -> list[float]:
         key = (gpu.name, mode)
@@ -149,12 +151,17 @@ class _LayerWork:
 
     def busiest_rank_s(self, counts: tuple[int, ...], mode: Recompute) -> float:
         plan = self.plan
+        chunk_sums = self._by_mode.get(mode)
+        if chunk_sums is None:  # each chunk's prefix sums, fetched once per mode
+            chunk_sums = self._by_mode[mode] = [self.prefix(g, mode) for g in self.gpus]
+        ranks = self._rank_of_chunk
         busy = [0.0] * plan.pp
         start = 0
+        last = len(counts) - 1
         for c, count in enumerate(counts):
-            stop = start + count + (c == 0) + (c == len(counts) - 1)
-            sums = self.prefix(self.gpus[c], mode)
-            busy[plan.pp_rank_of_chunk(c)] += sums[stop] - sums[start]
+            stop = start + count + (c == 0) + (c == last)
+            sums = chunk_sums[c]
+            busy[ranks[c]] += sums[stop] - sums[start]
             start = stop
         return plan.num_microbatches * max(busy)
 

@@ -63,6 +63,8 @@ def test_bound_is_below_every_configurations_brute_force_best(
         assert bound <= best * (1 + 1e-9), (config.plan, bound, best)
         filled = bounds.fill_bound(config, bound)
         assert bound <= filled <= best * (1 + 1e-9), (config.plan, filled, best)
+        whole = bounds.integer_fill_bound(config, filled)
+        assert filled <= whole <= best * (1 + 1e-9), (config.plan, whole, best)
         if bound == math.inf:
             infinite += 1
         table = bounds.split_table(config)

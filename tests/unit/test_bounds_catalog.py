@@ -25,6 +25,7 @@ CASES = [
     ("llama3-70b", "h100:8x8", 512),
     ("llama3-405b", "h100:2048x8", 2048),
     ("llama2-13b", "h100:4x8+a100-80g:4x8", 256),
+    ("qwen2.5-32b@4096", "h100:48x8", 192),
 ]
 SAMPLE = 12
 """Configurations per model whose bounds are checked against a solved plan."""
@@ -34,7 +35,8 @@ SAMPLE = 12
 @pytest.mark.parametrize("name,cluster,batch", CASES, ids=[c[0] for c in CASES])
 def test_every_bound_is_at_most_the_best_plan_of_sampled_configurations(
         name: str, cluster: str, batch: int) -> None:
-    model, spec = catalog_model(name), parse_cluster(cluster)
+    model_name, _, seq_len = name.partition("@")
+    model, spec = catalog_model(model_name, int(seq_len) if seq_len else None), parse_cluster(cluster)
     options = SearchOptions(tolerance=0.0, max_nodes=200)
     cost = CostModel(model, spec)
     bounds = ConfigBounds(cost, options.recompute)
@@ -65,11 +67,13 @@ def test_every_bound_is_at_most_the_best_plan_of_sampled_configurations(
         assert cheap <= best, ("cheap", config.plan, cheap, best)
         assert memory <= best, ("memory", config.plan, memory, best)
         assert filled <= best, ("fill", config.plan, filled, best)
+        whole = bounds.integer_fill_bound(config, filled)
+        assert filled <= whole <= best, ("whole blocks", config.plan, whole, best)
         assert bounds(config) <= best
         table = bounds.split_table(config)
         if table is not None:
             assert table.rest[0][table.run.count] == pytest.approx(memory, rel=1e-12)
-        ratios.append(filled / estimate.step_time_s)
+        ratios.append(whole / estimate.step_time_s)
         checked += 1
     print(name, "checked", checked, "infinite", infinite, "ratios", [round(r, 3) for r in sorted(ratios)])
     assert checked == SAMPLE and infinite >= 1, (checked, infinite)

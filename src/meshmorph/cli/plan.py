@@ -93,7 +93,7 @@ def _plan(args: argparse.Namespace) -> int:
     print_plans(result.plans, console, model=model,
                 title=f"best {len(result.plans)} plans, fastest first")
     console.print(f"searched {result.configurations} configurations, solved "
-                  f"{result.configurations_solved}, in {result.search_time_s:.2f} s; "
+                  f"{result.configurations_solved}, in {result.search_time_s:.2f} s CPU; "
                   f"proven optimality gap {result.optimality_gap:.2%} "
                   "(0% = the best plan is optimal under the cost model)")
     if args.json:
@@ -153,7 +153,7 @@ def _report_layerwise(args: argparse.Namespace, model: ModelSpec, cluster: Clust
                       "--layerwise-schedules runnable for one it runs")
     if result is not None:
         console.print(f"layerwise: {result.configurations} configurations, "
-                      f"{result.configurations_solved} solved, in {result.search_time_s:.2f} s; "
+                      f"{result.configurations_solved} solved, in {result.search_time_s:.2f} s CPU; "
                       f"proven within {result.optimality_gap:.2%} of the optimum under the "
                       "layerwise cost model")
     if args.json:

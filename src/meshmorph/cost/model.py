@@ -13,6 +13,7 @@ fits in a node, otherwise at the inter-node NIC's speed. Parameters are replicat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -559,22 +560,30 @@ class CostModel:
                  parts: Parts | None = None) -> Estimate:
         """The Estimate of ``plan`` whose chunks cost ``times`` (``parts``: each chunk's
         segments with their figures; default one segment per chunk under the plan)."""
+        estimate = self.assemble_below(plan, gpus, times, math.inf, parts)
+        assert estimate is not None
+        return estimate
+
+    def assemble_below(self, plan: Plan, gpus: Sequence[GPUSpec], times: Sequence[PieceCost],
+                       bound: float, parts: Parts | None = None) -> Estimate | None:
+        """``assemble``, or None when the step is not below ``bound`` (then its memory is not
+        added up: the planner prices many plans only to compare their steps)."""
         p, m = plan.pp, plan.num_microbatches
         layerwise = parts is not None and is_layerwise(plan)
         if parts is None:
             parts = [[(Segment(s.start, s.stop, plan, s.recompute), times[c])]
                      for c, s in enumerate(plan.stages)]
         timeline, steps = self._timeline(plan, gpus, times)
-        memory, ends, tails = [], [], []
+        ends, tails = [], []
         # every pipeline rank's tp x dp GPUs share the GPU type of its first chunk
-        rank_gpus = []
+        rank_gpus, ranks = [], []
         for k in range(p):
             chunk_ids = plan.chunks_of(k)
             gpu = gpus[chunk_ids[0]]
             rank_gpus.append(gpu)
             rank = parts[chunk_ids[0]] if len(chunk_ids) == 1 else \
                 [part for c in chunk_ids for part in parts[c]]
-            memory.append(self.segments_memory(plan, k, [s for s, _ in rank], gpu))
+            ranks.append(rank)
             sync, opt, tied = self.rank_tails(plan, k, rank, gpu)
             if steps is not None:  # m optimizer steps, already inside the simulated window
                 tails.append((sync, m * steps[k], tied))
@@ -583,6 +592,10 @@ class CostModel:
             tails.append((sync, opt, tied))
             ends.append(timeline.rank_end_s[k] + sync + opt)
         step = max(ends)
+        if step >= bound:
+            return None
+        memory = [self.segments_memory(plan, k, [s for s, _ in rank], gpu)
+                  for k, (rank, gpu) in enumerate(zip(ranks, rank_gpus, strict=True))]
         crit = ends.index(step)
         tokens = plan.global_batch * plan.seq_len
         model_flops = tokens * self.model.model_flops_per_token()

@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.pipeline import simulate
 from meshmorph.cost.rank_terms import (
@@ -40,7 +42,7 @@ from meshmorph.cost.segments import layer_plan
 from meshmorph.plan.block_run import BlockRun, block_run
 from meshmorph.plan.fastest_layers import cluster_gpu, fastest_layer_times, unique_gpus
 from meshmorph.plan.partition_bounds import rest_bounds
-from meshmorph.plan.rank_bound import FillKind, RankBound, SplitTable, least_max
+from meshmorph.plan.rank_bound import FillKind, RankBound, SplitTable, least_max, rank_tail_line
 from meshmorph.plan.relaxations import MemoryRelaxation, filled_share
 from meshmorph.plan.space import Config
 from meshmorph.plan.strategy_dp import TermsCache, stage_choices, stage_lower_bound_s
@@ -79,6 +81,7 @@ class ConfigBounds:
         self.modes = modes
         self._sums: dict[tuple, _Sums] = {}
         self._ranks: dict[tuple, RankBound] = {}
+        self._tail_lines: dict[int, tuple[Plan, dict[str, tuple[float, float]]]] = {}
         self.cache: TermsCache = {}
         """Per-layer figures of configurations with layer strategies, shared with their solving
         (plan/solve_config.py)."""
@@ -220,6 +223,69 @@ class ConfigBounds:
             bound = max(bound, lo)
         return bound
 
+    def integer_fill_bound(self, config: Config, floor: float) -> float:
+        """``fill_bound`` over whole blocks: the least step T for which some split into whole
+        blocks n_0.., n_p-1 meets every rank's fill constraint c x (blocks before s) + K_s +
+        h_s(n_s) <= T (for each kind of ``fill_bound``), without the linear interpolation of h
+        or the greedy (so any number of micro-batches). For a given T the split counts reachable
+        after ranks 0..s form an interval (h grows with n), found rank by rank for a grid of T
+        at once; the grid is refined three times. ``floor`` is a known lower bound; returns at
+        least it."""
+        run = block_run(self.cost.model)
+        plan = config.plan
+        p = plan.pp
+        if (run is None or p == 1 or floor == math.inf
+                or plan.schedule not in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.GPIPE)):
+            return floor
+        ranks = [self._rank(plan, run, k, config.rank_gpus[k]) for k in range(p)]
+        least = run.least_blocks(p)
+        count = run.count
+        reserve = [sum(least[k + 1:]) for k in range(p)]
+        hop = min(self.cost.p2p_time(plan, cluster_gpu(self.cost, g)) for g in config.rank_gpus)
+        blocks = np.arange(count + 1)
+        bound = floor
+        kinds = (FillKind.WITH_TAIL, FillKind.FB_OPS if plan.schedule == Schedule.ZERO_BUBBLE
+                 else FillKind.WORK)
+        for kind in kinds:
+            per_block = min(r.block_chain(kind) for r in ranks)
+            entry = ranks[0].fixed_chain(kind)
+            hops = hop * (1 if kind == FillKind.WITH_TAIL else 2)
+            times = [r.values(kind, count) for r in ranks]
+            # the most blocks before rank k for which n blocks on it fit: P <= (T - K - t) / c
+            # and P <= count - reserve - n, capped by what ranks before can place
+            caps = [np.where(blocks >= least[k], count - reserve[k] - blocks, -1)
+                    for k in range(p)]
+
+            def feasible(steps: np.ndarray, per_block: float = per_block, entry: float = entry,
+                         hops: float = hops, times: list = times, caps: list = caps
+                         ) -> np.ndarray:
+                lo = np.zeros(len(steps), dtype=np.int64)
+                hi = np.zeros(len(steps), dtype=np.int64)
+                ok = np.ones(len(steps), dtype=bool)
+                for k in range(p):
+                    room = steps[:, None] - (entry + hops * k if k else 0.0) - times[k][None, :]
+                    with np.errstate(invalid="ignore", divide="ignore"):
+                        most = np.floor(room / per_block) if per_block > 0 else \
+                            np.where(room >= 0, count, -1)
+                    most = np.where(room >= 0, np.minimum(most, hi[:, None]), -1)
+                    most = np.minimum(most, caps[k][None, :])
+                    valid = most >= lo[:, None]
+                    top = np.where(valid, most + blocks[None, :], -1).max(axis=1)
+                    ok &= valid[:, least[k]]
+                    lo, hi = lo + least[k], top.astype(np.int64)
+                return ok & (lo <= count) & (hi >= count)
+
+            lo_s, hi_s = bound, bound + per_block * count + (entry + hops) * p
+            for _ in range(3):
+                grid = np.linspace(lo_s, hi_s, 33)
+                fits = feasible(grid)
+                if fits[0] or not fits[-1]:
+                    break  # no better than the bound so far (or some h infinite everywhere)
+                first = int(np.argmax(fits))
+                lo_s, hi_s = float(grid[first - 1]), float(grid[first])
+            bound = max(bound, lo_s)
+        return bound
+
     def split_table(self, config: Config) -> SplitTable | None:
         """For the stage search: per pipeline rank k, the least max h over ranks k.. holding any
         number of the last blocks, and the block counts of the split that minimises the bound
@@ -238,7 +304,41 @@ class ConfigBounds:
             rest.append(table)
             if k == 0 and table[run.count] < math.inf:
                 balanced = counts
-        return SplitTable(run, rest, balanced)
+        return SplitTable(run, rest, balanced, self._fill_tables(config, run, ranks, least))
+
+    def _fill_tables(self, config: Config, run: BlockRun, ranks: list[RankBound],
+                     least: list[int]) -> tuple[tuple[bool, list[list[float]]], ...]:
+        """For the stage search, per kind of ``fill_bound`` (whether its chain is the forward
+        only, then the table): table[k][n] = the least over splits of the last n whole blocks
+        (and the layer after them) among ranks k.. of max_s [c x (their blocks before s) +
+        hops to s + h_s(n_s)] (h of the kind), so that no completion of stages chosen up to
+        rank k - 1 whose chain through them is C ends before C + table[k][n]. A min-max
+        program over whole block counts, one rank at a time."""
+        plan = config.plan
+        p = plan.pp
+        if plan.schedule not in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.GPIPE):
+            return ()
+        count = run.count
+        hop = min(self.cost.p2p_time(plan, cluster_gpu(self.cost, g)) for g in config.rank_gpus)
+        kinds = (FillKind.WITH_TAIL, FillKind.FB_OPS if plan.schedule == Schedule.ZERO_BUBBLE
+                 else FillKind.WORK)
+        blocks = np.arange(count + 1)
+        # rest[n, j] = n - j: the blocks the later ranks hold when this one holds j of n
+        rest = blocks[:, None] - blocks[None, :]
+        out = []
+        for kind in kinds:
+            per_block = min(r.block_chain(kind) for r in ranks)
+            hops = hop * (1 if kind == FillKind.WITH_TAIL else 2)
+            own = [np.where(blocks >= least[k], r.values(kind, count), math.inf) + hops * k
+                   for k, r in enumerate(ranks)]
+            table = [np.full(count + 1, math.inf) for _ in range(p)]
+            table[p - 1] = own[p - 1]
+            for k in range(p - 2, -1, -1):
+                later = np.where(rest >= 0, table[k + 1][np.clip(rest, 0, count)], math.inf)
+                table[k] = np.maximum(own[k][None, :], per_block * blocks[None, :] + later).min(
+                    axis=1)
+            out.append((kind == FillKind.WITH_TAIL, [list(map(float, t)) for t in table]))
+        return tuple(out)
 
     def _rank(self, plan: Plan, run: BlockRun, k: int, gpu_name: str) -> RankBound:
         p = plan.pp
@@ -251,9 +351,17 @@ class ConfigBounds:
                plan.overlap_grad_reduce, plan.tp_comm_overlap, plan.fsdp_prefetch)
         rank = self._ranks.get(key)
         if rank is None:
-            rank = self._ranks[key] = RankBound(self.cost, plan, run, k,
-                                                cluster_gpu(self.cost, gpu_name),
-                                                self.modes)
+            gpu = cluster_gpu(self.cost, gpu_name)
+            # the tail line is the plan's, the same for each of its ranks on one GPU type
+            plan_lines = self._tail_lines.get(id(plan))
+            if plan_lines is None or plan_lines[0] is not plan:
+                if len(self._tail_lines) > 4096:
+                    self._tail_lines.clear()
+                plan_lines = self._tail_lines[id(plan)] = (plan, {})
+            line = plan_lines[1].get(gpu_name)
+            if line is None:
+                line = plan_lines[1][gpu_name] = rank_tail_line(self.cost, plan, gpu)
+            rank = self._ranks[key] = RankBound(self.cost, plan, run, k, gpu, self.modes, line)
         return rank
 
     # --- configurations with per-layer strategies ----------------------------------------------

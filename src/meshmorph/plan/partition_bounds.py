@@ -135,7 +135,13 @@ class PartitionBounds:
         if self.schedule == Schedule.ASYNC:  # no fill: only the heaviest later rank's work
             rest = m * heaviest
         if self.table is not None:
-            rest = max(rest, self.table.rest[k + 1][self.table.blocks_from(stop)])
+            n = self.table.blocks_from(stop)
+            rest = max(rest, self.table.rest[k + 1][n])
+            for forward_only, fill in self.table.fill:
+                # the chain through ranks 0..k as chosen, then the later ranks' own fill
+                chain = prefix_f + t.fwd_s if forward_only else \
+                    prefix_f + prefix_b + t.fwd_s + step_b
+                rest = max(rest, chain + fill[k + 1][n])
         return rest
 
     def simulated(self, chosen: Chosen, stop: int) -> float:

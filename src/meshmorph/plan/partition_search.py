@@ -76,8 +76,9 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
                                  gpu=g.name if mixed else None)
                        for (a, b, c), g in zip(choices, solver.gpus, strict=True))
         candidate = replace(plan, stages=stages)
-        estimate = solver.cost.assemble(candidate, solver.gpus, [c.time for _, _, c in choices])
-        if estimate.step_time_s < best[0]:
+        estimate = solver.cost.assemble_below(candidate, solver.gpus,
+                                              [c.time for _, _, c in choices], best[0])
+        if estimate is not None:  # below the best so far
             best[0], best[1] = estimate.step_time_s, (candidate, estimate)
             cut[0] = best[0] * keep
 

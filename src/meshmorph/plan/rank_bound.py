@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
+import numpy as np
+
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.rank_terms import least_rank_tail_s, rank_memory_terms
 from meshmorph.plan.block_run import BlockRun
@@ -39,7 +41,9 @@ class RankBound:
     """h(n) of one pipeline rank (module docstring), memoised."""
 
     def __init__(self, cost: CostModel, plan: Plan, run: BlockRun, k: int, gpu: GPUSpec,
-                 modes: tuple[Recompute, ...]):
+                 modes: tuple[Recompute, ...], tail_line: tuple[float, float] | None = None):
+        """``tail_line``: ``tail_line(cost, plan, gpu)``, when the caller has it (every rank of
+        a plan on one GPU type shares it)."""
         coster = cost.coster(plan.dtype, plan.cp, plan.tp_comm_overlap)
         model = cost.model
         b, tp, sp = plan.micro_batch, plan.tp, plan.sequence_parallel
@@ -80,9 +84,9 @@ class RankBound:
                 self.working = min(self.working, c.working_bytes)
         self.hull = recompute_hull(points)
         self.m = plan.num_microbatches
-        t0 = least_rank_tail_s(cost, plan, 0.0, gpu)
-        self.tail0, self.tail1 = t0, (least_rank_tail_s(cost, plan, 1e9, gpu) - t0) / 1e9
+        self.tail0, self.tail1 = tail_line or rank_tail_line(cost, plan, gpu)
         self._h: dict[int, float] = {}
+        self._values: dict[tuple[FillKind, int], np.ndarray] = {}
 
     def h(self, n: int) -> float:
         value = self._h.get(n)
@@ -120,6 +124,21 @@ class RankBound:
         """work(n) without the weight-gradient ops (zero-bubble's W)."""
         return self.work(n) - self.m * (self.fixed_wgrad + n * self.block_wgrad)
 
+    def value(self, kind: FillKind, n: int) -> float:
+        """h(n), work(n) or fb(n), by ``kind``."""
+        if kind == FillKind.WITH_TAIL:
+            return self.h(n)
+        return self.work(n) if kind == FillKind.WORK else self.fb(n)
+
+    def values(self, kind: FillKind, most: int) -> np.ndarray:
+        """``value(kind, n)`` for n = 0..most, memoised (ranks with the same figures share one
+        RankBound)."""
+        key = (kind, most)
+        found = self._values.get(key)
+        if found is None:
+            found = self._values[key] = np.array([self.value(kind, n) for n in range(most + 1)])
+        return found
+
     def block_chain(self, kind: FillKind) -> float:
         """One block's share of micro-batch 0's chain in the fill bound of ``kind``: its forward,
         forward and backward, or forward and input gradient."""
@@ -144,6 +163,13 @@ class RankBound:
             return math.inf
         return (self.m * (self.fixed_work + n * self.block_work + extra)
                 + self.tail0 + self.tail1 * params)
+
+
+def rank_tail_line(cost: CostModel, plan: Plan, gpu: GPUSpec) -> tuple[float, float]:
+    """``least_rank_tail_s`` of a rank of ``plan`` on ``gpu`` as a line in its parameters:
+    (value at none, slope)."""
+    t0 = least_rank_tail_s(cost, plan, 0.0, gpu)
+    return t0, (least_rank_tail_s(cost, plan, 1e9, gpu) - t0) / 1e9
 
 
 def least_max(ranks: list[RankBound], least: list[int],
@@ -183,6 +209,11 @@ class SplitTable:
     in less (their own work, recompute and tail; infinity when they cannot hold them)."""
     balanced: list[int]
     """Blocks per rank of the split that minimises the bound (empty when none fits)."""
+    fill: tuple[tuple[bool, list[list[float]]], ...] = ()
+    """Per kind of the fill bound (whether its chain is the forward alone, or the forward and
+    the backward the chain waits for): fill[k][n], the least time after micro-batch 0's chain
+    through ranks before k reached rank k in which ranks k.. holding the last n whole blocks
+    finish (plan/bounds.py's ``_fill_tables``)."""
 
     def blocks_from(self, start: int) -> int:
         """Blocks among layers [start, L)."""

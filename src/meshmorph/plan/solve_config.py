@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from meshmorph.cost.estimate import Estimate
+from meshmorph.cost.layer_cost import PieceCost
 from meshmorph.cost.model import CostModel
 from meshmorph.plan.bounds import ConfigBounds, rank_chunks
 from meshmorph.plan.fastest_layers import cluster_gpu
@@ -69,6 +71,13 @@ class LayersResult:
 
 def even_estimate(cost: CostModel, config: Config, mode: Recompute) -> tuple[Plan, Estimate]:
     """A configuration with its blocks split evenly (Megatron-style) and ``mode`` recompute."""
+    candidate, gpus, times = _even_times(cost, config, mode)
+    return candidate, cost.assemble(candidate, gpus, times)
+
+
+def _even_times(cost: CostModel, config: Config, mode: Recompute
+                ) -> tuple[Plan, list[GPUSpec], list[PieceCost]]:
+    """``even_estimate``'s plan, chunk GPUs and chunk times, not yet simulated."""
     plan = config.plan
     candidate = plan.with_even_stages(cost.model, mode)
     gpus = [cluster_gpu(cost, config.rank_gpus[plan.pp_rank_of_chunk(c)])
@@ -78,15 +87,25 @@ def even_estimate(cost: CostModel, config: Config, mode: Recompute) -> tuple[Pla
             replace(s, gpu=g.name) for s, g in zip(candidate.stages, gpus, strict=True)))
     times = [cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
              for s, g in zip(candidate.stages, gpus, strict=True)]
-    return candidate, cost.assemble(candidate, gpus, times)
+    return candidate, gpus, times
 
 
-def counts_estimate(cost: CostModel, config: Config, counts: tuple[int, ...],
-                    mode: Recompute, bound: float = float("inf")
-                    ) -> tuple[Plan, Estimate | None]:
-    """An interleaved configuration with chunks of ``counts`` blocks and ``mode`` recompute;
-    the estimate is None (not simulated) when its busiest rank's own work, m x the forward and
-    backward of its chunks, already reaches ``bound``: no step of it can be shorter."""
+def dominated(times: Sequence[PieceCost], seen: Sequence[Sequence[PieceCost]]) -> bool:
+    """Whether some chunk times of ``seen`` (the same chunks under another recompute) are
+    nowhere slower than ``times``: every chunk's forward, backward, input and weight gradient
+    at most these, with the same compute and parameters (the tail reads only those). The
+    simulated schedule never ends sooner when an op grows (max-plus) and the tails are the
+    same, so ``times`` cannot give a shorter step than the plan ``seen`` held."""
+    return any(all(a.fwd_s <= b.fwd_s and a.bwd_s <= b.bwd_s and a.bgrad_s <= b.bgrad_s
+                   and a.wgrad_s <= b.wgrad_s and a.compute_s == b.compute_s
+                   and a.params == b.params for a, b in zip(other, times, strict=True))
+               for other in seen)
+
+
+def counts_times(cost: CostModel, config: Config, counts: tuple[int, ...], mode: Recompute
+                 ) -> tuple[Plan, list[GPUSpec], list[PieceCost]]:
+    """An interleaved configuration with chunks of ``counts`` blocks and ``mode`` recompute:
+    its plan, chunk GPUs and chunk times, not yet simulated."""
     plan = config.plan
     gpus = [cluster_gpu(cost, config.rank_gpus[plan.pp_rank_of_chunk(c)])
             for c in range(plan.num_chunks)]
@@ -94,11 +113,13 @@ def counts_estimate(cost: CostModel, config: Config, counts: tuple[int, ...],
     candidate = replace(plan, stages=stages_of_counts(cost.model, counts, mode, names))
     times = [cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
              for s, g in zip(candidate.stages, gpus, strict=True)]
-    busiest = max(sum(times[c].fwd_s + times[c].bwd_s for c in plan.chunks_of(k))
-                  for k in range(plan.pp))
-    if plan.num_microbatches * busiest >= bound:
-        return candidate, None
-    return candidate, cost.assemble(candidate, gpus, times)
+    return candidate, gpus, times
+
+
+def busiest_rank_s(plan: Plan, times: Sequence[PieceCost]) -> float:
+    """m x the forward and backward of the busiest rank's chunks: no step of them is shorter."""
+    return plan.num_microbatches * max(sum(times[c].fwd_s + times[c].bwd_s
+                                           for c in plan.chunks_of(k)) for k in range(plan.pp))
 
 
 class _LayerWork:
@@ -111,6 +132,8 @@ class _LayerWork:
         self.gpus = [cluster_gpu(cost, config.rank_gpus[self.plan.pp_rank_of_chunk(c)])
                      for c in range(self.plan.num_chunks)]
         self._prefix: dict[tuple[str, Recompute], list[float]] = {}
+        self._by_mode: dict[Recompute, list[list[float]]] = {}
+        self._rank_of_chunk = [self.plan.pp_rank_of_chunk(c) for c in range(self.plan.num_chunks)]
 
     def prefix(self, gpu: GPUSpec, mode: Recompute) -> list[float]:
         key = (gpu.name, mode)
@@ -128,12 +151,17 @@ class _LayerWork:
 
     def busiest_rank_s(self, counts: tuple[int, ...], mode: Recompute) -> float:
         plan = self.plan
+        chunk_sums = self._by_mode.get(mode)
+        if chunk_sums is None:  # each chunk's prefix sums, fetched once per mode
+            chunk_sums = self._by_mode[mode] = [self.prefix(g, mode) for g in self.gpus]
+        ranks = self._rank_of_chunk
         busy = [0.0] * plan.pp
         start = 0
+        last = len(counts) - 1
         for c, count in enumerate(counts):
-            stop = start + count + (c == 0) + (c == len(counts) - 1)
-            sums = self.prefix(self.gpus[c], mode)
-            busy[plan.pp_rank_of_chunk(c)] += sums[stop] - sums[start]
+            stop = start + count + (c == 0) + (c == last)
+            sums = chunk_sums[c]
+            busy[ranks[c]] += sums[stop] - sums[start]
             start = stop
         return plan.num_microbatches * max(busy)
 
@@ -147,19 +175,29 @@ def solve_config(cost: CostModel, config: Config, options: SearchOptions,
         best = None
         work = _LayerWork(cost, config)
         for counts in interleaved_block_counts(cost.model.num_blocks, plan.num_chunks):
+            fitted: list[list[PieceCost]] = []  # times of this split's modes that fit memory
             for mode in options.recompute:
                 if work.busiest_rank_s(counts, mode) >= bound:
                     continue  # its busiest rank alone takes longer than the best found
-                candidate, estimate = counts_estimate(cost, config, counts, mode, bound)
-                if estimate is not None and estimate.fits and estimate.step_time_s < bound:
+                candidate, gpus, times = counts_times(cost, config, counts, mode)
+                if busiest_rank_s(plan, times) >= bound or dominated(times, fitted):
+                    continue  # no faster than the best found or than a mode that fits
+                estimate = cost.assemble_below(candidate, gpus, times, bound)
+                if estimate is not None and estimate.fits:  # below the bound, and fits
+                    fitted.append(times)
                     bound = estimate.step_time_s
                     best = (candidate, estimate)
         return PartitionResult(best, float("inf"))
     if plan.num_chunks > plan.pp:  # the V schedules: blocks split evenly
         best = None
+        fitted: list[list[PieceCost]] = []  # times of the modes that fit memory
         for mode in options.recompute:
-            candidate, estimate = even_estimate(cost, config, mode)
-            if estimate.fits and estimate.step_time_s < bound:
+            candidate, gpus, times = _even_times(cost, config, mode)
+            if dominated(times, fitted):
+                continue  # no faster than a mode that fits
+            estimate = cost.assemble_below(candidate, gpus, times, bound)
+            if estimate is not None and estimate.fits:  # below the bound, and fits
+                fitted.append(times)
                 bound = estimate.step_time_s
                 best = (candidate, estimate)
         return PartitionResult(best, float("inf"))

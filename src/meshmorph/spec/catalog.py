@@ -42,6 +42,10 @@ MODEL_CATALOG: dict[str, TransformerShape] = {
         _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
         _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
         _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+        # Qwen2.5-32B's shape (Hugging Face Qwen2.5-32B config.json: 64 layers, hidden 5120,
+        # 40 heads / 8 kv heads, intermediate 27648, vocab 152064, untied head, 32K context);
+        # its q/k/v biases (0.01% of the parameters) are left out
+        _llama("qwen2.5-32b", 64, 5120, 40, 8, 27648, 152064, 32768),
         # Llama 3.2 1B (Hugging Face Llama-3.2-1B config.json): the head shares the embedding
         # (tie_word_embeddings true), so 1,235,814,400 parameters
         TransformerShape(name="llama3.2-1b", arch="llama", num_layers=16, hidden_size=2048,

@@ -2,7 +2,7 @@
 and its ``state`` line puts every rank's measured bytes beside the prediction within 2%.
 
 The job trains gpt-small on the synthetic task for three steps with the equivalence matrix's
-optimizer; the one-device oracle (tests/dist/reference.py) trains the same global batches (the
+optimizer; the one-device oracle (tests/helpers/reference.py) trains the same global batches (the
 trainer's DataShard with one data-parallel rank) in float64, and the logged losses and gradient
 norms are held to the matrix's rule: K x the largest deviation of three fp32 one-device runs.
 
@@ -21,13 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import deviation, reference_run
-from test_equivalence import K_FP32, OPTIM, _worst
-from test_layerwise_equivalence import EXAMPLE, TOLERANCE
 
 from meshmorph.run.data import DataShard, SampleOrder, SyntheticTask
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.plan import Plan
+from tests.dist.test_layerwise_equivalence import EXAMPLE, TOLERANCE
+from tests.helpers.oracle import K_FP32, OPTIM
+from tests.helpers.oracle import worst as _worst
+from tests.helpers.reference import deviation, reference_run
 
 STEPS = 3
 SEED = 7
@@ -142,7 +143,7 @@ def test_meshmorph_run_resumes_a_layerwise_checkpoint_and_reshards_it_into_a_uni
         tmp_path: Path) -> None:
     import shutil
 
-    from test_layerwise_equivalence import CKPT_LAYOUT, ckpt_uniform, layouts
+    from tests.dist.test_layerwise_equivalence import CKPT_LAYOUT, ckpt_uniform, layouts
 
     model, plan = layouts()[CKPT_LAYOUT]
     job, mixed, uniform = tmp_path / "job.toml", tmp_path / "mixed.json", tmp_path / "uni.json"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from test_plan_cli import PNG_MAGIC, run_cli
+from tests.unit.test_plan_cli import PNG_MAGIC, run_cli
 
 
 def test_simulate_reports_p50_p90_per_strategy_and_draws_the_timeline(tmp_path: Path) -> None:

@@ -4,13 +4,14 @@
 
 llama2-7b, seq 2048, bf16, on 8 x A100 40 GB and 80 GB (global batch 16-64), the same A100s
 capped at 16 GB (Galvatron's memory-constrained cases), and 16-64 x A100 80 GB. For each case:
-what ``plan --layerwise`` returns (the faster of the runnable layerwise search's best and the
-regular planner's, plan/layerwise_choice.py), the wide search's best (every schedule, priced
-only: ``--layerwise-schedules all``), the runnable search's best plan with a strategy per layer, the best with one strategy per stage (both under
-cost/layerwise_cost.py, the layerwise search with ``uniform_only``), meshmorph's regular planner
-(cost/model.py, its own cost model) and the regular planner's plan priced by the layerwise cost
-model (the same plan under the model the layerwise search minimises: the layerwise best is never
-slower than it, up to the reported optimality gap), the proven optimality gap, and the layerwise
+what ``plan --layerwise`` returns (the faster of the runnable per-layer search's best and the
+regular planner's, ``plan.search.search`` with ``SearchOptions.layerwise``), the wide search's
+best (every schedule, priced only: ``--layerwise-schedules all``), the runnable search's best
+plan with a strategy per layer, the best with one strategy per stage it met (both priced layer
+by layer, cost/segments.py), meshmorph's regular planner (every layer of a chunk one segment)
+and the regular planner's plan priced layer by layer (``as_layerwise``: the same plan under the
+model the per-layer search minimises: the layerwise best is never slower than it, up to the
+reported optimality gap), the proven optimality gap, and the per-layer
 search's wall-clock and CPU seconds (the median of ``--repeats`` runs, 3 by default, each
 from a fresh cost model) beside Galvatron's measured search times on its own
 llama2-7b profiles (40 s on 4 GPUs, 105-300 s on 8-16 GPUs, 25 min with the batch size searched
@@ -28,12 +29,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from meshmorph.cost.layerwise_cost import LAYERWISE_SCHEDULES, estimate_layerwise
 from meshmorph.cost.model import CostModel
-from meshmorph.plan.layerwise_search import search_layerwise
+from meshmorph.cost.segments import as_layerwise
 from meshmorph.plan.report import layer_strategy_summary, recompute_summary
-from meshmorph.plan.search import search
+from meshmorph.plan.search import search, search_per_layer
 from meshmorph.plan.space import SearchOptions
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec import catalog_model, parse_cluster
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.plan import PlanError
@@ -70,7 +71,7 @@ def run_case(shorthand: str, cap: float | None, batch: int, regular: bool,
         cost = CostModel(model, cluster)
         wall, cpu = time.perf_counter(), time.process_time()
         try:
-            result = search_layerwise(model, cluster, global_batch=batch, options=options,
+            result = search_per_layer(model, cluster, global_batch=batch, options=options,
                                       cost=cost)
         except PlanError as exc:
             row["layerwise"] = f"does not fit: {exc}"
@@ -82,36 +83,38 @@ def run_case(shorthand: str, cap: float | None, batch: int, regular: bool,
     row["search_cpu_s_runs"] = cpus
     row["search_wall_s_runs"] = walls
     row["runnable"] = result.runnable
-    wide = search_layerwise(model, cluster, global_batch=batch, options=options, cost=cost,
-                            runnable=False)
-    row["wide_tokens_per_s"] = wide.estimate.tokens_per_s
+    wide = search_per_layer(model, cluster, global_batch=batch, cost=cost,
+                            options=replace(options, runnable_only=False))
+    row["wide_tokens_per_s"] = wide.estimates[0].tokens_per_s
     row["wide_runnable"] = wide.runnable
-    row["wide_plan"] = f"pp{wide.plan.pp} {wide.plan.schedule} v{wide.plan.vpp} sp{int(wide.plan.sequence_parallel)}"
+    w = wide.plans[0]
+    row["wide_plan"] = f"pp{w.pp} {w.schedule} v{w.vpp} sp{int(w.sequence_parallel)}"
     row["configurations"] = result.configurations
     row["configurations_solved"] = result.configurations_solved
     row["optimality_gap"] = result.optimality_gap
-    row["layerwise_tokens_per_s"] = result.estimate.tokens_per_s
+    row["layerwise_tokens_per_s"] = result.estimates[0].tokens_per_s
     row["uniform_best_tokens_per_s"] = (result.uniform_estimate.tokens_per_s
                                         if result.uniform_estimate else None)
-    plan = result.plan
+    plan = result.plans[0]
     row["layerwise_plan"] = (f"pp{plan.pp} {plan.schedule} v{plan.vpp} "
                              f"sp{int(plan.sequence_parallel)} "
                              f"mb{plan.micro_batch}x{plan.num_microbatches} "
-                             + ("; ".join(layer_strategy_summary(plan))
-                                or f"all tp{plan.tp} dp{plan.dp} z{plan.zero}"))
+                             + (f"all tp{plan.tp} dp{plan.dp} z{plan.zero}" if len(
+                                 {s for st in plan.stages for s in st.layer_strategies or ()}) <= 1
+                                else "; ".join(layer_strategy_summary(plan))))
     row["galvatron_search_s"] = GALVATRON_SEARCH_S.get(cluster.world_size)
     if regular:
         try:
             best = search(model, cluster, global_batch=batch, options=options, cost=cost)
             row["regular_planner_tokens_per_s"] = best.estimates[0].tokens_per_s
-            faster = best.estimates[0].tokens_per_s >= result.estimate.tokens_per_s
+            faster = best.estimates[0].tokens_per_s >= result.estimates[0].tokens_per_s
             row["returned"] = "regular" if faster else "layerwise"  # plan --layerwise's rule
             row["returned_tokens_per_s"] = max(best.estimates[0].tokens_per_s,
-                                               result.estimate.tokens_per_s)
+                                               result.estimates[0].tokens_per_s)
             p = best.plans[0]
-            if p.schedule in LAYERWISE_SCHEDULES:
-                row["regular_plan_layerwise_tokens_per_s"] = estimate_layerwise(
-                    cost, p).tokens_per_s
+            if p.schedule != Schedule.ASYNC and p.cp == 1:
+                row["regular_plan_layerwise_tokens_per_s"] = cost.estimate(
+                    as_layerwise(p)).tokens_per_s
             row["regular_plan"] = (f"tp{p.tp} pp{p.pp} dp{p.dp} z{p.zero} sp{int(p.sequence_parallel)}"
                                    f" {p.schedule} v{p.vpp} mb{p.micro_batch}x{p.num_microbatches}"
                                    f" recompute {recompute_summary(p, model)}")

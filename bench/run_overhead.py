@@ -44,7 +44,8 @@ FAMILIES = ("ddp", "zero1", "fsdp_zero3", "tp", "pp")
 
 
 def _family_plan(family: str, spec, world_size: int):  # type: ignore[no-untyped-def]
-    from meshmorph.spec.plan import Plan, Schedule
+    from meshmorph.schedule.table import Schedule
+    from meshmorph.spec.plan import Plan
 
     dp = 1 if family in ("tp", "pp") else world_size
     kw = {"ddp": {}, "zero1": {"zero": 1}, "fsdp_zero3": {"zero": 3}, "tp": {"tp": world_size},

@@ -26,7 +26,8 @@ import argparse
 import json
 from pathlib import Path
 
-from meshmorph.profile.validate import ValidateConfig, report, run_validate
+from meshmorph.cli.validate import report
+from meshmorph.profile.validate import ValidateConfig, run_validate
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -6,7 +6,7 @@ rebuilds its engine per layout) and writes losses, gradient norms, final paramet
 measured state of the first step; each test then checks one layout against the float64
 one-device run with the equivalence matrix's rule (tests/dist/test_equivalence.py: every
 figure within K x its one-device fp32 noise), and the example's state against
-cost/layerwise_state.py (within 2%, per rank).
+cost/rank_state.py (within 2%, per rank).
 
 - ``example``: examples/plans/layerwise-gpt-small.json as committed (gpt-small, dp4 ->
   tp2 x dp2 -> ZeRO-3 dp4 -> dp4, one micro-batch);
@@ -125,11 +125,10 @@ def batches(model: ModelSpec, plan: Plan) -> list[torch.Tensor]:
 
 
 def _train(model: ModelSpec, plan: Plan, out: Path, rank: int) -> None:
-    from meshmorph.run.engine.layerwise_engine import LayerwiseEngine
     from meshmorph.run.engine.train_engine import build_engine
 
     engine = build_engine(model, plan, OPTIM, seed=SEED, device=torch.device("cpu"))
-    assert isinstance(engine, LayerwiseEngine)
+    assert engine.summed  # every segment's data parallelism runs layer by layer
     train_and_report(engine, plan, batches(model, plan), out, rank, state=True)
 
 
@@ -249,10 +248,10 @@ def test_layerwise_plan_matches_one_device_within_measured_noise(name: str,
 @pytest.mark.timeout(120, func_only=True)
 @pytest.mark.parametrize("name", list(layouts()))
 def test_layerwise_state_matches_prediction_per_rank(name: str, results: Path) -> None:
-    from meshmorph.cost.layerwise_state import predict_layerwise_rank_state
+    from meshmorph.cost.rank_state import predict_rank_state
 
     model, plan = layouts()[name]
-    gaps = state_gaps([(rank, report["state"], predict_layerwise_rank_state(model, plan, rank))
+    gaps = state_gaps([(rank, report["state"], predict_rank_state(model, plan, rank))
                        for rank, report in enumerate(_reports(results / name))], TOLERANCE)
     assert not gaps, "\n".join(gaps)
 

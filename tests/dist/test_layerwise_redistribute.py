@@ -16,7 +16,7 @@ CHAIN = ((1, 4), (2, 2), (4, 1), (1, 4), (4, 1), (2, 2), (1, 4))
 def chain_matches_reference(rank: int, world_size: int, out: Path) -> None:
     import torch
 
-    from meshmorph.run.parallel.layerwise_redistribute import LayoutGroups, redistribute
+    from meshmorph.run.parallel.redistribute import LayoutGroups, redistribute
 
     generator = torch.Generator().manual_seed(0)
     batch, seq, hidden = 8, 3, 5

@@ -6,7 +6,7 @@ pp 2 of two ranks each, layers under their own tp/dp/ZeRO inside each chunk) and
 gradient norms, final parameters and every rank's measured state of the first step. Each test then holds
 a layout to the equivalence matrix's rule against the float64 one-device run
 (tests/dist/test_layerwise_equivalence.py) and every rank's state to
-cost/layerwise_state.py (within 2%).
+cost/rank_state.py (within 2%).
 
 - ``zb_pp2``: ZB-H1, one chunk per rank, a ZeRO-2 layer beside tp2 and ZeRO-0/1 ones in each
   stage (ZeRO-2 reduced once after the last weight-gradient pass);
@@ -139,11 +139,10 @@ def expectation(model: ModelSpec, plan: Plan) -> Expectation:
 
 
 def _train(model: ModelSpec, plan: Plan, out: Path, rank: int) -> None:
-    from meshmorph.run.engine.layerwise_engine import LayerwiseEngine
     from meshmorph.run.engine.train_engine import build_engine
 
     engine = build_engine(model, plan, OPTIM, seed=SEED, device=torch.device("cpu"))
-    assert isinstance(engine, LayerwiseEngine)
+    assert engine.summed  # every segment's data parallelism runs layer by layer
     assert len(engine.model_parts) == plan.vpp
     train_and_report(engine, plan, batches(model, plan), out, rank, state=True)
 
@@ -190,9 +189,9 @@ def _one_device_names(model: ModelSpec) -> list[tuple[str, None]]:
 @pytest.mark.timeout(120, func_only=True)
 @pytest.mark.parametrize("name", list(layouts()))
 def test_schedule_plan_state_matches_prediction_per_rank(name: str, results: Path) -> None:
-    from meshmorph.cost.layerwise_state import predict_layerwise_rank_state
+    from meshmorph.cost.rank_state import predict_rank_state
 
     model, plan = layouts()[name]
-    gaps = state_gaps([(rank, report["state"], predict_layerwise_rank_state(model, plan, rank))
+    gaps = state_gaps([(rank, report["state"], predict_rank_state(model, plan, rank))
                        for rank, report in enumerate(_reports(results / name))], TOLERANCE)
     assert not gaps, "\n".join(gaps)

@@ -5,7 +5,7 @@ A part of the 4-process ``world4`` job trains every layout below for three steps
 tests/dist/test_layerwise_equivalence.py: each rank rebuilds its engine per layout and writes
 losses, gradient norms, final parameters and its measured state of the first step); each test
 then checks one layout against the float64 one-device run with the equivalence matrix's rule,
-and every rank's state line against cost/layerwise_state.py byte for byte.
+and every rank's state line against cost/rank_state.py byte for byte.
 
 - ``llama_sp_tp124_mixed_zero``: sequence parallelism, data cut tp2 x dp2, layers at tp 1, 2 and
   4 (ZeRO 0 to 3, full and selective recompute): every kind of move between sequence-split
@@ -104,7 +104,7 @@ def results(world4: Path) -> Path:
 def test_layouts_are_what_they_claim() -> None:
     """The layouts exercise what the module docstring says (sequence parallelism kept on, tied
     ends apart), and the runtime's rule accepts them."""
-    from meshmorph.plan.layerwise_runnable import layerwise_refusal
+    from meshmorph.spec.runnable import layerwise_refusal
 
     for name, (model, plan) in layouts().items():
         assert layerwise_refusal(model, plan) is None, name
@@ -137,9 +137,9 @@ def test_layerwise_sp_and_tied_plans_match_one_device(name: str, results: Path) 
 @pytest.mark.timeout(120, func_only=True)
 @pytest.mark.parametrize("name", list(layouts()))
 def test_layerwise_sp_and_tied_state_equals_prediction(name: str, results: Path) -> None:
-    from meshmorph.cost.layerwise_state import predict_layerwise_rank_state
+    from meshmorph.cost.rank_state import predict_rank_state
 
     model, plan = layouts()[name]
-    gaps = state_gaps([(rank, report["state"], predict_layerwise_rank_state(model, plan, rank))
+    gaps = state_gaps([(rank, report["state"], predict_rank_state(model, plan, rank))
                        for rank, report in enumerate(_reports(results / name))], 0)
     assert not gaps, "\n".join(gaps)

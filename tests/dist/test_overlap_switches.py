@@ -67,7 +67,7 @@ def _one_layout(name: str, plan: Plan, rank: int, folder: Path) -> None:
                                generator=generator)
         losses.append(engine.step(tokens))
         write_state_line(engine, metrics)
-    metrics.close(chart=False)
+    metrics.close()
     if rank == 0:
         (folder / "losses.json").write_text(json.dumps(losses))
 

@@ -95,7 +95,7 @@ def _one_layout(name: str, plan: Plan, rank: int, folder: Path) -> None:
                             tokens_per_step=1)
     write_state_line(engine, metrics)
     write_state_line(engine, metrics)  # a second call writes nothing
-    metrics.close(chart=False)
+    metrics.close()
 
 
 def state_part(rank: int, world_size: int, out: Path) -> None:

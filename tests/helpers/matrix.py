@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from meshmorph.plan.partition_search import stages_of_counts
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, Schedule, StagePlan
+from meshmorph.spec.plan import Plan, StagePlan
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 from tests.helpers.harness import each_case, train_and_report
 from tests.helpers.oracle import OPTIM, SEED, SEQ, even_plan, gpt_tiny, token_batches

@@ -201,7 +201,7 @@ def test_bad_cluster_shorthand_is_refused(capsys: pytest.CaptureFixture) -> None
 
 # --- model configs -----------------------------------------------------------------------------
 MODEL_CASES = [
-    ("empty", "", ["is not valid JSON", "catalog name"]),
+    ("empty", "", ["is empty", "catalog name"]),
     ("binary", BINARY, ["is not valid JSON"]),
     ("nan layers", json.dumps({**HF_GPT, "n_layer": float("nan")}),
      ["n_layer must be a positive integer, got nan"]),
@@ -212,7 +212,7 @@ MODEL_CASES = [
     ("unknown layout", json.dumps({"layers": 2}), ["unknown config layout", "GPT-2 style"]),
     ("tying not bool", json.dumps({**HF_GPT, "tie_word_embeddings": "yes"}),
      ["tie_word_embeddings must be true or false, got 'yes'"]),
-    ("not an object", "[]", ["expected a JSON object of model settings, got list"]),
+    ("not an object", "[]", ["must hold a JSON object, got list", "catalog name"]),
 ]
 
 

@@ -228,3 +228,13 @@ def test_a_demo_into_a_folder_in_use_leaves_its_job_file_alone(
     with RunLock(run_dir):
         refused(capsys, run_dir, ["demo", "--out", str(run_dir)], "is in use by another meshmorph run")
     assert (run_dir / "job.toml").read_text() == "# the running demo's job\n"
+
+
+def test_an_absurd_sequence_length_is_refused_before_any_process_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    job_path = tmp_path / "job.toml"
+    job_path.write_text(JOB.replace("seq_len = 32", "seq_len = 1000000000"))
+    code = cli_main(["run", "--config", str(job_path), "--nproc", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "seq_len 1,000,000,000 is above meshmorph's limit" in err

@@ -16,7 +16,7 @@ import pytest
 
 from meshmorph.cost.model import CostModel
 from meshmorph.plan.bounds import ConfigBounds
-from meshmorph.plan.search import solve_config
+from meshmorph.plan.solve_config import solve_config
 from meshmorph.plan.space import SearchOptions, configurations
 from meshmorph.spec import catalog_model, parse_cluster
 

@@ -17,9 +17,9 @@ from meshmorph.plan.search import search
 from meshmorph.plan.space import SearchOptions, configurations
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.cluster import parse_cluster
-from meshmorph.spec.cp_runtime import refuse_context_parallel
 from meshmorph.spec.model import LayerKind, Recompute
 from meshmorph.spec.plan import Plan, PlanError
+from meshmorph.spec.runnable import refuse_context_parallel
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 from tests.helpers.jobs import gpt_tiny_job
 

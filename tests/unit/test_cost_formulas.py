@@ -12,10 +12,11 @@ import pytest
 from meshmorph.cost import comm
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.rank_terms import in_flight_microbatches
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.gpus import gpu
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import Plan, Schedule
+from meshmorph.spec.plan import Plan
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
 # Korthikanti's block: attention that keeps its scores, with dropout (as Megatron-LM 2021 ran)

@@ -20,10 +20,11 @@ from meshmorph.cost import comm
 from meshmorph.cost.calibration import published_runs
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.rank_terms import head_loss_bytes, rank_memory_terms
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import MODEL_CATALOG, catalog_model
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import LayerKind, Recompute
-from meshmorph.spec.plan import Plan, Schedule
+from meshmorph.spec.plan import Plan
 from meshmorph.spec.transformer import build_transformer
 
 # gpt3-1.3b: h 2048, a 16, f 4h, s 2048, V 50257 padded to 50304

@@ -89,9 +89,25 @@ def test_a_cluster_file_may_define_its_own_gpu_without_touching_the_catalog(tmp_
     ("[gpus.h100]\nmemory_gib = -1\n", "memory_gib must be a number >= 0"),
     ("[gpus.h100]\nintra_node_link = \"warp\"\n", "unknown intra_node_link 'warp'"),
     ("[gpu.h100]\n", "unknown table 'gpu'"),
+    ("[gpus.h100]\npeak_tflops = { bf16 = 0 }\n", r"peak_tflops.bf16 must be a finite number > 0"),
+    ("[gpus.h100]\nhbm_gbps = 0\n", "hbm_gbps must be a finite number > 0"),
+    ("[gpus.h100]\nmemory_gib = 0\n", "memory_gib must be a finite number > 0"),
+    ("[links.slow]\nbandwidth_gbps = 0\nlatency_us = 5\n", "bandwidth_gbps must be a finite number > 0"),
 ])
 def test_bad_gpu_files_name_the_failed_constraint(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         load_gpus_toml(path)
+
+
+@pytest.mark.parametrize("table", ['[gpus.h100]\npeak_tflops = { bf16 = 0 }',
+                                   '[links.ib-ndr]\nbandwidth_gbps = 0\nlatency_us = 5'])
+def test_a_zero_rate_in_a_cluster_file_is_one_line_not_a_division_by_zero(
+        tmp_path: Path, capsys: pytest.CaptureFixture, table: str) -> None:
+    path = tmp_path / "zero.toml"
+    path.write_text(table + '\n\n[[groups]]\ngpu = "h100"\nnodes = 2\ngpus_per_node = 8\n')
+    code = main(["plan", "--model", "gpt3-1.3b", "--cluster", str(path), "--global-batch", "64"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("meshmorph: error: ") and err.count("\n") == 1, err
+    assert "must be a finite number > 0" in err

@@ -115,3 +115,45 @@ def test_bad_values_and_files_get_clear_errors(tmp_path):
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(ValueError, match="broken.json is not valid JSON"):
         from_hf_config(tmp_path / "broken.json")
+
+
+def _block_bytes(spec) -> dict:
+    block = next(layer for layer in spec.layers if layer.kind == LayerKind.BLOCK)
+    return {mode: (a.shared, a.split) for mode, a in block.activation.items()}
+
+
+def test_eager_attention_keeps_the_scores_and_sdpa_matches_the_default(tmp_path):
+    plain = from_hf_config(_write(tmp_path, LLAMA2_7B, "a.json"))
+    sdpa = from_hf_config(_write(tmp_path, {**LLAMA2_7B, "attn_implementation": "sdpa"}, "b.json"))
+    eager = from_hf_config(_write(tmp_path, {**LLAMA2_7B, "_attn_implementation": "eager"},
+                                  "c.json"))
+    assert _block_bytes(sdpa) == _block_bytes(plain)
+    none, selective = (_block_bytes(eager)[m][1] for m in ("none", "selective"))
+    # the s x s softmax output (2 a s bytes per token at 16 bits) is what selective recompute drops
+    assert none - selective == 2.0 * 32 * 4096
+    assert _block_bytes(plain)["none"][1] == selective
+
+
+def test_a_dropout_probability_keeps_megatrons_masks(tmp_path):
+    plain = _block_bytes(from_hf_config(_write(tmp_path, GPT2_SMALL, "a.json")))
+    dropped = _block_bytes(from_hf_config(_write(
+        tmp_path, {**GPT2_SMALL, "resid_pdrop": 0.1, "attn_pdrop": 0.0}, "b.json")))
+    assert dropped["none"][0] - plain["none"][0] == 2.0 * 768  # two 1-byte residual masks
+    zero = _block_bytes(from_hf_config(_write(
+        tmp_path, {**GPT2_SMALL, "resid_pdrop": 0.0, "embd_pdrop": None}, "c.json")))
+    assert zero == plain
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("attn_implementation", "paged", "is not one of eager, sdpa"),
+    ("attention_dropout", 1.5, r"attention_dropout must be a probability in \[0, 1\)"),
+    ("resid_pdrop", "0.1", "resid_pdrop must be a probability"),
+])
+def test_bad_attention_and_dropout_fields_name_the_key(tmp_path, key, value, match):
+    with pytest.raises(ValueError, match=match):
+        from_hf_config(_write(tmp_path, {**GPT2_SMALL, key: value}))
+
+
+def test_a_billion_layers_is_refused_at_once_not_built(tmp_path):
+    with pytest.raises(ValueError, match=r"num_layers 1,000,000,000 is above meshmorph's limit"):
+        from_hf_config(_write(tmp_path, {**LLAMA2_7B, "num_hidden_layers": 10**9}))

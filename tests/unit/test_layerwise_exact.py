@@ -5,17 +5,20 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
-from meshmorph.cost.layerwise_cost import layer_terms, reserved_bytes, stage_cost
 from meshmorph.cost.model import CostModel
+from meshmorph.cost.rank_terms import device_reserve_bytes, head_loss_bytes, rank_memory_terms
+from meshmorph.cost.segments import chunk_segments, layer_plan
 from meshmorph.cost.transition import transition
-from meshmorph.plan.layerwise import solve_stage
-from meshmorph.plan.layerwise_search import search_layerwise
+from meshmorph.plan.search import search_per_layer
 from meshmorph.plan.space import SearchOptions
+from meshmorph.plan.strategy_dp import solve_stage
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
+from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import Recompute
 from meshmorph.spec.plan import LayerStrategy, Plan
 
@@ -29,6 +32,42 @@ def _cost(name: str, devices: int, memory_gib: float | None = None) -> CostModel
         cluster = replace(cluster, groups=(replace(group, gpu=replace(group.gpu,
                                                                     memory_gib=memory_gib)),))
     return CostModel(load_model(name), cluster)
+
+
+def layer_terms(cost: CostModel, plan: Plan, pp_rank: int, index: int, strategy: LayerStrategy,
+                recompute: Recompute, gpu: GPUSpec, *, drop_tied: bool = False) -> SimpleNamespace:
+    """Layer ``index`` under ``strategy`` priced alone by the cost model's own pieces
+    (``CostModel.layer_alone`` under its ``layer_plan``, ``rank_memory_terms``,
+    ``head_loss_bytes``): its per-micro-batch times, tail and the bytes it adds on its rank."""
+    sub = layer_plan(plan, strategy)
+    piece, tail = cost.layer_alone(sub, index, recompute, gpu, drop_tied=drop_tied)
+    terms = rank_memory_terms(cost, sub, pp_rank, gpu)
+    return SimpleNamespace(
+        fwd_s=piece.fwd_s, bwd_s=piece.bwd_s, wgrad_s=piece.wgrad_s, tail_s=tail,
+        param_bytes=piece.params * terms.bytes_per_param,
+        stored_bytes=piece.activation_bytes * terms.in_flight,
+        loss_bytes=head_loss_bytes(cost, sub, pp_rank) if index == cost.model.num_layers - 1
+        else 0.0, working_bytes=piece.working_bytes,
+        gather_bytes=piece.params * terms.gather_bytes_per_param)
+
+
+def stage_cost(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int,
+               strategies: list[LayerStrategy], recompute: tuple[Recompute, ...],
+               gpu: GPUSpec) -> SimpleNamespace:
+    """Rank ``pp_rank`` holding layers [start, stop) under ``strategies``, as
+    ``CostModel.estimate`` prices it (its chunk's segments and tail, its memory): ``busy_s(m)``
+    its own step time, ``memory_bytes`` its peak."""
+    stage = replace(plan.stages[pp_rank], start=start, stop=stop, recompute=tuple(recompute),
+                    layer_strategies=tuple(strategies))
+    listed = replace(plan, stages=tuple(stage if k == pp_rank else s
+                                        for k, s in enumerate(plan.stages)))
+    segments = chunk_segments(cost.model, listed, pp_rank)
+    time, pieces = cost.stage_time(listed, segments, gpu)
+    parts = list(zip(segments, pieces, strict=True))
+    sync, optimizer, _ = cost.rank_tails(listed, pp_rank, parts, gpu)
+    memory = cost.segments_memory(listed, pp_rank, segments, gpu).total
+    return SimpleNamespace(busy_s=lambda m: m * (time.fwd_s + time.bwd_s) + sync + optimizer,
+                           memory_bytes=memory)
 
 
 def _brute(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int,
@@ -56,7 +95,7 @@ def _brute(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int,
             time += m * (step.fwd_s + step.bwd_s)
         memory = (sum(t.param_bytes + t.stored_bytes + t.loss_bytes for _, _, t in pick)
                   + max(t.working_bytes for _, _, t in pick)
-                  + max(t.gather_bytes for _, _, t in pick) + reserved_bytes(cost, gpu))
+                  + max(t.gather_bytes for _, _, t in pick) + device_reserve_bytes(cost, gpu))
         out.append((time, memory))
     return out
 
@@ -98,7 +137,7 @@ def test_stage_program_equals_brute_force_under_random_memory_caps(seed: int, na
                                 (Recompute.NONE,) * stage.num_layers, gpu).memory_bytes
                      for s in strategies)
     caps = [rng.uniform(uniform[0], uniform[-1]), uniform[0] * rng.uniform(0.9, 1.0),
-            reserved_bytes(cost, gpu)]
+            device_reserve_bytes(cost, gpu)]
     for cap in [float("inf"), *caps]:
         expected = _best(every, cap)
         got = solve_stage(cost, plan, k, stage.start, stage.stop, strategies, MODES, gpu,
@@ -160,18 +199,18 @@ def test_some_random_cap_makes_the_best_assignment_slower() -> None:
 def test_single_stage_search_step_equals_its_stage_time_and_beats_uniform() -> None:
     cost = _cost("gpt-tiny", 4)
     options = SearchOptions(pp_degrees=(1,), recompute=MODES, zero_stages=(0, 3))
-    result = search_layerwise(cost.model, cost.cluster, global_batch=8, options=options,
-                              cost=cost, runnable=False)
+    result = search_per_layer(cost.model, cost.cluster, global_batch=8, cost=cost,
+                              options=replace(options, runnable_only=False))
     assert result.uniform_estimate is not None
-    assert result.estimate.step_time_s <= result.uniform_estimate.step_time_s
-    plan = result.plan
+    assert result.estimates[0].step_time_s <= result.uniform_estimate.step_time_s
+    plan = result.plans[0]
     strategies = [s for st in plan.stages
                   for s in (st.layer_strategies or
                             (LayerStrategy(tp=plan.tp, dp=plan.dp, zero=plan.zero),) * st.num_layers)]
     again = stage_cost(cost, plan, 0, 0, cost.model.num_layers, strategies,
                        plan.stages[0].recompute, cost.default_gpu())
-    assert result.estimate.step_time_s == pytest.approx(again.busy_s(plan.num_microbatches),
-                                                        rel=1e-12)
+    assert result.estimates[0].step_time_s == pytest.approx(again.busy_s(plan.num_microbatches),
+                                                            rel=1e-12)
 
 
 def _search_brute(cost: CostModel, global_batch: int, zero: int) -> float | None:
@@ -222,7 +261,7 @@ def test_whole_search_equals_brute_force_over_batches_and_assignments(name: str,
         assert expected == pytest.approx(FREE_STEP_S[name], rel=1e-9)
     else:
         assert expected > FREE_STEP_S[name] * 1.005  # the cap binds
-    result = search_layerwise(cost.model, cost.cluster, global_batch=8, options=options,
-                              cost=cost, runnable=False)
-    assert result.estimate.step_time_s == pytest.approx(expected, rel=1e-12)
-    assert result.estimate.fits
+    result = search_per_layer(cost.model, cost.cluster, global_batch=8, cost=cost,
+                              options=replace(options, runnable_only=False))
+    assert result.estimates[0].step_time_s == pytest.approx(expected, rel=1e-12)
+    assert result.estimates[0].fits

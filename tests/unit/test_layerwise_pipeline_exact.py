@@ -1,8 +1,9 @@
 """With pp > 1 the layerwise search equals a brute force over every stage partition and every
 per-layer assignment (GPipe, 1F1B, zero-bubble; sequence parallelism on and off; random caps).
 
-The brute force is written here from the cost model's pieces alone (``layer_terms``,
-``transition``, ``reserved_bytes`` and the schedule simulator), independently of the planner's
+The brute force is written here from the cost model's pieces alone (``layer_terms`` below:
+``CostModel.layer_alone`` and the rank's memory terms, ``transition``, ``device_reserve_bytes``
+and the schedule simulator), independently of the planner's
 fronts and bounds: it enumerates the stage ends with itertools.combinations and every layer's
 (strategy, recompute) with itertools.product, and prices every combination.
 """
@@ -12,22 +13,29 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshmorph.cost.layerwise_cost import estimate_layerwise, layer_terms, reserved_bytes
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.pipeline import simulate
+from meshmorph.cost.rank_terms import device_reserve_bytes, head_loss_bytes, rank_memory_terms
+from meshmorph.cost.segments import as_layerwise, layer_plan
 from meshmorph.cost.transition import transition
-from meshmorph.plan.layerwise_runnable import layerwise_runnable, tied_ends_refusal
-from meshmorph.plan.layerwise_search import search_layerwise, solve_partitioned
-from meshmorph.plan.space import SearchOptions
+from meshmorph.plan.bounds import ConfigBounds, bubble_bound
+from meshmorph.plan.search import search_per_layer
+from meshmorph.plan.solve_config import _solve_plan, solve_partitioned
+from meshmorph.plan.space import Config, SearchOptions
+from meshmorph.plan.strategy_fronts import StageFronts
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
+from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import LayerStrategy, Plan, Schedule
+from meshmorph.spec.plan import LayerStrategy, Plan
+from meshmorph.spec.runnable import layerwise_runnable, tied_ends_refusal
 
 MODES = (Recompute.NONE, Recompute.FULL)
 EXACT = dict(tolerance=0.0, max_nodes=None)
@@ -40,6 +48,23 @@ def _cost(name: str, devices: int, memory_gib: float | None = None) -> CostModel
         cluster = replace(cluster, groups=(replace(group, gpu=replace(group.gpu,
                                                                     memory_gib=memory_gib)),))
     return CostModel(load_model(name), cluster)
+
+
+def layer_terms(cost: CostModel, plan: Plan, pp_rank: int, index: int, strategy: LayerStrategy,
+                recompute: Recompute, gpu: GPUSpec, *, drop_tied: bool = False) -> SimpleNamespace:
+    """Layer ``index`` under ``strategy`` priced alone by the cost model's own pieces
+    (``CostModel.layer_alone`` under its ``layer_plan``, ``rank_memory_terms``,
+    ``head_loss_bytes``): its per-micro-batch times, tail and the bytes it adds on its rank."""
+    sub = layer_plan(plan, strategy)
+    piece, tail = cost.layer_alone(sub, index, recompute, gpu, drop_tied=drop_tied)
+    terms = rank_memory_terms(cost, sub, pp_rank, gpu)
+    return SimpleNamespace(
+        fwd_s=piece.fwd_s, bwd_s=piece.bwd_s, wgrad_s=piece.wgrad_s, tail_s=tail,
+        param_bytes=piece.params * terms.bytes_per_param,
+        stored_bytes=piece.activation_bytes * terms.in_flight,
+        loss_bytes=head_loss_bytes(cost, sub, pp_rank) if index == cost.model.num_layers - 1
+        else 0.0, working_bytes=piece.working_bytes,
+        gather_bytes=piece.params * terms.gather_bytes_per_param)
 
 
 def _stage_options(cost: CostModel, plan: Plan, k: int, start: int, stop: int,
@@ -69,7 +94,7 @@ def _stage_options(cost: CostModel, plan: Plan, k: int, start: int, stop: int,
         tail = sum(t.tail_s for _, t in pick)
         memory = (sum(t.param_bytes + t.stored_bytes + t.loss_bytes for _, t in pick)
                   + max(t.working_bytes for _, t in pick) + max(t.gather_bytes for _, t in pick)
-                  + reserved_bytes(cost, gpu))
+                  + device_reserve_bytes(cost, gpu))
         if memory <= gpu.memory_bytes or not capped:
             # the (tp, zero) of the model's first and last layer where this stage holds them
             head = (pick[0][0].tp, pick[0][0].zero) if start == 0 else None
@@ -115,7 +140,7 @@ def _plan(cost: CostModel, pp: int, m: int, sequences: int, schedule: Schedule,
 def _check(cost: CostModel, plan: Plan, strategies: list[LayerStrategy]) -> tuple[float | None,
                                                                                    float | None]:
     """(brute force, search) of one configuration; the search's plan priced again by
-    ``estimate_layerwise`` fits and costs what the search says."""
+    ``CostModel.estimate`` fits and costs what the search says."""
     expected = brute_force(cost, plan, strategies)
     options = SearchOptions(recompute=MODES, **EXACT)
     one, mixed, open_bound = solve_partitioned(cost, plan, strategies, options, False,
@@ -123,7 +148,7 @@ def _check(cost: CostModel, plan: Plan, strategies: list[LayerStrategy]) -> tupl
     assert open_bound == float("inf")  # no node budget: nothing left open
     if mixed is None:
         return expected, None
-    again = estimate_layerwise(cost, mixed[0])
+    again = cost.estimate(mixed[0])
     assert again.fits
     assert again.step_time_s == pytest.approx(mixed[1].step_time_s, rel=1e-12)
     assert one is not None and one[1].step_time_s >= mixed[1].step_time_s * (1 - 1e-12)
@@ -156,7 +181,7 @@ def _random_case(seed: int) -> tuple[CostModel, Plan, list[LayerStrategy]]:
     # what every assignment of the even split's stages needs beyond the reserve, and a cap at
     # a random quantile of it: the reserve is a fraction of the device, so solve
     # memory = need + fraction x memory
-    reserve = reserved_bytes(free, free.default_gpu())
+    reserve = device_reserve_bytes(free, free.default_gpu())
     needs = sorted(x[4] - reserve for k, stage in enumerate(plan.stages)
                    for x in _stage_options(free, plan, k, stage.start, stage.stop, strategies,
                                            capped=False))
@@ -215,7 +240,7 @@ def test_pipeline_search_equals_brute_force_hypothesis(seed: int) -> None:
 
 def test_whole_search_with_pp_1_and_2_equals_brute_force_over_its_configurations() -> None:
     """Every configuration of a small space (pp 1 and 2, every stage micro-batch, GPipe / 1F1B /
-    zero-bubble, sp off and on, ZeRO 0 or 2), brute-forced here, against search_layerwise with
+    zero-bubble, sp off and on, ZeRO 0 or 2), brute-forced here, against search_per_layer with
     tolerance 0 (one cache of layer terms across configurations, as in real searches); the
     device capped so that the cap binds."""
     cost = _cost("gpt-tiny", 4, 1.06)
@@ -246,9 +271,9 @@ def test_whole_search_with_pp_1_and_2_equals_brute_force_over_its_configurations
                 if found is not None and (best is None or found < best):
                     best = found
     assert best is not None
-    result = search_layerwise(model, cost.cluster, global_batch=batch, options=options,
-                              cost=cost, runnable=False)
-    assert result.estimate.step_time_s == pytest.approx(best, rel=1e-9)
+    result = search_per_layer(model, cost.cluster, global_batch=batch, cost=cost,
+                              options=replace(options, runnable_only=False))
+    assert result.estimates[0].step_time_s == pytest.approx(best, rel=1e-9)
     assert result.optimality_gap == 0.0
 
 
@@ -268,12 +293,12 @@ def test_layerwise_best_never_slower_than_the_regular_plan_under_the_same_model(
     schedules = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE)
     options = SearchOptions(top_k=1, schedules=schedules, pp_degrees=(1, 2), **EXACT)
     regular = search(cost.model, cost.cluster, global_batch=batch, options=options, cost=cost)
-    theirs = estimate_layerwise(cost, regular.plans[0])
+    theirs = cost.estimate(as_layerwise(regular.plans[0]))  # layer by layer
     assert theirs.fits
-    ours = search_layerwise(cost.model, cost.cluster, global_batch=batch, options=options,
-                            cost=cost, runnable=False)
+    ours = search_per_layer(cost.model, cost.cluster, global_batch=batch, cost=cost,
+                            options=replace(options, runnable_only=False))
     assert ours.optimality_gap == 0.0
-    assert ours.estimate.step_time_s <= theirs.step_time_s * (1 + 1e-12)
+    assert ours.estimates[0].step_time_s <= theirs.step_time_s * (1 + 1e-12)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -281,20 +306,17 @@ def test_one_chunk_configuration_bounds_never_exceed_brute_force(seed: int) -> N
     """The configuration bounds the search cuts by (time-only, memory-aware, and the bubble
     bound m x_k + S_k inside both) are never above the brute-force optimum of the seeded
     case, capped and not."""
-    from meshmorph.plan.layerwise_front import StageFronts
-    from meshmorph.plan.layerwise_search import _bubble_bound, _config_bound
-
-    options = SearchOptions(recompute=MODES, **EXACT)
     for cost in _random_case(seed)[0], _uncapped(_random_case(seed)[0]):
         _, plan, strategies = _random_case(seed)
         expected = brute_force(cost, plan, strategies)
         if expected is None:
             continue
         gpu = cost.default_gpu()
-        bubble = _bubble_bound(StageFronts(cost, plan, strategies, MODES, gpu, {}))
+        bubble = bubble_bound(StageFronts(cost, plan, strategies, MODES, gpu, {}))
         assert 0.0 < bubble <= expected * (1 + 1e-12)
-        for memory in (False, True):
-            bound = _config_bound(cost, plan, strategies, options, gpu, {}, memory=memory)
+        config = Config(plan, (gpu.name,) * plan.pp, tuple(strategies))
+        for bound in (ConfigBounds(cost, MODES).lower_bound(config),
+                      ConfigBounds(cost, MODES).memory_bound(config)):
             assert bound <= expected * (1 + 1e-12)
 
 
@@ -307,7 +329,7 @@ def _v_brute_force(cost: CostModel, plan: Plan, strategies: list[LayerStrategy])
         stages = tuple(replace(st, layer_strategies=tuple(s for s, _ in pick[st.start:st.stop]),
                                recompute=tuple(r for _, r in pick[st.start:st.stop]))
                        for st in plan.stages)
-        found = estimate_layerwise(cost, replace(plan, stages=stages))
+        found = cost.estimate(replace(plan, stages=stages))
         if found.fits and (best is None or found.step_time_s < best):
             best = found.step_time_s
     return best
@@ -322,8 +344,6 @@ def test_v_schedule_bound_and_plan_against_brute_force(name: str, schedule: Sche
     configuration's bound (each rank's memory relaxation and the schedule simulated at every
     chunk's least figures) is never above the brute force over every per-layer assignment,
     and the plan the search builds fits and is never faster than it."""
-    from meshmorph.plan.layerwise_search import _config_bound, _solve_plan
-
     cost = _cost(name, 4, memory_gib)
     strategies = [LayerStrategy(tp=1, dp=2, zero=1), LayerStrategy(tp=2, dp=1, zero=0)]
     first = strategies[0]
@@ -335,12 +355,13 @@ def test_v_schedule_bound_and_plan_against_brute_force(name: str, schedule: Sche
     assert expected is not None
     options = SearchOptions(recompute=MODES, **EXACT)
     gpu = cost.default_gpu()
-    bound = _config_bound(cost, plan, strategies, options, gpu, {}, memory=True)
+    bound = ConfigBounds(cost, MODES).memory_bound(Config(plan, (gpu.name,) * 2,
+                                                          tuple(strategies)))
     assert 0.0 < bound <= expected * (1 + 1e-12)
     _, mixed = _solve_plan(cost, plan, strategies, options, False,
                            (float("inf"), float("inf")), {})
     assert mixed is not None
-    again = estimate_layerwise(cost, mixed[0])
+    again = cost.estimate(mixed[0])
     assert again.fits
     assert again.step_time_s == pytest.approx(mixed[1].step_time_s, rel=1e-12)
     assert mixed[1].step_time_s >= expected * (1 - 1e-12)
@@ -361,7 +382,7 @@ def _tied_case(seed: int) -> tuple[CostModel, Plan, list[LayerStrategy]]:
                         key=lambda s: (s.tp, s.zero))
     free = _cost("gpt-tiny", devices)
     plan = _plan(free, 2, m, 2 * d, schedule, sp, strategies)
-    reserve = reserved_bytes(free, free.default_gpu())
+    reserve = device_reserve_bytes(free, free.default_gpu())
     needs = sorted(x[4] - reserve for k, stage in enumerate(plan.stages)
                    for x in _stage_options(free, plan, k, stage.start, stage.stop, strategies,
                                            capped=False))
@@ -398,7 +419,7 @@ def test_tied_pipeline_search_equals_brute_force_over_plans_whose_ends_agree(
     assert mixed is not None
     assert mixed[1].step_time_s == pytest.approx(expected, rel=1e-9)
     assert layerwise_runnable(model, mixed[0]) or mixed[0].stages[0].layer_strategies is None
-    assert estimate_layerwise(cost, mixed[0]).step_time_s == pytest.approx(
+    assert cost.estimate(mixed[0]).step_time_s == pytest.approx(
         mixed[1].step_time_s, rel=1e-12)
     if one is not None:  # the uniform best holds the ends to one pair too
         assert brute_force(cost, plan, strategies, tied=set(pairs)) <= one[1].step_time_s * (

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from meshmorph.cost.layerwise_state import predict_layerwise_rank_state
 from meshmorph.cost.rank_state import predict_rank_state
 from meshmorph.elastic.moves.layout import layout_of
 from meshmorph.run.engine.train_engine import validate_plan
@@ -90,7 +89,7 @@ def test_a_zero3_layer_is_refused_only_under_a_split_backward_schedule(schedule:
 def test_async_layerwise_pipelines_are_refused() -> None:
     plan = _mixed_llama(SPLIT_MIXED, dp=2, pp=2, global_batch=8, num_microbatches=4,
                         schedule="async")
-    from meshmorph.run.engine.layerwise_engine import validate_layerwise
+    from meshmorph.spec.runnable import check_layerwise_runnable as validate_layerwise
 
     with pytest.raises(PlanError, match="run the schedules gpipe, 1f1b, zb, interleaved, zbv"):
         validate_layerwise(_llama(), plan)
@@ -105,7 +104,7 @@ def test_v_chunks_on_one_rank_hand_over_without_a_send() -> None:
     for schedule in ("zbv", "interleaved"):
         plan = _mixed_llama(SPLIT_MIXED, dp=2, pp=2, vpp=2, global_batch=8, num_microbatches=4,
                             schedule=schedule)
-        sends[schedule] = [predict_layerwise_rank_state(model, plan, r)["comm_bytes"]["send_recv"]  # type: ignore[index]
+        sends[schedule] = [predict_rank_state(model, plan, r)["comm_bytes"]["send_recv"]  # type: ignore[index]
                            for r in (0, 2)]
     m, handshake = 4, 4
     # zbv: rank 0 holds chunks 0 and 3 (one neighbour each), the middle rank 1 and 2
@@ -117,8 +116,8 @@ def test_v_chunks_on_one_rank_hand_over_without_a_send() -> None:
 def test_a_zero2_layer_under_zb_reduce_scatters_once_per_step() -> None:
     model = _llama()
     kw = dict(dp=2, pp=2, global_batch=8, num_microbatches=4)
-    zb = predict_layerwise_rank_state(model, _mixed_llama(SPLIT_MIXED, schedule="zb", **kw), 0)
-    one = predict_layerwise_rank_state(model, _mixed_llama(SPLIT_MIXED, schedule="1f1b", **kw),
+    zb = predict_rank_state(model, _mixed_llama(SPLIT_MIXED, schedule="zb", **kw), 0)
+    one = predict_rank_state(model, _mixed_llama(SPLIT_MIXED, schedule="1f1b", **kw),
                                        0)
     # 1f1b: FSDP2's hooks reduce-scatter the ZeRO-2 layer after each of the 4 micro-batches
     assert one["comm_bytes"]["reduce_scatter"] == 4 * zb["comm_bytes"]["reduce_scatter"] > 0  # type: ignore[index]
@@ -146,7 +145,7 @@ def test_a_layerwise_pipeline_of_one_strategy_predicts_what_the_uniform_pipeline
         flat = replace(layerwise, stages=tuple(replace(s, layer_strategies=None)
                                                for s in layerwise.stages))
         for rank in range(4):
-            got = predict_layerwise_rank_state(model, layerwise, rank)
+            got = predict_rank_state(model, layerwise, rank)
             want = predict_rank_state(model, flat, rank)
             for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
                 assert got[key] == pytest.approx(want[key]), (uniform, rank, key)
@@ -156,9 +155,9 @@ def test_a_layerwise_pipeline_of_one_strategy_predicts_what_the_uniform_pipeline
 
 def test_a_stage_ending_in_another_tp_moves_its_output_back_to_the_data_layout() -> None:
     model = _llama()
-    base = predict_layerwise_rank_state(model, _mixed_llama([(1, 2, 0)] * 6, dp=2, pp=2,
+    base = predict_rank_state(model, _mixed_llama([(1, 2, 0)] * 6, dp=2, pp=2,
                                                             global_batch=4), 0)
-    mixed = predict_layerwise_rank_state(model, _mixed_llama(
+    mixed = predict_rank_state(model, _mixed_llama(
         [(1, 2, 0), (1, 2, 0), (2, 1, 0), (1, 2, 0), (1, 2, 0), (1, 2, 0)], dp=2, pp=2,
         global_batch=4), 0)
     # stage 0's last layer runs tp 2: the forward all-gather into it sends this rank's one
@@ -201,7 +200,7 @@ def test_one_strategy_for_every_layer_holds_what_the_uniform_plan_holds() -> Non
         flat = replace(layerwise, stages=tuple(replace(s, layer_strategies=None)
                                                for s in layerwise.stages))
         for rank in range(4):
-            got = predict_layerwise_rank_state(model, layerwise, rank)
+            got = predict_rank_state(model, layerwise, rank)
             want = predict_rank_state(model, flat, rank)
             for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
                 assert got[key] == pytest.approx(want[key]), (strategy, rank, key)
@@ -211,8 +210,8 @@ def test_one_strategy_for_every_layer_holds_what_the_uniform_plan_holds() -> Non
 
 def test_a_layer_moved_to_tp2_adds_its_activation_gathers() -> None:
     model = _gpt()
-    base = predict_layerwise_rank_state(model, _mixed(UNIFORM_DP4), 0)
-    mixed = predict_layerwise_rank_state(
+    base = predict_rank_state(model, _mixed(UNIFORM_DP4), 0)
+    mixed = predict_rank_state(
         model, _mixed([(1, 4, 0), (1, 4, 0), (2, 2, 0), (1, 4, 0), (1, 4, 0), (1, 4, 0)]), 0)
     # into tp 2: the forward all-gather sends this rank's B / 4 = 1 sequence (16 x 64 fp32) per
     # micro-batch; out of it: the backward all-gather sends the gradient of its 1 sequence of

@@ -9,25 +9,29 @@ from dataclasses import replace
 import pytest
 
 from meshmorph.cost.model import CostModel
-from meshmorph.plan.layerwise_choice import REGULAR, choose_layerwise
-from meshmorph.plan.layerwise_runnable import (
+from meshmorph.plan.search import REGULAR, SearchResult, search, search_per_layer
+from meshmorph.plan.space import SearchOptions
+from meshmorph.schedule.table import Schedule
+from meshmorph.spec.catalog import catalog_model, load_model
+from meshmorph.spec.cluster import parse_cluster
+from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
+from meshmorph.spec.runnable import (
     RUNNABLE_PIPELINE_SCHEDULES,
     layerwise_refusal,
     layerwise_runnable,
 )
-from meshmorph.plan.layerwise_search import search_layerwise
-from meshmorph.plan.space import SearchOptions
-from meshmorph.spec.catalog import catalog_model, load_model
-from meshmorph.spec.cluster import parse_cluster
-from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import (
-    SPLIT_BACKWARD_SCHEDULES,
-    V_SCHEDULES,
-    LayerStrategy,
-    Plan,
-    PlanError,
-    Schedule,
-)
+
+
+def _choose(model: ModelSpec, cluster: object, batch: int, options: SearchOptions,
+            cost: CostModel) -> SearchResult:
+    """What ``plan --layerwise`` returns: the faster of the two spaces' best plans."""
+    return search(model, cluster, global_batch=batch,  # type: ignore[arg-type]
+                  options=replace(options, layerwise=True), cost=cost)
+
+
+def _tokens(result: SearchResult) -> float:
+    return result.estimates[0].tokens_per_s
 
 
 def _plans(model: ModelSpec) -> list[Plan]:
@@ -62,7 +66,7 @@ def _plans(model: ModelSpec) -> list[Plan]:
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
 def test_the_predicate_agrees_with_the_runtime_validation(name: str) -> None:
-    from meshmorph.run.engine.layerwise_engine import validate_layerwise
+    from meshmorph.spec.runnable import check_layerwise_runnable as validate_layerwise
 
     model = catalog_model(name, seq_len=16)
     plans = _plans(model)
@@ -84,14 +88,14 @@ def test_the_wide_search_picks_a_v_plan_and_the_default_a_runnable_one() -> None
     cluster = parse_cluster("a100-80g:2x8")
     cost = CostModel(model, cluster)
     options = SearchOptions(top_k=1)
-    wide = search_layerwise(model, cluster, global_batch=64, options=options, cost=cost,
-                            runnable=False)
-    assert wide.plan.schedule in V_SCHEDULES | SPLIT_BACKWARD_SCHEDULES
-    default = search_layerwise(model, cluster, global_batch=64, options=options, cost=cost)
+    wide = search_per_layer(model, cluster, global_batch=64, cost=cost,
+                            options=replace(options, runnable_only=False))
+    assert (wide.plans[0].schedule.v_shape or wide.plans[0].schedule.split_backward)
+    default = search_per_layer(model, cluster, global_batch=64, options=options, cost=cost)
     assert default.runnable
-    assert default.plan.pp == 1 or default.plan.schedule in RUNNABLE_PIPELINE_SCHEDULES
-    assert not default.plan.sequence_parallel
-    assert default.estimate.step_time_s >= wide.estimate.step_time_s  # a smaller space
+    assert default.plans[0].pp == 1 or default.plans[0].schedule in RUNNABLE_PIPELINE_SCHEDULES
+    assert not default.plans[0].sequence_parallel
+    assert default.estimates[0].step_time_s >= wide.estimates[0].step_time_s  # a smaller space
 
 
 def test_every_synchronous_pipeline_schedule_is_runnable() -> None:
@@ -99,20 +103,20 @@ def test_every_synchronous_pipeline_schedule_is_runnable() -> None:
 
 
 def test_the_default_search_offers_the_v_plan_the_wide_one_picks() -> None:
-    from meshmorph.run.engine.layerwise_engine import validate_layerwise
+    from meshmorph.spec.runnable import check_layerwise_runnable as validate_layerwise
 
     model = load_model("llama2-7b", 2048)
     cluster = parse_cluster("a100-80g:2x8")
     cost = CostModel(model, cluster)
     options = SearchOptions(top_k=1)
-    wide = search_layerwise(model, cluster, global_batch=64, options=options, cost=cost,
-                            runnable=False)
-    assert wide.plan.schedule in V_SCHEDULES and not wide.plan.sequence_parallel
-    default = search_layerwise(model, cluster, global_batch=64, options=options, cost=cost)
-    assert default.runnable and default.plan.schedule in V_SCHEDULES
-    assert default.estimate.step_time_s == wide.estimate.step_time_s
-    if any(st.layer_strategies for st in default.plan.stages):
-        validate_layerwise(model, default.plan)
+    wide = search_per_layer(model, cluster, global_batch=64, cost=cost,
+                            options=replace(options, runnable_only=False))
+    assert wide.plans[0].schedule.v_shape and not wide.plans[0].sequence_parallel
+    default = search_per_layer(model, cluster, global_batch=64, options=options, cost=cost)
+    assert default.runnable and default.plans[0].schedule.v_shape
+    assert default.estimates[0].step_time_s == wide.estimates[0].step_time_s
+    if any(st.layer_strategies for st in default.plans[0].stages):
+        validate_layerwise(model, default.plans[0])
 
 
 @pytest.mark.parametrize("schedule", ["zb", "zbv", "dualpipev"])
@@ -123,8 +127,8 @@ def test_split_backward_searches_offer_no_zero3_layer(schedule: str) -> None:
     cluster = parse_cluster("a100-80g:1x4")
     options = SearchOptions(top_k=1, zero_stages=(3,), schedules=(Schedule(schedule),),
                             pp_degrees=(2,))
-    result = search_layerwise(model, cluster, global_batch=8, options=options)
-    plan = result.plan
+    result = search_per_layer(model, cluster, global_batch=8, options=options)
+    plan = result.plans[0]
     assert result.runnable and plan.schedule == schedule and plan.pp == 2
     layers = [s for st in plan.stages for s in st.layer_strategies or ()] or \
         [LayerStrategy(tp=plan.tp, dp=plan.dp, zero=plan.zero)]
@@ -133,20 +137,20 @@ def test_split_backward_searches_offer_no_zero3_layer(schedule: str) -> None:
 
 
 def test_the_sequence_parallel_plan_the_wide_search_picks_is_runnable_and_offered() -> None:
-    from meshmorph.run.engine.layerwise_engine import validate_layerwise
+    from meshmorph.spec.runnable import check_layerwise_runnable as validate_layerwise
 
     model = load_model("llama2-7b")  # seq 4096
     cluster = parse_cluster("a100-40g:1x4")
     cost = CostModel(model, cluster)
     options = SearchOptions(top_k=1)
-    wide = search_layerwise(model, cluster, global_batch=16, options=options, cost=cost,
-                            runnable=False)
-    assert wide.runnable and wide.plan.sequence_parallel
-    validate_layerwise(model, wide.plan)
-    default = search_layerwise(model, cluster, global_batch=16, options=options, cost=cost)
-    assert default.runnable and default.plan.sequence_parallel
-    validate_layerwise(model, default.plan)
-    assert default.estimate.step_time_s == pytest.approx(wide.estimate.step_time_s, rel=1e-12)
+    wide = search_per_layer(model, cluster, global_batch=16, cost=cost,
+                            options=replace(options, runnable_only=False))
+    assert wide.runnable and wide.plans[0].sequence_parallel
+    validate_layerwise(model, wide.plans[0])
+    default = search_per_layer(model, cluster, global_batch=16, options=options, cost=cost)
+    assert default.runnable and default.plans[0].sequence_parallel
+    validate_layerwise(model, default.plans[0])
+    assert default.estimates[0].step_time_s == pytest.approx(wide.estimates[0].step_time_s, rel=1e-12)
 
 
 def _tied(pp: int, embed: LayerStrategy, head: LayerStrategy, **kw: object) -> tuple[ModelSpec,
@@ -203,46 +207,44 @@ def test_sequence_parallelism_runs_where_every_layer_tp_divides_the_sequence() -
 
 @pytest.mark.parametrize("zeros", [(0, 3), (3,), (2,)])
 def test_a_tied_embedding_gets_one_runnable_layout_for_embedding_and_head(zeros: tuple) -> None:
-    from meshmorph.run.engine.layerwise_engine import validate_layerwise
+    from meshmorph.spec.runnable import check_layerwise_runnable as validate_layerwise
 
     model = catalog_model("gpt-tiny")
     cluster = parse_cluster("a100-80g:1x4")
     cost = CostModel(model, cluster)
     options = SearchOptions(top_k=1, zero_stages=zeros, max_micro_batch=8)
-    wide = search_layerwise(model, cluster, global_batch=8, options=options, cost=cost,
-                            runnable=False)
-    default = search_layerwise(model, cluster, global_batch=8, options=options, cost=cost)
+    wide = search_per_layer(model, cluster, global_batch=8, cost=cost,
+                            options=replace(options, runnable_only=False))
+    default = search_per_layer(model, cluster, global_batch=8, options=options, cost=cost)
     assert default.runnable
-    if any(st.layer_strategies for st in default.plan.stages):
-        validate_layerwise(model, default.plan)
-    assert default.estimate.step_time_s >= wide.estimate.step_time_s
+    if any(st.layer_strategies for st in default.plans[0].stages):
+        validate_layerwise(model, default.plans[0])
+    assert default.estimates[0].step_time_s >= wide.estimates[0].step_time_s
 
 
 def test_the_regular_plan_is_returned_where_it_is_faster() -> None:
     model = load_model("llama2-7b", 2048)
     cluster = parse_cluster("a100-80g:2x8")
     cost = CostModel(model, cluster)
-    choice = choose_layerwise(model, cluster, global_batch=64, options=SearchOptions(top_k=1),
-                              cost=cost)
+    choice = _choose(model, cluster, 64, SearchOptions(top_k=1), cost)
     assert choice.layerwise is not None and choice.regular is not None
-    assert choice.regular_tokens_per_s > choice.layerwise.estimate.tokens_per_s
+    assert _tokens(choice.regular) > choice.layerwise.estimates[0].tokens_per_s
     assert choice.source == REGULAR and choice.runnable
-    assert choice.plan == choice.regular.plans[0]
-    assert all(st.layer_strategies is None for st in choice.plan.stages)
-    assert choice.estimate.tokens_per_s == choice.regular_tokens_per_s
+    assert choice.plans[0] == choice.regular.plans[0]
+    assert all(st.layer_strategies is None for st in choice.plans[0].stages)
+    assert choice.estimates[0].tokens_per_s == _tokens(choice.regular)
 
 
 def test_the_layerwise_plan_is_returned_where_it_is_faster() -> None:
     model = load_model("llama2-7b", 2048)
     cluster = parse_cluster("a100-40g:1x8")
     cost = CostModel(model, cluster)
-    choice = choose_layerwise(model, cluster, global_batch=16, options=SearchOptions(top_k=1),
-                              cost=cost)
-    assert choice.layerwise is not None and choice.regular_tokens_per_s is not None
-    best = max(choice.layerwise.estimate.tokens_per_s, choice.regular_tokens_per_s)
-    assert choice.estimate.tokens_per_s == best
-    assert choice.source == ("layerwise" if choice.layerwise.estimate.tokens_per_s
-                             > choice.regular_tokens_per_s else REGULAR)
+    choice = _choose(model, cluster, 16, SearchOptions(top_k=1), cost)
+    assert choice.layerwise is not None and choice.regular is not None
+    best = max(choice.layerwise.estimates[0].tokens_per_s, _tokens(choice.regular))
+    assert choice.estimates[0].tokens_per_s == best
+    assert choice.source == ("layerwise" if choice.layerwise.estimates[0].tokens_per_s
+                             > _tokens(choice.regular) else REGULAR)
 
 
 def test_fp16_layerwise_search_is_refused_and_the_regular_plan_returned() -> None:
@@ -251,7 +253,7 @@ def test_fp16_layerwise_search_is_refused_and_the_regular_plan_returned() -> Non
     cost = CostModel(model, cluster)
     options = SearchOptions(top_k=1, dtype="fp16")
     with pytest.raises(PlanError, match="fp32 or bf16"):
-        search_layerwise(model, cluster, global_batch=8, options=options, cost=cost)
-    choice = choose_layerwise(model, cluster, global_batch=8, options=options, cost=cost)
+        search_per_layer(model, cluster, global_batch=8, options=options, cost=cost)
+    choice = _choose(model, cluster, 8, options, cost)
     assert choice.source == REGULAR and choice.layerwise is None
-    assert choice.layerwise_error is not None and "fp16" in choice.layerwise_error
+    assert "fp16" in choice.errors["layerwise"]

@@ -1,6 +1,6 @@
 """The transition cost prices what the runtime's redistribution sends.
 
-run/parallel/layerwise_redistribute.py's ``redistribute`` and ``redistribute_sequence`` run here on four
+run/parallel/redistribute.py's ``redistribute`` and ``redistribute_sequence`` run here on four
 threads, one per rank of a stage, over an in-process stand-in for ``torch.distributed`` that
 moves the tensors between the threads and counts, per rank and direction (forward, backward),
 the bytes each rank sends to and receives from other ranks and the ranks it talks to. For every
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-import meshmorph.run.parallel.layerwise_redistribute as runtime
+import meshmorph.run.parallel.redistribute as runtime
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.transition import transition
 from meshmorph.spec.catalog import load_model
@@ -97,7 +97,7 @@ class ThreadedDist:
 
 def _expected(x_all: torch.Tensor, rank: int, tp: int, sp: bool) -> torch.Tensor:
     """Rank ``rank``'s part of the stage micro-batch ``x_all`` under tp (module docstrings of
-    cost/transition.py and run/parallel/layerwise_redistribute.py)."""
+    cost/transition.py and run/parallel/redistribute.py)."""
     size = SEQUENCES // (DEVICES // tp)
     block = x_all[(rank // tp) * size:(rank // tp + 1) * size]
     if not sp or tp == 1:

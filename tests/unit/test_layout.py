@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 
 from meshmorph.elastic.moves.box import Box
 from meshmorph.elastic.moves.layout import RNG_STATE_BYTES, Layout, layout_of
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan import Plan, PlanError
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
 

@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from meshmorph.elastic.live.local_state import ReshapeError
 from meshmorph.elastic.moves.choose_plan import rank_choices
 from meshmorph.elastic.moves.layout import layout_of
 from meshmorph.elastic.moves.move_plan import plan_move
 from meshmorph.elastic.moves.move_time import MoveTimeModel, move_time
+from meshmorph.elastic.moves.placement import ReshapeError
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.cluster import parse_cluster
 from tests.unit.test_layout import plan_for

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 from meshmorph.elastic.moves.layout import DTYPE_BYTES, Layout, layout_of
 from meshmorph.elastic.moves.move_plan import FROM_CHECKPOINT, MovePlan, plan_move
 from meshmorph.elastic.moves.placement import ReshapeError
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan import Plan, PlanError
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 from tests.unit.test_layout import plan_for
 

@@ -8,9 +8,10 @@ from meshmorph.cost.model import CostModel
 from meshmorph.cost.pipeline import async_steady_step, simulate, weight_copies
 from meshmorph.plan.search import PlanDoesNotFit, search
 from meshmorph.plan.space import SearchOptions
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.cluster import parse_cluster
-from meshmorph.spec.plan import Plan, Schedule
+from meshmorph.spec.plan import Plan
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (4, 8), (3, 1)])

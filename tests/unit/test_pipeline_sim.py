@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshmorph.cost.pipeline import bubble_closed_form, schedule_ops, simulate
-from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, Schedule
+from meshmorph.schedule.table import Schedule
 
 
 @pytest.mark.parametrize("schedule", [Schedule.GPIPE, Schedule.ONE_F_ONE_B])
@@ -124,7 +124,7 @@ def pipelines(draw: st.DrawFn) -> tuple:
     schedule = draw(st.sampled_from(tuple(Schedule)))
     p = draw(st.integers(1, 4))
     v = draw(st.integers(2, 3)) if schedule == Schedule.INTERLEAVED else \
-        2 if schedule in V_SCHEDULES else 1
+        2 if schedule.v_shape else 1
     m = p * draw(st.integers(1, 3)) if schedule == Schedule.INTERLEAVED else \
         draw(st.integers(2 * p if schedule == Schedule.DUALPIPEV else 1, 8))
     chunks = p * v
@@ -141,7 +141,7 @@ def pipelines(draw: st.DrawFn) -> tuple:
 @given(case=pipelines())
 def test_makespan_never_decreases_when_one_stage_gets_slower(case: tuple) -> None:
     schedule, p, m, v, fwd, bwd, wgrad, p2p, kind, which, delta = case
-    zb = schedule in SPLIT_BACKWARD_SCHEDULES
+    zb = schedule.split_backward
 
     def run(times: dict[str, list[float]]) -> float:
         return simulate(schedule, p, m, times["fwd"], times["bwd"], v=v,

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import pytest
 
 from meshmorph.cost.pipeline import simulate
-from meshmorph.spec.plan import Schedule
+from meshmorph.schedule.table import Schedule
 
 # ---- frozen reference (private copy; used only by this test) --------------------------------
 

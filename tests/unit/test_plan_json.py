@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import Plan, PlanError, Schedule, StagePlan
+from meshmorph.spec.plan import Plan, PlanError, StagePlan
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
 MODEL = build_transformer(TransformerShape(name="gpt-6h", arch="gpt", num_layers=4,

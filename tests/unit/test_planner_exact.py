@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from meshmorph.plan.brute_force import brute_force, count_plans
 from meshmorph.plan.search import PlanDoesNotFit, search
 from meshmorph.plan.space import SearchOptions, configurations
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import Cluster, parse_cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Schedule
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
 MAX_PLANS = 5_000  # about one second of brute force per instance

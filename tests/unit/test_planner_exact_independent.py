@@ -43,9 +43,10 @@ import pytest
 from meshmorph.cost.model import CostModel
 from meshmorph.plan.search import PlanDoesNotFit, search
 from meshmorph.plan.space import SearchOptions
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import Cluster, parse_cluster
 from meshmorph.spec.model import LayerSpec, ModelSpec, Recompute
-from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, Plan, Schedule, StagePlan
+from meshmorph.spec.plan import Plan, StagePlan
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
 CASES = 200
@@ -143,10 +144,10 @@ def _shapes(model: ModelSpec, cluster: Cluster, batch: int,
                         continue
                     m = batch // dp // b
                     schedules = [(Schedule.ONE_F_ONE_B, 1)] if pp == 1 else [
-                        (s, 1) for s in options.schedules if s not in V_SCHEDULES
+                        (s, 1) for s in options.schedules if not s.v_shape
                         and (s == Schedule.GPIPE or (s != Schedule.INTERLEAVED and m >= pp))]
                     if pp > 1 and blocks >= 2 * pp:  # two chunks per rank in a V
-                        schedules += [(s, 2) for s in options.schedules if s in V_SCHEDULES
+                        schedules += [(s, 2) for s in options.schedules if s.v_shape
                                       and (s == Schedule.ZBV or m >= 2 * pp)]
                     if pp > 1 and Schedule.INTERLEAVED in options.schedules and m >= pp \
                             and m % pp == 0:
@@ -157,7 +158,7 @@ def _shapes(model: ModelSpec, cluster: Cluster, batch: int,
                             if sp and (model.seq_len // cp) % tp:
                                 continue
                             for schedule, v in schedules:
-                                if schedule in SPLIT_BACKWARD_SCHEDULES and zero == 3:
+                                if schedule.split_backward and zero == 3:
                                     continue  # the runtime refuses it (torch loses gradients)
                                 # FSDP prefetch: both ways wherever ZeRO-3 gathers over a
                                 # data-parallel group; elsewhere it does nothing (left on)

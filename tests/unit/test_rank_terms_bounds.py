@@ -15,9 +15,10 @@ import pytest
 from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.rank_terms import least_rank_tail_s, rank_memory_terms, rank_tail_s
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec import catalog_model, parse_cluster
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import Plan, Schedule
+from meshmorph.spec.plan import Plan
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
 

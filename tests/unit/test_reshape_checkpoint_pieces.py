@@ -11,8 +11,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from meshmorph.elastic.live.checkpoint_pieces import checkpoint_key, read_pieces
-from meshmorph.elastic.live.local_state import ReshapeError
 from meshmorph.elastic.moves.box import Box
+from meshmorph.elastic.moves.placement import ReshapeError
 
 
 def _save(path: Path) -> dict[str, torch.Tensor]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from meshmorph.run.engine.train_engine import validate_plan
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import catalog_model
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan import Plan, PlanError
 
 
 def _zb(zero: int) -> Plan:

@@ -106,3 +106,21 @@ def test_bad_timeline_arguments_get_one_line_errors(args: list[str], message: st
     assert main(["timeline", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_timeline_too_large_to_read_is_refused_in_a_second(capsys: pytest.CaptureFixture,
+                                                             tmp_path: Path) -> None:
+    code = main(["timeline", "--schedule", "1f1b", "--pp", "100000", "--microbatches", "100000",
+                 "--png", str(tmp_path / "t.png")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "10,000,000,000 (stage, micro-batch) pairs is above the 65,536 a readable chart" in err
+    assert not (tmp_path / "t.png").exists()
+
+
+def test_the_schedule_library_refuses_lists_that_would_take_minutes() -> None:
+    from meshmorph.schedule.one_f_one_b import ScheduleShapeError
+    from meshmorph.schedule.registry import MAX_PAIRS, schedule_actions
+
+    with pytest.raises(ScheduleShapeError, match="lower pp or the micro-batch count"):
+        schedule_actions("interleaved", 64, MAX_PAIRS // 128 + 64, 2)

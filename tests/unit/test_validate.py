@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshmorph.cost.profile import Profile, layer_key
-from meshmorph.predict.accuracy import kendall_tau, mape
+from meshmorph.profile.accuracy import kendall_tau, mape
 from meshmorph.profile.schedule_overhead import measures
 from meshmorph.profile.validate import (
     candidate_plans,
@@ -14,9 +14,9 @@ from meshmorph.profile.validate import (
     predict,
     spanning_plans,
 )
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import Schedule
 
 
 def test_mape_of_ten_percent_over_and_under_is_ten_percent() -> None:

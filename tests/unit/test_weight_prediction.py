@@ -19,7 +19,8 @@ from meshmorph.run.async_pipe.actions import (
 from meshmorph.run.async_pipe.config import AsyncPipelineConfig
 from meshmorph.run.async_pipe.prediction import PredictionGuard, predict
 from meshmorph.run.async_pipe.weights import WeightSource
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.schedule.table import Schedule
+from meshmorph.spec.plan import Plan, PlanError
 
 
 def constant_gradient_steps(param: torch.Tensor, opt: torch.optim.Optimizer, grad: torch.Tensor,

@@ -12,16 +12,22 @@ import argparse
 import importlib
 import sys
 
-# module path -> the subcommands it registers (imported lazily only when needed for speed)
+from meshmorph.cli.output import check_outputs
+
+# one module per subcommand, in the order of `meshmorph --help`
 _COMMAND_MODULES = (
     "meshmorph.cli.plan",  # plan, estimate
-    "meshmorph.cli.catalog",  # models, gpus
-    "meshmorph.cli.run",  # run, demo
+    "meshmorph.cli.models",  # models
+    "meshmorph.cli.gpus",  # gpus
+    "meshmorph.cli.run",  # run
+    "meshmorph.cli.demo",  # demo
     "meshmorph.cli.reshape",  # reshape
     "meshmorph.cli.timeline",  # timeline
     "meshmorph.cli.streams",  # streams
-    "meshmorph.cli.simulate",  # simulate, advise
-    "meshmorph.cli.profile",  # profile, validate
+    "meshmorph.cli.simulate",  # simulate
+    "meshmorph.cli.advise",  # advise
+    "meshmorph.cli.profile",  # profile
+    "meshmorph.cli.validate",  # validate
 )
 
 
@@ -40,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_outputs(args)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("meshmorph: interrupted", file=sys.stderr)

@@ -7,13 +7,14 @@ loss.png into the run folder it names at the end.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
+from meshmorph.cli.run import draw_loss_chart
+from meshmorph.plan.report import print_plans, report_console
 from meshmorph.run.job import load_job
 from meshmorph.run.launch.launcher import PreparedRun, check_plan_for_job, launch, searched_plans
+from meshmorph.run.metrics import METRICS_FILE, read_metrics
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.plan import Plan, PlanError
 
@@ -53,30 +54,8 @@ out_dir = "{out_dir}"
 """
 
 
-def _plans_table(plans: list[Plan]) -> Table:
-    table = Table(title="plans for the demo, best first")
-    for column in ("#", "tp", "pp", "dp", "zero", "micro-batch x m", "schedule", "step time (pred.)"):
-        table.add_column(column, justify="right")
-    for index, plan in enumerate(plans):
-        predicted = (plan.predicted or {}).get("step_time_s")
-        table.add_row(str(index + 1), str(plan.tp), str(plan.pp), str(plan.dp), str(plan.zero),
-                      f"{plan.micro_batch} x {plan.num_microbatches}", str(plan.schedule),
-                      f"{predicted * 1e3:.1f} ms" if predicted else "-")
-    return table
-
-
-def show_plans(plans: list[Plan], console: Console) -> None:
-    try:
-        from meshmorph.plan.report import print_plans
-    except ModuleNotFoundError:
-        console.print(_plans_table(plans))
-        return
-    print_plans(plans, console)
-
-
 def run_demo(*, nproc: int = 4, steps: int | None = None, out: Path | None = None) -> int:
     """Plan, show, train; returns the launcher's exit code."""
-    from meshmorph.plan.report import report_console
     from meshmorph.run.launch.run_folder import RunLock, check_fresh, make_folder
 
     if nproc < 1 or (steps is not None and steps < 1):
@@ -105,17 +84,16 @@ def run_demo(*, nproc: int = 4, steps: int | None = None, out: Path | None = Non
         from meshmorph.run.launch.launcher import default_plan
 
         plans = [default_plan(job, model, nproc)]
-    show_plans(plans[:8], console)
+    print_plans(plans[:8], console)
     plan = plans[0]
     console.print(f"training plan 1: tp {plan.tp} x pp {plan.pp} x dp {plan.dp}, zero {plan.zero}, "
                   f"micro-batches {plan.num_microbatches} x {plan.micro_batch}, {plan.schedule}")
     check_plan_for_job(plan, job, model, nproc)
     code = launch(PreparedRun(job_path=job_path, job=job, model=model, plan=plan, nproc=nproc,
                               out_dir=out_dir, resume=False))
-    metrics = out_dir / "metrics.jsonl"
+    metrics = out_dir / METRICS_FILE
     if code == 0 and metrics.is_file():
-        from meshmorph.viz.loss_chart import read_metrics
-
+        draw_loss_chart(out_dir)
         records = read_metrics(metrics)
         console.print(f"loss {records[0]['loss']:.3f} at step 1 -> {records[-1]['loss']:.3f} at "
                       f"step {records[-1]['step']}")
@@ -129,3 +107,20 @@ def _fits(plan: Plan, job: object, model: object, nproc: int) -> bool:
     except PlanError:
         return False
     return True
+
+
+def _demo(args: argparse.Namespace) -> int:
+    return run_demo(nproc=args.nproc, steps=args.steps, out=args.out)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    demo = subparsers.add_parser(
+        "demo", help="plan and train a small GPT on local CPU processes (about a minute)",
+        description="Plan gpt-small for local CPU processes, show the plans, train it on a "
+                    "synthetic task and write metrics.jsonl and loss.png.",
+    )
+    demo.add_argument("--nproc", type=int, default=4, help="processes (default 4)")
+    demo.add_argument("--steps", type=int, default=None,
+                      help="training steps (default: about a minute of training)")
+    demo.add_argument("--out", type=Path, default=None, help="run folder (default runs/demo)")
+    demo.set_defaults(func=_demo)

@@ -1,8 +1,10 @@
-"""Output files of the subcommands: refuse an unwritable path before any work is done, write
-JSON with a one-line error a user can act on."""
+"""Output files of the subcommands: every flag that names a file to write is declared with
+``add_output``, and ``check_outputs`` (called by cli/app.py before any subcommand runs) refuses an
+unwritable path before any work is done; JSON is written with a one-line error a user can act on."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -36,3 +38,16 @@ def check_writable(path: Path | None, flag: str) -> None:
         raise ValueError(f"{flag} {path}: {parent} is not a folder; pass a writable path")
     if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise ValueError(f"cannot write {path} (permission denied); pass a writable path to {flag}")
+
+
+def add_output(parser: argparse.ArgumentParser, flag: str, help: str, **kwargs: Any) -> None:
+    """A flag naming a file the subcommand writes (checked writable before the work starts)."""
+    kwargs.setdefault("metavar", "FILE")
+    parser.add_argument(flag, type=Path, default=kwargs.pop("default", None), help=help, **kwargs)
+    parser.set_defaults(output_flags=(*(parser.get_default("output_flags") or ()), flag))
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse any output flag of the parsed subcommand whose path cannot be written."""
+    for flag in getattr(args, "output_flags", ()):
+        check_writable(getattr(args, flag.lstrip("-").replace("-", "_")), flag)

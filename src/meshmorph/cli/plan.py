@@ -1,4 +1,5 @@
-"""Subcommands of the plan package: ``meshmorph plan`` and ``estimate``.
+"""Subcommands of the plan package: ``meshmorph plan`` (``--layerwise`` / ``--uniform`` too)
+and ``estimate``.
 
 Every error a user can fix (unknown model or GPU, a bad cluster string, degrees that do not match
 the cluster, a batch that does not divide, no plan that fits) is a ValueError, which the console
@@ -14,9 +15,23 @@ from pathlib import Path
 
 from meshmorph.cli.args import bounded_int, positive_int
 from meshmorph.cli.output import check_writable, unwritable, write_json
-from meshmorph.plan.report import report_console
-from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import V_SCHEDULES, WEIGHT_PREDICTIONS, Plan, PlanError, Schedule
+from meshmorph.cost.model import CostModel
+from meshmorph.cost.profile import Profile
+from meshmorph.cost.rank_state import predict_ranks
+from meshmorph.cost.segments import as_layerwise
+from meshmorph.plan.report import (
+    layer_strategy_summary,
+    print_estimate,
+    print_plans,
+    report_console,
+)
+from meshmorph.plan.search import LAYERWISE, SearchResult, search
+from meshmorph.plan.space import SearchOptions
+from meshmorph.schedule.table import Schedule
+from meshmorph.spec.catalog import load_model
+from meshmorph.spec.cluster import Cluster, parse_cluster
+from meshmorph.spec.model import ModelSpec, Recompute
+from meshmorph.spec.plan import WEIGHT_PREDICTIONS, Plan, PlanError
 from meshmorph.spec.plan_file import load_plan
 
 DTYPES = ("bf16", "fp16", "fp32")
@@ -47,14 +62,6 @@ def _write_charts(plan: Plan, cost, estimate, chart: Path, console) -> None:  # 
 
 # --- meshmorph plan --------------------------------------------------------------------------
 def _plan(args: argparse.Namespace) -> int:
-    from meshmorph.cost.model import CostModel
-    from meshmorph.cost.profile import Profile
-    from meshmorph.plan.report import print_plans
-    from meshmorph.plan.search import search
-    from meshmorph.plan.space import SearchOptions
-    from meshmorph.spec.catalog import load_model
-    from meshmorph.spec.cluster import parse_cluster
-
     if args.max_nodes < 0:
         raise ValueError(f"--max-nodes must be 0 (no limit) or a positive count, got "
                          f"{args.max_nodes}")
@@ -65,17 +72,18 @@ def _plan(args: argparse.Namespace) -> int:
     check_writable(args.chart, "--chart")
     model = load_model(args.model, args.seq_len)
     cluster = parse_cluster(args.cluster)
+    layerwise = args.layerwise or args.uniform
     options = SearchOptions(top_k=args.top, dtype=args.dtype, max_micro_batch=args.max_micro_batch,
                             tolerance=args.tolerance, max_nodes=args.max_nodes or None,
                             allow_async=args.allow_async,
                             weight_prediction=args.weight_prediction, cp_max=args.max_cp,
-                            tp_comm_overlap=(False, True) if args.tp_comm_overlap else (False,))
+                            tp_comm_overlap=(False, True) if args.tp_comm_overlap else (False,),
+                            layerwise=layerwise, one_strategy_per_stage=args.uniform,
+                            runnable_only=args.layerwise_schedules == "runnable")
     cost = CostModel(model, cluster, profile=Profile.load(args.profile) if args.profile else None)
-    if args.layerwise or args.uniform:
-        from meshmorph.cli.plan_layerwise import plan_layerwise
-
-        return plan_layerwise(args, model, cluster, options, cost)
     result = search(model, cluster, global_batch=args.global_batch, options=options, cost=cost)
+    if layerwise:
+        return _report_layerwise(args, model, cluster, options, cost, result)
     console = report_console()
     params = (f"{model.num_params / 1e9:.2f} B" if model.num_params >= 1e9
               else f"{model.num_params / 1e6:.2f} M")
@@ -104,6 +112,73 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _figure(tokens_per_s: float | None) -> str:
+    return "none fits" if tokens_per_s is None else f"{tokens_per_s:,.0f} tokens/s"
+
+
+def _tokens(result: SearchResult | None, uniform: bool = False) -> float | None:
+    """A result's best throughput (with ``uniform``, its best with one strategy per stage)."""
+    found = (result.uniform_estimate if uniform else result.estimates[0]) if result else None
+    return found.tokens_per_s if found else None
+
+
+def _report_layerwise(args: argparse.Namespace, model: ModelSpec, cluster: Cluster,
+                      options: SearchOptions, cost: CostModel, choice: SearchResult) -> int:
+    """``--layerwise`` / ``--uniform``: the returned plan beside the per-layer space's best,
+    its best with one strategy per stage and the regular planner's; ``--json``."""
+    result, regular = choice.layerwise, choice.regular
+    runnable = options.runnable_only
+    console = report_console()
+    console.print(f"[bold]{model.name}[/] (seq {model.seq_len}) on {cluster.describe()} "
+                  f"({cluster.world_size} GPUs), global batch {args.global_batch}, "
+                  f"{'one strategy per stage' if args.uniform else 'a strategy per layer'}, "
+                  f"{'runnable schedules' if runnable else 'every schedule (priced only)'}")
+    plan = choice.plans[0]
+    print_plans([plan], console, model=model, title=f"best plan (from the {choice.source} search)")
+    for line in layer_strategy_summary(plan):
+        console.print(f"layer strategies, {line}")
+    layerwise, uniform, regular_tokens = _tokens(result), _tokens(result, True), _tokens(regular)
+    regular_lw = None  # the regular plan priced layer by layer, where the layerwise engine runs it
+    if regular is not None and regular.plans[0].schedule != Schedule.ASYNC \
+            and regular.plans[0].cp == 1:
+        regular_lw = cost.estimate(as_layerwise(regular.plans[0])).tokens_per_s
+    console.print(f"returned the {choice.source} plan, {choice.estimates[0].tokens_per_s:,.0f} "
+                  f"tokens/s; layerwise search {_figure(layerwise)}, its best with one strategy "
+                  f"per stage {_figure(uniform)}; regular planner {_figure(regular_tokens)}")
+    if LAYERWISE in choice.errors:
+        console.print(f"layerwise search: {choice.errors[LAYERWISE]}")
+    if not choice.runnable:
+        console.print("[yellow]this plan cannot be run yet[/]: the layerwise runtime runs "
+                      "pipelines without sequence parallelism, untied for pp > 1; plan with "
+                      "--layerwise-schedules runnable for one it runs")
+    if result is not None:
+        console.print(f"layerwise: {result.configurations} configurations, "
+                      f"{result.configurations_solved} solved, in {result.search_time_s:.2f} s; "
+                      f"proven within {result.optimality_gap:.2%} of the optimum under the "
+                      "layerwise cost model")
+    if args.json:
+        write_json(args.json, {
+            "search_time_s": result.search_time_s if result else None,
+            "regular_search_time_s": regular.search_time_s if regular else None,
+            "cluster": cluster.describe(),
+            "layerwise": not args.uniform,
+            "layerwise_schedules": "runnable" if runnable else "all",
+            "returned": choice.source,
+            "runnable": choice.runnable,
+            "configurations": result.configurations if result else None,
+            "configurations_solved": result.configurations_solved if result else None,
+            "lower_bound_s": result.lower_bound_s if result else None,
+            "optimality_gap": result.optimality_gap if result else None,
+            "layerwise_best_tokens_per_s": layerwise,
+            "uniform_best_tokens_per_s": uniform,
+            "regular_best_tokens_per_s": regular_tokens,
+            "regular_best_layerwise_cost_tokens_per_s": regular_lw,
+            "plans": [plan.to_dict()],
+        })
+        console.print(f"plans written to {args.json}")
+    return 0
+
+
 # --- meshmorph estimate ----------------------------------------------------------------------
 def build_plan(args: argparse.Namespace, model) -> Plan:  # type: ignore[no-untyped-def]
     """The Plan the ``estimate`` flags describe (or the ``--plan`` file), stages filled in."""
@@ -121,8 +196,8 @@ def build_plan(args: argparse.Namespace, model) -> Plan:  # type: ignore[no-unty
     vpp = args.vpp
     schedule = Schedule(args.schedule) if args.schedule else (
         Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B)
-    if schedule in V_SCHEDULES:  # two chunks per rank in a V, whatever --vpp says
-        vpp = 2
+    if schedule.v_shape:  # the table's chunks per rank, whatever --vpp says
+        vpp = schedule.info.vpp_for(vpp)
     # default batch: one micro-batch per pipeline stage on every data-parallel rank
     global_batch = args.global_batch or dp * micro * pp
     if global_batch % (dp * micro):
@@ -141,12 +216,6 @@ def build_plan(args: argparse.Namespace, model) -> Plan:  # type: ignore[no-unty
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from meshmorph.cost.model import CostModel
-    from meshmorph.cost.profile import Profile
-    from meshmorph.plan.report import print_estimate
-    from meshmorph.spec.catalog import load_model
-    from meshmorph.spec.cluster import parse_cluster
-
     check_writable(args.json, "--json")
     check_writable(args.chart, "--chart")
     cluster = parse_cluster(args.cluster)
@@ -161,18 +230,11 @@ def _estimate(args: argparse.Namespace) -> int:
     plan = build_plan(args, model)
     plan.check_against(model, cluster.world_size)
     cost = CostModel(model, cluster, profile=Profile.load(args.profile) if args.profile else None)
-    if any(stage.layer_strategies is not None for stage in plan.stages):
-        from meshmorph.cost.layerwise_cost import estimate_layerwise
-
-        estimate = estimate_layerwise(cost, plan)  # per-layer strategies: their own cost model
-    else:
-        estimate = cost.estimate(plan)
+    estimate = cost.estimate(plan)  # each stage's segments, layer strategies or not
     console = report_console()
     console.print(f"[bold]{model.name}[/] on {cluster.describe()} ({cluster.world_size} GPUs)")
     print_estimate(plan, estimate, console, model=model)
     if args.json:
-        from meshmorph.cost.rank_state import predict_ranks
-
         # per-rank state and traffic: what the run's "state" line measures against
         predicted = {**estimate.to_dict(), "ranks": predict_ranks(model, plan)}
         write_json(args.json, replace(plan, predicted=predicted).to_dict())
@@ -184,6 +246,11 @@ def _estimate(args: argparse.Namespace) -> int:
 
 # --- registration ----------------------------------------------------------------------------
 def register(subparsers: argparse._SubParsersAction) -> None:
+    _register_plan(subparsers)
+    _register_estimate(subparsers)
+
+
+def _register_plan(subparsers: argparse._SubParsersAction) -> None:
     plan = subparsers.add_parser(
         "plan", help="search the fastest parallel layouts of a model on a cluster",
         description="Search tp/pp/dp, ZeRO, sequence parallel, micro-batch, schedule, stage "
@@ -239,6 +306,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            "per stage to NAME-memory.png)")
     plan.set_defaults(func=_plan)
 
+
+def _register_estimate(subparsers: argparse._SubParsersAction) -> None:
     est = subparsers.add_parser(
         "estimate", help="predict step time and memory of one layout",
         description="Predict one plan's step time (with its terms), throughput, MFU and memory "

@@ -12,8 +12,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meshmorph.elastic.moves.move_plan import DEFAULT_STAGING_BYTES, MovePlan
+from meshmorph.cli.output import add_output, write_json
+from meshmorph.cost.model import CostModel
+from meshmorph.cost.profile import Profile
+from meshmorph.elastic.moves.layout import layout_of
+from meshmorph.elastic.moves.move_plan import DEFAULT_STAGING_BYTES, MovePlan, plan_move
+from meshmorph.elastic.moves.move_time import MoveTimeModel, predict_move_time_s
 from meshmorph.elastic.moves.placement import ReshapeError
+from meshmorph.plan.report import does_not_fit_line, plan_headline, report_console
+from meshmorph.spec.catalog import load_model
+from meshmorph.spec.cluster import parse_cluster
+from meshmorph.spec.plan_file import load_plan
 
 
 def _ids(text: str) -> list[int]:
@@ -68,7 +77,6 @@ def report(best: MovePlan, naive: MovePlan, best_s: float, naive_s: float) -> di
 def _print(best: MovePlan, naive: MovePlan, best_s: float, naive_s: float, headline: str) -> None:
     from rich.table import Table
 
-    from meshmorph.plan.report import report_console
 
     console = report_console()
     console.print(headline)
@@ -137,18 +145,6 @@ def draw(best: MovePlan, naive: MovePlan, out_png: Path) -> Path:
 
 
 def _reshape(args: argparse.Namespace) -> int:
-    from meshmorph.cli.output import check_writable, write_json
-    from meshmorph.cost.model import CostModel
-    from meshmorph.elastic.moves.layout import layout_of
-    from meshmorph.elastic.moves.move_plan import plan_move
-    from meshmorph.elastic.moves.move_time import predict_move_time_s
-    from meshmorph.plan.report import does_not_fit_line, plan_headline
-    from meshmorph.spec.catalog import load_model
-    from meshmorph.spec.cluster import parse_cluster
-    from meshmorph.spec.plan_file import load_plan
-
-    check_writable(args.json, "--json")
-    check_writable(args.png, "--png")
     plan_a, plan_b = load_plan(args.from_plan), load_plan(args.to_plan)
     if (plan_a.model, plan_a.seq_len) != (plan_b.model, plan_b.seq_len):
         raise ReshapeError(f"--from is a plan for {plan_a.model} at seq_len {plan_a.seq_len}, "
@@ -175,8 +171,6 @@ def _reshape(args: argparse.Namespace) -> int:
                            "larger --cluster")
     time_model = None
     if args.profile is not None:  # measured point-to-point alpha/beta instead of the catalog's
-        from meshmorph.cost.profile import Profile
-        from meshmorph.elastic.moves.move_time import MoveTimeModel
 
         time_model = MoveTimeModel.from_profile(Profile.load(args.profile))
     best_s = predict_move_time_s(best, cluster, model=time_model)
@@ -220,8 +214,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
                         help="price messages with a measured profile's send_recv/2 alpha/beta "
                              "(meshmorph profile --out FILE) instead of the catalog's links")
-    parser.add_argument("--json", type=Path, default=None, metavar="OUT",
-                        help="write the move's figures as JSON")
-    parser.add_argument("--png", type=Path, default=None, metavar="OUT",
-                        help="draw bytes per link for both placements")
+    add_output(parser, "--json", help="write the move's figures as JSON")
+    add_output(parser, "--png", help="draw bytes per link for both placements")
     parser.set_defaults(func=_reshape)

@@ -1,4 +1,4 @@
-"""Subcommands of the run package: ``meshmorph run`` and ``meshmorph demo``."""
+"""``meshmorph run``: check a job file, its data and its plan, then train it under torchrun."""
 
 from __future__ import annotations
 
@@ -6,24 +6,33 @@ import argparse
 import os
 from pathlib import Path
 
+from meshmorph.run.engine.pipeline import TRACE_ENV
+from meshmorph.run.launch.launcher import launch, prepare_run
+from meshmorph.run.metrics import LOSS_CHART, METRICS_FILE, read_metrics
+
+
+def draw_loss_chart(out_dir: Path) -> Path | None:
+    """``loss.png`` of a run folder from its ``metrics.jsonl`` (None without step records)."""
+    from meshmorph.viz.loss_chart import write_loss_chart
+
+    metrics = out_dir / METRICS_FILE
+    records = read_metrics(metrics) if metrics.is_file() else []
+    return write_loss_chart(records, out_dir / LOSS_CHART) if records else None
+
 
 def _run(args: argparse.Namespace) -> int:
-    from meshmorph.run.launch.launcher import run_job
-
     if args.trace:  # the ranks (started by torchrun) inherit it: run/engine/pipeline.py's RunTrace
-        from meshmorph.run.engine.pipeline import TRACE_ENV
-
         os.environ[TRACE_ENV] = str(args.trace)
-    return run_job(args.config, nproc=args.nproc, plan_arg=args.plan, resume=args.resume,
-                   out=args.out, reshard=args.reshard, elastic=args.elastic,
-                   inject_failure=args.inject_failure, node_rank=args.node_rank,
-                   rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from meshmorph.cli.demo import run_demo
-
-    return run_demo(nproc=args.nproc, steps=args.steps, out=args.out)
+    run = prepare_run(args.config, nproc=args.nproc, plan_arg=args.plan, resume=args.resume,
+                      out=args.out, reshard=args.reshard, elastic=args.elastic,
+                      inject_failure=args.inject_failure, node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+    code = launch(run)
+    if run.node is None or run.node.rank == 0:
+        chart = draw_loss_chart(run.out_dir)
+        if chart is not None:
+            print(f"loss chart in {chart}", flush=True)
+    return code
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,14 +73,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="with --node-rank: the job's id, the same on every node (default: "
                           "from the endpoint)")
     run.set_defaults(func=_run)
-
-    demo = subparsers.add_parser(
-        "demo", help="plan and train a small GPT on local CPU processes (about a minute)",
-        description="Plan gpt-small for local CPU processes, show the plans, train it on a "
-                    "synthetic task and write metrics.jsonl and loss.png.",
-    )
-    demo.add_argument("--nproc", type=int, default=4, help="processes (default 4)")
-    demo.add_argument("--steps", type=int, default=None,
-                      help="training steps (default: about a minute of training)")
-    demo.add_argument("--out", type=Path, default=None, help="run folder (default runs/demo)")
-    demo.set_defaults(func=_demo)

@@ -1,4 +1,5 @@
-"""``meshmorph simulate`` and ``meshmorph advise``: a training run on transient cloud GPUs."""
+"""``meshmorph simulate``: a training run on spot GPUs across zones, P10/P50/P90 time and cost per
+policy, from the fitted capacity and preemption processes or replayed from a recorded trace."""
 
 from __future__ import annotations
 
@@ -6,175 +7,199 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from meshmorph.cli.args import positive_float, positive_int
-from meshmorph.cli.output import write_json
+from meshmorph.cli.output import add_output, write_json
+from meshmorph.plan.report import report_console
+from meshmorph.predict.cloud_catalog import load_catalog
+from meshmorph.predict.market import Market, MarketRequest, build_market
+from meshmorph.predict.overheads import Overheads
+from meshmorph.predict.policy import Policy
+from meshmorph.predict.scenario import PolicyResult, Scenario, run_scenario
+from meshmorph.predict.spot_data import PreemptionMode
+from meshmorph.predict.traces import PACKAGED, load_trace
+from meshmorph.predict.training_job import TrainingJob, default_global_batch, steps_for_tokens
+from meshmorph.spec.catalog import load_model
+from meshmorph.spec.cluster import Cluster, parse_cluster
+from meshmorph.spec.gpus import load_gpus_toml
+from meshmorph.viz.predict_charts import write_timeline_chart
+
+DEFAULT_PROVIDER = "gcp-spot"
+"""Provider when neither --provider nor the cluster file names one."""
 
 
-def _price(cluster: Any, spot: bool, catalog: Any) -> float:
+def zones_arg(text: str) -> tuple[str, ...]:
+    """``auto`` (every zone with data) or a comma-separated list of zones."""
+    return () if text.strip() == "auto" else tuple(z.strip() for z in text.split(",") if z.strip())
+
+
+def policies_for(args: argparse.Namespace, mode: PreemptionMode) -> tuple[Policy, ...]:
+    """The policies to compare: the one asked, else all that apply (reshape only in lifetime
+    mode: where a zone's capacity takes every node at once nobody survives to continue)."""
+    if not args.spot:
+        return (Policy.ON_DEMAND,)
+    if args.policy:
+        if args.policy is Policy.DEADLINE and args.deadline is None:
+            raise ValueError("--policy deadline needs --deadline HOURS")
+        return (args.policy,)
+    every = (Policy.RESTART, Policy.RESHAPE, Policy.MULTI_ZONE, Policy.DEADLINE, Policy.ON_DEMAND)
+    return tuple(p for p in every if (p is not Policy.DEADLINE or args.deadline is not None)
+                 and (p is not Policy.RESHAPE or mode is PreemptionMode.LIFETIME))
+
+
+def market_for(args: argparse.Namespace, cluster: Cluster) -> Market:
+    """The zones, processes and prices the run may use."""
     group = cluster.groups[0]
-    if group.price_per_gpu_hour is not None and group.transient == spot:
-        return group.price_per_gpu_hour
-    price = group.gpu.spot_price_per_hour if spot else group.gpu.price_per_hour
-    if price is None:
-        for instance in catalog.instances.values():
-            if instance.gpu == group.gpu.name:
-                price = instance.price_per_gpu_hour(spot)
-                if price is not None:
-                    break
-    if price is None:
-        kind = "spot" if spot else "on-demand"
-        raise ValueError(f"no {kind} price for {group.gpu.name}; set price_per_gpu_hour in the "
-                         "cluster file (transient = true for spot) or add an instance with "
-                         "--catalog FILE")
-    return price
+    user_price = group.price_per_gpu_hour if group.transient else None
+    return build_market(MarketRequest(
+        gpu=group.gpu.name, gpus_per_node=cluster.gpus_per_node,
+        provider=args.provider or cluster.provider or DEFAULT_PROVIDER, zones=args.zones,
+        mode=args.preemption, trace=load_trace(args.trace) if args.trace else None,
+        spot_gpu_usd_per_h=user_price), load_catalog(args.catalog))
+
+
+def _zones_used(summary: dict[str, Any], limit: int = 3) -> str:
+    shares = list(summary["zones"].items())
+    text = ", ".join(f"{z} {s:.0%}" for z, s in shares[:limit])
+    return text + (f" +{len(shares) - limit}" if len(shares) > limit else "")
+
+
+def _row(table: Table, name: str, source: str, s: dict[str, Any], deadline: float | None) -> None:
+    cells = [name, source, _zones_used(s),
+             " / ".join(f"{s[f'time_h_p{p}']:.1f}" for p in (10, 50, 90)),
+             " / ".join(f"{s[f'cost_usd_p{p}']:,.0f}" for p in (10, 50, 90)),
+             f"{s['preemptions_mean']:.1f}"]
+    if deadline is not None:
+        cells.append(f"{s['met_deadline']:.0%}")
+    table.add_row(*cells)
+
+
+def print_results(console: Console, results: list[PolicyResult], runs: int,
+                  deadline: float | None) -> None:
+    """One row per policy (and per source with a trace): P10/P50/P90 time and cost, zones used."""
+    table = Table(title=f"{runs} runs per policy: P10 / P50 / P90", title_justify="left")
+    for name in ("policy", "from", "zones used (share of training)", "time h", "cost $",
+                 "nodes lost") + (("met deadline",) if deadline is not None else ()):
+        table.add_column(name, justify="right" if name in ("time h", "cost $", "nodes lost",
+                                                           "met deadline") else "left")
+    for r in results:
+        _row(table, str(r.policy), "fit", r.model, deadline)
+        if r.replay is not None:
+            _row(table, "", "trace", r.replay, deadline)
+    console.print(table)
+
+
+def print_market(console: Console, market: Market, limit: int = 13) -> None:
+    """The zones: capacity share (95% interval), mean periods, prices."""
+    table = Table(title=f"zones ({market.availability_source}; preemption: {market.mode}, "
+                        f"lifetimes: {market.lifetime_source})", title_justify="left")
+    for name in ("zone", "capacity share (95%)", "up h", "wait h", "spot $/node-h",
+                 "on-demand $/node-h"):
+        table.add_column(name, justify="left" if name == "zone" else "right")
+    for zone in market.zones[:limit]:
+        a = zone.availability
+        share = "always (no data)" if a is None else \
+            f"{a.share:.2f} ({a.share_ci95[0]:.2f}-{a.share_ci95[1]:.2f})"
+        table.add_row(zone.name, share, "-" if a is None else f"{a.up.mean_h:.1f}",
+                      "-" if a is None else f"{a.down.mean_h:.2f}",
+                      f"{zone.spot_node_usd_per_h:.2f}", f"{zone.on_demand_node_usd_per_h:.2f}")
+    console.print(table)
+    for note in market.notes:
+        console.print(f"[dim]note:[/] {note}")
+
+
+def _market_json(market: Market) -> dict[str, Any]:
+    return {"provider": market.provider.name, "mode": str(market.mode),
+            "availability_source": market.availability_source,
+            "lifetime_source": market.lifetime_source, "notes": list(market.notes),
+            "zones": [{"zone": z.name, "spot_node_usd_per_h": z.spot_node_usd_per_h,
+                       "on_demand_node_usd_per_h": z.on_demand_node_usd_per_h,
+                       "price": z.price_note,
+                       "availability": None if z.availability is None else z.availability.to_dict(),
+                       "lifetime": z.lifetime.source} for z in market.zones]}
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from meshmorph.plan.report import report_console
-    from meshmorph.predict.cloud_catalog import load_catalog
-    from meshmorph.predict.overheads import Overheads
-    from meshmorph.predict.simulate import SimulationConfig, simulate_run, summarize
-    from meshmorph.predict.training_job import TrainingJob, default_global_batch, steps_for_tokens
-    from meshmorph.spec.catalog import load_model
-    from meshmorph.spec.cluster import parse_cluster
-    from meshmorph.viz.predict_charts import write_timeline_chart
-
     if args.gpus:
-        from meshmorph.spec.gpus import load_gpus_toml
-
         load_gpus_toml(args.gpus)
-    catalog = load_catalog(args.catalog)
-    model = load_model(args.model)
-    cluster = parse_cluster(args.cluster)
-    provider = catalog.provider(args.provider or cluster.provider or "gcp-preemptible")
-    gpu = cluster.groups[0].gpu
+    model, cluster = load_model(args.model), parse_cluster(args.cluster)
     batch = args.global_batch or default_global_batch(model.seq_len, cluster.world_size)
     steps = steps_for_tokens(args.tokens, batch, model.seq_len)
-    strategies = [args.strategy] if args.strategy else ["restart", "reshape", "on-demand"]
-    if not args.spot:
-        strategies = ["on-demand"]
+    job = TrainingJob(model=model, cluster=cluster, global_batch=batch, total_steps=steps)
+    if not cluster.homogeneous or job.plan(job.nodes) is None:
+        raise ValueError(f"no plan of {model.name} fits {cluster.describe()}; use more or larger "
+                         "GPUs (see meshmorph plan)")
+    market = market_for(args, cluster)
+    overheads = Overheads(spot=True)
+    results = run_scenario(Scenario(job=job, market=market, overheads=overheads,
+                                    policies=policies_for(args, market.mode), runs=args.runs, seed=args.seed,
+                                    deadline_h=args.deadline, replay=args.trace is not None))
+    plan = job.plan(job.nodes)
     console = report_console()
-    results, examples = {}, {}
-    for strategy in strategies:
-        spot = strategy != "on-demand"
-        job = TrainingJob(model=model, cluster=cluster, global_batch=batch, total_steps=steps,
-                          price_per_gpu_hour=_price(cluster, spot, catalog))
-        if job.plan(job.nodes) is None:
-            raise ValueError(f"no plan of {model.name} fits {cluster.describe()}; use more or "
-                             "larger GPUs (see meshmorph plan)")
-        hazard = provider.hazard_for(gpu.name)
-        overheads = Overheads(spot=spot, gpu=gpu.name, gpus_per_node=cluster.gpus_per_node,
-                              inter_node_gbps=cluster.inter_link.bandwidth_gbps)
-        runs = [simulate_run(job, hazard, overheads, SimulationConfig(strategy=strategy), seed)
-                for seed in range(args.seed, args.seed + args.runs)]
-        results[strategy] = {**summarize(runs), "price_per_gpu_hour": job.price_per_gpu_hour,
-                             "step_time_s": job.step_time_s(job.nodes),
-                             "plan": job.plan(job.nodes).to_dict()}
-        examples[strategy] = runs[0]
     console.print(f"[bold]{model.name}[/], {args.tokens:.3g} tokens = {steps} steps of {batch} "
-                  f"sequences on {cluster.describe()} ({cluster.world_size} GPUs); revocations: "
-                  f"{provider.name} ({provider.notice_s:g} s notice"
-                  + (f", {provider.max_runtime_h:g} h cap)" if provider.max_runtime_h else ")"))
-    from rich.table import Table
-
-    table = Table(title=f"{args.runs} simulated runs per strategy", title_justify="left")
-    for name in ("strategy", "$/GPU-h", "time P50 h", "time P90 h", "cost P50 $", "cost P90 $",
-                 "revocations", "lost steps"):
-        table.add_column(name, justify="left" if name == "strategy" else "right")
-    for strategy, r in results.items():
-        table.add_row(strategy, f"{r['price_per_gpu_hour']:.3f}", f"{r['time_h_p50']:.2f}",
-                      f"{r['time_h_p90']:.2f}", f"{r['cost_usd_p50']:,.0f}",
-                      f"{r['cost_usd_p90']:,.0f}", f"{r['revocations_mean']:.1f}",
-                      f"{r['lost_steps_mean']:.1f}")
-    console.print(table)
+                  f"sequences on {cluster.describe()} ({cluster.world_size} GPUs), plan tp "
+                  f"{plan.tp} pp {plan.pp} dp {plan.dp}, step {job.step_time_s(job.nodes):.2f} s; "
+                  f"{market.provider.name} ({market.provider.notice_s:g} s notice"
+                  + (f", {market.provider.max_runtime_h:g} h cap)" if market.provider.max_runtime_h
+                     else ")") + (f"; deadline {args.deadline:g} h" if args.deadline else ""))
+    print_market(console, market)
+    if args.spot and not args.policy and market.mode is PreemptionMode.CAPACITY:
+        console.print("[dim]note:[/] reshape is left out: in capacity mode a zone's capacity "
+                      "takes every node at once, so nobody survives to continue (it would be "
+                      "restart); --preemption lifetime has survivors")
+    print_results(console, results, args.runs, args.deadline)
     if args.json:
-        write_json(args.json, {"model": model.name, "cluster": cluster.describe(),
-                                "provider": provider.name, "tokens": args.tokens, "steps": steps,
-                                "global_batch": batch, "strategies": results})
+        write_json(args.json, {
+            "model": model.name, "cluster": cluster.describe(), "tokens": args.tokens,
+            "steps": steps, "global_batch": batch, "step_time_s": job.step_time_s(job.nodes),
+            "plan": plan.to_dict(), "deadline_h": args.deadline, "market": _market_json(market),
+            "policies": {str(r.policy): {"fit": r.model, "trace": r.replay, "zones": r.zones}
+                         for r in results}})
         console.print(f"results written to {args.json}")
     if args.png:
-        write_timeline_chart(examples, args.png, f"{model.name} on {cluster.describe()}: run 1")
+        write_timeline_chart({str(r.policy): r.example for r in results if r.example}, args.png,
+                             f"{model.name} on {cluster.describe()}: run 1")
         console.print(f"timeline chart: {args.png}")
-    return 0
-
-
-def _advise(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
-    from meshmorph.plan.report import report_console
-    from meshmorph.predict.advise import AdviceOptions, advise, pareto, recommend
-    from meshmorph.predict.cloud_catalog import load_catalog
-    from meshmorph.spec.catalog import load_model
-
-    if args.gpus:
-        from meshmorph.spec.gpus import load_gpus_toml
-
-        load_gpus_toml(args.gpus)
-    model = load_model(args.model)
-    options = AdviceOptions(runs=args.runs, deadline_h=args.deadline, budget_usd=args.budget)
-    front = pareto(advise(model, args.tokens, load_catalog(args.catalog), options))
-    console = report_console()
-    if not front:
-        raise ValueError("no option meets the deadline and budget; raise --deadline or --budget")
-    pick = recommend(front, args.deadline)
-    table = Table(title=f"{model.name}, {args.tokens:.3g} tokens: Pareto options (P50 over "
-                        f"{args.runs} runs)", title_justify="left")
-    for name in ("", "instance", "GPUs", "spot", "strategy", "tp/pp/dp", "time h (P90)",
-                 "cost $ (P90)"):
-        table.add_column(name, justify="left" if name in ("instance", "strategy") else "right")
-    for o in front:
-        plan = o["plan"]
-        table.add_row("*" if o is pick else "", o["instance"], str(o["gpus"]),
-                      "yes" if o["spot"] else "no", o["strategy"],
-                      f"{plan['tp']}/{plan['pp']}/{plan['dp']}",
-                      f"{o['time_h']:.1f} ({o['time_h_p90']:.1f})",
-                      f"{o['cost_usd']:,.0f} ({o['cost_usd_p90']:,.0f})")
-    console.print(table)
-    console.print(f"recommended (*): {pick['gpus']} x {pick['gpu']} ({pick['instance']}, "
-                  f"{'spot' if pick['spot'] else 'on-demand'}, {pick['strategy']}): "
-                  f"{pick['time_h']:.1f} h, ${pick['cost_usd']:,.0f} (prices read {pick['price_date']})")
-    if args.json:
-        write_json(args.json, {"model": model.name, "tokens": args.tokens, "pareto": front,
-                                "recommended": pick})
-        console.print(f"options written to {args.json}")
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     sim = subparsers.add_parser(
-        "simulate", help="simulate a training run with spot revocations: P50/P90 time and cost",
-        description="Discrete-event simulation (simpy) of a whole training run: step time from "
-                    "the planner, revocations from the fitted hazard, checkpoint, restart and "
-                    "reshape costs from CM-DARE's measurements.")
+        "simulate", help="simulate a training run on spot GPUs: P10/P50/P90 time and cost",
+        description="Discrete-event simulation (simpy) of a whole training run on spot nodes: "
+                    "step time from the planner; per zone, capacity (the chance and the wait "
+                    "to get nodes) and preemption fitted by maximum likelihood to packaged "
+                    "measurements, or replayed from a trace; dated prices per region.")
     sim.add_argument("--model", required=True, help="catalog model (see meshmorph models)")
     sim.add_argument("--tokens", required=True, type=positive_float, help="tokens to train on")
     sim.add_argument("--cluster", required=True, help="GPU:NODESxPER_NODE or a cluster .toml")
-    sim.add_argument("--spot", action="store_true", help="spot/preemptible nodes (revocations)")
-    sim.add_argument("--strategy", choices=("restart", "reshape", "on-demand"), default=None,
-                     help="recovery strategy (default: all three with --spot)")
+    sim.add_argument("--spot", action="store_true", help="spot nodes (else on-demand only)")
+    sim.add_argument("--policy", "--strategy", type=Policy, choices=list(Policy), default=None,
+                     help="what to do when capacity comes and goes (default: every policy)")
+    sim.add_argument("--zones", type=zones_arg, default=(), metavar="auto|Z1,Z2",
+                     help="zones to use (default auto: every zone with data for the GPU)")
+    sim.add_argument("--deadline", type=positive_float, default=None, metavar="HOURS",
+                     help="deadline from the first request: adds the deadline policy (spot "
+                          "while it allows, then on-demand) and the share of runs meeting it")
+    sim.add_argument("--trace", default=None, metavar="FILE|NAME",
+                     help="replay a recorded trace beside the fit: a full.json (metadata."
+                          "gap_seconds, data: 1 = no capacity), a folder of */full.json, or "
+                          f"{', '.join(PACKAGED)}")
+    sim.add_argument("--preemption", type=PreemptionMode, choices=list(PreemptionMode),
+                     default=None, help="capacity: nodes go when the zone's capacity goes; "
+                                        "lifetime: per-VM lifetimes (default: by the data)")
     sim.add_argument("--runs", type=positive_int, default=20, help="simulated runs (default 20)")
     sim.add_argument("--seed", type=int, default=0, help="first random seed (default 0)")
     sim.add_argument("--global-batch", type=positive_int, default=None,
                      help="sequences per step (default: about 2 M tokens)")
     sim.add_argument("--provider", default=None,
-                     help="cloud offering (gcp-preemptible, gcp-spot, aws-spot, azure-spot; "
-                          "default: the cluster file's, else gcp-preemptible)")
-    sim.add_argument("--catalog", type=Path, default=None, help="your cloud catalog TOML")
+                     help=f"cloud offering (gcp-spot, gcp-preemptible, aws-spot, azure-spot; "
+                          f"default: the cluster file's, else {DEFAULT_PROVIDER})")
+    sim.add_argument("--catalog", type=Path, default=None,
+                     help="your providers, zones and prices (TOML, examples/my_zones.toml)")
     sim.add_argument("--gpus", type=Path, default=None, help="your GPU TOML ([gpus.NAME])")
-    sim.add_argument("--json", type=Path, default=None, help="write the results as JSON")
-    sim.add_argument("--png", type=Path, default=None, help="write a timeline chart (PNG)")
+    add_output(sim, "--json", help="write the results as JSON")
+    add_output(sim, "--png", help="write a timeline chart (PNG)")
     sim.set_defaults(func=_simulate)
-
-    adv = subparsers.add_parser(
-        "advise", help="what to rent: Pareto table of (GPU, count, spot, plan, time, cost)",
-        description="Plan and simulate every 8-GPU instance type of the cloud catalog at 1-8 "
-                    "nodes, spot and on-demand; print the Pareto front and recommend one.")
-    adv.add_argument("--model", required=True, help="catalog model (see meshmorph models)")
-    adv.add_argument("--tokens", required=True, type=positive_float, help="tokens to train on")
-    adv.add_argument("--deadline", type=positive_float, default=None, help="hours (P90)")
-    adv.add_argument("--budget", type=positive_float, default=None, help="USD (P90)")
-    adv.add_argument("--runs", type=positive_int, default=5, help="simulated runs per option (default 5)")
-    adv.add_argument("--catalog", type=Path, default=None, help="your cloud catalog TOML")
-    adv.add_argument("--gpus", type=Path, default=None, help="your GPU TOML ([gpus.NAME])")
-    adv.add_argument("--json", type=Path, default=None, help="write the options as JSON")
-    adv.set_defaults(func=_advise)

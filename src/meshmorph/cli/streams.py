@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
+
+from meshmorph.cli.output import add_output
 
 CATALOG_NETS = ("inception-stack", "nasnet-stack", "resnet-stack")
 """Names in streams.nets.NETS, listed here so that the console script starts without torch."""
@@ -38,8 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--training", action="store_true",
                         help="the aten-level training step (forward and backward) instead of "
                              "the forward")
-    parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the result")
-    parser.add_argument("--png", type=Path, default=None, metavar="OUT", help="draw the streams")
+    add_output(parser, "--json", help="write the result")
+    add_output(parser, "--png", help="draw the streams")
     parser.set_defaults(func=_streams)
 
 

@@ -16,13 +16,22 @@ from collections import defaultdict
 from pathlib import Path
 
 from meshmorph.cli.args import positive_int
-from meshmorph.schedule.registry import SCHEDULE_NAMES, V_SHAPED, chunks_per_rank
+from meshmorph.cli.output import add_output
+from meshmorph.cost.model import CostModel
+from meshmorph.schedule.registry import SCHEDULE_NAMES, check_size, chunks_per_rank
 from meshmorph.schedule.simulator import StageTimes, Timeline, simulate_schedule
+from meshmorph.schedule.table import Schedule
 from meshmorph.schedule.trace import OpRecord, read_trace_ops, timeline_events, write_trace
+from meshmorph.spec.catalog import load_model
+from meshmorph.spec.cluster import parse_cluster
+from meshmorph.spec.plan_file import load_plan
 
 TRACE_FILE = "trace.json"
 """Name of the measured trace inside a run folder."""
 
+
+MAX_DRAWN_PAIRS = 1 << 16
+"""The most (stage, micro-batch) pairs ``timeline`` draws: a chart of more cannot be read."""
 
 def uniform_times(name: str, p: int, v: int) -> StageTimes:
     """A rank's layers take F 1 ms and B 2 ms (I 1 ms + W 1 ms), split evenly over its chunks."""
@@ -104,10 +113,6 @@ def _timeline(args: argparse.Namespace) -> int:
 
 def _simulated(args: argparse.Namespace) -> tuple[str, Timeline]:
     if args.plan is not None:
-        from meshmorph.cost.model import CostModel
-        from meshmorph.spec.catalog import load_model
-        from meshmorph.spec.cluster import parse_cluster
-        from meshmorph.spec.plan_file import load_plan
         from meshmorph.viz.timeline_chart import plan_timeline
 
         plan = load_plan(args.plan)
@@ -122,7 +127,8 @@ def _simulated(args: argparse.Namespace) -> tuple[str, Timeline]:
     if args.schedule is None or args.pp is None or args.microbatches is None:
         raise ValueError("timeline needs --plan FILE, or --schedule NAME --pp P --microbatches M "
                          "(or --compare RUN_DIR)")
-    v = 2 if args.schedule in V_SHAPED else args.vpp
+    v = chunks_per_rank(args.schedule, 1 if Schedule(args.schedule).v_shape else args.vpp)
+    check_size(args.pp, args.microbatches, v, MAX_DRAWN_PAIRS, "a readable chart")
     timeline = simulate_schedule(args.schedule, args.pp, args.microbatches,
                                  uniform_times(args.schedule, args.pp, v), v=v)
     return (f"{args.schedule} pp {args.pp} m {args.microbatches}"
@@ -156,7 +162,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tl.add_argument("--vpp", type=positive_int, default=1, help="chunks per rank (interleaved)")
     tl.add_argument("--compare", type=Path, default=None, metavar="RUN_DIR",
                     help="overlay the measured trace of 'meshmorph run --trace' and the simulation")
-    tl.add_argument("--png", type=Path, default=None, help="write the Gantt chart here")
-    tl.add_argument("--trace", type=Path, default=None,
-                    help="write a Chrome/Perfetto trace here ({\"traceEvents\": [...]})")
+    add_output(tl, "--png", help="write the Gantt chart here")
+    add_output(tl, "--trace", help="write a Chrome/Perfetto trace here ({\"traceEvents\": [...]})")
     tl.set_defaults(func=_timeline)

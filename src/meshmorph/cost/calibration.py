@@ -26,9 +26,11 @@ from importlib.resources import files
 from typing import Any
 
 from meshmorph.cost.coefficients import CostCoefficients
+from meshmorph.cost.model import CostModel
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import Cluster, parse_cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, Schedule
+from meshmorph.spec.plan import Plan
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
 SOURCES = ("narayanan2021_table1.json", "megatron_readme_tables.json")
@@ -114,8 +116,6 @@ def published_runs() -> tuple[PublishedRun, ...]:
 
 def predicted_tflops(run: PublishedRun, coef: CostCoefficients) -> float:
     """Hardware TFLOP/s per GPU the cost model predicts for the run's layout."""
-    from meshmorph.cost.model import CostModel
-
     return CostModel(run.model, run.cluster, coef).estimate(run.plan).tflops_per_gpu
 
 

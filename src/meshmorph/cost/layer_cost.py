@@ -6,8 +6,8 @@ costs as little to evaluate as a 3-layer one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from meshmorph.cost import comm, context_parallel
 from meshmorph.cost.coefficients import CostCoefficients
@@ -17,14 +17,15 @@ from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import LayerKind, LayerSpec, ModelSpec, Recompute
 
 
-@dataclass(frozen=True, slots=True)
-class LayerCost:
-    """One layer, one micro-batch, one tensor-parallel rank."""
+class PieceCost(NamedTuple):
+    """What a piece of one rank's model costs per micro-batch on one tensor-parallel rank: one
+    layer (``LayerCoster.layer``), a segment of layers under one strategy or a whole model chunk
+    (``CostModel.chunk_time``, ``CostModel.stage_time``). A tuple: the planner prices millions."""
 
     fwd_s: float
-    """Forward compute plus exposed tensor-parallel communication."""
+    """Forward, exposed TP, ZeRO-3 and context-parallel communication included."""
     bwd_s: float
-    """Backward (input and weight gradients) plus recompute plus its communication."""
+    """Backward (input and weight gradients), recompute and exposed communication included."""
     bgrad_s: float
     """The input-gradient part of bwd_s (zero-bubble B op), recompute included."""
     wgrad_s: float
@@ -35,15 +36,25 @@ class LayerCost:
     """Recomputed forward compute."""
     tp_comm_s: float
     """Exposed tensor-parallel communication, forward + backward + recompute."""
-    activation_bytes: float
-    """Bytes kept for backward per micro-batch."""
-    working_bytes: float
-    """Extra bytes while the layer's backward rematerialises activations."""
-    flops: float
-    """Hardware FLOPs on this rank (recompute included)."""
     cp_comm_s: float = 0.0
     """Exposed context-parallel ring exchange (cost/context_parallel.py), forward + backward +
     recompute; included in fwd_s and bgrad_s."""
+    zero3_comm_s: float = 0.0
+    """Exposed per-micro-batch ZeRO gathers and reduce-scatters (ZeRO-3; ZeRO-2's scatters);
+    in fwd_s and bwd_s. 0 for one layer priced alone by ``LayerCoster``."""
+    params: float = 0.0
+    """Parameters on one tensor-parallel rank (before ZeRO sharding); 0 from ``LayerCoster``."""
+    activation_bytes: float = 0.0
+    """Bytes kept for backward per micro-batch (a layer's; a chunk's memory is added up per
+    rank by ``CostModel.segments_memory``, so ``chunk_time`` leaves it 0)."""
+    working_bytes: float = 0.0
+    """Extra bytes while the layer's backward rematerialises activations (a layer's, as
+    ``activation_bytes``)."""
+    flops: float = 0.0
+    """Hardware FLOPs on this rank, recompute included (a layer's, as ``activation_bytes``)."""
+    transition_s: float = 0.0
+    """Forward + backward redistribution between layers of different tp (a layerwise chunk,
+    cost/transition.py); in fwd_s, bwd_s and bgrad_s."""
 
 
 def layer_classes(model: ModelSpec) -> tuple[int, ...]:
@@ -107,12 +118,12 @@ class LayerCoster:
         return self.inter_link
 
     def layer(self, index: int, gpu: GPUSpec, micro_batch: int, tp: int, sp: bool,
-              recompute: Recompute) -> LayerCost:
+              recompute: Recompute) -> PieceCost:
         self.gpus.setdefault(gpu.name, gpu)
         return self.cost(self.classes[index], gpu.name, micro_batch, tp, sp, recompute)
 
     def _cost(self, index: int, gpu_name: str, micro_batch: int, tp: int, sp: bool,
-              recompute: Recompute) -> LayerCost:
+              recompute: Recompute) -> PieceCost:
         layer = self.model.layers[index]
         gpu = self.gpus[gpu_name]
         tokens = context_parallel.local_tokens(micro_batch, self.model.seq_len, self.cp)
@@ -177,7 +188,7 @@ class LayerCoster:
         wgrad = wgrad_c
         act = layer.activation[recompute].per_rank(tp, sp) * tokens * self.act_scale
         full = layer.activation[Recompute.NONE].per_rank(tp, sp) * tokens * self.act_scale
-        return LayerCost(
+        return PieceCost(
             fwd_s=fwd_c + fwd_comm + ring_f,
             bwd_s=bgrad + wgrad,
             bgrad_s=bgrad,

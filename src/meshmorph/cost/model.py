@@ -1,5 +1,10 @@
 """CostModel: a Plan in, an Estimate out (time by simulating the schedule, memory per stage).
 
+Every chunk is priced as its segments (cost/segments.py): one segment under the plan for a
+stage without layer strategies, one per layer under the layer's own tp/dp/ZeRO for a stage that
+lists them, with the redistribution between layers of different tp (cost/transition.py). The
+same ``estimate``, ``rank_memory`` and step tail serve both.
+
 Rank placement follows the Plan: tensor parallel innermost (inside a node), then context
 parallel, then data parallel, then pipeline. A collective runs over NVLink/PCIe while its group
 fits in a node, otherwise at the inter-node NIC's speed. Parameters are replicated over dp x cp
@@ -9,17 +14,24 @@ fits in a node, otherwise at the inter-node NIC's speed. Parameters are replicat
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from meshmorph.cost import comm
 from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.estimate import Estimate, StageMemory
-from meshmorph.cost.layer_cost import LayerCoster
+from meshmorph.cost.layer_cost import LayerCoster, PieceCost
 from meshmorph.cost.pipeline import Timeline, async_steady_step, simulate
 from meshmorph.cost.profile import Profile
 from meshmorph.cost.rank_terms import (
     rank_memory_terms,
     tail_overlap_window_s,
+)
+from meshmorph.cost.segments import (
+    Segment,
+    chunk_segments,
+    fsdp_units,
+    is_layerwise,
+    uniform_segments,
 )
 from meshmorph.cost.state import (
     HeldBytes,
@@ -27,10 +39,15 @@ from meshmorph.cost.state import (
     gather_bytes_per_param,
     held_bytes_per_param,
 )
+from meshmorph.cost.transition import transition
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.gpus import GPUSpec, LinkSpec
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, Plan, Schedule, StagePlan
+from meshmorph.spec.plan import Plan, PlanError, StagePlan
+
+Parts = list[list[tuple[Segment, PieceCost]]]
+"""Per model chunk, its segments with their priced figures."""
 
 
 def steady_state(fwd_s: Sequence[float], bwd_s: Sequence[float], m: int) -> Timeline:
@@ -41,32 +58,6 @@ def steady_state(fwd_s: Sequence[float], bwd_s: Sequence[float], m: int) -> Time
     busy = tuple(m * (f + b) for f, b in zip(fwd_s, bwd_s, strict=True))
     return Timeline(makespan_s=m * period, rank_end_s=(m * period,) * len(busy),
                     rank_busy_s=busy, ops=())
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkTime:
-    """Per-micro-batch times of one model chunk on one rank."""
-
-    fwd_s: float
-    """Forward, exposed TP and ZeRO-3 communication included."""
-    bwd_s: float
-    """Backward (input and weight gradients), recompute and exposed communication included."""
-    bgrad_s: float
-    """The input-gradient part of bwd_s (zero-bubble B op)."""
-    wgrad_s: float
-    """The weight-gradient part of bwd_s (zero-bubble W op)."""
-    compute_s: float
-    """Forward + backward compute without recompute and communication."""
-    recompute_s: float
-    """Recomputed forward compute."""
-    tp_comm_s: float
-    """Exposed tensor-parallel communication."""
-    zero3_comm_s: float
-    """Exposed per-micro-batch ZeRO gathers and reduce-scatters (ZeRO-3; ZeRO-2's scatters)."""
-    params: float
-    """Parameters of the chunk on one tensor-parallel rank (before ZeRO sharding)."""
-    cp_comm_s: float = 0.0
-    """Exposed context-parallel ring exchange (in fwd_s and bwd_s)."""
 
 
 class CostModel:
@@ -89,6 +80,7 @@ class CostModel:
         }
         self._costers: dict[str, LayerCoster] = {}
         self._timelines: dict[tuple, Timeline] = {}
+        self._layer_params: dict[int, list[float]] = {}
 
     def _link(self, name: str, spec: LinkSpec, efficiency: float) -> comm.Link:
         link = comm.Link.from_spec(spec, efficiency)
@@ -143,13 +135,25 @@ class CostModel:
             total -= self.model.layers[-1].tied_params / tp  # tied head and embedding on one rank
         return total
 
+    def layer_params(self, index: int, tp: int) -> float:
+        """Parameters of layer ``index`` on one tensor-parallel rank (``chunk_params`` of the
+        layer alone), memoised."""
+        params = self._layer_params.get(tp)
+        if params is None:
+            params = self._layer_params[tp] = [self.chunk_params(i, i + 1, tp)
+                                               for i in range(self.model.num_layers)]
+        return params[index]
+
     def chunk_time(self, plan: Plan, start: int, stop: int, recompute: Sequence[Recompute],
-                   gpu: GPUSpec) -> ChunkTime:
-        coster = self.coster(plan.dtype, plan.cp, plan.tp_comm_overlap)
+                   gpu: GPUSpec, *, drop_tied: bool = False, units: int | None = None) -> PieceCost:
+        """Layers [start, stop) as one unit under ``plan``'s tp/dp/ZeRO: a uniform chunk, or one
+        segment (cost/segments.py). ``drop_tied``: the head's tied matrix is counted with the
+        embedding; ``units``: its FSDP2 units (default each block and the chunk's root)."""
+        layer = self.coster(plan.dtype, plan.cp, plan.tp_comm_overlap).layer
+        micro_batch, tp, sp = plan.micro_batch, plan.tp, plan.sequence_parallel
         f = b = bg = wg = comp = re = tpc = cpc = 0.0
         for offset, index in enumerate(range(start, stop)):
-            cost = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
-                                recompute[offset])
+            cost = layer(index, gpu, micro_batch, tp, sp, recompute[offset])
             f += cost.fwd_s
             b += cost.bwd_s
             bg += cost.bgrad_s
@@ -158,24 +162,74 @@ class CostModel:
             re += cost.recompute_s
             tpc += cost.tp_comm_s
             cpc += cost.cp_comm_s
-        params = self.chunk_params(start, stop, plan.tp)
+        params = self.chunk_params(start, stop, tp)
+        if drop_tied:
+            params -= self.model.layers[-1].tied_params / tp
         z3 = 0.0
+        if plan.grad_replicas == 1:  # no data-parallel traffic inside a micro-batch
+            return PieceCost(f, b, bg, wg, comp, re, tpc, cpc, z3, params)
         gathers, scatter = self.microbatch_dp_traffic(plan, params, gpu)
         if (gathers or scatter) and self.fsdp_measured(plan):
             # FSDP2's own per-unit work, measured (profile/fsdp_units.py): every unit (each block
             # and the chunk's root) pays the fit's per-call time once per call
-            gathers, scatter = self.microbatch_dp_traffic(plan, params, gpu,
-                                                          units=self.fsdp_units(start, stop))
+            gathers, scatter = self.microbatch_dp_traffic(
+                plan, params, gpu, units=self.fsdp_units(start, stop) if units is None else units)
         elif (gathers or scatter) and self.profile.collectives:
             # measured collectives: FSDP issues one call per unit (each block and the chunk's
             # root), so each unit pays the fitted per-call alpha, not the chunk once
-            units = sum(1 for layer in self.model.layers[start:stop] if layer.kind == "block") + 1
+            units = self.fsdp_units(start, stop) if units is None else units
             gathers, scatter = (units * x for x in self.microbatch_dp_traffic(
                 plan, params / units, gpu))
         if gathers or scatter:
             ef, eb = self.zero_exposed(plan, gathers, scatter, f, b)
             f, b, bg, z3 = f + ef, b + eb, bg + eb, ef + eb
-        return ChunkTime(f, b, bg, wg, comp, re, tpc, z3, params, cpc)
+        return PieceCost(f, b, bg, wg, comp, re, tpc, cpc, z3, params)
+
+    def segment_time(self, segment: Segment, gpu: GPUSpec) -> PieceCost:
+        """One segment's per-micro-batch figures (``chunk_time`` under its plan)."""
+        return self.chunk_time(segment.plan, segment.start, segment.stop, segment.recompute, gpu,
+                               drop_tied=segment.drop_tied, units=1 if segment.alone else None)
+
+    def stage_time(self, plan: Plan, segments: Sequence[Segment],
+                   gpu: GPUSpec) -> tuple[PieceCost, list[PieceCost]]:
+        """A chunk of ``plan`` from its segments: (the chunk's figures, each segment's). Between
+        two segments whose tp differs the activation is redistributed (cost/transition.py):
+        forward and backward seconds added to the chunk's, the backward in its input gradient."""
+        pieces = [self.segment_time(segment, gpu) for segment in segments]
+        if len(pieces) == 1:
+            return pieces[0], pieces
+        f = b = bg = wg = comp = re = tpc = cpc = z3 = params = moved = 0.0
+        for at, (segment, t) in enumerate(zip(segments, pieces, strict=True)):
+            f, b, bg, wg = f + t.fwd_s, b + t.bwd_s, bg + t.bgrad_s, wg + t.wgrad_s
+            comp, re, tpc, cpc = comp + t.compute_s, re + t.recompute_s, tpc + t.tp_comm_s, \
+                cpc + t.cp_comm_s
+            z3, params = z3 + t.zero3_comm_s, params + t.params
+            if at:
+                step = transition(self, segments[at - 1].strategy, segment.strategy,
+                                  plan.dp * plan.micro_batch, plan.dtype, gpu,
+                                  sequence_parallel=plan.sequence_parallel)
+                f, b, bg = f + step.fwd_s, b + step.bwd_s, bg + step.bwd_s
+                moved += step.fwd_s + step.bwd_s
+        return PieceCost(f, b, bg, wg, comp, re, tpc, cpc, z3, params,
+                         transition_s=moved), pieces
+
+    def layer_alone(self, plan: Plan, index: int, recompute: Recompute, gpu: GPUSpec, *,
+                    drop_tied: bool = False) -> tuple[PieceCost, float]:
+        """Layer ``index`` as its own segment under ``plan`` (a layer of a layerwise stage, its
+        ``layer_plan``): its per-micro-batch figures and its tail (its exposed gradient sync,
+        parameter gathers and optimizer step; at an end of a pipeline split between ranks, the
+        tied embedding's all-reduce too), as ``estimate`` adds them up."""
+        piece = self.chunk_time(plan, index, index + 1, (recompute,), gpu, drop_tied=drop_tied,
+                                units=1)
+        own = self.coster(plan.dtype, plan.cp, plan.tp_comm_overlap).layer(
+            index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel, recompute)
+        piece = piece._replace(activation_bytes=own.activation_bytes,
+                               working_bytes=own.working_bytes, flops=own.flops)
+        sync, optimizer = self.rank_tail(plan, piece.params, tail_overlap_window_s(piece), gpu)
+        if index in (0, self.model.num_layers - 1):  # 0 unless tied and the ends are apart
+            holder = plan.pp_rank_of_chunk(0 if index == 0 else plan.num_chunks - 1)
+            sync += self.tied_embedding_sync_s(plan, holder, gpu)
+        return piece, sync + optimizer
 
     def zero_exposed(self, plan: Plan, gathers: float, scatter: float, fwd_s: float,
                      bwd_s: float) -> tuple[float, float]:
@@ -216,7 +270,7 @@ class CostModel:
 
     def fsdp_units(self, start: int, stop: int) -> int:
         """FSDP2 units of a chunk of layers [start, stop): each block and the chunk's root."""
-        return sum(1 for layer in self.model.layers[start:stop] if layer.kind == "block") + 1
+        return fsdp_units(self.model, start, stop)
 
     def fsdp_calls(self, kind: str, n: int, calls: float, nbytes: float, units: int) -> float:
         """Seconds of ``calls`` FSDP2 calls of ``kind`` over each of ``units`` units sharing
@@ -251,34 +305,78 @@ class CostModel:
                 self.collective("reduce_scatter", d,
                                 params * traffic.reduce_scatter_per_microbatch, link))
 
-    def rank_memory(self, plan: Plan, pp_rank: int, chunks: Sequence[tuple[int, int, Sequence[Recompute]]],
+    def rank_memory(self, plan: Plan, pp_rank: int,
+                    chunks: Sequence[tuple[int, int, Sequence[Recompute]]],
                     gpu: GPUSpec) -> StageMemory:
-        """Peak memory of one rank of pipeline rank ``pp_rank`` holding ``chunks``, added up from
-        ``rank_memory_terms`` (cost/rank_terms.py), the terms the planner's bounds read."""
-        coster = self.coster(plan.dtype, plan.cp)
-        held = self.held(plan)
-        terms = rank_memory_terms(self, plan, pp_rank, gpu)
-        params = stored = working = biggest = 0.0
-        # a tied head in a chunk of its own (the V's rank 0 holds chunks 0 and 2pp - 1) is a
-        # second parameter the runtime holds, reduces and updates (run/engine/train_engine.py sums the two
-        # gradients); chunk_params drops it only where one chunk holds both ends
-        for start, stop, recompute in chunks:
-            params += self.chunk_params(start, stop, plan.tp)
-            for offset, index in enumerate(range(start, stop)):
-                cost = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
-                                    recompute[offset])
+        """Peak memory of one rank of pipeline rank ``pp_rank`` holding ``chunks`` (start, stop,
+        recompute) under ``plan``'s own strategy (``segments_memory`` of their segments)."""
+        return self.segments_memory(plan, pp_rank, uniform_segments(
+            plan, [(a, b, tuple(r)) for a, b, r in chunks]), gpu)
+
+    def segments_memory(self, plan: Plan, pp_rank: int, segments: Sequence[Segment],
+                        gpu: GPUSpec) -> StageMemory:
+        """Peak memory of one rank of pipeline rank ``pp_rank`` holding ``segments``, added up
+        from ``rank_memory_terms`` (cost/rank_terms.py), the terms the planner's bounds read,
+        per strategy: its parameters' state (cost/state.py: fp32 masters, gradients and moments
+        as the runtime holds them, transient copies at the peak), the activations of the
+        micro-batches in flight and one recomputing layer's working set, ZeRO-3's gather buffers
+        (the largest layer plus a prefetch), and the rank's reserve (the head's loss buffers
+        under the head's strategy)."""
+        stored = working = 0.0
+        groups: list[list] = []  # per strategy (one plan object each): [plan, params, largest]
+        tied, last = self.model.layers[-1].tied_params, self.model.num_layers - 1
+        head_plan = plan
+        for segment in segments:
+            sub = segment.plan
+            group = groups[-1] if groups and groups[-1][0] is sub else \
+                next((g for g in groups if g[0] is sub), None)
+            if group is None:
+                group = [sub, 0.0, 0.0]
+                groups.append(group)
+            layer = self.coster(sub.dtype, sub.cp).layer
+            micro_batch, tp, sp = sub.micro_batch, sub.tp, sub.sequence_parallel
+            # a tied head in a chunk of its own (the V's rank 0 holds chunks 0 and 2pp - 1) is a
+            # second parameter the runtime holds, reduces and updates (run/engine/train_engine.py
+            # sums the two gradients); chunk_params drops it only where one chunk holds both ends
+            group[1] += self.chunk_params(segment.start, segment.stop, tp) \
+                - (tied / tp if segment.drop_tied else 0.0)
+            largest = group[2]
+            for offset, index in enumerate(range(segment.start, segment.stop)):
+                cost = layer(index, gpu, micro_batch, tp, sp, segment.recompute[offset])
                 stored += cost.activation_bytes
-                working = max(working, cost.working_bytes)
-                biggest = max(biggest, self.chunk_params(index, index + 1, plan.tp))
+                if cost.working_bytes > working:
+                    working = cost.working_bytes
+                own = self.layer_params(index, tp)
+                if segment.drop_tied and index == last:
+                    own -= tied / tp
+                if own > largest:
+                    largest = own
+            group[2] = largest
+            if segment.stop == last + 1:
+                head_plan = sub
         # ZeRO as the runtime realises it (cost/state.py): fp32 masters, gradients and moments;
         # ZeRO-3 gathers its largest layer plus a prefetch; transient unsharded copies and whole
         # gradients between micro-batches (held.peak_extra)
-        return StageMemory(params=params * (held.params + terms.weight_copy_bytes_per_param),
-                           grads=params * held.grads,
-                           optimizer=params * held.optimizer,
-                           activations=terms.activation_bytes(stored, working),
-                           buffers=biggest * terms.gather_bytes_per_param + params * held.peak_extra,
-                           reserved=terms.reserved_bytes, in_flight_microbatches=terms.in_flight)
+        params = grads = optimizer = extra = 0.0
+        gather = None
+        rank = None
+        for sub, count, largest in groups:
+            held = self.held(sub)
+            terms = rank_memory_terms(self, sub, pp_rank, gpu)
+            if sub is head_plan is plan:
+                rank = terms
+            params += count * (held.params + terms.weight_copy_bytes_per_param)
+            grads += count * held.grads
+            optimizer += count * held.optimizer
+            extra += count * held.peak_extra
+            held_gather = largest * terms.gather_bytes_per_param
+            gather = held_gather if gather is None or held_gather > gather else gather
+        if rank is None:
+            rank = rank_memory_terms(self, plan, pp_rank, gpu, head_plan=head_plan)
+        return StageMemory(params=params, grads=grads, optimizer=optimizer,
+                           activations=rank.activation_bytes(stored, working),
+                           buffers=(gather or 0.0) + extra, reserved=rank.reserved_bytes,
+                           in_flight_microbatches=rank.in_flight)
 
     def rank_tail(self, plan: Plan, params: float, last_bwd_s: float, gpu: GPUSpec,
                   units: int = 1, least: bool = False) -> tuple[float, float]:
@@ -350,29 +448,41 @@ class CostModel:
 
     # --- the whole plan ------------------------------------------------------------------------
     def estimate(self, plan: Plan) -> Estimate:
+        """Step time and memory of ``plan``: each chunk priced as its segments
+        (cost/segments.py), the schedule simulated over the chunks, each rank's step ending
+        with its tail."""
         model = self.model.with_seq_len(plan.seq_len)
         if model is not self.model:
             return CostModel(model, self.cluster, self.coef, self.profile).estimate(plan)
         plan.check_against(model)
+        if plan.schedule == Schedule.ASYNC and is_layerwise(plan):
+            raise PlanError(f"layerwise plans run a synchronous schedule, not {plan.schedule}; "
+                            "drop layer_strategies or change the schedule")
         gpus = [self.stage_gpu(stage) for stage in plan.stages]
-        times = [self.chunk_time(plan, s.start, s.stop, s.recompute, g)
-                 for s, g in zip(plan.stages, gpus, strict=True)]
-        return self.assemble(plan, gpus, times)
+        plans: dict = {}
+        times, parts = [], []
+        for chunk, gpu in enumerate(gpus):
+            segments = chunk_segments(model, plan, chunk, plans)
+            time, pieces = self.stage_time(plan, segments, gpu)
+            times.append(time)
+            parts.append(list(zip(segments, pieces, strict=True)))
+        return self.assemble(plan, gpus, times, parts)
 
-    def assemble(self, plan: Plan, gpus: Sequence[GPUSpec], times: Sequence[ChunkTime]) -> Estimate:
+    def _timeline(self, plan: Plan, gpus: Sequence[GPUSpec], times: Sequence[PieceCost]
+                  ) -> tuple[Timeline, tuple[float, ...] | None]:
+        """The schedule simulated over the chunks' times, and for an asynchronous plan each
+        rank's optimizer step (inside its simulated steady state, cost/pipeline.py)."""
         p, m, v = plan.pp, plan.num_microbatches, plan.vpp
-        zb = plan.schedule in SPLIT_BACKWARD_SCHEDULES  # input and weight gradients apart
+        zb = plan.schedule.split_backward  # input and weight gradients apart
         p2p = tuple(self.p2p_time(plan, g) for g in gpus)
         fwd = tuple(t.fwd_s for t in times)
         bwd = tuple(t.bgrad_s if zb else t.bwd_s for t in times)
         wgrad = tuple(t.wgrad_s for t in times) if zb else None
-        # plans that differ only in what the simulation does not see (ZeRO 0/1/2, the tail)
-        # share one simulation
-        # asynchronous plans step every stage's optimizer after each backward, inside the
-        # simulated steady state (cost/pipeline.async_steady_step), not once in the tail
         steps = tuple(self.rank_tail(plan, sum(times[c].params for c in plan.chunks_of(k)),
                                      0.0, gpus[k])[1] for k in range(p)) \
             if plan.schedule == Schedule.ASYNC else None
+        # plans that differ only in what the simulation does not see (ZeRO 0/1/2, the tail)
+        # share one simulation
         key = (plan.schedule, p, m, v, fwd, bwd, wgrad, p2p, steps)
         timeline = self._timelines.get(key)
         if timeline is None:
@@ -381,31 +491,93 @@ class CostModel:
             timeline = self._timelines[key] = simulate(plan.schedule, p, m, fwd, bwd, v=v,
                                                        wgrad_s=wgrad, p2p_s=p2p) \
                 if steps is None else async_steady_step(p, m, fwd, bwd, p2p_s=p2p, step_s=steps)
-        memory, ends, tails, tied_syncs = [], [], [], []
+        return timeline, steps
+
+    def rank_tails(self, plan: Plan, pp_rank: int, parts: Sequence[tuple[Segment, PieceCost]],
+                   gpu: GPUSpec) -> tuple[float, float, float]:
+        """(exposed gradient sync, optimizer step, tied embedding all-reduce) after the last
+        backward of a rank holding ``parts``: the segments that reduce together (a uniform
+        rank's chunks) as one unit, each segment reduced alone (a layer of a layerwise stage) as
+        its own. The overlap window is the unit's first piece's compute without recompute, so
+        that more recompute never shortens the step (the planner's per-stage choice relies on
+        it). The tied all-reduce runs under the strategy of the end the rank holds."""
+        units: list[Sequence[tuple[Segment, PieceCost]]] = [parts]
+        if parts[0][0].alone or len(parts) > 1 and any(segment.alone for segment, _ in parts):
+            units = [[part] for part in parts if part[0].alone]
+            together = [part for part in parts if not part[0].alone]
+            units += [together] if together else []
+        sync = optimizer = 0.0
+        ends = plan
+        last = self.model.num_layers
+        for unit in units:
+            first, piece = unit[0]
+            sub = first.plan
+            s, o = self.rank_tail(sub, piece.params if len(unit) == 1 else
+                                  sum(t.params for _, t in unit), tail_overlap_window_s(piece), gpu,
+                                  units=sum(segment.units(self.model) for segment, _ in unit)
+                                  if self.fsdp_measured(sub) else 1)
+            sync, optimizer = sync + s, optimizer + o
+            if first.start == 0 or unit[-1][0].stop == last:
+                ends = sub  # the end's (one strategy: a unit of several is uniform)
+        tied = self.tied_embedding_sync_s(ends, pp_rank, gpu)
+        return sync + tied, optimizer, tied
+
+    def assemble(self, plan: Plan, gpus: Sequence[GPUSpec], times: Sequence[PieceCost],
+                 parts: Parts | None = None) -> Estimate:
+        """The Estimate of ``plan`` whose chunks cost ``times`` (``parts``: each chunk's
+        segments with their figures; default one segment per chunk under the plan)."""
+        p, m = plan.pp, plan.num_microbatches
+        layerwise = parts is not None and is_layerwise(plan)
+        if parts is None:
+            parts = [[(Segment(s.start, s.stop, plan, s.recompute), times[c])]
+                     for c, s in enumerate(plan.stages)]
+        timeline, steps = self._timeline(plan, gpus, times)
+        memory, ends, tails = [], [], []
+        # every pipeline rank's tp x dp GPUs share the GPU type of its first chunk
+        rank_gpus = []
         for k in range(p):
             chunk_ids = plan.chunks_of(k)
             gpu = gpus[chunk_ids[0]]
-            chunks = [(plan.stages[c].start, plan.stages[c].stop, plan.stages[c].recompute)
-                      for c in chunk_ids]
-            memory.append(self.rank_memory(plan, k, chunks, gpu))
-            params = sum(times[c].params for c in chunk_ids)
-            # the overlap window is the last backward's compute, recompute excluded, so that more
-            # recompute never shortens the step (the planner's per-stage choice relies on it)
-            units = sum(self.fsdp_units(plan.stages[c].start, plan.stages[c].stop) for c in chunk_ids)
-            sync, opt = self.rank_tail(plan, params, tail_overlap_window_s(times[chunk_ids[0]]), gpu,
-                                       units=units)
-            tied = self.tied_embedding_sync_s(plan, k, gpu)
-            tied_syncs.append(tied)
-            sync += tied
+            rank_gpus.append(gpu)
+            rank = parts[chunk_ids[0]] if len(chunk_ids) == 1 else \
+                [part for c in chunk_ids for part in parts[c]]
+            memory.append(self.segments_memory(plan, k, [s for s, _ in rank], gpu))
+            sync, opt, tied = self.rank_tails(plan, k, rank, gpu)
             if steps is not None:  # m optimizer steps, already inside the simulated window
-                opt = m * steps[k]
-                tails.append((sync, opt))
+                tails.append((sync, m * steps[k], tied))
                 ends.append(timeline.rank_end_s[k] + sync)
                 continue
-            tails.append((sync, opt))
+            tails.append((sync, opt, tied))
             ends.append(timeline.rank_end_s[k] + sync + opt)
         step = max(ends)
         crit = ends.index(step)
+        tokens = plan.global_batch * plan.seq_len
+        model_flops = tokens * self.model.model_flops_per_token()
+        hw_flops = tokens * sum(
+            3 * layer.fwd_flops_per_token + layer.recompute_flops_per_token.get(mode, 0.0)
+            for layer, mode in zip(self.model.layers, plan.recompute_of_layer(), strict=True)
+        )
+        world = plan.world_size
+        peak = sum(gpu.peak_flops(plan.dtype) for gpu in rank_gpus) * world / p
+        return Estimate(
+            step_time_s=step,
+            tokens_per_s=tokens / step,
+            tflops_per_gpu=hw_flops / step / world / 1e12,
+            model_tflops_per_gpu=model_flops / step / world / 1e12,
+            mfu=model_flops / step / peak,
+            bubble_fraction=timeline.bubble_fraction,
+            memory=tuple(memory),
+            memory_budget_bytes=tuple(gpu.memory_bytes for gpu in rank_gpus),
+            breakdown_s=self._breakdown(plan, times, timeline, crit, tails[crit], layerwise),
+            stage_times_s=tuple((t.fwd_s, t.bwd_s) for t in times),
+        )
+
+    @staticmethod
+    def _breakdown(plan: Plan, times: Sequence[PieceCost], timeline: Timeline, crit: int,
+                   tail: tuple[float, float, float], layerwise: bool) -> dict[str, float]:
+        """The step's terms on the rank that ends last (``crit``), whose tail is (sync with the
+        tied all-reduce, optimizer, tied all-reduce)."""
+        m = plan.num_microbatches
         crit_chunks = plan.chunks_of(crit)
         per_mb = {name: sum(getattr(times[c], name) for c in crit_chunks) * m
                   for name in ("compute_s", "recompute_s", "tp_comm_s", "zero3_comm_s")}
@@ -415,30 +587,12 @@ class CostModel:
             "tp_comm": per_mb["tp_comm_s"],
             "zero3_comm_exposed": per_mb["zero3_comm_s"],
             "pp_bubble": timeline.rank_end_s[crit] - timeline.rank_busy_s[crit],
-            "dp_comm_exposed": tails[crit][0] - tied_syncs[crit],
-            "embedding_sync": tied_syncs[crit],
-            "optimizer": tails[crit][1],
+            "dp_comm_exposed": tail[0] - tail[2],
+            "embedding_sync": tail[2],
+            "optimizer": tail[1],
         }
         if plan.cp > 1:  # the ring's K/V exchange beyond each step's attention block
             breakdown["cp_comm_exposed"] = sum(times[c].cp_comm_s for c in crit_chunks) * m
-        tokens = plan.global_batch * plan.seq_len
-        model_flops = tokens * self.model.model_flops_per_token()
-        hw_flops = tokens * sum(
-            3 * layer.fwd_flops_per_token + layer.recompute_flops_per_token.get(mode, 0.0)
-            for layer, mode in zip(self.model.layers, plan.recompute_of_layer(), strict=True)
-        )
-        world = plan.world_size
-        # every pipeline rank's tp x dp GPUs share the GPU type of its first chunk
-        peak = sum(gpus[plan.chunks_of(k)[0]].peak_flops(plan.dtype) for k in range(p)) * world / p
-        return Estimate(
-            step_time_s=step,
-            tokens_per_s=tokens / step,
-            tflops_per_gpu=hw_flops / step / world / 1e12,
-            model_tflops_per_gpu=model_flops / step / world / 1e12,
-            mfu=model_flops / step / peak,
-            bubble_fraction=timeline.bubble_fraction,
-            memory=tuple(memory),
-            memory_budget_bytes=tuple(gpus[plan.chunks_of(k)[0]].memory_bytes for k in range(p)),
-            breakdown_s=breakdown,
-            stage_times_s=tuple((t.fwd_s, t.bwd_s) for t in times),
-        )
+        if layerwise:  # activations moved between layers of different tp
+            breakdown["transitions"] = sum(times[c].transition_s for c in crit_chunks) * m
+        return breakdown

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from meshmorph.schedule.registry import SPLIT_BACKWARD, V_SHAPED, schedule_actions
+from meshmorph.schedule.registry import schedule_actions
 from meshmorph.schedule.simulator import Program, Timeline, replay, schedule_program
-from meshmorph.spec.plan import Schedule
+from meshmorph.schedule.table import Schedule
 
 Op = tuple[str, int, int]  # (kind, chunk, micro-batch)
 
@@ -37,10 +37,10 @@ def schedule_ops(schedule: Schedule, p: int, m: int, v: int = 1) -> list[list[Op
 def _shape(schedule: Schedule, p: int, m: int, v: int) -> tuple[Program, int, bool, list[float]]:
     """(compiled program, chunks, split backward?, zero durations of the STEP block and the
     blocks before it, for schedules that list optimizer steps), cached for the planner."""
-    name = str(schedule)
-    program = schedule_program(name, p, m, v)
-    split = name in SPLIT_BACKWARD
-    steps = name == "async"  # the one schedule whose priced list carries optimizer steps
+    schedule = Schedule(schedule)
+    program = schedule_program(str(schedule), p, m, v)
+    split = schedule.split_backward
+    steps = not schedule.info.flush  # the schedules whose priced list carries optimizer steps
     tail = [0.0] * ((1 if split else 3) * program.stages) if steps else []
     return program, program.stages, split, tail
 
@@ -67,7 +67,7 @@ def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: 
     if tail:  # optimizer steps (asynchronous schedules) are free here
         durations += tail
     comm = list(p2p_s) if p2p_s is not None else [0.0] * chunks
-    if name_is_v(schedule):  # the V's turn (chunk p - 1 to p) stays on one rank
+    if Schedule(schedule).v_shape:  # the V's turn (chunk p - 1 to p) stays on one rank
         comm[p - 1] = 0.0
     timeline = replay(program, durations, comm, keep_ops)
     if keep_ops and split:
@@ -76,11 +76,6 @@ def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: 
         return Timeline(timeline.makespan_s, timeline.rank_end_s, timeline.rank_busy_s, ops,
                         timeline.peak_activations)
     return timeline
-
-
-def name_is_v(schedule: Schedule | str) -> bool:
-    """Whether ``schedule`` places its two chunks per rank in a V."""
-    return str(schedule) in V_SHAPED
 
 
 def bubble_closed_form(schedule: Schedule, p: int, m: int, v: int = 1) -> float:
@@ -105,7 +100,7 @@ def async_steady_step(p: int, m: int, fwd_s: Sequence[float], bwd_s: Sequence[fl
     steady-state bounds stay below it."""
     first = ASYNC_WARMUP_STEPS * m - 1  # the STEP that opens the priced window
     n = (ASYNC_WARMUP_STEPS + 1) * m + p
-    program = schedule_program("async", p, n)
+    program = schedule_program(str(Schedule.ASYNC), p, n)
     steps = list(step_s) if step_s is not None else [0.0] * p
     # durations: fwd + bwd + (wgrad, igrad: unread) + step, one block of p each
     durations = list(fwd_s) + list(bwd_s) + [0.0] * (2 * p) + steps

@@ -1,5 +1,6 @@
 """What one rank of a Plan holds at the end of backward and sends in one step, in bytes: the
-prediction the run's ``state`` line puts beside its measurement (run/engine/state_line.py).
+prediction the run's ``state`` line puts beside its measurement (run/engine/state_line.py), for
+plans with and without layer strategies.
 
 Held (end of backward, before the optimizer step), per distinct tensor the rank allocates
 (cost/tensor_shapes.py; ``r`` its tensor-parallel-local dim-0 rows, ``k`` the rest of its
@@ -40,15 +41,43 @@ activation figure above counts the rank's ``s / cp`` tokens, and each block send
 (``2 b (s/cp) h_kv / t`` elements in the compute dtype) ``cp - 1`` times per micro-batch in
 forward and K, V and their gradients ``cp - 1`` times in backward (cost/context_parallel.py),
 the forward's ring again under recompute.
+
+Layer strategies (a plan whose stages list ``layer_strategies``, run by the layerwise engine,
+run/parallel/segments.py): the rank's chunks are walked segment by segment
+(cost/segments.py: one per layer, under the layer's own tp, dp and ZeRO; rank ``r`` of a stage is
+tp rank ``r % tp_i`` of data-parallel block ``r // tp_i``), with the rules above applied at each
+layer's degrees and what that engine does differently:
+
+- every layer is its own unit: its gradients reduced on its own group once per micro-batch
+  (ZeRO 0/1: one flat buffer per step; a ZeRO-2 layer under a split-backward schedule, zb, zbv
+  or dualpipev, reduce-scatters once per step, run/engine/layerwise_pipeline.py), a ZeRO-2
+  layer keeps its gathered copy under a pipeline too, and a vocabulary-parallel embedding outside
+  FSDP2 keeps torch's double-size gradient with sequence parallelism as well as at dp 1;
+- the residual stream's dtype is followed layer by layer (fp32 from the embedding under
+  autocast, 16-bit from the first layer FSDP2's mixed precision casts on);
+- between neighbours whose tp differs (run/parallel/layerwise_redistribute.py): the forward
+  all-gather input ``(B / dp_a) s h`` when tp grows, the backward all-gather of the gradient
+  ``(B / dp_b) s h`` when it shrinks; with sequence parallelism one all-to-all each way;
+- the head all-gathers its ``b s V / tp_i`` logits and all-reduces its input gradient (no
+  ``loss_parallel``); norm gradients of a sequence-parallel FSDP2 layer are all-reduced per
+  micro-batch in the compute dtype;
+- the data: token ids (int64) all-gathered into the first layer's layout when its tp is larger,
+  labels into the last layer's; with pp > 1 each chunk's input and output moved between the
+  plan's data layout and its first and last layer's;
+- meshmorph's own reductions: the loss and one float64 squared gradient norm, 8 bytes each.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 from meshmorph.cost.context_parallel import kv_bytes
+from meshmorph.cost.model import CostModel
+from meshmorph.cost.segments import Segment, chunk_segments, is_layerwise
 from meshmorph.cost.state import compute_bytes, data_parallel_traffic
 from meshmorph.cost.tensor_shapes import ParamTensor, layer_tensors, rank_tensors, vocab_split
+from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
 from meshmorph.spec.plan import Plan
 
@@ -63,8 +92,12 @@ NORM_CLASS_BYTES = 32
 the rank holds dp-sharded gradients (FSDP2) and over tp when it holds tp-split ones."""
 NORM_PP_BYTES = 8
 """run/engine/grad_norm.py: the float64 norm, all-reduced over pp when pp > 1."""
+NORM_BYTES = 8
+"""run/engine/layerwise_grads.py: one float64 sum of squares, all-reduced over the stage."""
 HANDSHAKE_BYTES = 4
 """torch pipelining's first-step neighbour check: one float32 per neighbouring stage."""
+TOKEN_BYTES = 8
+"""A token id (int64)."""
 LOSS_PARALLEL_REDUCTIONS = 3
 """torch's loss_parallel over vocabulary-sharded logits: three fp32 all-reduces of one value per
 token in forward (the max, the sum of exponentials, the target's log-probability), none in
@@ -132,53 +165,161 @@ def _coords(plan: Plan, rank: int) -> tuple[int, int, int]:
     return pp_rank, dp_rank * plan.cp + cp_rank, tp_rank
 
 
+@dataclass(slots=True)
+class _RankState:
+    """What one rank holds and sends, added up segment by segment."""
+
+    plan: Plan
+    layerwise: bool
+    """The layerwise engine runs the plan (module docstring)."""
+    in_stage: int
+    """The rank's place among its stage's tp x cp x dp ranks."""
+    params: float = 0.0
+    grads: float = 0.0
+    moments: float = 0.0
+    tensors: list[ParamTensor] = field(default_factory=list)
+    comm: dict[str, float] = field(default_factory=dict)
+
+    def result(self) -> dict[str, object]:
+        return {"params_bytes": self.params, "grads_bytes": self.grads,
+                "optimizer_bytes": self.moments, "comm_bytes": self.comm}
+
+
 def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, object]:
     """``params_bytes``, ``grads_bytes``, ``optimizer_bytes`` and ``comm_bytes`` (by kind) of
-    global ``rank`` of ``plan`` (the module docstring says what each counts)."""
-    pp_rank, dp_rank, _ = _coords(plan, rank)
-    chunk_ids = plan.chunks_of(pp_rank)
-    ranges = [(plan.stages[c].start, plan.stages[c].stop) for c in chunk_ids]
-    t, d = plan.tp, plan.grad_replicas
-    c = compute_bytes(plan.dtype)
-    fsdp = d > 1 and plan.zero >= 2
-    comm = dict.fromkeys(COMM_KINDS, 0.0)
+    global ``rank`` of ``plan``, with or without layer strategies (the module docstring says
+    what each counts)."""
+    pp_rank = _coords(plan, rank)[0]
+    model = model.with_seq_len(plan.seq_len)
+    layerwise = is_layerwise(plan)
+    state = _RankState(plan, layerwise, rank % (plan.tp * plan.cp * plan.dp))
+    state.comm = dict.fromkeys(COMM_KINDS + (("all_to_all",) if layerwise
+                                             and plan.sequence_parallel else ()), 0.0)
+    plans: dict = {}
+    for chunk in plan.chunks_of(pp_rank):  # one, or several (interleaved, V)
+        segments = chunk_segments(model, plan, chunk, plans)
+        # bytes per element of the residual stream coming into a layer: the embedding's output
+        # is fp32 unless FSDP2 casts it; a cast layer's output is 16-bit and stays so
+        stream = 4.0 if chunk == 0 else _hidden_bytes(plan)
+        for at, segment in enumerate(segments):
+            _held(model, state, segment)
+            if at:
+                _transition(model, state, segments[at - 1], segment, stream)
+            stream = _activations(model, state, segment, stream)
+        if plan.pp > 1:
+            _pipeline(model, state, chunk)
+    _rank_ends(model, state, pp_rank)
+    return state.result()
 
-    tensors = rank_tensors(model, ranges, t)
-    # elements: whole local tensors, padded dim-0 shards
-    params, grads, moments, whole, padded_shard = held_state(tensors, t, d, dp_rank, plan.zero)
-    if fsdp and plan.zero == 2 and plan.pp == 1:
-        params += c * padded_shard * d  # gathered once, kept to the end of the step
-    holds_embed = any(start == 0 for start, _ in ranges)
-    if holds_embed and vocab_split(model, t) and d == 1:
+
+def _casts(plan: Plan) -> bool:
+    """Whether FSDP2's mixed precision casts a layer under ``plan``'s (segment's) strategy to
+    the compute dtype; under autocast alone the residual stream keeps the dtype it comes in."""
+    return plan.grad_replicas > 1 and plan.zero >= 2 and plan.dtype != "fp32"
+
+
+def _held(model: ModelSpec, state: _RankState, segment: Segment) -> None:
+    """A segment's parameters, gradients and moments, and its data-parallel traffic."""
+    plan, sub = state.plan, segment.plan
+    t, d, zero = sub.tp, sub.grad_replicas, sub.zero
+    fsdp = d > 1 and zero >= 2
+    tensors = rank_tensors(model, [(segment.start, segment.stop)], t)
+    if segment.drop_tied:  # the head's matrix is the embedding's, in the same chunk
+        tensors = [x for x in tensors if x.name != "out.weight"]
+    state.tensors += tensors
+    params, grads, moments, whole, padded = held_state(tensors, t, d, state.in_stage // t, zero)
+    if fsdp and zero == 2 and (plan.pp == 1 or state.layerwise):
+        params += compute_bytes(plan.dtype) * padded * d  # gathered once, kept to the step's end
+    if segment.start == 0 and vocab_split(model, t) and (
+            d == 1 or state.layerwise and plan.sequence_parallel and not fsdp):
         # torch: the vocabulary-parallel embedding's local gradient is a view into a storage
-        # twice its size (no data-parallel reduction replaces it with a fresh tensor)
-        rows, rest = _rows_rest(layer_tensors(model, 0, t)[0], t)
-        grads += GRAD * rows * rest
+        # twice its size where no data-parallel reduction replaces it with a fresh tensor
+        grads += GRAD * tensors[0].local_numel(t)
+    state.params += params
+    state.grads += grads
+    state.moments += moments
+    # the uniform engine reduces FSDP2 once per step under a pipeline (torch's pipelining);
+    # the layerwise engine per micro-batch, but once per step for a ZeRO-2 layer under a
+    # split backward (run/engine/layerwise_pipeline.py)
+    once = plan.pp > 1 and (not state.layerwise or plan.schedule.split_backward and zero == 2)
+    add_data_parallel_comm(state.comm, plan, zero=zero, dp=d, pp=plan.pp if once else 1,
+                           whole=whole, padded=padded)
 
-    # --- data parallel -----------------------------------------------------------------------
-    # cost/state.py's multiples (bytes per parameter, all-gathers of 1/d shards), applied to the
-    # padded shards torch moves: an all-gather sends a padded shard, a reduce-scatter d of them
-    add_data_parallel_comm(comm, plan, zero=plan.zero, dp=d, pp=plan.pp, whole=whole,
-                           padded=padded_shard)
 
-    # --- the tied embedding's two copies across pipeline ranks ---------------------------------
-    holds_head = any(stop == model.num_layers for _, stop in ranges)
-    # under a V the first and the last chunk are both on pipeline rank 0: the two copies'
-    # gradients are summed there without a collective
-    apart = plan.pp_rank_of_chunk(0) != plan.pp_rank_of_chunk(plan.num_chunks - 1)
-    if model.tied_embeddings and apart and (holds_embed or holds_head):
-        tok = layer_tensors(model, 0, t)[0]
-        rows, rest = _rows_rest(tok, t)
-        comm["all_reduce"] += GRAD * (math.ceil(rows / d) if fsdp else rows) * rest
+def _transition(model: ModelSpec, state: _RankState, before: Segment, after: Segment,
+                stream: float) -> None:
+    """The hidden state moved from ``before``'s layout to ``after``'s (cost/transition.py)."""
+    a, b = before.plan, after.plan
+    _moved(state, a.tp, a.dp, b.tp, b.dp, model.hidden_size * stream,
+           state.plan.sequence_parallel)
 
-    # --- tensor parallel activations, pipeline transfers ---------------------------------------
-    for kind, nbytes in _activation_traffic(model, plan, chunk_ids).items():
-        comm[kind] += nbytes
-    comm["all_reduce"] += LOSS_BYTES + NORM_CLASS_BYTES * ((fsdp) + (t > 1 and any(
-        tensor.tp_dim is not None for tensor in tensors))) + NORM_PP_BYTES * (plan.pp > 1)
 
-    return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": moments,
-            "comm_bytes": comm}
+def _activations(model: ModelSpec, state: _RankState, segment: Segment, stream: float) -> float:
+    """The tensor-parallel (and context-parallel) activation traffic of a segment's layers, per
+    micro-batch of its ``b`` sequences; returns the residual stream's bytes per element after
+    it."""
+    plan, sub, comm = state.plan, segment.plan, state.comm
+    t, m, s, h = sub.tp, plan.num_microbatches, plan.seq_len // plan.cp, model.hidden_size
+    sp, c = plan.sequence_parallel and t > 1, compute_bytes(plan.dtype)
+    bsh = sub.micro_batch * s * h
+    fsdp = sub.grad_replicas > 1 and sub.zero >= 2
+    for offset, index in enumerate(range(segment.start, segment.stop)):
+        kind = model.layers[index].kind
+        # the embedding's output, or the layer's input (cast, or as it came)
+        hidden = c if _casts(sub) else 4.0 if kind == LayerKind.EMBEDDING else stream
+        full = segment.recompute[offset] == Recompute.FULL
+        if plan.cp > 1 and kind == LayerKind.BLOCK:  # the ring: K, V forward (again under
+            # recompute), with their gradients back
+            kv = kv_bytes(model, sub.micro_batch, t, plan.cp, c)
+            rings = 3 + (segment.recompute[offset] != Recompute.NONE)
+            comm["send_recv"] += m * (plan.cp - 1) * rings * kv
+        if t > 1:
+            _layer_tp(model, state, kind, sub, m=m, bsh=bsh, hidden=hidden, full=full)
+            if sp:  # norm gradients are partial sums over the sequence shards: all-reduced
+                # once per step, or by a layerwise FSDP2 layer per micro-batch in its dtype
+                norms = sum(x.local_numel(t) for x in layer_tensors(model, index, t)
+                            if "norm" in x.name)
+                comm["all_reduce"] += (m * c if state.layerwise and fsdp else GRAD) * norms
+        stream = c if _casts(sub) else 4.0 if kind == LayerKind.EMBEDDING else stream
+    return stream
+
+
+def _layer_tp(model: ModelSpec, state: _RankState, kind: LayerKind, sub: Plan, *, m: int,
+              bsh: int, hidden: float, full: bool) -> None:
+    """One layer's tensor-parallel collectives per step (DTensor as run/parallel/parallelize.py
+    lays it out), ``bsh`` elements of hidden state per micro-batch: row-parallel outputs and
+    logits in the compute dtype, inputs and input gradients in the stream's ``hidden``."""
+    plan, comm, t = state.plan, state.comm, sub.tp
+    sp, c = plan.sequence_parallel, compute_bytes(plan.dtype)
+    split = vocab_split(model, t)
+    if kind == LayerKind.EMBEDDING:
+        if split:
+            comm["all_reduce"] += m * bsh * hidden  # the embedding's output
+        if sp:  # the output kept as a sequence slice: its gradient gathered
+            comm["all_gather"] += m * bsh // t * hidden
+    elif kind == LayerKind.BLOCK:
+        replays = 2 if full else 1
+        if sp:  # inputs gathered (forward, replays), output gradients gathered
+            comm["all_gather"] += replays * 2 * m * bsh // t * hidden + 2 * m * bsh // t * c
+            comm["reduce_scatter"] += replays * 2 * m * bsh * c
+        else:  # row-parallel outputs, in the compute dtype
+            comm["all_reduce"] += replays * 2 * m * bsh * c
+        # column-parallel input gradients (q, k, v and fc1, or w1 and w3), in the input's dtype
+        up = 1 if model.arch == "gpt" else 2
+        comm["all_reduce"] += (3 + up) * m * bsh * hidden
+    elif split and state.layerwise:  # the head's logits gathered, its input gradient reduced
+        comm["all_gather"] += m * sub.micro_batch * (plan.seq_len // plan.cp) \
+            * model.padded_vocab_size // t * c
+        if sp:  # the head's input gathered
+            comm["all_gather"] += m * bsh // t * hidden
+        comm["all_reduce"] += m * bsh * hidden
+    elif split:  # loss_parallel (run/model/loss.py): max, sum of exponentials, target logit
+        comm["all_reduce"] += m * LOSS_PARALLEL_REDUCTIONS * bsh // model.hidden_size * 4
+        if sp:
+            comm["all_gather"] += m * bsh // t * hidden
+            comm["reduce_scatter"] += m * bsh * hidden
+        else:
+            comm["all_reduce"] += m * bsh * hidden
 
 
 def remote_neighbours(plan: Plan, chunk: int) -> int:
@@ -191,80 +332,84 @@ def remote_neighbours(plan: Plan, chunk: int) -> int:
                if 0 <= other < plan.num_chunks)
 
 
-def _activation_traffic(model: ModelSpec, plan: Plan, chunk_ids: list[int]) -> dict[str, float]:
-    """Tensor-parallel and pipeline bytes one rank sends per step for the activations of its
-    model chunks ``chunk_ids``."""
-    out = dict.fromkeys(COMM_KINDS, 0.0)
-    t, m, b, s, h = plan.tp, plan.num_microbatches, plan.micro_batch, plan.seq_len // plan.cp, \
+def _pipeline(model: ModelSpec, state: _RankState, chunk: int) -> None:
+    """A pipeline chunk's traffic at its ends (pp > 1): torch pipelining's sends of ``b s h`` per
+    micro-batch (``s / t`` under sequence parallelism) to each neighbour chunk on another rank
+    plus its first step's handshake; under layer strategies also the tokens moved into the first
+    layer's layout (chunk 0) or the received hidden state into it (later chunks), and the
+    output moved back to the plan's data layout (the hidden state, or the last chunk's logits,
+    whose labels stay in the data layout)."""
+    plan, comm = state.plan, state.comm
+    m, s, b, h = plan.num_microbatches, plan.seq_len // plan.cp, plan.micro_batch, \
         model.hidden_size
-    sp = plan.sequence_parallel
-    tp_b = _tp_activation_bytes(plan)
-    hidden_b = _hidden_bytes(plan)
-    bsh = b * s * h
-    up = 1 if model.arch == "gpt" else 2  # first MLP projections: fc1, or w1 and w3
-    split = vocab_split(model, t)
-    for index in chunk_ids:
-        stage = plan.stages[index]
-        if plan.cp > 1:  # the ring: K, V forward (again under recompute), with gradients back
-            kv = kv_bytes(model.with_seq_len(plan.seq_len), b, t, plan.cp,
-                          compute_bytes(plan.dtype))
-            for offset, layer_index in enumerate(range(stage.start, stage.stop)):
-                if model.layers[layer_index].kind == LayerKind.BLOCK:
-                    rings = 3 + (stage.recompute[offset] != Recompute.NONE)
-                    out["send_recv"] += m * (plan.cp - 1) * rings * kv
-        if plan.pp > 1:
-            neighbours = remote_neighbours(plan, index)
-            local_s = s // t if sp else s
-            out["send_recv"] += HANDSHAKE_BYTES * neighbours \
-                + m * neighbours * b * local_s * h * hidden_b
-        if t == 1:
-            continue
-        for offset, layer_index in enumerate(range(stage.start, stage.stop)):
-            layer = model.layers[layer_index]
-            if layer.kind == LayerKind.EMBEDDING:
-                if split:
-                    out["all_reduce"] += m * bsh * hidden_b  # the embedding's output
-                if sp:
-                    out["all_gather"] += m * bsh // t * hidden_b  # its gradient, gathered
-            elif layer.kind == LayerKind.BLOCK:
-                replays = 2 if stage.recompute[offset] == Recompute.FULL else 1
-                if sp:  # inputs gathered (forward, replays), output gradients gathered
-                    out["all_gather"] += replays * 2 * m * bsh // t * hidden_b \
-                        + 2 * m * bsh // t * tp_b
-                    out["reduce_scatter"] += replays * 2 * m * bsh * tp_b
-                else:  # row-parallel outputs, in the compute dtype
-                    out["all_reduce"] += replays * 2 * m * bsh * tp_b
-                # column-parallel input gradients, in the dtype of the input
-                out["all_reduce"] += (3 + up) * m * bsh * hidden_b
-            else:  # head
-                if split:  # loss_parallel (run/model/loss.py): max, sum of exponentials, target logit
-                    out["all_reduce"] += m * LOSS_PARALLEL_REDUCTIONS * b * s * 4
-                    if sp:
-                        out["all_gather"] += m * bsh // t * hidden_b
-                        out["reduce_scatter"] += m * bsh * hidden_b
-                    else:
-                        out["all_reduce"] += m * bsh * hidden_b
-        if sp:  # norm gradients are partial sums over the sequence shards: one all-reduce
-            norms = sum(tensor.local_numel(t) for layer_index in range(stage.start, stage.stop)
-                        for tensor in layer_tensors(model, layer_index, t)
-                        if "norm" in tensor.name)
-            out["all_reduce"] += GRAD * norms
-    return out
+    sp, hidden = plan.sequence_parallel, _hidden_bytes(plan)
+    neighbours = remote_neighbours(plan, chunk)
+    comm["send_recv"] += HANDSHAKE_BYTES * neighbours \
+        + m * neighbours * b * (s // plan.tp if sp else s) * h * hidden
+    strategies = plan.stages[chunk].layer_strategies
+    if strategies is None:
+        return
+    first, last = strategies[0], strategies[-1]
+    if chunk == 0:
+        if first.tp > plan.tp:
+            comm["all_gather"] += m * b * s * TOKEN_BYTES
+    else:
+        _moved(state, plan.tp, plan.dp, first.tp, first.dp, h * hidden, sp)
+    end = chunk == plan.num_chunks - 1
+    logits = 4.0 if plan.dtype == "fp32" else compute_bytes(plan.dtype)
+    width = model.vocab_size * logits if end else h * hidden
+    _moved(state, last.tp, last.dp, plan.tp, plan.dp, width, sp and not end)
 
 
-def _tp_activation_bytes(plan: Plan) -> float:
-    """Bytes per element of a linear layer's output (row-parallel outputs, the logits): the
-    compute dtype, under autocast and FSDP2's mixed precision alike."""
-    return compute_bytes(plan.dtype)
+def _moved(state: _RankState, tp_a: int, dp_a: int, tp_b: int, dp_b: int, width: float,
+           sequence: bool) -> None:
+    """Activations of ``width`` bytes per position moved from layout (tp_a, dp_a) to
+    (tp_b, dp_b) of a stage's devices (run/parallel/layerwise_redistribute.py): between two
+    layers, or between the data layout and a layerwise chunk's ends."""
+    plan, comm = state.plan, state.comm
+    m, s, sequences = plan.num_microbatches, plan.seq_len, plan.dp * plan.micro_batch
+    if sequence and tp_a != tp_b:  # the sequence-split hidden state: all-to-all each way
+        comm["all_to_all"] += 2 * m * sequences * s // (tp_a * dp_a) * width
+    elif tp_b > tp_a:  # forward all-gather of this rank's B / dp_a sequences
+        comm["all_gather"] += m * sequences // dp_a * s * width
+    elif tp_b < tp_a:  # backward all-gather of the gradient of B / dp_b sequences
+        comm["all_gather"] += m * sequences // dp_b * s * width
+
+
+def _rank_ends(model: ModelSpec, state: _RankState, pp_rank: int) -> None:
+    """What a rank sends once per step besides its layers: the tied embedding's gradient
+    all-reduce across the end ranks, the tokens and labels moved into the first and last
+    layer's layouts (layer strategies without a pipeline), and meshmorph's own reductions."""
+    plan, comm = state.plan, state.comm
+    ends = [c for c in plan.chunks_of(pp_rank) if c in (0, plan.num_chunks - 1)]
+    # under a V the first and the last chunk are both on pipeline rank 0: the two copies'
+    # gradients are summed there without a collective
+    if model.tied_embeddings and plan.pp > 1 and len(ends) == 1:
+        embed = plan.stages[0].layer_strategies
+        t, d, zero = (embed[0].tp, embed[0].dp, embed[0].zero) if embed else \
+            (plan.tp, plan.grad_replicas, plan.zero)
+        rows, rest = _rows_rest(layer_tensors(model, 0, t)[0], t)
+        comm["all_reduce"] += GRAD * (math.ceil(rows / d) if d > 1 and zero >= 2 else rows) * rest
+    if state.layerwise:
+        if plan.pp == 1:
+            layers = plan.stages[0].layer_strategies or ()
+            for layer in (layers[0], layers[-1]):  # tokens in, labels out
+                if layer.tp > plan.tp:
+                    comm["all_gather"] += plan.num_microbatches * plan.micro_batch \
+                        * plan.seq_len * TOKEN_BYTES
+        comm["all_reduce"] += LOSS_BYTES + NORM_BYTES
+        return
+    fsdp = plan.grad_replicas > 1 and plan.zero >= 2
+    split = plan.tp > 1 and any(tensor.tp_dim is not None for tensor in state.tensors)
+    comm["all_reduce"] += LOSS_BYTES + NORM_CLASS_BYTES * (fsdp + split) \
+        + NORM_PP_BYTES * (plan.pp > 1)
 
 
 def _hidden_bytes(plan: Plan) -> float:
-    """Bytes per element of the residual stream (the hidden state between pipeline stages,
-    run/engine/pipeline.py, and the inputs of tensor-parallel regions): fp32 under autocast, the
-    compute dtype under FSDP2's mixed precision."""
-    if plan.dtype == "fp32":
-        return 4.0
-    return compute_bytes(plan.dtype) if plan.grad_replicas > 1 and plan.zero >= 2 else 4.0
+    """Bytes per element of the residual stream between pipeline stages (run/engine/pipeline.py's
+    ``io_dtypes``) and of the plan's tensor-parallel inputs: fp32 under autocast, the compute
+    dtype under the plan's FSDP2 mixed precision."""
+    return compute_bytes(plan.dtype) if _casts(plan) else 4.0
 
 
 def predict_ranks(model: ModelSpec, plan: Plan) -> list[dict[str, object]]:
@@ -278,13 +423,10 @@ def predict_peak_bytes(model: ModelSpec, plan: Plan, rank: int, gpu: str) -> flo
     """The cost model's peak allocation of ``rank`` on catalog GPU ``gpu``: its StageMemory
     without the CUDA context and allocator reserve (what ``torch.cuda.max_memory_allocated``
     can see)."""
-    from meshmorph.cost.model import CostModel
-    from meshmorph.spec.cluster import parse_cluster
-
     model = model.with_seq_len(plan.seq_len)
     pp_rank = _coords(plan, rank)[0]
     cost = CostModel(model, parse_cluster(f"{gpu}:1x{plan.world_size}"))
-    chunks = [(plan.stages[c].start, plan.stages[c].stop, plan.stages[c].recompute)
-              for c in plan.chunks_of(pp_rank)]
-    memory = cost.rank_memory(plan, pp_rank, chunks, cost.default_gpu())
+    plans: dict = {}
+    segments = [s for c in plan.chunks_of(pp_rank) for s in chunk_segments(model, plan, c, plans)]
+    memory = cost.segments_memory(plan, pp_rank, segments, cost.default_gpu())
     return memory.total - memory.reserved

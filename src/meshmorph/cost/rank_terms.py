@@ -22,14 +22,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshmorph.cost.context_parallel import kv_bytes
+from meshmorph.cost.layer_cost import PieceCost
 from meshmorph.cost.pipeline import weight_copies
 from meshmorph.cost.state import MASTER_BYTES, compute_bytes
 from meshmorph.schedule.simulator import schedule_program
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.gpus import GPUSpec
-from meshmorph.spec.plan import V_SCHEDULES, Plan, Schedule
+from meshmorph.spec.plan import Plan
 
 if TYPE_CHECKING:  # CostModel builds on these terms: no import cycle at run time
-    from meshmorph.cost.model import ChunkTime, CostModel
+    from meshmorph.cost.model import CostModel
 
 
 def in_flight_microbatches(schedule: Schedule, pp: int, pp_rank: int, m: int, vpp: int) -> float:
@@ -43,7 +45,7 @@ def in_flight_microbatches(schedule: Schedule, pp: int, pp_rank: int, m: int, vp
         # of one chunk (1/v of the rank's layers): rank 0 -> p + (p - 1)/v
         units = min(m * vpp, (pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1)
         return units / vpp
-    if schedule in V_SCHEDULES:
+    if schedule.v_shape:
         # two chunks per rank, each half the rank's layers: the peak (stage, micro-batch) pairs
         # of the V's action list, in units of the whole rank; with m >= 2pp that peak is 2pp
         # (zbv) or 2pp + 1 (dualpipev) on every rank (tests/unit/test_schedule_simulator.py),
@@ -88,8 +90,11 @@ class RankMemoryTerms:
                 + largest_layer_params * self.gather_bytes_per_param + self.reserved_bytes)
 
 
-def rank_memory_terms(cost: CostModel, plan: Plan, pp_rank: int, gpu: GPUSpec) -> RankMemoryTerms:
-    """What ``cost.rank_memory(plan, pp_rank, ..., gpu)`` multiplies and adds, for any layers."""
+def rank_memory_terms(cost: CostModel, plan: Plan, pp_rank: int, gpu: GPUSpec, *,
+                      head_plan: Plan | None = None) -> RankMemoryTerms:
+    """What ``cost.rank_memory(plan, pp_rank, ..., gpu)`` multiplies and adds, for any layers;
+    ``head_plan``: the plan the head's layer runs under (a layerwise stage's, for its loss
+    buffers; default ``plan``)."""
     gathering = plan.zero == 3 and plan.grad_replicas > 1 and plan.pp == 1
     copies = weight_copies(plan.schedule, plan.weight_prediction, plan.pp, pp_rank,
                            plan.num_microbatches)
@@ -101,11 +106,17 @@ def rank_memory_terms(cost: CostModel, plan: Plan, pp_rank: int, gpu: GPUSpec) -
         # one unit in use, one more prefetched where fsdp_prefetch is on
         gather_bytes_per_param=(2 if plan.fsdp_prefetch else 1) * compute_bytes(plan.dtype)
         if gathering else 0.0,
-        reserved_bytes=cost.coef.context_bytes + cost.coef.memory_reserve_fraction * gpu.memory_bytes
-        + tp_overlap_buffer_bytes(cost, plan)
-        + head_loss_bytes(cost, plan, pp_rank) + ring_buffer_bytes(cost, plan),
+        reserved_bytes=device_reserve_bytes(cost, gpu) + tp_overlap_buffer_bytes(cost, plan)
+        + head_loss_bytes(cost, plan if head_plan is None else head_plan, pp_rank)
+        + ring_buffer_bytes(cost, plan),
         budget_bytes=gpu.memory_bytes,
     )
+
+
+def device_reserve_bytes(cost: CostModel, gpu: GPUSpec) -> float:
+    """CUDA context, communicator buffers and the allocator's reserve of one rank: what every
+    rank keeps whatever it holds."""
+    return cost.coef.context_bytes + cost.coef.memory_reserve_fraction * gpu.memory_bytes
 
 
 def ring_buffer_bytes(cost: CostModel, plan: Plan) -> float:
@@ -139,13 +150,13 @@ def tp_overlap_buffer_bytes(cost: CostModel, plan: Plan) -> float:
         cost.model.hidden_size * compute_bytes(plan.dtype)
 
 
-def tail_overlap_window_s(time: ChunkTime) -> float:
+def tail_overlap_window_s(time: PieceCost) -> float:
     """The compute the gradient sync may hide behind: the rank's last backward without
     recompute (backward = 2 x forward), so that more recompute never shortens the step."""
     return time.compute_s * 2 / 3
 
 
-def rank_tail_s(cost: CostModel, plan: Plan, time: ChunkTime, gpu: GPUSpec) -> float:
+def rank_tail_s(cost: CostModel, plan: Plan, time: PieceCost, gpu: GPUSpec) -> float:
     """Exposed gradient sync + optimizer step after the last backward of a rank holding one
     chunk with times ``time``, as ``CostModel.assemble`` adds it."""
     sync, optimizer = cost.rank_tail(plan, time.params, tail_overlap_window_s(time), gpu)

@@ -14,6 +14,14 @@ reaches the best step found, so their tightness decides the search time.
   max_k h_k(n_k) over all splits of the blocks is found greedily; infinity when even full
   recompute cannot fit the blocks.
 - ``fill_bound``: the memory bound with the pipeline's fill and drain.
+
+A configuration with per-layer strategies (``Config.strategies``) gets its own two levels:
+``lower_bound`` each rank's layers at their fastest (one stage, or the even chunks of the
+interleaved and V schedules; any partition of a one-chunk pipeline: some rank runs 1/pp of the
+layers' least busy time, and the bubble bound), ``memory_bound`` the same with each rank's busy
+time under its memory cap (plan/relaxations.py's ``MemoryRelaxation``; one-chunk pipelines:
+the least over stage partitions of the largest rank bound, plan/partition_bounds.py's
+``rest_bounds``), and for even chunks the schedule simulated at every chunk's least figures.
 """
 
 from __future__ import annotations
@@ -22,15 +30,25 @@ import math
 from dataclasses import dataclass
 
 from meshmorph.cost.model import CostModel
-from meshmorph.cost.rank_terms import in_flight_microbatches, least_rank_tail_s
+from meshmorph.cost.pipeline import simulate
+from meshmorph.cost.rank_terms import (
+    device_reserve_bytes,
+    in_flight_microbatches,
+    least_rank_tail_s,
+)
+from meshmorph.cost.segments import layer_plan
 from meshmorph.plan.block_run import BlockRun, block_run
 from meshmorph.plan.fastest_layers import cluster_gpu, fastest_layer_times, unique_gpus
+from meshmorph.plan.partition_bounds import rest_bounds
 from meshmorph.plan.rank_bound import FillKind, RankBound, SplitTable, least_max
-from meshmorph.plan.relaxations import filled_share
+from meshmorph.plan.relaxations import MemoryRelaxation, filled_share
 from meshmorph.plan.space import Config
+from meshmorph.plan.strategy_dp import TermsCache, stage_choices, stage_lower_bound_s
+from meshmorph.plan.strategy_fronts import StageFronts
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import LayerKind, Recompute
-from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, Plan, Schedule
+from meshmorph.spec.plan import Plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +79,9 @@ class ConfigBounds:
         self.modes = modes
         self._sums: dict[tuple, _Sums] = {}
         self._ranks: dict[tuple, RankBound] = {}
+        self.cache: TermsCache = {}
+        """Per-layer figures of configurations with layer strategies, shared with their solving
+        (plan/solve_config.py)."""
 
     def __call__(self, config: Config) -> float:
         """The larger of the two bounds; infinity when no split of the layers fits memory."""
@@ -71,7 +92,7 @@ class ConfigBounds:
 
     def _sums_of(self, plan: Plan, gpus: list[GPUSpec]) -> _Sums:
         key = (plan.dtype, plan.micro_batch, plan.tp, plan.cp, plan.sequence_parallel,
-               plan.schedule in SPLIT_BACKWARD_SCHEDULES, tuple(g.name for g in gpus),
+               plan.schedule.split_backward, tuple(g.name for g in gpus),
                plan.overlap_grad_reduce, plan.tp_comm_overlap, plan.fsdp_prefetch)
         sums = self._sums.get(key)
         if sums is None:
@@ -92,6 +113,8 @@ class ConfigBounds:
         """Some pipeline rank does at least m x (fastest time of all layers) / pp, and
         micro-batch 0 passes forward through every layer and backward again (input gradients
         only, for ZB)."""
+        if config.strategies is not None:
+            return self._layers_bound(config, memory=False)
         cost = self.cost
         plan = config.plan
         gpus = unique_gpus(cost, config.rank_gpus)
@@ -123,6 +146,8 @@ class ConfigBounds:
     def memory_bound(self, config: Config) -> float:
         """The least max_k h_k(n_k) over every split of the blocks (see the module notes): 0
         when the model's layers are not a run of alike blocks, infinity when no split fits."""
+        if config.strategies is not None:
+            return self._layers_bound(config, memory=True)
         run = block_run(self.cost.model)
         if run is None:
             return 0.0
@@ -230,3 +255,74 @@ class ConfigBounds:
                                                 cluster_gpu(self.cost, gpu_name),
                                                 self.modes)
         return rank
+
+    # --- configurations with per-layer strategies ----------------------------------------------
+    def _layers_bound(self, config: Config, *, memory: bool) -> float:
+        """No plan of a configuration with per-layer strategies is faster (module docstring)."""
+        cost, plan, strategies = self.cost, config.plan, config.strategies
+        assert strategies is not None
+        gpu = cost.default_gpu()
+        if plan.pp == 1 or plan.vpp > 1:
+            cap = gpu.memory_bytes - device_reserve_bytes(cost, gpu)
+            bound = 0.0
+            for k in range(plan.pp):
+                rows = stage_choices(cost, plan, k, 0, 0, strategies, self.modes, gpu, self.cache,
+                                     rank_chunks(plan, k))
+                bound = max(bound, stage_lower_bound_s(rows))
+                if memory:
+                    bound = max(bound, MemoryRelaxation(rows, cap).busy(0, len(rows)))
+            if memory and plan.pp > 1:
+                bound = max(bound, self._even_chunks_bound(config))
+            return bound
+        fronts = StageFronts(cost, plan, strategies, self.modes, gpu, self.cache)
+        bubble = bubble_bound(fronts)
+        if not memory:
+            return max(sum(fronts.least_busy) / plan.pp, max(fronts.least_busy), bubble)
+        return max(rest_bounds(fronts)[0][0], bubble)
+
+    def _even_chunks_bound(self, config: Config) -> float:
+        """No plan of an even-chunk configuration (interleaved, zbv, dualpipev) is faster: the
+        schedule simulated with every chunk's forward, backward (input gradient under a split
+        backward) and weight gradient each at the sum of its layers' least, no transition, and
+        each rank's tail at its layers' least. Every assignment's figures are at least these
+        and the simulator is max-plus (never faster when a figure grows)."""
+        cost, plan, strategies = self.cost, config.plan, config.strategies
+        assert strategies is not None
+        gpu = cost.default_gpu()
+        split = plan.schedule.split_backward
+        fwd, bwd, wgrad = ([0.0] * plan.num_chunks for _ in range(3))
+        tails = []
+        for k in range(plan.pp):
+            tail = 0.0
+            rows = iter(stage_choices(cost, plan, k, 0, 0, strategies, self.modes, gpu,
+                                      self.cache, rank_chunks(plan, k)))  # in chunk order
+            for c in plan.chunks_of(k):
+                for row in (next(rows) for _ in range(plan.stages[c].num_layers)):
+                    fwd[c] += min(x.piece.fwd_s for x in row)
+                    bwd[c] += min(x.piece.bwd_s - (x.piece.wgrad_s if split else 0.0)
+                                  for x in row)
+                    wgrad[c] += min(x.piece.wgrad_s for x in row)
+                    tail += min(x.tail_s for x in row)
+            tails.append(tail)
+        send = min(cost.p2p_time(layer_plan(plan, s), gpu) for s in strategies)
+        timeline = simulate(plan.schedule, plan.pp, plan.num_microbatches, fwd, bwd, v=plan.vpp,
+                            p2p_s=(send,) * plan.num_chunks, wgrad_s=wgrad if split else None)
+        return max(timeline.rank_end_s[k] + tails[k] for k in range(plan.pp))
+
+
+def rank_chunks(plan: Plan, k: int) -> list[tuple[int, int]]:
+    """The layer ranges of pipeline rank ``k``'s chunks, in order."""
+    return [(plan.stages[c].start, plan.stages[c].stop) for c in plan.chunks_of(k)]
+
+
+def bubble_bound(fronts: StageFronts) -> float:
+    """No partition of a one-chunk pipeline (GPipe, 1F1B, zero-bubble) is faster. Let x_k be
+    stage k's forward plus backward (the input gradient under zero-bubble) per micro-batch and
+    S_k = x_0 + ... + x_{k-1}: stage k cannot start before micro-batch 0's forwards of the
+    stages before it, runs m forwards and backwards, and rank 0 cannot end before micro-batch
+    m - 1's backward came back through those stages, so the step is at least m x_k + S_k for
+    every k. Over all x >= 0 summing to X, the least of max_k (m x_k + S_k) is
+    X / (1 - (1 - 1/m)^p) (``filled_share``: stage by stage, as large as the bound allows,
+    gives the most work under it), and X is at least the layers' least forwards and
+    backwards: ``lower_bound``'s fill bound over any split of the layers."""
+    return (fronts.prefix_f[-1] + fronts.prefix_b[-1]) / filled_share(fronts.m, fronts.p)

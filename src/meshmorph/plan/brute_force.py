@@ -30,9 +30,10 @@ from meshmorph.cost.model import CostModel
 from meshmorph.plan.partition_search import interleaved_block_counts, stages_of_counts
 from meshmorph.plan.search import PlanDoesNotFit
 from meshmorph.plan.space import Config, SearchOptions, configurations
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, Schedule, StagePlan
+from meshmorph.spec.plan import Plan, StagePlan
 
 
 def layer_modes(model: ModelSpec, options: SearchOptions) -> list[tuple[Recompute, ...]]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from meshmorph.cost.model import CostModel
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, Plan
+from meshmorph.spec.plan import Plan
 
 
 def cluster_gpu(cost: CostModel, name: str) -> GPUSpec:
@@ -48,7 +48,7 @@ class FastestLayer:
 def fastest_layer_times(cost: CostModel, plan: Plan, gpus: Sequence[GPUSpec]) -> list[FastestLayer]:
     """Per layer, the least times over ``gpus`` (recompute only ever adds time)."""
     coster = cost.coster(plan.dtype, plan.cp, plan.tp_comm_overlap)
-    zb = plan.schedule in SPLIT_BACKWARD_SCHEDULES
+    zb = plan.schedule.split_backward
     out = []
     for index in range(cost.model.num_layers):
         costs = [coster.layer(index, g, plan.micro_batch, plan.tp, plan.sequence_parallel,

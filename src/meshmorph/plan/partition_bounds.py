@@ -7,7 +7,12 @@ m x (their fastest total) / (ranks left) on some rank, and micro-batch 0 must pa
 through them and back (B: the input-gradient part in zero-bubble, else the whole backward);
 some rank left holds at least ceil(blocks left / ranks left) blocks; GPipe is a flow shop; and
 for few micro-batches the chosen prefix followed by the smallest possible stages is simulated
-(``simulate`` is monotone in the stage times).
+(``simulate`` is monotone in the stage times). ``rank_step_bound`` is the one-rank bound both
+partition searches read (over recompute choices, ``PartitionBounds``; over per-layer
+assignment fronts, plan/partition_search.py's ``best_front_partition``).
+
+``rest_bounds``: with per-layer strategies, the min-max program over stage ends that bounds
+every completion of a partial partition and every configuration (plan/bounds.py).
 """
 
 from __future__ import annotations
@@ -15,18 +20,46 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from meshmorph.cost.model import ChunkTime, steady_state
+import numpy as np
+
+from meshmorph.cost.layer_cost import PieceCost
+from meshmorph.cost.model import steady_state
 from meshmorph.cost.pipeline import simulate
 from meshmorph.plan.fastest_layers import fastest_layer_times, unique_gpus
-from meshmorph.plan.relaxations import filled_share
+from meshmorph.plan.relaxations import MemoryRelaxation, filled_share
 from meshmorph.plan.stage_recompute import StageChoice, StageSolver
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import LayerKind
-from meshmorph.spec.plan import Schedule
 
 if TYPE_CHECKING:
     from meshmorph.plan.rank_bound import SplitTable
+    from meshmorph.plan.strategy_fronts import StageFronts
 
 Chosen = Sequence[tuple[int, int, StageChoice]]
+
+
+def rank_step_bound(schedule: Schedule, zb: bool, m: int, p: int, k: int, prefix_f: float,
+                    prefix_b: float, f: float, b: float, b_whole: float, tail: float,
+                    after: float) -> float:
+    """No step is shorter, from pipeline rank k alone, holding one stage with forward ``f``,
+    backward ``b_whole`` of which ``b`` is what the chain waits for (the input gradient under
+    zero-bubble, ``zb``), and tail ``tail``; ``prefix_f`` and ``prefix_b`` are micro-batch 0's
+    forward and backward chains through the ranks before it and ``after`` the least chain of
+    the ranks after it. After rank k's last backward its tail and the backward chain to rank 0
+    run side by side; under zero-bubble its W ops may also run after its last B."""
+    if schedule == Schedule.ASYNC:  # no fill or drain: its own steady-state work
+        return m * (f + b_whole) + tail
+    if zb:
+        return max(prefix_f + m * (f + b_whole) + tail, prefix_f + m * (f + b) + prefix_b)
+    generic = prefix_f + m * (f + b_whole) + max(tail, prefix_b)
+    if schedule != Schedule.ONE_F_ONE_B:
+        return generic
+    # 1F1B: rank k runs m forwards and m - w backwards before its last forward ends, then
+    # waits for that micro-batch's chain through the later ranks (or runs its w other
+    # backwards), then its last backward; afterwards the tail, or the chain back to rank 0
+    w = min(p - k - 1, m)
+    last_b = prefix_f + m * f + (m - w) * b_whole + max(after, w * b_whole)
+    return max(generic, last_b + max(tail, prefix_b))
 
 
 class PartitionBounds:
@@ -67,32 +100,17 @@ class PartitionBounds:
         self.simulates = self.m <= 4 * self.p and self.m * self.p <= (64 if self.zb else 256)
         """Few micro-batches: fill and drain decide, so partial partitions are simulated."""
 
-    def step_b(self, t: ChunkTime) -> float:
+    def step_b(self, t: PieceCost) -> float:
         """The backward the pipeline chain waits for (input gradient only in zero-bubble)."""
         return t.bgrad_s if self.zb else t.bwd_s
 
-    def own(self, k: int, prefix_f: float, prefix_b: float, t: ChunkTime, tail: float,
+    def own(self, k: int, prefix_f: float, prefix_b: float, t: PieceCost, tail: float,
             after: float) -> float:
-        """Lower bound on the step from rank k alone (``after``: least time of the chain of the
-        ranks after k). After rank k's last backward, its tail and the backward chain to rank 0
-        run side by side; in zero-bubble the rank's W ops may also run after its last B."""
-        m, p = self.m, self.p
-        if self.schedule == Schedule.ASYNC:  # no fill or drain: its own steady-state work
-            return m * (t.fwd_s + t.bwd_s) + tail
-        if self.zb:
-            return max(prefix_f + m * (t.fwd_s + t.bwd_s) + tail,
-                       prefix_f + m * (t.fwd_s + t.bgrad_s) + prefix_b)
-        generic = prefix_f + m * (t.fwd_s + t.bwd_s) + max(tail, prefix_b)
-        if self.schedule != Schedule.ONE_F_ONE_B:
-            return generic
-        # 1F1B: rank k runs m forwards and m - w backwards before its last forward ends, then
-        # waits for that micro-batch's chain through the later ranks (or runs its w other
-        # backwards), then its last backward; afterwards the tail, or the chain back to rank 0
-        w = min(p - k - 1, m)
-        last_b = prefix_f + m * t.fwd_s + (m - w) * t.bwd_s + max(after, w * t.bwd_s)
-        return max(generic, last_b + max(tail, prefix_b))
+        """``rank_step_bound`` of rank k holding a stage of times ``t`` and tail ``tail``."""
+        return rank_step_bound(self.schedule, self.zb, self.m, self.p, k, prefix_f, prefix_b,
+                               t.fwd_s, t.bgrad_s if self.zb else t.bwd_s, t.bwd_s, tail, after)
 
-    def flow_shop(self, prefix: float, max_f: float, max_b: float, t: ChunkTime,
+    def flow_shop(self, prefix: float, max_f: float, max_b: float, t: PieceCost,
                   after: float) -> float:
         """GPipe runs a forward then a backward flow shop of m identical jobs: each takes at
         least the sum of its stages plus (m - 1) x its slowest stage (0 for other schedules)."""
@@ -101,7 +119,7 @@ class PartitionBounds:
         return prefix + t.fwd_s + t.bwd_s + after + (self.m - 1) * (
             max(max_f, t.fwd_s) + max(max_b, t.bwd_s))
 
-    def rest(self, k: int, stop: int, prefix_f: float, prefix_b: float, t: ChunkTime) -> float:
+    def rest(self, k: int, stop: int, prefix_f: float, prefix_b: float, t: PieceCost) -> float:
         """Lower bound from the ranks after k holding layers [stop, L), rank k's stage having
         times ``t`` and the ranks before it the chains ``prefix_f`` and ``prefix_b``."""
         m, left = self.m, self.p - 1 - k
@@ -145,3 +163,44 @@ class PartitionBounds:
             prefix_f += t.fwd_s
             prefix_b += chain[k] - t.fwd_s
         return bound
+
+
+def rest_bounds(fronts: StageFronts) -> list[list[float]]:
+    """``table[k][a]``: no completion in which ranks k.. hold layers [a, L) is faster, whatever the
+    ranks before hold: the least over their partitions of the largest rank bound, each rank's
+    figures the sums of its layers' least ones (the forward and backward chains before a rank
+    too) and its busy time at least its memory relaxation's, so the table holds for every
+    assignment that fits (a min-max program over stage ends)."""
+    p, m, L, zb = fronts.p, fronts.m, fronts.L, fronts.zb
+    one_f_one_b = fronts.plan.schedule == Schedule.ONE_F_ONE_B
+
+    def prefix(values: list[float]) -> np.ndarray:
+        return np.concatenate([[0.0], np.cumsum(values)])
+
+    F, B = prefix(fronts.least_f), prefix(fronts.least_b)
+    T, U = prefix(fronts.least_tail), prefix(fronts.least_busy)
+    relaxed = [MemoryRelaxation(fronts.rows(k), fronts.cap) for k in range(p)]
+
+    def rank(k: int, a: int, stops: np.ndarray) -> np.ndarray:
+        pf, pb = F[a], B[a]
+        f, bb, tail = F[stops] - pf, B[stops] - pb, T[stops] - T[a]
+        busy = np.maximum(U[stops] - U[a], relaxed[k].busy_many(a, stops))
+        bound = np.maximum(pf + busy, pf + m * (f + bb) + pb)
+        if one_f_one_b and not zb:
+            lag = min(p - k - 1, m)
+            after = F[L] - F[stops] + B[L] - B[stops]
+            bound = np.maximum(bound, pf + m * f + (m - lag) * bb + np.maximum(after, lag * bb)
+                               + np.maximum(tail, pb))
+        return bound
+
+    inf = float("inf")
+    table = [[inf] * (L + 1) for _ in range(p + 1)]
+    for a in range(p - 1, L):
+        table[p - 1][a] = float(rank(p - 1, a, np.array([L]))[0])
+    for k in range(p - 2, -1, -1):
+        later = np.array(table[k + 1])
+        for a in range(k, L - (p - 1 - k)):
+            stops = np.arange(a + 1, L - (p - 2 - k))
+            if len(stops):
+                table[k][a] = float(np.maximum(rank(k, a, stops), later[stops]).min())
+    return table

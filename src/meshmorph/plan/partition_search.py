@@ -8,6 +8,16 @@ the ranks left cannot hold the layers left (``plan.stage_reach``); leaves are pr
 ``CostModel.assemble``. With tolerance 0 and no node budget the result equals brute-force
 enumeration. ``interleaved_block_counts`` lists the chunk sizes an interleaved configuration
 may take (the planner and ``plan/brute_force.py`` price each).
+
+With per-layer strategies (``best_front_partition``) each stage is one point of its front
+(plan/strategy_fronts.py: the assignments no other beats on every figure the step reads)
+instead of its best recompute: the same depth-first search over stage ends, cut by the same
+one-rank bound (``partition_bounds.rank_step_bound``), the table of the ranks still to fill
+(``partition_bounds.rest_bounds``) and, for few micro-batches, the chosen stages simulated with
+the least possible one-layer stages after them. Leaves are the schedule simulated over the
+chosen stages' times, each rank's end plus its tail (``CostModel.estimate`` of the assembled
+plan). With tolerance 0 and no node budget the result is the optimum over every stage
+partition and per-layer assignment (tests/unit/test_layerwise_pipeline_exact.py).
 """
 
 from __future__ import annotations
@@ -17,9 +27,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from meshmorph.cost.estimate import Estimate
-from meshmorph.plan.partition_bounds import PartitionBounds
+from meshmorph.cost.pipeline import simulate
+from meshmorph.plan.partition_bounds import PartitionBounds, rank_step_bound, rest_bounds
 from meshmorph.plan.stage_reach import MemoryReach
 from meshmorph.plan.stage_recompute import StageChoice, StageSolver
+from meshmorph.plan.strategy_fronts import FrontPoint, StageFronts
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.plan import Plan, StagePlan
 
@@ -27,6 +40,7 @@ if TYPE_CHECKING:
     from meshmorph.plan.rank_bound import SplitTable
 
 Choices = list[tuple[int, int, StageChoice]]
+Chosen = list[tuple[int, int, FrontPoint]]
 
 
 @dataclass(slots=True)
@@ -198,3 +212,112 @@ def stages_of_counts(model: ModelSpec, counts: Sequence[int], mode: Recompute,
                                 gpu=gpus[index] if gpus else None))
         start = stop
     return tuple(stages)
+
+
+@dataclass(slots=True)
+class FrontPartition:
+    """The best partition over fronts found below the bound, and what is proven about the rest."""
+
+    step_s: float
+    """Its step (inf when none beat the bound)."""
+    stages: Chosen | None
+    """(start, stop, front point) of each rank, None when none beat the bound."""
+    open_bound_s: float
+    """Least lower bound of the branches left when the node budget ran out (inf if none)."""
+    nodes: int
+    """Branch-and-bound nodes visited."""
+
+
+def best_front_partition(fronts: StageFronts, bound: float, tolerance: float = 0.0,
+                         max_nodes: int | None = None) -> FrontPartition:
+    """The fastest partition and per-layer assignment of a one-chunk pipeline configuration
+    with step below ``bound`` (module docstring)."""
+    search = _FrontSearch(fronts, bound, tolerance, max_nodes)
+    if search.later[0][0] < search.cut:
+        search.dfs(0, 0, 0.0, 0.0, search.later[0][0], [])
+    return FrontPartition(search.best if search.chosen is not None else float("inf"),
+                          search.chosen, search.open_bound, search.visited)
+
+
+class _FrontSearch:
+    """``best_front_partition``'s depth-first search, with the suffix tables it reads."""
+
+    def __init__(self, fronts: StageFronts, bound: float, tolerance: float,
+                 max_nodes: int | None):
+        self.fronts, self.plan = fronts, fronts.plan
+        self.p, self.m, self.L, self.zb = fronts.p, fronts.m, fronts.L, fronts.zb
+        self.p2p = [fronts.cost.p2p_time(self.plan, fronts.gpu)] * self.p
+        self.keep, self.max_nodes = 1.0 - tolerance, max_nodes
+        self.best, self.chosen, self.cut = bound, None, bound * self.keep
+        self.visited, self.open_bound = 0, float("inf")
+        L = self.L
+        # least figures of the layers from i on, for the bounds on the ranks still to fill
+        self.suffix_busy = [0.0] * (L + 1)
+        self.suffix_chain = [0.0] * (L + 1)
+        self.least_one = [(float("inf"),) * 3] * (L + 1)
+        for i in range(L - 1, -1, -1):
+            self.suffix_busy[i] = self.suffix_busy[i + 1] + fronts.least_busy[i]
+            self.suffix_chain[i] = self.suffix_chain[i + 1] + fronts.least_f[i] + fronts.least_b[i]
+            self.least_one[i] = (min(self.least_one[i + 1][0], fronts.least_f[i]),
+                                 min(self.least_one[i + 1][1], fronts.least_b[i]),
+                                 min(self.least_one[i + 1][2], fronts.least_w[i]))
+        self.simulates = self.m * self.p <= 256 and self.plan.schedule != Schedule.ASYNC
+        self.later = rest_bounds(fronts)
+        total, acc, at = self.suffix_busy[0], 0.0, 0
+        self.target = []  # balanced ends: equal shares of the least busy time
+        for k in range(1, self.p):
+            while at < L and acc + fronts.least_busy[at] / 2 <= total * k / self.p:
+                acc += fronts.least_busy[at]
+                at += 1
+            self.target.append(at)
+
+    def _simulate(self, chosen: Chosen, least: tuple[float, float, float] | None = None) -> float:
+        """The step of the chosen stages, each rank's end plus its tail; with ``least`` the
+        ranks not chosen yet hold stages of those (least) figures."""
+        left = self.p - len(chosen)
+        f, b, w = least if least is not None else (0.0, 0.0, 0.0)
+        fwd = [pt.fwd_s for _, _, pt in chosen] + [f] * left
+        bwd = [pt.bwd_s for _, _, pt in chosen] + [b] * left
+        wgrad = [pt.wgrad_s for _, _, pt in chosen] + [w] * left if self.zb else None
+        timeline = simulate(self.plan.schedule, self.p, self.m, fwd, bwd, wgrad_s=wgrad,
+                            p2p_s=self.p2p)
+        ends = max(timeline.rank_end_s[k] + chosen[k][2].tail_s for k in range(len(chosen)))
+        return ends if least is None else max(ends, max(timeline.rank_end_s))
+
+    def own(self, k: int, pf: float, pb: float, pt: FrontPoint, after: float) -> float:
+        return rank_step_bound(self.plan.schedule, self.zb, self.m, self.p, k, pf, pb, pt.fwd_s,
+                               pt.bwd_s, pt.bwd_s + pt.wgrad_s, pt.tail_s, after)
+
+    def dfs(self, k: int, start: int, pf: float, pb: float, lower: float, chosen: Chosen) -> None:
+        self.visited += 1
+        if self.max_nodes is not None and self.visited > self.max_nodes:
+            self.open_bound = min(self.open_bound, lower)
+            return
+        fronts, L, p = self.fronts, self.L, self.p
+        if k == p - 1:
+            for pt in fronts.front(k, start, L, self.cut):
+                if max(lower, self.own(k, pf, pb, pt, 0.0)) >= self.cut:
+                    continue
+                whole = [*chosen, (start, L, pt)]
+                step = self._simulate(whole)
+                if step < self.best:
+                    self.best, self.chosen = step, whole
+                    self.cut = step * self.keep
+            return
+        left = p - 1 - k
+        for stop in sorted(range(start + 1, L - left + 1),
+                           key=lambda s: (abs(s - self.target[k]), s)):
+            if max(lower, self.later[k + 1][stop]) >= self.cut:
+                continue  # the ranks after cannot finish in time, whatever this one holds
+            for pt in fronts.front(k, start, stop, self.cut):
+                own = self.own(k, pf, pb, pt, self.suffix_chain[stop])
+                rest = pf + pt.fwd_s + self.suffix_busy[stop] / left
+                node = max(lower, own, rest, self.later[k + 1][stop])
+                if node >= self.cut:
+                    continue
+                extended = [*chosen, (start, stop, pt)]
+                if self.simulates:
+                    node = max(node, self._simulate(extended, self.least_one[stop]))
+                    if node >= self.cut:
+                        continue
+                self.dfs(k + 1, stop, pf + pt.fwd_s, pb + pt.bwd_s, node, extended)

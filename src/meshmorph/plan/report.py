@@ -10,8 +10,9 @@ from rich.console import Console
 from rich.table import Table
 
 from meshmorph.cost.estimate import GIB, Estimate
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, Schedule
+from meshmorph.spec.plan import Plan
 
 # the parts of a rank's memory, in the order the reports and charts stack them
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers", "reserved")

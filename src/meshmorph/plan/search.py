@@ -2,36 +2,33 @@
 
 Configurations (plan/space.py) are visited in order of a lower bound on their step time,
 tightened lazily (plan/bounds.py: cheap, then memory-aware, then with the pipeline's fill); the
-visit stops when the bound reaches the k-th best step found. Each configuration's stages and
-recompute are solved exactly (plan/stage_recompute.py per stage, plan/partition_search.py
-over stage ends). Interleaved schedules take each chunk split of
-``plan.partition_search.interleaved_block_counts`` (even where the blocks divide; else, as
-Megatron-LM's first and last stage layer counts, any ends around equal interior chunks), the V
-schedules split the blocks evenly; both use one recompute mode for all blocks.
+visit stops when the bound reaches the k-th best step found. Each configuration is solved
+exactly (plan/solve_config.py). With ``SearchOptions.layerwise`` the per-layer space
+(``plan.space.layer_configurations``) is searched the same way, its configurations bounded and
+solved by the same modules, and the faster of its best plan and the regular space's is returned
+(ties to the regular plan, which needs no layer strategies), each priced by
+``CostModel.estimate``.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from meshmorph.cost.estimate import GIB, Estimate
 from meshmorph.cost.model import CostModel
 from meshmorph.plan.bounds import ConfigBounds
-from meshmorph.plan.fastest_layers import cluster_gpu
-from meshmorph.plan.partition_search import (
-    PartitionResult,
-    interleaved_block_counts,
-    solve_partition,
-    stages_of_counts,
-)
-from meshmorph.plan.space import Config, SearchOptions, configurations
-from meshmorph.plan.stage_recompute import StageSolver
+from meshmorph.plan.solve_config import Found, even_estimate, solve_config, solve_layers
+from meshmorph.plan.space import Config, SearchOptions, configurations, layer_configurations
 from meshmorph.spec.cluster import Cluster
-from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan import Plan, PlanError
+from meshmorph.spec.runnable import layerwise_runnable
+
+LAYERWISE, REGULAR = "layerwise", "regular"
+"""The two spaces a search may return a plan from (``SearchResult.source``)."""
 
 
 class PlanDoesNotFit(PlanError):
@@ -51,6 +48,22 @@ class SearchResult:
     """Configurations whose stages were solved (the rest were cut by their bound)."""
     lower_bound_s: float
     """No plan of the search space is faster than this (proven by the bounds)."""
+    source: str = REGULAR
+    """The space ``plans`` come from: ``regular``, or ``layerwise`` (per-layer strategies)."""
+    runnable: bool = True
+    """Whether meshmorph runs ``plans[0]`` (spec/runnable.py); False only from a per-layer
+    search with ``runnable_only`` off."""
+    uniform_plan: Plan | None = None
+    """Per-layer space: the best plan with one strategy per stage it met (not searched to the
+    end once the per-layer best cuts the rest), None when none fits."""
+    uniform_estimate: Estimate | None = None
+    """Its figures."""
+    layerwise: SearchResult | None = None
+    """With ``SearchOptions.layerwise``: the per-layer space's own result (None: no plan)."""
+    regular: SearchResult | None = None
+    """With ``SearchOptions.layerwise``: the regular space's own result (None: no plan)."""
+    errors: dict[str, str] = field(default_factory=dict)
+    """With ``SearchOptions.layerwise``: why a space returned no plan, by space."""
 
     @property
     def optimality_gap(self) -> float:
@@ -59,115 +72,80 @@ class SearchResult:
         return max(0.0, (best - self.lower_bound_s) / best)
 
 
-def even_estimate(cost: CostModel, config: Config, mode: Recompute) -> tuple[Plan, Estimate]:
-    """A configuration with its blocks split evenly (Megatron-style) and ``mode`` recompute."""
-    plan = config.plan
-    candidate = plan.with_even_stages(cost.model, mode)
-    gpus = [cluster_gpu(cost, config.rank_gpus[plan.pp_rank_of_chunk(c)])
-            for c in range(plan.num_chunks)]
-    if len(set(config.rank_gpus)) > 1:
-        candidate = replace(candidate, stages=tuple(
-            replace(s, gpu=g.name) for s, g in zip(candidate.stages, gpus, strict=True)))
-    times = [cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
-             for s, g in zip(candidate.stages, gpus, strict=True)]
-    return candidate, cost.assemble(candidate, gpus, times)
+Tightener = Callable[[Config, float], float]
 
 
-def counts_estimate(cost: CostModel, config: Config, counts: tuple[int, ...],
-                    mode: Recompute, bound: float = float("inf")
-                    ) -> tuple[Plan, Estimate | None]:
-    """An interleaved configuration with chunks of ``counts`` blocks and ``mode`` recompute;
-    the estimate is None (not simulated) when its busiest rank's own work, m x the forward and
-    backward of its chunks, already reaches ``bound``: no step of it can be shorter."""
-    plan = config.plan
-    gpus = [cluster_gpu(cost, config.rank_gpus[plan.pp_rank_of_chunk(c)])
-            for c in range(plan.num_chunks)]
-    names = [g.name for g in gpus] if len(set(config.rank_gpus)) > 1 else None
-    candidate = replace(plan, stages=stages_of_counts(cost.model, counts, mode, names))
-    times = [cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
-             for s, g in zip(candidate.stages, gpus, strict=True)]
-    busiest = max(sum(times[c].fwd_s + times[c].bwd_s for c in plan.chunks_of(k))
-                  for k in range(plan.pp))
-    if plan.num_microbatches * busiest >= bound:
-        return candidate, None
-    return candidate, cost.assemble(candidate, gpus, times)
-
-
-class _LayerWork:
-    """m x (forward + backward) of any run of layers of an interleaved configuration, from
-    prefix sums of the per-layer times (no ZeRO traffic: at most a chunk's own time), so a
-    chunk split is dropped before its chunks are priced."""
-
-    def __init__(self, cost: CostModel, config: Config):
-        self.cost, self.plan = cost, config.plan
-        self.gpus = [cluster_gpu(cost, config.rank_gpus[self.plan.pp_rank_of_chunk(c)])
-                     for c in range(self.plan.num_chunks)]
-        self._prefix: dict[tuple[str, Recompute], list[float]] = {}
-
-    def prefix(self, gpu: GPUSpec, mode: Recompute) -> list[float]:
-        key = (gpu.name, mode)
-        sums = self._prefix.get(key)
-        if sums is None:
-            plan, model = self.plan, self.cost.model
-            coster = self.cost.coster(plan.dtype, plan.cp, plan.tp_comm_overlap)
-            sums = [0.0]
-            for index, layer in enumerate(model.layers):
-                c = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
-                                 mode if mode in layer.activation else Recompute.NONE)
-                sums.append(sums[-1] + c.fwd_s + c.bwd_s)
-            self._prefix[key] = sums
-        return sums
-
-    def busiest_rank_s(self, counts: tuple[int, ...], mode: Recompute) -> float:
-        plan = self.plan
-        busy = [0.0] * plan.pp
-        start = 0
-        for c, count in enumerate(counts):
-            stop = start + count + (c == 0) + (c == len(counts) - 1)
-            sums = self.prefix(self.gpus[c], mode)
-            busy[plan.pp_rank_of_chunk(c)] += sums[stop] - sums[start]
-            start = stop
-        return plan.num_microbatches * max(busy)
-
-
-def solve_config(cost: CostModel, config: Config, options: SearchOptions,
-                 bound: float, bounds: ConfigBounds) -> PartitionResult:
-    """The fastest plan of one configuration with step time below ``bound``, and the bound of
-    what was left unexplored."""
-    plan = config.plan
-    if plan.schedule == Schedule.INTERLEAVED:  # every chunk split interleaved_block_counts lists
-        best = None
-        work = _LayerWork(cost, config)
-        for counts in interleaved_block_counts(cost.model.num_blocks, plan.num_chunks):
-            for mode in options.recompute:
-                if work.busiest_rank_s(counts, mode) >= bound:
-                    continue  # its busiest rank alone takes longer than the best found
-                candidate, estimate = counts_estimate(cost, config, counts, mode, bound)
-                if estimate is not None and estimate.fits and estimate.step_time_s < bound:
-                    bound = estimate.step_time_s
-                    best = (candidate, estimate)
-        return PartitionResult(best, float("inf"))
-    if plan.num_chunks > plan.pp:  # the V schedules: blocks split evenly
-        best = None
-        for mode in options.recompute:
-            candidate, estimate = even_estimate(cost, config, mode)
-            if estimate.fits and estimate.step_time_s < bound:
-                bound = estimate.step_time_s
-                best = (candidate, estimate)
-        return PartitionResult(best, float("inf"))
-    gpus = [cluster_gpu(cost, name) for name in config.rank_gpus]
-    return solve_partition(StageSolver(cost, plan, gpus, options.recompute), bound,
-                           options.tolerance, options.max_nodes, bounds.split_table(config))
+def _best_first(configs: Sequence[Config], first: Callable[[Config], float],
+                tighteners: Sequence[Tightener], threshold: Callable[[], float],
+                solve: Callable[[int, float, float], float], tolerance: float) -> tuple[float, int]:
+    """Visit ``configs`` best bound first (lazily tightened: every configuration enters with
+    ``first``; when it comes first it gets the next of ``tighteners``, infinite dropping it,
+    and only then is it ``solve``d, which returns the bound of what it left open); stop when
+    the first bound reaches ``threshold()`` (the incumbents') less ``tolerance``. Returns (the
+    least bound of everything not searched to the end, configurations solved)."""
+    queue = [(first(c), 0, i) for i, c in enumerate(configs)]
+    heapq.heapify(queue)
+    solved = 0
+    proven = float("inf")
+    while queue:
+        bound_s, level, index = heapq.heappop(queue)
+        limit = threshold()
+        if bound_s >= limit * (1.0 - tolerance):
+            proven = min(proven, bound_s)
+            break
+        if level < len(tighteners):
+            tighter = tighteners[level](configs[index], bound_s)
+            if tighter < float("inf"):  # infinite: nothing of this configuration fits
+                heapq.heappush(queue, (tighter, level + 1, index))
+            continue
+        solved += 1
+        proven = min(proven, max(bound_s, solve(index, bound_s, limit)))
+    return proven, solved
 
 
 def search(model: ModelSpec, cluster: Cluster, *, global_batch: int,
            options: SearchOptions | None = None, cost: CostModel | None = None) -> SearchResult:
-    """The ``options.top_k`` fastest plans that fit, best first (one per configuration)."""
+    """The ``options.top_k`` fastest plans that fit, best first (one per configuration); with
+    ``options.layerwise`` the faster of the per-layer space's best and the regular space's."""
     options = options or SearchOptions()
-    started = time.perf_counter()
     if global_batch < 1:
         raise PlanError(f"global_batch must be at least 1, got {global_batch}")
     cost = cost or CostModel(model, cluster)
+    if options.layerwise:
+        return _faster_space(model, cluster, global_batch, options, cost)
+    return _search_regular(model, cluster, global_batch, options, cost)
+
+
+def _faster_space(model: ModelSpec, cluster: Cluster, global_batch: int,
+                  options: SearchOptions, cost: CostModel) -> SearchResult:
+    """Both spaces on the same inputs; the faster best plan (ties to the regular one), with each
+    space's result. Raises the per-layer search's PlanError when neither finds a plan."""
+    found: dict[str, SearchResult] = {}
+    errors: dict[str, str] = {}
+    failure: PlanError | None = None
+    for space in (LAYERWISE, REGULAR):
+        try:
+            found[space] = search_per_layer(model, cluster, global_batch=global_batch,
+                                            options=options, cost=cost) if space == LAYERWISE \
+                else _search_regular(model, cluster, global_batch, options, cost)
+        except PlanError as exc:
+            errors[space] = str(exc)
+            failure = failure or exc
+    if not found:
+        assert failure is not None
+        raise failure
+    layer, regular = found.get(LAYERWISE), found.get(REGULAR)
+    faster = regular if regular is not None and (
+        layer is None or regular.estimates[0].tokens_per_s >= layer.estimates[0].tokens_per_s) \
+        else layer
+    assert faster is not None
+    return replace(faster, layerwise=layer, regular=regular, errors=errors)
+
+
+def _search_regular(model: ModelSpec, cluster: Cluster, global_batch: int,
+                    options: SearchOptions, cost: CostModel) -> SearchResult:
+    """The regular space: one strategy per plan (module docstring)."""
+    started = time.perf_counter()
     world = cluster.world_size
     if global_batch > world * options.max_micro_batch * options.max_microbatches:
         raise PlanDoesNotFit(
@@ -182,40 +160,26 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int,
             "to a multiple of the data-parallel degree or the number of GPUs"
         )
     bounds = ConfigBounds(cost, options.recompute)
-    # lazily tightened: every configuration enters with the cheap bound; when it comes first it
-    # gets the memory bound, then the fill bound, then it is solved, so the dearer bounds are
-    # computed only for configurations that might still win
-    queue = [(bounds.lower_bound(c), 0, i) for i, c in enumerate(configs)]
-    heapq.heapify(queue)
     best: list[tuple[float, int, Plan, Estimate]] = []  # max-heap by -step
-    solved = 0
-    proven = float("inf")  # least bound of everything not searched to the end
-    while queue:
-        bound_s, level, index = heapq.heappop(queue)
-        threshold = -best[0][0] if len(best) == options.top_k else float("inf")
-        if bound_s >= threshold * (1.0 - options.tolerance):
-            proven = min(proven, bound_s)
-            break
-        config = configs[index]
-        if level == 0:
-            tighter = bounds.memory_bound(config)
-            if tighter < float("inf"):  # infinite: nothing of this configuration fits
-                heapq.heappush(queue, (max(bound_s, tighter), 1, index))
-            continue
-        if level == 1:
-            heapq.heappush(queue, (bounds.fill_bound(config, bound_s), 2, index))
-            continue
-        solved += 1
-        result = solve_config(cost, config, options, threshold, bounds)
-        proven = min(proven, max(bound_s, result.open_bound_s))
-        if result.best is None:
-            continue
-        plan, estimate = result.best
-        entry = (-estimate.step_time_s, -index, plan, estimate)
-        if len(best) < options.top_k:
-            heapq.heappush(best, entry)
-        else:
-            heapq.heappushpop(best, entry)
+
+    def threshold() -> float:
+        return -best[0][0] if len(best) == options.top_k else float("inf")
+
+    def solve(index: int, bound_s: float, limit: float) -> float:
+        result = solve_config(cost, configs[index], options, limit, bounds)
+        if result.best is not None:
+            plan, estimate = result.best
+            entry = (-estimate.step_time_s, -index, plan, estimate)
+            if len(best) < options.top_k:
+                heapq.heappush(best, entry)
+            else:
+                heapq.heappushpop(best, entry)
+        return result.open_bound_s
+
+    proven, solved = _best_first(
+        configs, bounds.lower_bound,
+        [lambda c, b: max(b, bounds.memory_bound(c)), bounds.fill_bound],
+        threshold, solve, options.tolerance)
     if not best:
         raise _does_not_fit(cost, configs, options)
     ranked = sorted(best, key=lambda e: (-e[0], -e[1]))
@@ -225,6 +189,65 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int,
     return SearchResult(plans=plans, estimates=[e for *_, e in ranked], search_time_s=elapsed,
                         configurations=len(configs), configurations_solved=solved,
                         lower_bound_s=proven)
+
+
+def search_per_layer(model: ModelSpec, cluster: Cluster, *, global_batch: int,
+                     options: SearchOptions | None = None,
+                     cost: CostModel | None = None) -> SearchResult:
+    """The per-layer space alone (plan/space.py's ``layer_configurations``): its fastest plan,
+    and the fastest with one strategy per stage it met; ``search`` with ``layerwise`` compares
+    it with the regular space. Only plans meshmorph runs unless ``options.runnable_only`` is
+    off."""
+    options = options or SearchOptions()
+    started = time.perf_counter()
+    if len({g.gpu.name for g in cluster.groups}) > 1:
+        raise PlanError("layerwise planning needs one GPU type; plan mixed clusters without "
+                        "--layerwise")
+    if options.runnable_only and options.dtype == "fp16":
+        raise PlanError("layerwise plans run fp32 or bf16 (no fp16 loss scaling); plan with "
+                        "--dtype bf16, or without --layerwise")
+    cost = cost or CostModel(model, cluster)
+    configs = list(layer_configurations(model, cluster, global_batch, options))
+    bounds = ConfigBounds(cost, options.recompute)
+    best: dict[str, Found] = {"uniform": None, "best": None}
+
+    def step(key: str) -> float:
+        found = best[key]
+        return found[1].step_time_s if found is not None else float("inf")
+
+    def solve(index: int, bound_s: float, limit: float) -> float:
+        result = solve_layers(cost, configs[index], options, (step("uniform"), step("best")),
+                              bounds.cache, bound_s)
+        if result.uniform is not None and result.uniform[1].step_time_s < step("uniform"):
+            best["uniform"] = result.uniform
+        for found in (result.uniform, result.best):
+            if options.runnable_only and found is not None and not layerwise_runnable(
+                    model, found[0]):
+                continue  # tp degrees that do not nest across stages or around a layer
+            if found is not None and found[1].step_time_s < step("best"):
+                best["best"] = found
+        return result.open_bound_s
+
+    proven, solved = _best_first(
+        configs, bounds.lower_bound, [lambda c, b: max(b, bounds.memory_bound(c))],
+        lambda: step("best" if options.one_strategy_per_stage else "uniform"), solve,
+        options.tolerance)
+    if best["best"] is None:
+        raise PlanDoesNotFit(
+            f"no layerwise plan of {cluster.world_size} GPUs fits memory for global batch "
+            f"{global_batch}; use more or larger GPUs, a shorter sequence, or allow ZeRO-3 and "
+            "full recompute")
+    elapsed = time.perf_counter() - started
+    plan, estimate = best["best"]
+    uniform = best["uniform"]
+    return SearchResult(
+        plans=[replace(plan, predicted={**estimate.to_dict(), "search_time_s": elapsed})],
+        estimates=[estimate], search_time_s=elapsed, configurations=len(configs),
+        configurations_solved=solved,
+        lower_bound_s=min(proven, estimate.step_time_s * (1.0 - options.tolerance)),
+        source=LAYERWISE, runnable=layerwise_runnable(model, plan),
+        uniform_plan=uniform[0] if uniform else None,
+        uniform_estimate=uniform[1] if uniform else None)
 
 
 def _does_not_fit(cost: CostModel, configs: list[Config],

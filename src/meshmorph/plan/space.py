@@ -9,18 +9,30 @@ with v chunks when the blocks fill pp * v chunks (evenly where they divide, else
 uneven splits of ``plan.partition_search.interleaved_block_counts``); asynchronous 1F1B only
 when asked) and, on mixed clusters, which GPU type each
 pipeline rank uses (groups stay contiguous; every order of the groups is tried).
+
+With ``SearchOptions.layerwise`` a second space is searched (``layer_configurations``): each
+layer of a stage chooses its own tp, dp and ZeRO stage (Galvatron-BMW's idea). A configuration
+then fixes pp (one GPU type), the sequences B of a stage micro-batch (m = batch / B), sequence
+parallelism and the schedule (the interleaved and V schedules with even chunks), and offers its
+layers every split of the stage's D = world / pp devices D = tp x dp with tp inside a node and
+dividing the heads, dp dividing B and B / dp at most ``max_micro_batch``, under every ZeRO stage
+of the options (``Config.strategies``). By default only plans the runtime runs
+(spec/runnable.py): the schedules a layerwise pipeline runs, a tied embedding and head under one
+(tp, ZeRO) pair (``Config.ends``), and no fp16.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from itertools import permutations
 
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, DType, Plan, Schedule
+from meshmorph.spec.plan import DType, LayerStrategy, Plan, WeightPrediction
+from meshmorph.spec.runnable import runnable_shape_refusal, tied_ends_refusal, zero_runs_under
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,10 +93,19 @@ class SearchOptions:
     """``Plan.overlap_grad_reduce`` of every plan: on is never slower (what hides costs only
     ``overlap_slowdown`` of itself) and holds no more memory (DDP's buckets are the gradients,
     FSDP2 reduce-scatters into its own buffers either way), so it is not searched."""
-    weight_prediction: str = "none"
+    weight_prediction: WeightPrediction = WeightPrediction.NONE
     """Weights of the ``async`` plans (``none``, ``stash``, ``2bw``, ``sgd``, ``adam``): the
     stashed or predicted copies count against memory, so the planner leaves out the async
     layouts they do not fit."""
+    layerwise: bool = False
+    """Also search plans whose layers each choose their tp, dp and ZeRO stage
+    (``layer_configurations``; one GPU type): the result is the faster of that space's best and
+    the regular space's (``SearchResult.layerwise`` and ``.regular`` hold each)."""
+    one_strategy_per_stage: bool = False
+    """With ``layerwise``: the per-layer space restricted to one strategy per stage."""
+    runnable_only: bool = True
+    """With ``layerwise``: only plans meshmorph runs (spec/runnable.py); False also prices the
+    per-layer plans the runtime does not run yet (the result says whether it runs)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in tuple(DType):
@@ -108,6 +129,10 @@ class SearchOptions:
             raise ValueError(f"cp_max must be at least 1 (or None: no cap), got {self.cp_max}")
         if self.max_microbatches < 1:
             raise ValueError(f"max_microbatches must be at least 1, got {self.max_microbatches}")
+        if self.weight_prediction not in tuple(WeightPrediction):
+            raise ValueError(f"weight_prediction must be one of {', '.join(WeightPrediction)}, "
+                             f"got {self.weight_prediction!r}")
+        object.__setattr__(self, "weight_prediction", WeightPrediction(self.weight_prediction))
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +140,13 @@ class Config:
     """One point of the search space, stages not yet chosen."""
 
     plan: Plan
-    """The plan without stages."""
+    """The plan without stages (with even stages where the layers choose their strategies)."""
     rank_gpus: tuple[str, ...]
     """GPU type of each pipeline rank."""
+    strategies: tuple[LayerStrategy, ...] | None = None
+    """The strategies every layer may choose (the per-layer space), None: the plan's own."""
+    ends: tuple[tuple[int, int], ...] | None = None
+    """(tp, zero) pairs a tied embedding and head may share (one for both), None: any."""
 
 
 def divisors(n: int, *, up_to: int | None = None) -> list[int]:
@@ -207,6 +236,27 @@ def configurations(model: ModelSpec, cluster: Cluster, global_batch: int,
                     yield from _inner(model, global_batch, options, tp, pp, dp, gpus, blocks, cp)
 
 
+def schedule_shapes(schedules: Iterable[Schedule], pp: int, m: int, blocks: int,
+                    max_vpp: int, *, even_chunks: bool = False) -> list[tuple[Schedule, int]]:
+    """(schedule, vpp) pairs a pipeline of ``pp`` ranks and ``m`` micro-batches may run, by the
+    schedule table: its micro-batch rules, interleaved with 2 <= vpp <= ``max_vpp`` chunks per
+    rank where the ``blocks`` fill pp x vpp chunks (``even_chunks``: split evenly), a V where
+    they fill 2 pp. Without a pipeline, 1F1B alone."""
+    if pp == 1:
+        return [(Schedule.ONE_F_ONE_B, 1)]
+    shapes: list[tuple[Schedule, int]] = []
+    for schedule in schedules:  # what each runs with: the schedule table
+        info = schedule.info
+        if m < info.min_microbatches_per_pp * pp or (info.microbatches_multiple_of_pp and m % pp):
+            continue
+        if info.chunks_per_rank is None:  # interleaved: vpp is the search's to choose
+            shapes.extend((schedule, v) for v in range(2, max_vpp + 1) if pp * v <= blocks
+                          and (not even_chunks or blocks % (pp * v) == 0))
+        elif info.chunks_per_rank == 1 or pp * info.chunks_per_rank <= blocks:
+            shapes.append((schedule, info.chunks_per_rank))  # (a V needs 2pp blocks)
+    return shapes
+
+
 def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int, pp: int, dp: int,
            gpus: tuple[str, ...], blocks: int, cp: int = 1) -> Iterator[Config]:
     per_rank = global_batch // dp
@@ -214,27 +264,13 @@ def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int,
         m = per_rank // b
         if m > options.max_microbatches:
             continue
-        schedules: list[tuple[Schedule, int]] = []
-        if pp == 1:
-            schedules.append((Schedule.ONE_F_ONE_B, 1))
-        else:
-            for schedule in options.schedules:
-                one_chunk = (Schedule.GPIPE,) if m < pp else (
-                    Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.ASYNC)
-                if schedule in one_chunk:
-                    schedules.append((schedule, 1))
-                elif schedule == Schedule.INTERLEAVED and m >= pp and m % pp == 0:
-                    schedules.extend((schedule, v) for v in range(2, options.max_vpp + 1)
-                                     if pp * v <= blocks)
-                elif schedule in V_SCHEDULES and blocks >= 2 * pp and (
-                        schedule == Schedule.ZBV or m >= 2 * pp):
-                    schedules.append((schedule, 2))  # two chunks per rank in a V
+        schedules = schedule_shapes(options.schedules, pp, m, blocks, options.max_vpp)
         for zero in options.zero_stages if dp > 1 else (0,):
             for sp in options.sequence_parallel if tp > 1 else (False,):
                 if sp and (model.seq_len // cp) % tp:
                     continue
                 for schedule, vpp in schedules:
-                    if schedule in SPLIT_BACKWARD_SCHEDULES and zero == 3:
+                    if not zero_runs_under(schedule, zero, dp):
                         continue  # torch's zero-bubble pipelining loses ZeRO-3's gradients
                     plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=global_batch,
                                 tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, micro_batch=b, num_microbatches=m,
@@ -246,3 +282,74 @@ def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int,
                         for tpo in options.tp_comm_overlap if sp else (False,):
                             yield Config(replace(plan, fsdp_prefetch=prefetch,
                                                  tp_comm_overlap=tpo), gpus)
+
+
+def layer_strategies(model: ModelSpec, cluster: Cluster, options: SearchOptions, devices: int,
+                     sequences: int, schedule: Schedule, *,
+                     sequence_parallel: bool = False) -> list[LayerStrategy]:
+    """The strategies a layer of a stage of ``devices`` devices and ``sequences`` sequences per
+    micro-batch may take (module docstring) under ``schedule``."""
+    out = []
+    for tp in tp_degrees(model, cluster, options):
+        dp = devices // tp
+        if devices % tp or sequences % dp or sequences // dp > options.max_micro_batch:
+            continue
+        if sequence_parallel and model.seq_len % tp:
+            continue
+        out.extend(LayerStrategy(tp=tp, dp=dp, zero=z)
+                   for z in (options.zero_stages if dp > 1 else (0,))
+                   if zero_runs_under(schedule, z, dp))
+    return out
+
+
+def layer_configurations(model: ModelSpec, cluster: Cluster, global_batch: int,
+                         options: SearchOptions) -> Iterator[Config]:
+    """Every configuration of the per-layer space (module docstring)."""
+    world, blocks = cluster.world_size, model.num_blocks
+    # one chunk per rank first, then interleaved, then the V: the order of the table's rows
+    order = sorted(options.schedules, key=lambda s: {1: 0, None: 1}.get(
+        s.info.chunks_per_rank, 2))
+    for pp in divisors(world):
+        if pp > blocks or (options.pp_degrees and pp not in options.pp_degrees):
+            continue
+        for sequences in divisors(global_batch):
+            m = global_batch // sequences
+            if m > options.max_microbatches:
+                continue
+            shapes = [shape for shape in schedule_shapes(order, pp, m, blocks, options.max_vpp,
+                                                         even_chunks=True)
+                      if shape[0] != Schedule.ASYNC]
+            for sp in sorted(set(options.sequence_parallel)):
+                for schedule, vpp in shapes:
+                    config = _layer_config(model, cluster, options, global_batch, pp, sequences,
+                                           schedule, vpp, sp)
+                    if config is not None:
+                        yield config
+
+
+def _layer_config(model: ModelSpec, cluster: Cluster, options: SearchOptions, batch: int,
+                  pp: int, sequences: int, schedule: Schedule, vpp: int,
+                  sp: bool) -> Config | None:
+    """One configuration of the per-layer space, or None when it offers nothing (no strategy,
+    nothing to split along the sequence, a shape or tied ends the runtime refuses)."""
+    strategies = layer_strategies(model, cluster, options, cluster.world_size // pp, sequences,
+                                  schedule, sequence_parallel=sp)
+    if not strategies or (sp and all(s.tp == 1 for s in strategies)):
+        return None  # nothing to split along the sequence: the same as sp off
+    # the data layout: at tp > 1 under sequence parallelism (a plan at tp 1 has no sequence
+    # split, Plan drops the flag)
+    first = next((s for s in strategies if s.tp > 1), strategies[0]) if sp else strategies[0]
+    plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=batch, tp=first.tp,
+                dp=first.dp, zero=first.zero, pp=pp, micro_batch=sequences // first.dp,
+                num_microbatches=batch // sequences, schedule=schedule, vpp=vpp,
+                sequence_parallel=sp, dtype=options.dtype).with_even_stages(model)
+    ends = None
+    if options.runnable_only:
+        if runnable_shape_refusal(model, plan) is not None:
+            return None
+        if model.tied_embeddings:  # one runnable layout for both
+            ends = tuple(sorted({(s.tp, s.zero) for s in strategies if tied_ends_refusal(
+                model, s, s, apart=plan.num_chunks > 1) is None}))
+            if not ends:
+                return None
+    return Config(plan, (cluster.groups[0].gpu.name,) * pp, tuple(strategies), ends)

@@ -14,17 +14,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from meshmorph.cost.layer_cost import LayerCost
-from meshmorph.cost.model import ChunkTime, CostModel
+from meshmorph.cost.layer_cost import PieceCost
+from meshmorph.cost.model import CostModel
 from meshmorph.cost.rank_terms import (
     RankMemoryTerms,
     in_flight_microbatches,
     rank_memory_terms,
     rank_tail_s,
 )
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import Recompute
-from meshmorph.spec.plan import Plan, Schedule
+from meshmorph.spec.plan import Plan
 
 _ORDER = (Recompute.FULL, Recompute.SELECTIVE, Recompute.NONE)
 _EDGE = 1e-9
@@ -40,7 +41,7 @@ class StageChoice:
 
     recompute: tuple[Recompute, ...]
     """Recompute mode of each layer of the stage."""
-    time: ChunkTime
+    time: PieceCost
     """Per-micro-batch times of the stage with that recompute."""
     tail_s: float
     """Exposed gradient sync + optimizer after the rank's last backward."""
@@ -324,7 +325,7 @@ class _GroupMemory:
     stop: int
     gpu: GPUSpec
     build: Build
-    per: dict[Recompute, LayerCost]
+    per: dict[Recompute, PieceCost]
     """The group's per-layer figures for each mode it may use."""
     none_total: float
     """Peak bytes with no layer recomputing."""

@@ -1,17 +1,22 @@
-"""The cloud catalog: transient offerings (notice, cap, hazard) and instance types with dated
-prices, from ``data/cloud_catalog.toml`` and an optional user TOML of the same form."""
+"""The cloud catalog: providers' transient rules, instance types, dated spot and on-demand prices per
+region, and zones a user describes, from ``data/cloud_catalog.toml`` and an optional user TOML of
+the same form (``examples/my_zones.toml``)."""
 
 from __future__ import annotations
 
 import math
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from meshmorph.predict.revocation import Hazard, fitted_hazards
+from meshmorph.predict.revocation import Hazard
+from meshmorph.predict.spot_data import Cloud
 from meshmorph.spec.gpus import GPU_CATALOG, LINKS
+
+HAZARDS = ("fitted", "")
+"""``fitted``: the packaged measurements; empty: the constant ``rate_per_h``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -19,40 +24,39 @@ class Provider:
     """A transient (or on-demand) offering's rules."""
 
     name: str
-    """Catalog key (``gcp-preemptible``)."""
+    """Catalog key (``gcp-spot``)."""
+    cloud: Cloud = Cloud.OTHER
+    """Whose measurements apply (GCP, AWS, Azure, other)."""
     notice_s: float
-    """Warning before a revocation, seconds."""
+    """Warning before a preemption, seconds."""
     max_runtime_h: float | None = None
     """The provider stops a VM at this age; None: no cap."""
     hazard: str = ""
-    """``cmdare``: CM-DARE's fitted age hazard; empty: the constant ``rate_per_h``."""
+    """``fitted``: lifetimes from the packaged data; empty: the constant ``rate_per_h``."""
     rate_per_h: float = 0.0
-    """Constant revocations per VM-hour (when ``hazard`` is empty)."""
+    """Constant preemptions per VM-hour (when ``hazard`` is empty)."""
     source: str = ""
     """Where the rules come from."""
 
-    def hazard_for(self, gpu: str) -> Hazard:
-        """The revocation hazard of one VM of this offering carrying ``gpu``."""
-        if self.hazard == "cmdare":
-            fitted = fitted_hazards()
-            base = fitted.get(gpu.split("-")[0], fitted["any"])
-            return Hazard(name=f"{self.name}/{gpu}", rates_per_h=base.rates_per_h,
-                          tail_rate_per_h=base.rates_per_h[-1], max_runtime_h=self.max_runtime_h,
-                          notice_s=self.notice_s)
-        if self.hazard:
-            raise ValueError(f"provider {self.name}: unknown hazard {self.hazard!r}; use 'cmdare' "
+    def __post_init__(self) -> None:
+        if self.hazard not in HAZARDS:
+            raise ValueError(f"provider {self.name}: unknown hazard {self.hazard!r}; use 'fitted' "
                              "or leave it out and give rate_per_h")
-        return Hazard(name=f"{self.name}/{gpu}", edges_h=(0.0,), rates_per_h=(),
-                      tail_rate_per_h=self.rate_per_h, max_runtime_h=self.max_runtime_h,
-                      notice_s=self.notice_s)
+
+    def rules(self, hazard: Hazard) -> Hazard:
+        """``hazard`` with this provider's notice and cap (and its constant rate, if it has one)."""
+        if not self.hazard:
+            hazard = Hazard(name=f"{self.name} constant", edges_h=(0.0,), rates_per_h=(),
+                            tail_rate_per_h=self.rate_per_h, source=f"{self.name}: rate_per_h")
+        return replace(hazard, notice_s=self.notice_s, max_runtime_h=self.max_runtime_h)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InstanceType:
-    """One rentable VM shape with its prices."""
+    """One rentable VM shape with its default prices."""
 
     name: str
-    """Catalog key (``aws-p3.2xlarge``)."""
+    """Catalog key (``gcp-h100-x8``)."""
     cloud: str
     """GCP, AWS, Azure."""
     provider: str
@@ -70,7 +74,7 @@ class InstanceType:
     spot_usd_per_h: float | None
     """Spot/preemptible price per instance-hour; None: not published."""
     region: str
-    """Region or zone the price applies to."""
+    """Region or zone the default price applies to."""
     date: str
     """When the price was read."""
     source: str
@@ -81,14 +85,63 @@ class InstanceType:
         return None if price is None else price / self.gpus
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Price:
+    """An instance's prices in one region or zone, dated."""
+
+    instance: str
+    """Instance type (an ``InstanceType`` key)."""
+    region: str
+    """Region (``us-central1``) or zone (``us-east-1a``)."""
+    spot_usd_per_h: float | None = None
+    """Spot price per instance-hour."""
+    on_demand_usd_per_h: float | None = None
+    """On-demand price per instance-hour."""
+    date: str
+    """When it was read."""
+    source: str
+    """Where it comes from."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UserZone:
+    """A zone described by its user: capacity and lifetimes as figures, not data."""
+
+    name: str
+    """Zone name."""
+    provider: str
+    """Offering it belongs to (a ``Provider`` key)."""
+    region: str = ""
+    """Region whose prices apply (default: the name less its last ``-x``)."""
+    gpu: str = ""
+    """GPU the figures are for (empty: any)."""
+    share_available: float = 1.0
+    """Long-run share of time with spot capacity (0-1]."""
+    mean_up_h: float = math.inf
+    """How long capacity lasts on average, hours (inf: it never goes)."""
+    preemptions_per_h: float | None = None
+    """Per-VM preemption rate (lifetime mode); None: the provider's (fitted or its rate)."""
+    source: str = ""
+    """Where the figures come from."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.share_available <= 1:
+            raise ValueError(f"zone {self.name}: share_available must be in (0, 1], got "
+                             f"{self.share_available}")
+
+
 @dataclass(frozen=True, slots=True)
 class CloudCatalog:
-    """Providers and instance types by name."""
+    """Providers, instance types, prices and user zones."""
 
     providers: dict[str, Provider]
     """Offerings by key."""
     instances: dict[str, InstanceType]
     """Instance types by key."""
+    prices: dict[tuple[str, str], Price]
+    """Prices by (instance, region or zone)."""
+    zones: dict[str, UserZone]
+    """User zones by name."""
 
     def provider(self, name: str) -> Provider:
         try:
@@ -96,6 +149,32 @@ class CloudCatalog:
         except KeyError:
             raise ValueError(f"unknown cloud provider {name!r}; known: {', '.join(self.providers)} "
                              "(add one under [providers.NAME] in a --catalog file)") from None
+
+    def instance_for(self, gpu: str, gpus: int, cloud: Cloud) -> InstanceType | None:
+        """The instance type of ``gpus`` x ``gpu`` on ``cloud`` (None: the catalog has none)."""
+        return next((i for i in self.instances.values() if i.gpu == gpu and i.gpus == gpus
+                     and i.cloud == cloud), None)
+
+    def price(self, instance: InstanceType, zone: str) -> Price:
+        """The instance's price in ``zone``: the zone's own, its region's (a user zone's
+        ``region``, else the name less its last letter), else the instance's default."""
+        user = self.zones.get(zone)
+        region = user.region if user is not None and user.region else zone_region(zone)
+        for where in (zone, region):
+            if (instance.name, where) in self.prices:
+                return self.prices[(instance.name, where)]
+        return Price(instance=instance.name, region=instance.region,
+                     spot_usd_per_h=instance.spot_usd_per_h,
+                     on_demand_usd_per_h=instance.on_demand_usd_per_h, date=instance.date,
+                     source=f"{instance.source} (the {instance.region} price stands in for {zone})")
+
+
+def zone_region(zone: str) -> str:
+    """``us-central1-a`` -> ``us-central1``; ``us-east-1a`` -> ``us-east-1``."""
+    if zone[-1:].isalpha() and zone[-2:-1].isdigit():  # AWS: us-east-1a
+        return zone[:-1]
+    head, _, tail = zone.rpartition("-")
+    return head if head and len(tail) == 1 else zone
 
 
 def _check(entry: dict[str, Any], cls: type, where: str) -> dict[str, Any]:
@@ -111,29 +190,72 @@ def _check(entry: dict[str, Any], cls: type, where: str) -> dict[str, Any]:
     return entry
 
 
+def _instance(entry: dict[str, Any], label: str, providers: dict[str, Provider]) -> InstanceType:
+    entry = {"on_demand_usd_per_h": None, "spot_usd_per_h": None, **entry}
+    missing = [f.name for f in fields(InstanceType) if f.name not in entry]
+    if missing:
+        raise ValueError(f"{label}: missing {', '.join(missing)}")
+    instance = InstanceType(**_check(entry, InstanceType, label))
+    if instance.gpu not in GPU_CATALOG:
+        raise ValueError(f"{label}: unknown gpu {instance.gpu!r}; valid: {', '.join(GPU_CATALOG)} "
+                         "(add it with meshmorph gpus --gpus FILE)")
+    for link in (instance.interconnect, instance.network):
+        if link not in LINKS:
+            raise ValueError(f"{label}: unknown link {link!r}; valid: {', '.join(LINKS)}")
+    if instance.provider not in providers:
+        raise ValueError(f"{label}: unknown provider {instance.provider!r}; known: "
+                         f"{', '.join(providers)}")
+    return instance
+
+
+def _provider(name: str, entry: dict[str, Any], where: str) -> Provider:
+    entry = dict(_check(entry, Provider, f"{where} [providers.{name}]"))
+    cloud = entry.pop("cloud", "other")
+    try:
+        return Provider(name=name, cloud=Cloud(cloud), **entry)
+    except ValueError as exc:
+        if "Cloud" in str(exc):
+            raise ValueError(f"{where} [providers.{name}]: cloud {cloud!r} is not one of "
+                             f"{', '.join(c.value for c in Cloud)}") from None
+        raise ValueError(f"{where} [providers.{name}]: {exc}") from None
+
+
+def _entries(data: dict[str, Any], key: str, cls: type, where: str) -> list[Any]:
+    out = []
+    for index, entry in enumerate(data.get(key, [])):
+        label = f"{where} [[{key}]] #{index + 1}"
+        missing = [f.name for f in fields(cls) if f.name not in entry
+                   and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise ValueError(f"{label}: missing {', '.join(missing)}")
+        try:
+            out.append(cls(**_check(entry, cls, label)))
+        except TypeError as exc:
+            raise ValueError(f"{label}: {exc}") from None
+    return out
+
+
 def _parse(data: dict[str, Any], where: str, catalog: CloudCatalog | None) -> CloudCatalog:
     providers = dict(catalog.providers) if catalog else {}
     instances = dict(catalog.instances) if catalog else {}
+    prices = dict(catalog.prices) if catalog else {}
+    zones = dict(catalog.zones) if catalog else {}
     for name, entry in data.get("providers", {}).items():
-        providers[name] = Provider(name=name, **_check(entry, Provider, f"{where} [providers.{name}]"))
+        providers[name] = _provider(name, entry, where)
     for index, entry in enumerate(data.get("instances", [])):
-        label = f"{where} [[instances]] #{index + 1}"
-        entry = {"on_demand_usd_per_h": None, "spot_usd_per_h": None, **entry}
-        missing = [f.name for f in fields(InstanceType) if f.name not in entry]
-        if missing:
-            raise ValueError(f"{label}: missing {', '.join(missing)}")
-        instance = InstanceType(**_check(entry, InstanceType, label))
-        if instance.gpu not in GPU_CATALOG:
-            raise ValueError(f"{label}: unknown gpu {instance.gpu!r}; valid: {', '.join(GPU_CATALOG)} "
-                             "(add it with meshmorph gpus --gpus FILE)")
-        for link in (instance.interconnect, instance.network):
-            if link not in LINKS:
-                raise ValueError(f"{label}: unknown link {link!r}; valid: {', '.join(LINKS)}")
-        if instance.provider not in providers:
-            raise ValueError(f"{label}: unknown provider {instance.provider!r}; known: "
-                             f"{', '.join(providers)}")
+        instance = _instance(entry, f"{where} [[instances]] #{index + 1}", providers)
         instances[instance.name] = instance
-    return CloudCatalog(providers=providers, instances=instances)
+    for price in _entries(data, "prices", Price, where):
+        if price.instance not in instances:
+            raise ValueError(f"{where}: a price for unknown instance {price.instance!r}; known: "
+                             f"{', '.join(instances)}")
+        prices[(price.instance, price.region)] = price
+    for zone in _entries(data, "zones", UserZone, where):
+        if zone.provider not in providers:
+            raise ValueError(f"{where}: zone {zone.name}: unknown provider {zone.provider!r}; "
+                             f"known: {', '.join(providers)}")
+        zones[zone.name] = zone
+    return CloudCatalog(providers=providers, instances=instances, prices=prices, zones=zones)
 
 
 def load_catalog(user: Path | str | None = None) -> CloudCatalog:

@@ -52,6 +52,24 @@ def _revocation_counts(folder: Path, name: str) -> dict[str, list[int]]:
     return dict(counts)
 
 
+def _revocations_by_region(folder: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per GPU and region: VMs launched and revocations in each hour of age (from the published
+    per-region lifetime CDFs; the regions partition the VMs behind the pooled counts)."""
+    ended: dict[tuple[str, str], dict[int, int]] = defaultdict(dict)
+    launched: dict[tuple[str, str], int] = {}
+    for row in _rows(folder, "cmdare_lifetime_cdf_by_region.csv"):
+        key = (row["gpu"], row["region"])
+        ended[key][int(row["lifetime_upper_bound_h"])] = int(row["n_ended_implied"])
+        launched[key] = int(row["n_instances_inferred"])
+    out: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for (gpu, region), by_hour in ended.items():
+        cumulative = [0] + [by_hour[h] for h in range(1, 25)]  # h = 25 adds the capped VMs
+        out[gpu][region] = {"launched": launched[(gpu, region)],
+                            "revocations_by_hour": [b - a for a, b in
+                                                    zip(cumulative, cumulative[1:], strict=False)]}
+    return dict(out)
+
+
 def import_reference(folder: Path) -> dict[str, Any]:
     """The packaged measurement file's content, from the reference CSVs in ``folder``."""
     launched = {}
@@ -89,6 +107,7 @@ def import_reference(folder: Path) -> dict[str, Any]:
         "instances_launched": launched,
         "revocations_by_hour_of_day": _revocation_counts(
             folder, "cmdare_revocations_by_hour_of_day.csv"),
+        "revocations_by_region": _revocations_by_region(folder),
         "icac_feb2019_lifetimes_h": dict(feb2019),
         "vm_startup_s": dict(startup),
         "server_request_s": {f"{r['requested_server']}/{r['request_timing']}":

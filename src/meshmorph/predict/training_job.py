@@ -1,5 +1,5 @@
 """A training run as the simulator sees it: steps to go, the step time on however many nodes are
-up (the planner's best plan for them, cached), checkpoint bytes and the price of a node-hour."""
+up (the planner's best plan for them, cached) and checkpoint bytes."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from dataclasses import dataclass, field, replace
 from meshmorph.cost.state import compute_bytes
 from meshmorph.plan.search import PlanDoesNotFit, search
 from meshmorph.plan.space import SearchOptions
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan import Plan, PlanError
 
 OPTIMIZER_BYTES_PER_PARAM = 12.0
 """fp32 master weights and Adam's two fp32 moments, saved beside the compute-dtype weights."""
@@ -33,11 +34,10 @@ class TrainingJob:
     """Sequences per step; fixed across reshapes (same math at every size)."""
     total_steps: int
     """Steps to train."""
-    price_per_gpu_hour: float
-    """USD per GPU-hour of the chosen pricing (spot or on-demand)."""
     dtype: str = "bf16"
     """Compute dtype."""
     _step_s: dict[int, float | None] = field(default_factory=dict)
+    """Step time per node count (None: no plan fits), filled as asked."""
 
     def __post_init__(self) -> None:
         if not self.cluster.homogeneous:
@@ -85,10 +85,6 @@ class TrainingJob:
     def checkpoint_bytes(self) -> float:
         """Weights in the compute dtype plus fp32 optimizer state."""
         return self.model.num_params * (compute_bytes(self.dtype) + OPTIMIZER_BYTES_PER_PARAM)
-
-    @property
-    def node_price_per_s(self) -> float:
-        return self.price_per_gpu_hour * self.gpus_per_node / 3600.0
 
 
 def steps_for_tokens(tokens: float, global_batch: int, seq_len: int) -> int:

@@ -13,6 +13,8 @@ from pathlib import Path
 from meshmorph.cost.profile import Profile
 from meshmorph.profile.alpha_beta import AlphaBeta, ring_link
 from meshmorph.profile.spawn import spawn
+from meshmorph.spec.catalog import load_model
+from meshmorph.spec.model import LayerKind, Recompute
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,10 +110,40 @@ def _rank_job(rank: int, world: int, config: ProfileConfig, out_dir: str) -> Non
         (Path(out_dir) / "rank0.json").write_text(json.dumps(result))
 
 
+def timing_bytes(config: ProfileConfig) -> tuple[float, str]:
+    """The most memory one process's layer timings take (the largest micro-batch through one
+    block of each model, forward and backward: its activations, their gradients, and the s x s
+    attention scores a CPU kernel may hold), and the model that takes it."""
+    worst, name = 0.0, ""
+    for model_name in config.models:
+        model = load_model(model_name, config.seq_len)
+        block = next(layer for layer in model.layers if layer.kind == LayerKind.BLOCK)
+        tokens = max(config.micro_batches) * model.seq_len
+        scores = 4.0 * model.num_heads * model.seq_len  # fp32 scores per token, per block
+        kept = block.activation[Recompute.NONE].per_rank(1, False)
+        need = tokens * (2 * kept * 4 / model.dtype_bytes + scores)  # fp32 on CPU
+        if need > worst:
+            worst, name = need, model_name
+    return worst, name
+
+
+def check_fits_memory(config: ProfileConfig, memory_bytes: float | None = None) -> None:
+    """Refuse, before any process starts, timings that all processes together cannot hold."""
+    memory_bytes = memory_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need, name = timing_bytes(config)
+    if need * config.nproc > memory_bytes:
+        raise ValueError(
+            f"timing a block of {name} at seq_len {config.seq_len or 'its own'} and micro-batch "
+            f"{max(config.micro_batches)} needs about {need / 2**30:,.1f} GiB per process, "
+            f"{need * config.nproc / 2**30:,.1f} GiB for {config.nproc} processes, more than this "
+            f"machine's {memory_bytes / 2**30:,.1f} GiB; lower --seq-len or --nproc")
+
+
 def run_profile(config: ProfileConfig, *, on_progress: Callable[[int], None] | None = None,
                 timeout_s: float = 600.0) -> Profile:
     """Measure with ``config.nproc`` processes; returns the Profile (rank 0's figures: every
     rank ran the same work at the same time)."""
+    check_fits_memory(config)
     with tempfile.TemporaryDirectory(prefix="meshmorph-profile-") as tmp:
         progress = Path(tmp) / "progress"
 

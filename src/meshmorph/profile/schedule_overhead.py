@@ -21,8 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from meshmorph.profile.timing import every_rank
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import Plan, Schedule
+from meshmorph.spec.plan import Plan
 
 SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
 """Schedules whose overhead is measured (one stage per rank)."""

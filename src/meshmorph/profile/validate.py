@@ -22,11 +22,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from meshmorph.cost import CostModel, Profile
-from meshmorph.predict.accuracy import chart, kendall_tau, mape
+from meshmorph.profile.accuracy import kendall_tau, mape
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan import Plan, PlanError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -378,41 +379,3 @@ def run_validate(config: ValidateConfig) -> dict[str, object]:
             "load_avg_profile": profile.load_avg, "cores": os.cpu_count(),
             "profile": profile.to_dict(), "plans": rows,
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-
-def report(result: dict[str, object], *, json_path: Path | None, png_path: Path | None) -> None:
-    """Print the prediction-vs-measurement table; write the JSON and the chart if asked."""
-    from rich.console import Console
-    from rich.table import Table
-
-    rows: list[dict[str, object]] = result["plans"]  # type: ignore[assignment]
-    table = Table(title=f"{result['model']} seq {result['seq_len']} on {result['nproc']} processes")
-    for col in ("plan", "measured s", "predicted s", "range s", "error", "state MiB meas/pred", "note"):
-        table.add_column(col)
-    for r in rows:
-        meas, pred = float(r["measured_step_s"]), float(r["predicted_step_s"])  # type: ignore[arg-type]
-        table.add_row(str(r["name"]), f"{meas:.4f}", f"{pred:.4f}",
-                      f"{float(r['predicted_low_s']):.4f}-{float(r['predicted_high_s']):.4f}",  # type: ignore[arg-type]
-                      f"{100 * (pred - meas) / meas:+.1f}%",
-                      f"{float(r['state_bytes_rank0']) / 2**20:.1f}/"  # type: ignore[arg-type]
-                      f"{float(r['predicted_state_bytes_rank0']) / 2**20:.1f}",  # type: ignore[arg-type]
-                      "; ".join(r["outside_profile"]) or "")  # type: ignore[arg-type]
-    console = Console()
-    console.print(table)
-    console.print(f"MAPE {float(result['mape']):.1f}%  Kendall tau {float(result['kendall_tau']):.3f}  "  # type: ignore[arg-type]
-                  f"measured inside the predicted range: {result['in_range']}/{len(rows)}  "
-                  f"load average at profile {float(result['load_avg_profile']):.2f} "  # type: ignore[arg-type]
-                  f"on {result['cores']} cores")
-    if "mape_profile_before" in result:
-        low, high = result.get("load_avg_plans", (0.0, 0.0))  # type: ignore[misc]
-        console.print(f"predicted from: {result.get('method', 'interleaved')}; from the profile "
-                      f"taken before the plans alone: MAPE {float(result['mape_profile_before']):.1f}%  "  # type: ignore[arg-type]
-                      f"Kendall tau {float(result['kendall_tau_profile_before']):.3f}; load average "  # type: ignore[arg-type]
-                      f"{low:.2f}-{high:.2f} while the plans ran")
-    if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=1) + "\n")
-        console.print(f"wrote {json_path}")
-    if png_path is not None:
-        chart(rows, png_path, f"validate: MAPE {float(result['mape']):.1f}%, "  # type: ignore[arg-type]
-              f"tau {float(result['kendall_tau']):.2f}")  # type: ignore[arg-type]
-        console.print(f"wrote {png_path}")

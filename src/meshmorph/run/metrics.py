@@ -70,7 +70,6 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
         self.path = out_dir / METRICS_FILE
-        self.chart_path = out_dir / LOSS_CHART
         self._progress: Progress | None = None
         if not enabled:
             return
@@ -107,15 +106,14 @@ class MetricsLogger:
         with self.path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
 
-    def close(self, *, chart: bool = True) -> Path | None:
-        """Stop the progress bar and draw ``loss.png`` from every recorded step."""
-        if not self.enabled:
-            return None
-        assert self._progress is not None
-        self._progress.stop()
-        if not chart or not self.path.is_file():
-            return None
-        from meshmorph.viz.loss_chart import read_metrics, write_loss_chart
+    def close(self) -> None:
+        """Stop the progress bar (the loss chart is drawn by the launching command, cli/)."""
+        if self.enabled:
+            assert self._progress is not None
+            self._progress.stop()
 
-        records = read_metrics(self.path)
-        return write_loss_chart(records, self.chart_path) if records else None
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The step records of a metrics file, in order (event lines such as ``state`` left out)."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for record in records if "step" in record]

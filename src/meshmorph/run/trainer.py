@@ -19,6 +19,8 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -120,31 +122,78 @@ def find_resume_point(ckpt_dir: Path) -> CheckpointInfo | None:
     return answer[0]  # type: ignore[return-value]
 
 
-def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: StopFlag,
-          elastic: Any = None) -> int:
-    from meshmorph.run.engine.pipeline import RunTrace
+@dataclass(slots=True)
+class RankRun:
+    """One rank's training loop and where it stands."""
+
+    job: JobConfig
+    """What to train."""
+    plan: Plan
+    """The plan the engine runs (a restored run's may differ from the one launched)."""
+    engine: Any
+    """The TrainEngine."""
+    shard: DataShard
+    """This rank's share of every global batch."""
+    metrics: MetricsLogger
+    """The metric lines (rank 0)."""
+    ckpt_dir: Path
+    """Where checkpoints go."""
+    fingerprint: dict[str, Any]
+    """What the checkpoints belong to."""
+    step: int = 0
+    """Steps done."""
+    consumed: int = 0
+    """Samples consumed (the data-loader state)."""
+    saved_step: int = 0
+    """The step of the newest checkpoint this run saved (or started from)."""
+
+    def save(self) -> None:
+        save_checkpoint(self.engine, self.ckpt_dir, step=self.step,
+                        consumed_samples=self.consumed, plan=self.plan.to_dict(),
+                        keep=self.job.checkpoint.keep, fingerprint=self.fingerprint)
+        self.saved_step = self.step
+
+    def one_step(self, device: torch.device, trace: Any, elastic: Any) -> None:
+        """Train one step and log it; the step boundary in the node store and a checkpoint
+        where the job asks for one."""
+        tokens = self.shard.batch(self.consumed).to(device)
+        lr = float(self.engine.optimizers[0].param_groups[0]["lr"])  # the LR this step uses
+        if trace:  # meshmorph run --trace: time every pipeline action of a few steps
+            trace.before_step()
+        if elastic is not None:
+            elastic.arm_failure(self.engine, self.step + 1)
+        start = time.perf_counter()
+        loss = self.engine.step(tokens)
+        step_time_s = time.perf_counter() - start
+        if trace:
+            trace.after_step()
+        self.step += 1
+        log_samples(self.shard, self.consumed, self.step)
+        self.consumed += self.plan.global_batch
+        self.metrics.log(step=self.step, loss=loss, lr=lr, grad_norm=self.engine.grad_norm_last(),
+                         step_time_s=step_time_s, consumed_samples=self.consumed)
+        write_state_line(self.engine, self.metrics)  # once, after the first step
+        if elastic is not None:  # the step boundary, in the node-local store
+            elastic.after_step(self.engine, self.plan, self.step, self.consumed)
+        every = self.job.checkpoint.every
+        if every and self.step % every == 0:
+            self.save()
+
+
+def _engine_at_start(job: JobConfig, plan: Plan, model: ModelSpec, device: torch.device, *,
+                     resume: bool, elastic: Any, ckpt_dir: Path) -> tuple[Any, Plan, int, int, Any]:
+    """(engine, plan, step, consumed samples, reshape event or None): restored from the node
+    stores after an elastic restart, resumed from the newest checkpoint, or fresh; compiled
+    where the job asks."""
     from meshmorph.run.engine.train_engine import build_engine
 
-    device = init_distributed(job.run.collective_timeout_s)
     rank = dist.get_rank()
-    if stop.agreed():  # asked to stop while the ranks were starting
-        if rank == 0:
-            print(f"stopped by {stop.reason or 'a stop request'} before step 1", flush=True)
-        return 0
-    model = load_model(job.model.source, job.model.seq_len)
-    source = make_source(job, model)
-    if plan.schedule == "async":  # no flush: the asynchronous executor (run/async_pipe/train.py)
-        from meshmorph.run.async_pipe.train import run_async_job
-
-        return run_async_job(model=model, plan=plan, optim=job.optim, source=source,
-                             data_seed=job.data.seed, steps=job.train.steps,
-                             seed=job.train.seed, out_dir=out_dir, device=device,
-                             resume=resume, elastic=elastic)
     restored = elastic.restore(model, job.optim, seed=job.train.seed, device=device,
                                total_steps=job.train.steps) \
         if elastic is not None else None  # torchrun restarted us: the node stores have the state
+    step, consumed, reshape = 0, 0, None
     if restored is not None:  # the plan may be another one (the world size changed)
-        engine, plan = restored[0], restored[1]
+        engine, plan, step, consumed, reshape = restored
     else:
         engine = build_engine(model, plan, job.optim, seed=job.train.seed, device=device)
     if job.train.compile:  # torch.compile per block (run/parallel/compile.py)
@@ -154,15 +203,7 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
         if rank == 0 and choice.note:
             print(choice.note, flush=True)
         compile_blocks(engine.model_parts, choice.backend)
-    shard = DataShard(source, SampleOrder(len(source), job.data.seed),
-                      global_batch=plan.global_batch, dp_rank=engine.dp_rank,
-                      dp_size=engine.dp_size)
-    ckpt_dir = job.checkpoint_dir(out_dir)
-    fingerprint = run_fingerprint(job, model, plan).to_dict()
-    step, consumed = 0, 0
-    if restored is not None:
-        _, _, step, consumed, reshape = restored
-    elif resume:
+    if restored is None and resume:
         info = find_resume_point(ckpt_dir)
         if info is None:
             if rank == 0:
@@ -173,60 +214,65 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
             if rank == 0:
                 print(f"resumed from {info.path} (step {step}, {consumed} samples consumed)",
                       flush=True)
+    return engine, plan, step, consumed, reshape
+
+
+def _final_line(run: RankRun, interrupted: bool) -> str:
+    state = "stopped by a signal" if interrupted else "finished"
+    saved = (f"checkpoint {run.ckpt_dir / f'step-{run.step}'}" if run.saved_step == run.step
+             and run.step else "no checkpoint saved ([checkpoint] every = 0)" if interrupted
+             and not run.job.checkpoint.every else "")
+    return f"{state} at step {run.step}; metrics in {run.metrics.path}" + \
+        (f"; {saved}" if saved else "")
+
+
+def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: StopFlag,
+          elastic: Any = None) -> int:
+    from meshmorph.run.engine.pipeline import RunTrace
+
+    device = init_distributed(job.run.collective_timeout_s)
+    rank = dist.get_rank()
+    if stop.agreed():  # asked to stop while the ranks were starting
+        if rank == 0:
+            print(f"stopped by {stop.reason or 'a stop request'} before step 1", flush=True)
+        return 0
+    model = load_model(job.model.source, job.model.seq_len)
+    source = make_source(job, model)
+    if not plan.schedule.info.flush:  # no flush: the asynchronous executor (run/async_pipe/)
+        from meshmorph.run.async_pipe.train import run_async_job
+
+        return run_async_job(model=model, plan=plan, optim=job.optim, source=source,
+                             data_seed=job.data.seed, steps=job.train.steps,
+                             seed=job.train.seed, out_dir=out_dir, device=device,
+                             resume=resume, elastic=elastic)
+    ckpt_dir = job.checkpoint_dir(out_dir)
+    engine, plan, step, consumed, reshape = _engine_at_start(
+        job, plan, model, device, resume=resume, elastic=elastic, ckpt_dir=ckpt_dir)
+    shard = DataShard(source, SampleOrder(len(source), job.data.seed),
+                      global_batch=plan.global_batch, dp_rank=engine.dp_rank,
+                      dp_size=engine.dp_size)
     metrics = MetricsLogger(out_dir, enabled=rank == 0, total_steps=job.train.steps,
                             start_step=step, tokens_per_step=plan.global_batch * plan.seq_len)
-    if restored is not None:
+    if reshape is not None:
         metrics.log_event(reshape)
-    interrupted, saved_step = False, step
+    run = RankRun(job, plan, engine, shard, metrics, ckpt_dir,
+                  run_fingerprint(job, model, plan).to_dict(), step, consumed, step)
     trace = RunTrace.from_env(getattr(engine, "schedule", None), plan, out_dir,
                               job.train.steps - step)
+    interrupted = False
     try:
-        while step < job.train.steps:
-            if stop.agreed():
-                interrupted = True
-                break
-            tokens = shard.batch(consumed).to(device)
-            lr = float(engine.optimizers[0].param_groups[0]["lr"])  # the LR this step uses
-            if trace:  # meshmorph run --trace: time every pipeline action of a few steps
-                trace.before_step()
-            if elastic is not None:
-                elastic.arm_failure(engine, step + 1)
-            start = time.perf_counter()
-            loss = engine.step(tokens)
-            step_time_s = time.perf_counter() - start
-            if trace:
-                trace.after_step()
-            step += 1
-            log_samples(shard, consumed, step)
-            consumed += plan.global_batch
-            metrics.log(step=step, loss=loss, lr=lr, grad_norm=engine.grad_norm_last(),
-                        step_time_s=step_time_s, consumed_samples=consumed)
-            write_state_line(engine, metrics)  # once, after the first step (run/engine/state_line.py)
-            if elastic is not None:  # the step boundary, in the node-local store
-                elastic.after_step(engine, plan, step, consumed)
-            if job.checkpoint.every and step % job.checkpoint.every == 0:
-                save_checkpoint(engine, ckpt_dir, step=step, consumed_samples=consumed,
-                                plan=plan.to_dict(), keep=job.checkpoint.keep,
-                                fingerprint=fingerprint)
-                saved_step = step
-        if interrupted and job.checkpoint.every and step > saved_step:
-            save_checkpoint(engine, ckpt_dir, step=step, consumed_samples=consumed,
-                            plan=plan.to_dict(), keep=job.checkpoint.keep, fingerprint=fingerprint)
-            saved_step = step
+        while run.step < job.train.steps and not (interrupted := stop.agreed()):
+            run.one_step(device, trace, elastic)
+        if interrupted and job.checkpoint.every and run.step > run.saved_step:
+            run.save()
         if elastic is not None and not interrupted:  # done: the node store is no longer needed
             dist.barrier()
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:
                 elastic.store.clear()
     finally:
-        chart = metrics.close()
+        metrics.close()
     if rank == 0:
-        state = "stopped by a signal" if interrupted else "finished"
-        saved = (f"checkpoint {ckpt_dir / f'step-{step}'}" if saved_step == step and step
-                 else "no checkpoint saved ([checkpoint] every = 0)" if interrupted
-                 and not job.checkpoint.every else "")
-        print(f"{state} at step {step}; metrics in {metrics.path}"
-              + (f", loss chart in {chart}" if chart else "") + (f"; {saved}" if saved else ""),
-              flush=True)
+        print(_final_line(run, interrupted), flush=True)
     return 0
 
 
@@ -266,7 +312,10 @@ def collective_failure(exc: BaseException, rank: str, timeout_s: float | None) -
             "(its message is above); continue from the newest checkpoint with --resume")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None,
+         make_elastic: Callable[[argparse.Namespace], Any] | None = None) -> int:
+    """One rank's run; ``make_elastic`` builds the elastic session from the parsed arguments
+    (``python -m meshmorph.elastic.live.worker`` passes it; None: a plain run)."""
     stop = StopFlag()
     stop.watch_parents()
     args = parse_args(argv)
@@ -279,12 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             job = load_job(args.job)
             timeout_s = job.run.collective_timeout_s
             plan = Plan.load(args.plan)
-            elastic = None
-            if args.elastic_run_id:
-                from meshmorph.elastic.live.elastic_run import ElasticSession, parse_failure
-
-                elastic = ElasticSession(args.elastic_run_id, args.out,
-                                         parse_failure(args.inject_failure))
+            elastic = make_elastic(args) if make_elastic and args.elastic_run_id else None
             code = train(job, plan, args.out, resume=args.resume, stop=stop, elastic=elastic)
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshmorph: error on rank {rank}: {exc}", file=sys.stderr, flush=True)

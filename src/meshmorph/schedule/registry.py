@@ -13,33 +13,34 @@ from meshmorph.schedule.one_f_one_b import (
     one_f_one_b,
     zero_bubble_h1,
 )
+from meshmorph.schedule.table import Schedule
 from meshmorph.schedule.v_shape import dualpipev, v_stages, zbv
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev", "async")
-"""gpipe, 1f1b, interleaved (v chunks per rank, looped), zb (ZB-H1), zbv and dualpipev (V shape,
-two chunks per rank), async (1F1B without flush, a STEP after every backward)."""
-V_SHAPED = frozenset({"zbv", "dualpipev"})
-"""Schedules whose rank r holds stages r and 2p - 1 - r."""
-SPLIT_BACKWARD = frozenset({"zb", "zbv", "dualpipev"})
-"""Schedules with input-gradient (I) and weight-gradient (W) backward actions."""
+MAX_PAIRS = 1 << 21
+"""The most (stage, micro-batch) pairs an action list is generated for: beyond it generating
+takes minutes (about 10 s a million on one core), and no plan needs it."""
+SCHEDULE_NAMES = tuple(str(s) for s in Schedule)
+"""Every schedule's name, in the table's order (schedule/table.py)."""
 
 
 def chunks_per_rank(name: str, v: int) -> int:
-    """Model chunks (stages) each rank holds: 2 for V shapes, v for interleaved, else 1."""
-    _check_name(name)
-    if name in V_SHAPED:
-        if v not in (1, 2):
+    """Model chunks (stages) each rank holds: the table's fixed number, or ``v`` (interleaved);
+    a V schedule also takes v 1 as its 2."""
+    info = _schedule(name).info
+    fixed = info.chunks_per_rank
+    if fixed is None:
+        return v
+    if v not in (1, fixed):
+        if fixed == 2:
             raise ScheduleShapeError(f"{name} holds exactly 2 chunks per rank, got vpp {v}")
-        return 2
-    if v != 1 and name != "interleaved":
         raise ScheduleShapeError(f"vpp {v} > 1 needs schedule 'interleaved', not '{name}'")
-    return v
+    return fixed
 
 
 def stage_to_rank(name: str, p: int, v: int = 1) -> tuple[int, ...]:
     """The pipeline rank of every stage: looped (s % p) or V (r and 2p - 1 - r on rank r)."""
     chunks = chunks_per_rank(name, v)
-    if name in V_SHAPED:
+    if _schedule(name).v_shape:
         ranks = [0] * (2 * p)
         for r in range(p):
             for s in v_stages(p, r):
@@ -62,12 +63,11 @@ def frozen_actions(name: str, p: int, m: int, v: int, steps: bool
     if p < 1 or m < 1:
         raise ScheduleShapeError(f"need pp >= 1 and micro-batches >= 1, got pp {p}, m {m}")
     chunks = chunks_per_rank(name, v)
-    if name == "async":  # steps are part of the schedule itself
+    check_size(p, m, chunks, MAX_PAIRS)
+    schedule = _schedule(name)
+    if not schedule.info.flush:  # steps are part of the schedule itself
         return tuple(tuple(order) for order in async_one_f_one_b(p, m))
-    orders = {"gpipe": lambda: gpipe(p, m), "1f1b": lambda: one_f_one_b(p, m),
-              "interleaved": lambda: interleaved(p, m, chunks),
-              "zb": lambda: zero_bubble_h1(p, m),
-              "zbv": lambda: zbv(p, m), "dualpipev": lambda: dualpipev(p, m)}[name]()
+    orders = _GENERATORS[schedule](p, m, chunks)
     if steps:
         ranks = stage_to_rank(name, p, v)
         orders = with_steps(orders, [[s for s, k in enumerate(ranks) if k == r] for r in range(p)],
@@ -75,7 +75,30 @@ def frozen_actions(name: str, p: int, m: int, v: int, steps: bool
     return tuple(tuple(order) for order in orders)
 
 
-def _check_name(name: str) -> None:
-    if name not in SCHEDULE_NAMES:
+def check_size(p: int, m: int, chunks: int, limit: int, what: str = "a schedule") -> None:
+    """Refuse ``p`` ranks x ``chunks`` x ``m`` micro-batches above ``limit`` pairs, naming them."""
+    pairs = p * chunks * m
+    if pairs > limit:
+        raise ScheduleShapeError(
+            f"pp {p:,} x {chunks} chunk(s) x {m:,} micro-batches = {pairs:,} (stage, micro-batch) "
+            f"pairs is above the {limit:,} {what} takes; lower pp or the micro-batch count")
+
+
+_GENERATORS = {
+    Schedule.GPIPE: lambda p, m, v: gpipe(p, m),
+    Schedule.ONE_F_ONE_B: lambda p, m, v: one_f_one_b(p, m),
+    Schedule.INTERLEAVED: lambda p, m, v: interleaved(p, m, v),
+    Schedule.ZERO_BUBBLE: lambda p, m, v: zero_bubble_h1(p, m),
+    Schedule.ZBV: lambda p, m, v: zbv(p, m),
+    Schedule.DUALPIPEV: lambda p, m, v: dualpipev(p, m),
+}
+"""The generator of each flushing schedule's per-rank action lists (p ranks, m micro-batches,
+v chunks per rank)."""
+
+
+def _schedule(name: str | Schedule) -> Schedule:
+    try:
+        return Schedule(name)
+    except ValueError:
         raise ScheduleShapeError(f"unknown pipeline schedule {name!r}; use one of "
-                                 f"{', '.join(SCHEDULE_NAMES)}")
+                                 f"{', '.join(SCHEDULE_NAMES)}") from None

@@ -21,6 +21,7 @@ from functools import lru_cache
 
 from meshmorph.schedule.action import Action, Kind
 from meshmorph.schedule.registry import frozen_actions, stage_to_rank
+from meshmorph.schedule.table import Schedule
 from meshmorph.schedule.validate import DeadlockError, peak_activations
 
 # Durations are one flat list: fwd + bwd + wgrad + igrad + step, one entry per stage each.
@@ -193,7 +194,7 @@ def compile_program(orders: Sequence[Sequence[Action]], m: int, *, steps: bool =
 @lru_cache(maxsize=256)
 def schedule_program(name: str, p: int, m: int, v: int = 1, steps: bool = False) -> Program:
     """The compiled program of a named schedule, cached per shape."""
-    return compile_program(frozen_actions(name, p, m, v, steps), m, steps=steps or name == "async",
+    return compile_program(frozen_actions(name, p, m, v, steps), m, steps=steps or not Schedule(name).info.flush,
                            stages=len(stage_to_rank(name, p, v)))
 
 

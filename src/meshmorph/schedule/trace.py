@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from meshmorph.files import read_document
+
 OpRecord = tuple[int, str, int, int, float, float]
 """(rank, kind, stage, micro-batch, start_s, end_s): one action of a timeline."""
 
@@ -48,12 +50,9 @@ def write_trace(path: Path, events: Sequence[dict[str, Any]], **metadata: Any) -
 
 def read_trace_ops(path: Path) -> list[OpRecord]:
     """The actions of a pipeline trace as timeline records (seconds, from the first start)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise TraceError(f"cannot read trace {path}: {exc}; write one with 'meshmorph run "
-                         f"--trace' or 'meshmorph timeline --trace'") from None
-    events = data.get("traceEvents") if isinstance(data, dict) else None
+    data = read_document(path, what="trace", fmt="json", error=TraceError, way_out=(
+        "write one with 'meshmorph run --trace' or 'meshmorph timeline --trace'"))
+    events = data.get("traceEvents")
     if not isinstance(events, list):
         raise TraceError(f"{path} holds no 'traceEvents' list; it is not a Chrome trace")
     ops = [(int(e["args"]["rank"]), str(e["args"]["kind"]), int(e["args"]["stage"]),

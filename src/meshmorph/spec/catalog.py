@@ -42,6 +42,11 @@ MODEL_CATALOG: dict[str, TransformerShape] = {
         _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
         _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
         _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+        # Llama 3.2 1B (Hugging Face Llama-3.2-1B config.json): the head shares the embedding
+        # (tie_word_embeddings true), so 1,235,814,400 parameters
+        TransformerShape(name="llama3.2-1b", arch="llama", num_layers=16, hidden_size=2048,
+                         num_heads=32, num_kv_heads=8, ffn_hidden_size=8192, vocab_size=128256,
+                         seq_len=8192, tied_embeddings=True),
         # small models that train on CPU: tests, the demo and examples
         _gpt("gpt-tiny", 4, 64, 4, vocab=256, seq=32),
         _gpt("gpt-small", 6, 256, 8, vocab=256, seq=128),

@@ -27,11 +27,11 @@ change GPUs and links for this file only (same keys as ``meshmorph gpus --gpus F
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from meshmorph.files import read_document
 from meshmorph.spec.cluster import Cluster, NodeGroup
 from meshmorph.spec.gpus import GPU_CATALOG, GPUSpec, LinkSpec, gpus_from_toml
 
@@ -45,17 +45,8 @@ _GROUP_REQUIRED = ("gpu", "nodes", "gpus_per_node")
 def load_cluster_toml(path: Path | str) -> Cluster:
     """A Cluster from a TOML file (format in this module's docstring)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"cluster file {path} does not exist; pass a .toml file or shorthand such as 'h100:4x8'"
-        )
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not valid TOML: {exc}; fix it (the format is in "
-                         "examples/clusters/) or pass shorthand such as 'h100:4x8'") from None
-    except OSError as exc:
-        raise ValueError(f"cluster file {path} cannot be read ({exc.strerror})") from None
+    data = read_document(path, what="cluster file", fmt="toml", way_out=(
+        "fix it (the format is in examples/clusters/) or pass shorthand such as 'h100:4x8'"))
     _check_keys(data, _TOP_KEYS, path, "the top level")
     groups_data = data.get("groups")
     if not isinstance(groups_data, list) or not groups_data:

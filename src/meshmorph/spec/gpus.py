@@ -9,10 +9,11 @@ so that the demo can plan for them.
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+from meshmorph.files import read_document
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,6 +26,14 @@ class LinkSpec:
     """GB/s per GPU per direction, nominal."""
     latency_us: float
     """One-way latency of a small message, microseconds."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.bandwidth_gbps) and self.bandwidth_gbps > 0):
+            raise ValueError(f"link {self.name!r}: bandwidth_gbps must be a finite number > 0, "
+                             f"got {self.bandwidth_gbps!r}; give its GB/s per GPU per direction")
+        if not (math.isfinite(self.latency_us) and self.latency_us >= 0):
+            raise ValueError(f"link {self.name!r}: latency_us must be a finite number >= 0, got "
+                             f"{self.latency_us!r}")
 
 
 LINKS: dict[str, LinkSpec] = {
@@ -77,6 +86,23 @@ class GPUSpec:
     sm_count: float = 0
     """Streaming multiprocessors (AMD: compute units) that run GEMM tiles in waves; 0: unknown
     (no wave quantisation). Vendor data sheets / architecture whitepapers."""
+
+    def __post_init__(self) -> None:
+        for key in ("memory_gib", "hbm_gbps"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"GPU {self.name!r}: {key} must be a finite number > 0, got "
+                                 f"{value!r}; give the part's data-sheet figure")
+        if not self.peak_tflops:
+            raise ValueError(f"GPU {self.name!r} lists no peak_tflops; give at least one dtype, "
+                             "e.g. { bf16 = 989.4 }")
+        for dtype, value in self.peak_tflops.items():
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"GPU {self.name!r}: peak_tflops.{dtype} must be a finite number "
+                                 f"> 0, got {value!r}; leave out a dtype the part does not run")
+        if not (math.isfinite(self.sm_count) and self.sm_count >= 0):
+            raise ValueError(f"GPU {self.name!r}: sm_count must be >= 0 (0: unknown), got "
+                             f"{self.sm_count!r}")
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for a training dtype; falls back to the next wider dtype."""
@@ -237,13 +263,8 @@ def load_gpus_toml(path: Path | str) -> dict[str, GPUSpec]:
     """Add or override catalog GPUs (and links) from a TOML file, for this process; returns the
     entries the file defined."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"GPU file {path} does not exist; pass a .toml file with "
-                                "[gpus.NAME] tables") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not valid TOML: {exc}") from None
+    data = read_document(path, what="GPU file", fmt="toml",
+                         way_out="pass a .toml file with [gpus.NAME] and [links.NAME] tables")
     unknown = [k for k in data if k not in ("gpus", "links")]
     if unknown:
         raise ValueError(f"{path}: unknown table {', '.join(map(repr, unknown))}; a GPU file holds "

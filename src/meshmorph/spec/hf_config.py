@@ -9,14 +9,22 @@ Two layouts are read:
   ``tie_word_embeddings``): RMSNorm, SwiGLU, RoPE, grouped-query attention -> arch ``llama``.
   Mistral, Qwen2 and other configs that use the same keys and a SiLU activation read the same way
   (attention biases, where a model has them, are not counted).
+
+Both layouts also read how the run computed attention and whether it dropped out, so a published
+run is expressible as it ran: ``attn_implementation`` (or ``_attn_implementation``) ``"eager"``
+keeps the s x s attention scores for backward (as Megatron did before flash attention), while
+``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"`` and ``"flex_attention"`` keep none
+(the default: meshmorph's runtime runs ``scaled_dot_product_attention``); a dropout probability
+above zero in ``attention_dropout``, ``hidden_dropout``, ``attn_pdrop``, ``resid_pdrop`` or
+``embd_pdrop`` keeps Megatron's dropout masks (``TransformerShape.dropout``).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from meshmorph.files import read_document
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 
@@ -28,6 +36,10 @@ _LAYOUTS = (
     f"Llama style ({', '.join(_LLAMA_KEYS)}; optional num_key_value_heads, tie_word_embeddings)"
 )
 _SWIGLU_ACTIVATIONS = ("silu", "swish", "swiglu")
+_FUSED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+"""``attn_implementation`` values whose kernels keep no s x s scores for backward."""
+_EAGER_ATTENTION = "eager"
+_DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop")
 
 
 def from_hf_config(path: Path | str, seq_len: int | None = None) -> ModelSpec:
@@ -50,21 +62,9 @@ def from_hf_config(path: Path | str, seq_len: int | None = None) -> ModelSpec:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"model config {path} does not exist; pass the path of a Hugging Face config.json, "
-            "a catalog name (meshmorph models) or a package.module:function factory"
-        )
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}; pass a Hugging Face config.json or "
-                         "a catalog name (meshmorph models)") from None
-    except OSError as exc:
-        raise ValueError(f"model config {path} cannot be read ({exc.strerror})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object of model settings, got {type(config).__name__}")
-    return config
+    return read_document(path, what="model config", fmt="json", way_out=(
+        "pass the path of a Hugging Face config.json, a catalog name (meshmorph models) or a "
+        "package.module:function factory"))
 
 
 def _name(config: dict[str, Any], path: Path) -> str:
@@ -97,6 +97,34 @@ def _tied(config: dict[str, Any], path: Path, default: bool) -> bool:
     return value
 
 
+def _flash(config: dict[str, Any], path: Path) -> bool | None:
+    """Whether the run's attention kept no s x s scores (None: not stated, the runtime's)."""
+    keys = [key for key in ("attn_implementation", "_attn_implementation") if key in config]
+    if not keys or config[keys[0]] is None:
+        return None
+    value = config[keys[0]]
+    if value == _EAGER_ATTENTION:
+        return False
+    if value in _FUSED_ATTENTION:
+        return True
+    raise ValueError(f"{path}: {keys[0]} {value!r} is not one of "
+                     f"{', '.join((_EAGER_ATTENTION, *_FUSED_ATTENTION))}; use 'eager' for a run that "
+                     "kept the attention scores, 'sdpa' for one that did not")
+
+
+def _dropout(config: dict[str, Any], path: Path) -> bool:
+    """Whether any dropout probability of the config is above zero."""
+    for key in _DROPOUT_KEYS:
+        value = config.get(key, 0.0)
+        if value is None:
+            continue
+        if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < 1:
+            raise ValueError(f"{path}: {key} must be a probability in [0, 1), got {value!r}")
+        if value > 0:
+            return True
+    return False
+
+
 def _context(config: dict[str, Any], key: str, seq_len: int | None) -> int:
     if seq_len is None:
         return int(config[key])
@@ -126,6 +154,8 @@ def _gpt_shape(config: dict[str, Any], path: Path, seq_len: int | None) -> Trans
         seq_len=s,
         ffn_hidden_size=inner,
         tied_embeddings=_tied(config, path, True),  # HF's GPT-2 default
+        flash_attention=_flash(config, path),
+        dropout=_dropout(config, path),
     )
 
 
@@ -158,4 +188,6 @@ def _llama_shape(config: dict[str, Any], path: Path, seq_len: int | None) -> Tra
         vocab_size=config["vocab_size"],
         seq_len=_context(config, "max_position_embeddings", seq_len),
         tied_embeddings=_tied(config, path, False),  # HF's Llama default
+        flash_attention=_flash(config, path),
+        dropout=_dropout(config, path),
     )

@@ -15,31 +15,41 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields, replace
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
+from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import ModelSpec, Recompute
 
 
-class Schedule(StrEnum):
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved"
-    ZERO_BUBBLE = "zb"  # ZB-H1 (Qi et al. 2023): backward split into input- and weight-gradient
-    ASYNC = "async"  # 1F1B without flush, a step per micro-batch (PipeDream); run/async_pipe/executor.py
-    ZBV = "zbv"  # zero-bubble V (Qi et al. 2023): vpp 2, rank r holds chunks r and 2pp - 1 - r
-    DUALPIPEV = "dualpipev"  # DeepSeek's DualPipe folded into a V: vpp 2, the same placement
+class WeightPrediction(StrEnum):
+    """Weights an asynchronous (``async``) pipeline computes with: ``none`` (stale), ``stash``
+    (the backward uses the forward's weights), ``2bw`` (PipeDream-2BW), ``sgd`` (SpecTrain's
+    momentum-SGD prediction), ``adam`` (Adam's update direction extrapolated)."""
+
+    NONE = "none"
+    STASH = "stash"
+    TWO_BW = "2bw"
+    SGD = "sgd"
+    ADAM = "adam"
 
 
-V_SCHEDULES = frozenset({Schedule.ZBV, Schedule.DUALPIPEV})
-"""Schedules whose two chunks per rank sit in a V (rank r: chunks r and 2pp - 1 - r)."""
-SPLIT_BACKWARD_SCHEDULES = frozenset({Schedule.ZERO_BUBBLE, Schedule.ZBV, Schedule.DUALPIPEV})
-"""Schedules that split backwards into input-gradient and weight-gradient parts."""
-
-
-WEIGHT_PREDICTIONS = ("none", "stash", "2bw", "sgd", "adam")
+WEIGHT_PREDICTIONS = tuple(str(w) for w in WeightPrediction)
 """Values of ``Plan.weight_prediction``."""
+
+
+class ZeroStage(IntEnum):
+    """ZeRO stage over a data-parallel group; an int in JSON (0-3)."""
+
+    REPLICATE = 0
+    """Everything replicated (DDP)."""
+    OPTIMIZER = 1
+    """Optimizer moments sharded."""
+    GRADIENTS = 2
+    """Gradients sharded too (FSDP2, parameters kept gathered over the step)."""
+    PARAMETERS = 3
+    """Parameters sharded too (FSDP2, resharded after forward and backward)."""
 
 
 class DType(StrEnum):
@@ -64,28 +74,38 @@ _E = TypeVar("_E", bound=StrEnum)
 
 def _member(name: str, kind: type[_E], value: object) -> _E:
     """``value`` as a member of ``kind``; a PlanError naming the field and the choices otherwise."""
+    if type(value) is kind:  # already a member (every Plan the planner copies)
+        return value  # type: ignore[return-value]
     try:
         return kind(value)
     except ValueError:
         raise PlanError(f"{name} must be one of {', '.join(kind)}, got {value!r}") from None
 
 
+def _zero_stage(name: str, value: object) -> ZeroStage:
+    """``value`` as a ZeroStage; a PlanError naming the field otherwise."""
+    if type(value) is ZeroStage:  # already a member (every Plan the planner copies)
+        return value
+    if value not in (0, 1, 2, 3):
+        raise PlanError(f"{name} must be 0, 1, 2 or 3, got {value}")
+    return ZeroStage(int(value))  # type: ignore[call-overload]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayerStrategy:
-    """How one layer of a stage splits the stage's devices (plan/layerwise.py chooses them)."""
+    """How one layer of a stage splits the stage's devices (plan/strategy_dp.py chooses them)."""
 
     tp: int
     """Tensor-parallel degree of the layer (its ranks consecutive, inside a node)."""
     dp: int
     """Data-parallel degree of the layer; tp x dp equals the stage's devices (plan tp x dp)."""
-    zero: int = 0
+    zero: ZeroStage = ZeroStage.REPLICATE
     """ZeRO stage of the layer's parameters over its data-parallel group (0-3)."""
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.dp < 1:
             raise PlanError(f"layer strategy tp {self.tp} dp {self.dp}: degrees must be >= 1")
-        if self.zero not in (0, 1, 2, 3):
-            raise PlanError(f"layer strategy zero must be 0, 1, 2 or 3, got {self.zero}")
+        object.__setattr__(self, "zero", _zero_stage("layer strategy zero", self.zero))
 
     def to_dict(self) -> dict[str, int]:
         return {"tp": self.tp, "dp": self.dp, "zero": self.zero}
@@ -149,7 +169,7 @@ class Plan:
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks (ring attention, causal load
     balancing: two chunks of seq_len / (2 cp) tokens per rank); 1 = off."""
-    zero: int = 0
+    zero: ZeroStage = ZeroStage.REPLICATE
     """ZeRO stage over the data-parallel group: 0 replicate, 1 optimizer, 2 +grads, 3 +params (FSDP)."""
     micro_batch: int = 1
     """Sequences per micro-batch on one data-parallel rank."""
@@ -169,7 +189,7 @@ class Plan:
     ``reduce_dtype``), or a 16-bit one as Megatron-LM 2021 reduced fp16 gradients."""
     stages: tuple[StagePlan, ...] = ()
     """``pp * vpp`` model chunks in order."""
-    weight_prediction: str = "none"
+    weight_prediction: WeightPrediction = WeightPrediction.NONE
     """Weights under ``schedule = "async"``: ``none`` (stale), ``stash`` (the backward uses the
     forward's weights), ``2bw`` (PipeDream-2BW), ``sgd`` (SpecTrain's momentum-SGD prediction) or
     ``adam`` (Adam's update direction extrapolated); must stay ``none`` with other schedules."""
@@ -195,8 +215,7 @@ class Plan:
                 raise PlanError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("dtype", "reduce_dtype"):
             object.__setattr__(self, name, _member(name, DType, getattr(self, name)))
-        if self.zero not in (0, 1, 2, 3):
-            raise PlanError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
+        object.__setattr__(self, "zero", _zero_stage("zero", self.zero))
         if self.global_batch != self.dp * self.micro_batch * self.num_microbatches:
             raise PlanError(
                 f"global_batch {self.global_batch} != dp {self.dp} x micro_batch {self.micro_batch}"
@@ -207,18 +226,17 @@ class Plan:
             raise PlanError(
                 f"cp {self.cp} needs seq_len {self.seq_len} to split into 2 x cp = {2 * self.cp} "
                 f"equal chunks (causal load balancing); choose a cp with 2 cp dividing seq_len")
-        if self.weight_prediction not in WEIGHT_PREDICTIONS:
-            raise PlanError(f"weight_prediction must be one of {', '.join(WEIGHT_PREDICTIONS)}, "
-                            f"got {self.weight_prediction!r}")
+        object.__setattr__(self, "weight_prediction",
+                           _member("weight_prediction", WeightPrediction, self.weight_prediction))
         if self.weight_prediction != "none" and self.schedule != Schedule.ASYNC:
-            raise PlanError(f"weight_prediction {self.weight_prediction!r} applies only to "
+            raise PlanError(f"weight_prediction '{self.weight_prediction}' applies only to "
                             f"schedule 'async', not '{self.schedule}'; set schedule 'async' or "
                             f"weight_prediction 'none'")
-        if self.schedule in V_SCHEDULES and self.vpp != 2:
+        fixed = self.schedule.info.chunks_per_rank
+        if fixed == 2 and self.vpp != 2:
             raise PlanError(f"schedule {self.schedule} places two chunks per rank in a V: set "
                             f"vpp 2, not {self.vpp}")
-        if self.vpp > 1 and self.schedule != Schedule.INTERLEAVED \
-                and self.schedule not in V_SCHEDULES:
+        if fixed == 1 and self.vpp > 1:
             raise PlanError(f"vpp {self.vpp} > 1 needs schedule 'interleaved', not '{self.schedule}'")
         if self.sequence_parallel and self.tp == 1:
             object.__setattr__(self, "sequence_parallel", False)
@@ -285,13 +303,13 @@ class Plan:
 
     def chunks_of(self, pp_rank: int) -> list[int]:
         """Model chunks held by one pipeline rank: looped (c % pp), or a V for zbv/dualpipev."""
-        if self.schedule in V_SCHEDULES:
+        if self.schedule.v_shape:
             return [pp_rank, 2 * self.pp - 1 - pp_rank]
         return list(range(pp_rank, self.num_chunks, self.pp))
 
     def pp_rank_of_chunk(self, chunk: int) -> int:
         """The pipeline rank holding model chunk ``chunk`` (``chunks_of`` inverted)."""
-        if self.schedule in V_SCHEDULES and chunk >= self.pp:
+        if self.schedule.v_shape and chunk >= self.pp:
             return 2 * self.pp - 1 - chunk
         return chunk % self.pp
 
@@ -351,21 +369,23 @@ class Plan:
             raise PlanError(f"sequence parallel needs tp {self.tp} to divide the "
                             f"{self.seq_len // self.cp} tokens each of cp {self.cp} ranks holds; "
                             f"choose a tp or cp that divides them, or turn sequence parallel off")
-        if self.schedule in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.INTERLEAVED) \
-                and self.pp > 1 and self.num_microbatches < self.pp:
+        self.check_microbatches()
+
+    def check_microbatches(self) -> None:
+        """Refuse a micro-batch count the schedule cannot run with this pp (the schedule table)."""
+        info = self.schedule.info
+        least = info.min_microbatches_per_pp * self.pp
+        if self.pp > 1 and self.num_microbatches < least:
+            per = "" if info.min_microbatches_per_pp == 1 else f"{info.min_microbatches_per_pp} x "
             raise PlanError(
-                f"schedule {self.schedule} needs num_microbatches >= pp, got "
-                f"{self.num_microbatches} < {self.pp}; raise the batch or use gpipe"
+                f"schedule {self.schedule} needs num_microbatches >= {per}pp = {least}, got "
+                f"{self.num_microbatches}; raise the batch or use "
+                f"{'zbv' if self.schedule.v_shape else 'gpipe'}"
             )
-        if self.schedule == Schedule.DUALPIPEV and self.num_microbatches < 2 * self.pp:
+        if self.pp > 1 and info.microbatches_multiple_of_pp and self.num_microbatches % self.pp:
             raise PlanError(
-                f"dualpipev needs num_microbatches >= 2 x pp = {2 * self.pp}, got "
-                f"{self.num_microbatches}; raise the batch or use zbv"
-            )
-        if self.schedule == Schedule.INTERLEAVED and self.num_microbatches % self.pp:
-            raise PlanError(
-                f"interleaved needs num_microbatches ({self.num_microbatches}) to be a multiple "
-                f"of pp ({self.pp})"
+                f"{self.schedule} needs num_microbatches ({self.num_microbatches}) to be a "
+                f"multiple of pp ({self.pp})"
             )
 
     def with_even_stages(self, model: ModelSpec,

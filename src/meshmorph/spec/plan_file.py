@@ -6,11 +6,11 @@ values have the wrong types would otherwise surface as a TypeError or KeyError f
 
 from __future__ import annotations
 
-import json
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from meshmorph.files import read_document
 from meshmorph.spec.plan import Plan, PlanError
 
 _INTEGERS = ("seq_len", "global_batch", "tp", "pp", "dp", "cp", "zero", "micro_batch",
@@ -21,26 +21,15 @@ _WAY_OUT = ("write it with 'meshmorph plan --json' or 'meshmorph estimate --json
 
 
 def _plan_data(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise PlanError(f"plan file {path} is not text (binary data); {_WAY_OUT}") from None
-    except OSError as exc:
-        raise PlanError(f"plan file {path} cannot be read ({exc.strerror})") from None
-    if not text.strip():
-        raise PlanError(f"plan file {path} is empty; {_WAY_OUT}")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"plan file {path} is not valid JSON: {exc}; {_WAY_OUT}") from None
-    if isinstance(data, dict) and "plans" in data:  # `meshmorph plan --json`: the best plan first
+    data = read_document(path, what="plan file", way_out=_WAY_OUT, fmt="json", error=PlanError)
+    if "plans" in data:  # `meshmorph plan --json`: the best plan first
         plans = data["plans"]
         if not isinstance(plans, list) or not plans:
             raise PlanError(f"plan file {path} lists no plans under 'plans'; {_WAY_OUT}")
         data = plans[0]
     if not isinstance(data, dict):
-        raise PlanError(f"plan file {path} must hold a JSON object, got {type(data).__name__}; "
-                        f"{_WAY_OUT}")
+        raise PlanError(f"plan file {path} must hold a JSON object in 'plans', got "
+                        f"{type(data).__name__}; {_WAY_OUT}")
     for key in _INTEGERS:
         value = data.get(key)
         if key in data and (not isinstance(value, int) or isinstance(value, bool)):

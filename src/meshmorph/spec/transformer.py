@@ -20,6 +20,13 @@ VOCAB_MULTIPLE = 128
 matmuls on GPUs; every tensor-parallel degree up to 128 that is a power of two divides it)."""
 
 
+SHAPE_LIMITS = {"num_layers": 4096, "hidden_size": 1 << 20, "num_heads": 1 << 16,
+                "vocab_size": 1 << 24, "seq_len": 1 << 24}
+"""The largest shape meshmorph describes (published models: 126 blocks, h 16384, 128 heads, a
+256k vocabulary, 1M-token contexts). A larger value is a typo, and describing it would take
+minutes (one LayerSpec per block) before any error."""
+
+
 def pad_vocab(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
     """``vocab_size`` rounded up to a multiple of ``multiple``."""
     return multiple * -(-vocab_size // multiple)
@@ -66,9 +73,14 @@ class TransformerShape:
     def __post_init__(self) -> None:
         if self.arch not in ("gpt", "llama"):
             raise ValueError(f"arch must be 'gpt' or 'llama', got {self.arch!r}")
-        for field_name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len"):
-            if getattr(self, field_name) <= 0:
-                raise ValueError(f"{field_name} must be positive, got {getattr(self, field_name)}")
+        for field_name, limit in SHAPE_LIMITS.items():
+            value = getattr(self, field_name)
+            if value <= 0:
+                raise ValueError(f"{field_name} must be positive, got {value}")
+            if value > limit:
+                raise ValueError(f"{field_name} {value:,} is above meshmorph's limit of {limit:,} "
+                                 f"(the largest published models are far below it); check the "
+                                 "config for a typo")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"

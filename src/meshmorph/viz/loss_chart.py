@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from meshmorph.viz.figure import save_figure
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The step records of a metrics file, in order (event lines such as ``state`` left out)."""
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [record for record in records if "step" in record]
 
 
 def write_loss_chart(records: list[dict], out_png: Path, *, title: str = "training loss") -> Path:

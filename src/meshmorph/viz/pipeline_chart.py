@@ -11,14 +11,14 @@ from pathlib import Path
 
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.pipeline import Timeline, simulate
-from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, Plan
+from meshmorph.spec.plan import Plan
 from meshmorph.viz.timeline_chart import Lane, draw_timelines, plan_stage_times
 
 
 def plan_timeline(plan: Plan, cost: CostModel) -> Timeline:
     """Simulate one step of ``plan`` with every op kept, on the cost model's chunk times."""
     times = plan_stage_times(plan, cost)
-    zb = plan.schedule in SPLIT_BACKWARD_SCHEDULES
+    zb = plan.schedule.split_backward
     return simulate(plan.schedule, plan.pp, plan.num_microbatches, list(times.fwd_s),
                     list(times.igrad_s if zb else times.bwd_s), v=plan.vpp,
                     wgrad_s=list(times.wgrad_s) if zb else None,
@@ -44,4 +44,4 @@ def write_plan_pipeline_chart(plan: Plan, cost: CostModel, out_png: Path) -> Pat
              f"{plan.num_microbatches} micro-batches")
     return write_pipeline_chart(plan_timeline(plan, cost), out_png, pp=plan.pp, vpp=plan.vpp,
                                 title=title,
-                                split_backward=plan.schedule in SPLIT_BACKWARD_SCHEDULES)
+                                split_backward=plan.schedule.split_backward)

@@ -19,6 +19,7 @@ from meshmorph.schedule.simulator import (
     local_transfers_zeroed,
     simulate_schedule,
 )
+from meshmorph.schedule.table import Schedule
 from meshmorph.schedule.trace import OpRecord
 from meshmorph.spec.plan import Plan
 from meshmorph.viz.figure import save_figure
@@ -47,7 +48,7 @@ def plan_timeline(plan: Plan, cost: CostModel, schedule: str | None = None) -> T
     """Simulate one step of ``plan`` (or of its stages under ``schedule``), every action kept."""
     name = schedule or str(plan.schedule)
     times = plan_stage_times(plan, cost)
-    v = plan.vpp if name == "interleaved" else 2 if len(times.fwd_s) == 2 * plan.pp else 1
+    v = Schedule(name).info.vpp_for(plan.vpp if len(times.fwd_s) > plan.pp else 1)
     p2p = local_transfers_zeroed(name, plan.pp, v, times.p2p_s or [])
     times = StageTimes(times.fwd_s, times.bwd_s, times.igrad_s, times.wgrad_s, p2p)
     needed = len(stage_to_rank(name, plan.pp, v))

@@ -35,8 +35,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshmorph.elastic.live.execute import ExecutionReport, execute_transfers, merge_pieces
+from meshmorph.elastic.live.checkpoint_pieces import read_pieces
+from meshmorph.elastic.live.execute import (
+    ExecutionReport,
+    execute_transfers,
+    is_tensor_key,
+    merge_pieces,
+)
 from meshmorph.elastic.live.local_state import (
+    HeldPiece,
     LocalState,
     ReshapeError,
     SmallState,
@@ -45,9 +52,17 @@ from meshmorph.elastic.live.local_state import (
 )
 from meshmorph.elastic.moves.build_counts import build_counts
 from meshmorph.elastic.moves.layout import Layout, layout_of
-from meshmorph.elastic.moves.move_plan import DEFAULT_STAGING_BYTES, MovePlan, plan_move
+from meshmorph.elastic.moves.move_plan import (
+    DEFAULT_STAGING_BYTES,
+    DTYPE_BYTES,
+    MovePlan,
+    plan_move,
+)
 from meshmorph.elastic.moves.move_time import MoveTime, MoveTimeModel, move_time
+from meshmorph.plan.runnable_plans import runnable_plans
 from meshmorph.run.config import OptimConfig
+from meshmorph.run.engine.train_engine import build_engine
+from meshmorph.run.model.materialize import state_installed_after
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
@@ -197,17 +212,12 @@ def _current_group_is(processes: Sequence[int], me: int) -> bool:
 
 def state_tensors(layout: Layout) -> int:
     """The most state tensors (parameters and moments) one rank of ``layout`` holds."""
-    from meshmorph.elastic.live.execute import is_tensor_key
-
     return max((sum(1 for p in pieces if is_tensor_key(p.key))
                 for pieces in layout.held.values()), default=0)
 
 
 def install_bytes(layout: Layout) -> int:
     """The most bytes of tensor state one rank of ``layout`` holds (what it copies in)."""
-    from meshmorph.elastic.live.execute import is_tensor_key
-    from meshmorph.elastic.moves.move_plan import DTYPE_BYTES
-
     return max((sum(p.box.numel * DTYPE_BYTES[layout.tensors[p.key].dtype]
                     for p in pieces if is_tensor_key(p.key))
                 for pieces in layout.held.values()), default=0)
@@ -251,6 +261,20 @@ def _agree(request: ReshapeRequest, state: LocalState | None, root: int, members
     return box[0]
 
 
+def _pieces_from_checkpoint(request: ReshapeRequest, move: MovePlan, device: int,
+                            shapes: dict[str, tuple[int, ...]]) -> list[HeldPiece]:
+    """The pieces bound for ``device`` that no live process holds, read from the request's
+    checkpoint (none where every piece has a live holder)."""
+    if not move.from_checkpoint:
+        return []
+    if request.checkpoint is None:
+        raise ReshapeError(f"{len(move.from_checkpoint)} pieces have no live holder; give "
+                           "the newest committed checkpoint to read them from, or resume "
+                           "from it (meshmorph run --resume --reshard)")
+    return read_pieces(request.checkpoint, [(t.key, t.box) for t in move.from_checkpoint
+                                            if t.dst_device == device], shapes)
+
+
 def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed_samples: int,
                       store_dir: Path, tag: str, device: torch.device | None = None
                       ) -> tuple[Any, ReshapeReport]:
@@ -260,9 +284,6 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
     spans exactly Plan A's processes in rank order (and nobody joins), the move runs over it;
     where the move's group already has Plan B's processes in Plan B's rank order, Plan B runs
     over it too: no process group is formed that need not be."""
-    from meshmorph.run.engine.train_engine import build_engine
-    from meshmorph.run.model.materialize import state_installed_after
-
     times: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -299,17 +320,8 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
     times["agree"] -= times["plan"]
     device_of = {p: d for d, p in process_of.items() if d in move.devices}
     held = state.pieces if state is not None else {}
-    from_checkpoint = []
+    from_checkpoint = _pieces_from_checkpoint(request, move, device_of[me], shapes)
     if move.from_checkpoint:
-        if request.checkpoint is None:
-            raise ReshapeError(f"{len(move.from_checkpoint)} pieces have no live holder; give "
-                               "the newest committed checkpoint to read them from, or resume "
-                               "from it (meshmorph run --resume --reshard)")
-        from meshmorph.elastic.live.checkpoint_pieces import read_pieces
-
-        from_checkpoint = read_pieces(request.checkpoint, [
-            (t.key, t.box) for t in move.from_checkpoint if t.dst_device == device_of[me]],
-            shapes)
         lap("checkpoint")
     received, report.execution = execute_transfers(
         move.transfers, device_of[me], held, shapes,
@@ -338,22 +350,11 @@ def replan(model: ModelSpec, world_size: int, *, global_batch: int, dtype: str =
            cluster: str | None = None) -> Plan:
     """The planner's best plan for ``world_size`` devices that the runtime accepts, with the
     global batch kept (gradient accumulation absorbs a smaller dp)."""
-    from meshmorph.plan.search import search
-    from meshmorph.plan.space import SearchOptions
-    from meshmorph.run.engine.train_engine import validate_plan
-    from meshmorph.spec.plan import PlanError
-
-    result = search(model, parse_cluster(cluster or f"cpu:1x{world_size}"),
-                    global_batch=global_batch, options=SearchOptions(dtype=dtype, top_k=8, cp_max=1))
-    refused = []
-    for plan in result.plans:
-        plan = plan if plan.stages else plan.with_even_stages(model)
-        try:
-            validate_plan(model, plan, world_size)
-        except PlanError as exc:
-            refused.append(str(exc))
-            continue
-        return plan
-    raise ReshapeError(f"the planner found no plan of {model.name} for {world_size} devices with "
-                       f"global_batch {global_batch} that the runtime runs ({refused[:2]}); "
-                       "wait for more devices or restart from the checkpoint with a plan file")
+    found = runnable_plans(model, world_size, global_batch=global_batch, dtype=dtype,
+                           cluster=cluster)
+    if not found.plans:
+        raise ReshapeError(f"the planner found no plan of {model.name} for {world_size} devices "
+                           f"with global_batch {global_batch} that the runtime runs "
+                           f"({found.refused[:2]}); wait for more devices or restart from the "
+                           "checkpoint with a plan file")
+    return found.plans[0][0]

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshmorph.cost import comm
+from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.elastic.live.controller import replan
 from meshmorph.elastic.live.local_state import extract_state
 from meshmorph.elastic.live.restore_state import old_ranks_read, restore_from_store
@@ -47,31 +49,14 @@ from meshmorph.elastic.moves.choose_plan import choose_plan
 from meshmorph.elastic.moves.layout import layout_of
 from meshmorph.elastic.moves.move_plan import plan_move
 from meshmorph.elastic.moves.move_time import predict_move_time_s
+from meshmorph.run.engine.train_engine import build_engine
+from meshmorph.run.model.materialize import state_installed_after
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.plan import Plan
 
 NODE_ID_ENV = "MESHMORPH_NODE_ID"
 """This node's number (``meshmorph run --node-rank``): it names the node's store, which outlives
 the node's workers whatever group ranks torchrun's rendezvous hands out next."""
-
-
-def parse_failure(text: str | None) -> tuple[int, int] | None:
-    """``RANK@STEP`` -> (rank, step); None for None."""
-    if text is None:
-        return None
-    rank, sep, step = text.partition("@")
-    if not sep or not rank.isdigit() or not step.isdigit() or int(step) < 1:
-        raise ValueError(f"--inject-failure takes RANK@STEP (e.g. 3@4, step >= 1), got {text!r}")
-    return int(rank), int(step)
-
-
-def parse_elastic(text: str) -> tuple[int, int]:
-    """``MIN:MAX`` nodes (or one number) -> (min, max)."""
-    low, _, high = text.partition(":")
-    high = high or low
-    if not low.isdigit() or not high.isdigit() or not 1 <= int(low) <= int(high):
-        raise ValueError(f"--elastic takes MIN:MAX nodes with 1 <= MIN <= MAX, got {text!r}")
-    return int(low), int(high)
 
 
 def _plan_line(plan: Plan) -> str:
@@ -141,8 +126,6 @@ class ElasticSession:
         if nodes < 2 or world % size:
             return
         if self.ring_every is None:  # K from the budget, the same on every rank (the largest)
-            from meshmorph.cost import comm
-            from meshmorph.cost.coefficients import CostCoefficients
 
             link = comm.Link.from_spec(parse_cluster(f"cpu:{nodes}x{size}").inter_link,
                                        CostCoefficients().link_efficiency)
@@ -190,8 +173,6 @@ class ElasticSession:
         world size changed, the new plan is the one with the least predicted time to finish,
         its move included (``choose_plan``, over the ``total_steps`` left; without them, the
         planner's fastest). The store then holds the new plan's state at that step alone."""
-        from meshmorph.run.engine.train_engine import build_engine
-        from meshmorph.run.model.materialize import state_installed_after
 
         inventories = gather_inventories(self.store, self.local)
         if all(inv.empty for inv in inventories):

@@ -38,16 +38,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from meshmorph.elastic.moves.placement import ReshapeError
+
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """AdamW's per-parameter state tensors that move as pieces."""
 TIED_HEAD, TIED_EMBEDDING = "head.out.weight", "embed.tok.weight"
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 _MASK = (1 << 64) - 1
 _C1, _C2, _C3 = 0x9E3779B97F4A7C15 - (1 << 64), 0x5851F42D4C957F2D, 0x2545F4914F6CDD1D
-
-
-class ReshapeError(RuntimeError):
-    """A move that cannot complete; the message names the piece and what failed."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshmorph.elastic.live.controller import regroup
 from meshmorph.elastic.live.probe import probe_costs
 from meshmorph.elastic.moves.box import Box
 from meshmorph.elastic.moves.move_plan import Transfer
@@ -167,7 +168,6 @@ def _regroup_s(store_dir: Path, tag: str, repeats: int) -> float:
     """Median seconds of re-forming the default group over the same processes in the same
     order the way a move forms its groups (``controller.regroup``: leave the group, a FileStore,
     ``init_process_group``, a barrier)."""
-    from meshmorph.elastic.live.controller import regroup
 
     me, world = dist.get_rank(), dist.get_world_size()
     times = []

@@ -17,10 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meshmorph.elastic.live.local_state import ReshapeError
+from meshmorph.cost.model import CostModel
 from meshmorph.elastic.moves.layout import layout_of
 from meshmorph.elastic.moves.move_plan import plan_move
 from meshmorph.elastic.moves.move_time import MoveTimeModel, move_time
+from meshmorph.elastic.moves.placement import ReshapeError
+from meshmorph.plan.runnable_plans import runnable_plans
 from meshmorph.spec.cluster import Cluster, parse_cluster
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
@@ -77,22 +79,8 @@ def candidate_plans(model: ModelSpec, world_size: int, *, global_batch: int,
                     top_k: int = 8) -> list[tuple[Plan, float]]:
     """The planner's ``top_k`` fastest plans for ``world_size`` devices that the runtime
     accepts, with their predicted step times (the global batch kept)."""
-    from meshmorph.plan.search import search
-    from meshmorph.plan.space import SearchOptions
-    from meshmorph.run.engine.train_engine import validate_plan
-    from meshmorph.spec.plan import PlanError
-
-    result = search(model, parse_cluster(cluster or f"cpu:1x{world_size}"),
-                    global_batch=global_batch, options=SearchOptions(dtype=dtype, top_k=top_k, cp_max=1))
-    out = []
-    for plan, estimate in zip(result.plans, result.estimates, strict=True):
-        plan = plan if plan.stages else plan.with_even_stages(model)
-        try:
-            validate_plan(model, plan, world_size)
-        except PlanError:
-            continue
-        out.append((plan, estimate.step_time_s))
-    return out
+    return runnable_plans(model, world_size, global_batch=global_batch, dtype=dtype,
+                          cluster=cluster, top_k=top_k).plans
 
 
 def choose_plan(model: ModelSpec, plan_a: Plan, world_size: int, *, survivors: Sequence[int],
@@ -104,8 +92,6 @@ def choose_plan(model: ModelSpec, plan_a: Plan, world_size: int, *, survivors: S
     candidates = candidate_plans(model, world_size, global_batch=plan_a.global_batch,
                                  dtype=plan_a.dtype, cluster=cluster)
     if plan_a.world_size == world_size and all(p != plan_a for p, _ in candidates):
-        from meshmorph.cost.model import CostModel
-
         where = parse_cluster(cluster or f"cpu:1x{world_size}")
         candidates.append((plan_a, CostModel(model, where).estimate(plan_a).step_time_s))
     if not candidates:

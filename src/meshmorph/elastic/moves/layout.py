@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 from meshmorph.cost.tensor_shapes import layer_tensors
 from meshmorph.elastic.moves.box import Box
-from meshmorph.spec.cp_runtime import refuse_context_parallel
 from meshmorph.spec.model import LayerKind, ModelSpec
 from meshmorph.spec.plan import Plan, PlanError
+from meshmorph.spec.runnable import refuse_context_parallel
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """AdamW's two moments, named as torch's optimizer state names them."""

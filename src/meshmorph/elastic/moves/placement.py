@@ -22,7 +22,8 @@ from meshmorph.elastic.moves.layout import DTYPE_BYTES, Layout
 
 
 class ReshapeError(ValueError):
-    """A reshape that cannot be planned: the message names the constraint that failed."""
+    """A reshape that cannot be planned or completed: the message names the constraint or the
+    piece that failed (the one error type of elastic/, planning and live execution alike)."""
 
 
 def held_boxes(layout: Layout, rank: int) -> dict[str, Box]:

@@ -40,28 +40,8 @@ from meshmorph.run.model.decoder import build_chunk
 from meshmorph.run.model.loss import token_cross_entropy
 from meshmorph.run.parallel.parallelize import TORCH_DTYPES
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import Plan, PlanError, Schedule
-
-
-def check_async_plan(model: ModelSpec, plan: Plan) -> None:
-    """Refuse an asynchronous plan the async executor cannot run; the message names the
-    constraint and a way out."""
-    if plan.schedule != Schedule.ASYNC:
-        return
-    if plan.pp < 2:
-        raise PlanError("schedule 'async' pipelines stages over ranks: it needs pp >= 2; raise "
-                        "pp or use schedule 1f1b")
-    if plan.tp != 1 or plan.dp != 1:
-        raise PlanError(f"schedule 'async' runs one model chunk per rank with tp 1 and dp 1, got "
-                        f"tp {plan.tp} dp {plan.dp}; set tp = dp = 1 (pp = the number of "
-                        f"processes) or use a synchronous schedule (1f1b, zb, zbv)")
-    if plan.vpp != 1:
-        raise PlanError(f"schedule 'async' holds one chunk per rank, got vpp {plan.vpp}; set vpp 1")
-    if plan.dtype == "fp16":
-        raise PlanError("schedule 'async' has no fp16 loss scaling (each stage steps on its "
-                        "own); use dtype bf16 or fp32")
-    if any(stage.layer_strategies is not None for stage in plan.stages):
-        raise PlanError("schedule 'async' does not run layer strategies; drop layer_strategies")
+from meshmorph.spec.plan import Plan, PlanError
+from meshmorph.spec.runnable import async_job_refusal, check_runnable
 
 
 class _Fp32Output(nn.Module):
@@ -97,7 +77,7 @@ def train_async(*, model: ModelSpec, plan: Plan, optim: OptimConfig, batch_of_st
     """Train ``steps`` steps of ``plan`` (``batch_of_step(step)``: that step's global batch,
     LongTensor[G, s + 1]); writes metrics.jsonl from the last rank and returns the step losses
     there (empty elsewhere). torch.distributed must be initialised with pp ranks."""
-    check_async_plan(model, plan)
+    check_runnable(model, plan)  # spec/runnable.py: the executor's rules
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != plan.pp:
         raise PlanError(f"schedule 'async' runs pp {plan.pp} ranks, the job has {world}")
@@ -157,10 +137,9 @@ def run_async_job(*, model: ModelSpec, plan: Plan, optim: OptimConfig, source: S
                   resume: bool, elastic: object) -> int:
     """``meshmorph run``'s training loop for an asynchronous plan (``trainer.train`` hands it
     over); the job's data in the job's sample order, the step's batch as the engine sees it."""
-    if resume or elastic is not None:
-        raise PlanError("schedule 'async' writes no checkpoint and has no step boundary to "
-                        "restart from: run it without --resume and --elastic, or use a "
-                        "synchronous schedule")
+    refusal = async_job_refusal(plan, resume=resume, elastic=elastic is not None)
+    if refusal is not None:
+        raise PlanError(refusal)
     shard = DataShard(source, SampleOrder(len(source), data_seed),
                       global_batch=plan.global_batch, dp_rank=0, dp_size=1)
     losses = train_async(model=model, plan=plan, optim=optim,

@@ -5,8 +5,8 @@ Chunk ``c`` of ``plan.stages`` runs on pipeline rank ``plan.pp_rank_of_chunk(c)`
 
 - ``gpipe``: ScheduleGPipe; ``1f1b``: Schedule1F1B (needs m >= pp);
 - ``interleaved``: ScheduleInterleaved1F1B over the ``vpp`` chunks each rank holds;
-- ``async`` is refused here: ``meshmorph run`` hands it to ``run/async_pipe/train.py`` (no flush, one
-  chunk per rank, its own executor);
+- ``async`` does not come here: ``meshmorph run`` hands it to ``run/async_pipe/train.py`` (no flush,
+  one chunk per rank, its own executor);
 - ``zb``: ScheduleInterleavedZeroBubble (ZB-H1, Qi et al. 2023) with one chunk per rank. It splits
   each backward into the input-gradient part (B), which the previous stage waits for, and the
   weight-gradient part (W), which fills the bubble;
@@ -29,24 +29,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as pipelining_schedules
 from torch.distributed.pipelining.schedules import (
-    ScheduleDualPipeV,
-    ScheduleZBVZeroBubble,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FULL_BACKWARD,
+    PipelineScheduleSingle,
+    _Action,
     _PipelineSchedule,
     _PipelineScheduleRuntime,
 )
 
 from meshmorph.run.parallel.mesh import TrainMesh
 from meshmorph.run.parallel.parallelize import TORCH_DTYPES, uses_fsdp_precision
+from meshmorph.schedule import schedule_actions
+from meshmorph.schedule.trace import timeline_events, write_trace
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import Plan, PlanError, Schedule
+from meshmorph.spec.plan import Plan
 
 
 def io_dtypes(plan: Plan) -> tuple[torch.dtype, torch.dtype]:
@@ -158,8 +159,6 @@ class RunTrace:
         dist.gather_object(records, gathered if dist.get_rank() == 0 else None, dst=0)
         if dist.get_rank() != 0:
             return
-        from meshmorph.schedule.trace import timeline_events, write_trace
-
         ops, seen = [], set()
         for records_of_rank in gathered:  # the lowest global rank of each pipeline rank
             pp_ranks = {self.plan.pp_rank_of_chunk(stage) for _, stage, *_ in records_of_rank}
@@ -181,16 +180,6 @@ def action_list_schedule(stages: list[PipelineStage], name: str, m: int,
                          ) -> _PipelineSchedule:
     """Run meshmorph's own action lists (``meshmorph.schedule``, looped placement) through torch
     pipelining's runtime for action lists (sends and receives added by torch)."""
-    from torch.distributed.pipelining.schedules import (
-        BACKWARD_INPUT,
-        BACKWARD_WEIGHT,
-        FORWARD,
-        FULL_BACKWARD,
-        _Action,
-    )
-
-    from meshmorph.schedule import schedule_actions
-
     kinds = {"F": FORWARD, "B": FULL_BACKWARD, "I": BACKWARD_INPUT, "W": BACKWARD_WEIGHT}
     p = stages[0].group_size
     orders = schedule_actions(name, p, m, len(stages))
@@ -203,17 +192,13 @@ def action_list_schedule(stages: list[PipelineStage], name: str, m: int,
 
 def build_schedule(chunks: list[nn.Module], chunk_ids: list[int], spec: ModelSpec, plan: Plan,
                    mesh: TrainMesh, device: torch.device,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-                   ) -> _PipelineSchedule:
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+                   scale_grads: bool = True) -> _PipelineSchedule:
     """The schedule that runs this rank's ``chunks`` (model chunks ``chunk_ids``) each step.
 
-    ``loss_fn`` returns a micro-batch's mean loss; the schedule divides gradients by the number of
-    micro-batches, so the accumulated gradient is that of the mean over the step's micro-batches."""
-    if plan.schedule == Schedule.ASYNC:
-        raise PlanError(
-            "schedule 'async' (1F1B without flush, stale or predicted weights) does not run "
-            "through torch's pipelining: `meshmorph run` trains it with the asynchronous "
-            "executor (run/async_pipe/train.py), not through TrainEngine")
+    ``loss_fn`` returns a micro-batch's loss. ``scale_grads``: the schedule divides the gradients
+    by the number of micro-batches at the step's end (``loss_fn`` then returns the mean); off,
+    ``loss_fn`` carries the division itself."""
     group = mesh.group("pp")
     stages = []
     for chunk, index in zip(chunks, chunk_ids, strict=True):
@@ -222,6 +207,7 @@ def build_schedule(chunks: list[nn.Module], chunk_ids: list[int], spec: ModelSpe
                                     output_args=outputs, group=group))
     m = plan.num_microbatches
     schedule = _torch_schedule(stages, plan, m, loss_fn)
+    schedule.scale_grads = scale_grads
     if os.environ.get(TRACE_ENV):  # meshmorph run --trace: time every action
         recorder = ActionRecorder()
         for stage in stages:
@@ -233,17 +219,12 @@ def build_schedule(chunks: list[nn.Module], chunk_ids: list[int], spec: ModelSpe
 def _torch_schedule(stages: list[PipelineStage], plan: Plan, m: int,
                     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                     ) -> _PipelineSchedule:
-    if plan.schedule == Schedule.GPIPE:
-        return ScheduleGPipe(stages[0], m, loss_fn=loss_fn)
-    if plan.schedule == Schedule.ONE_F_ONE_B:
-        return Schedule1F1B(stages[0], m, loss_fn=loss_fn)
-    if plan.schedule == Schedule.INTERLEAVED:
-        return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
-    if plan.schedule == Schedule.ZERO_BUBBLE:
-        return ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss_fn)
-    if plan.schedule == Schedule.ZBV:
-        return ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn)
-    if plan.schedule == Schedule.DUALPIPEV:
-        return ScheduleDualPipeV(stages, m, loss_fn=loss_fn)
-    raise ValueError(f"unknown pipeline schedule {plan.schedule!r}; use gpipe, 1f1b, "
-                     "interleaved, zb, zbv or dualpipev")
+    """The torch.distributed.pipelining schedule the table names for the plan's schedule: a
+    single-stage class takes this rank's one stage, the others the list of its chunks."""
+    name = plan.schedule.info.torch_class
+    if name is None:
+        raise ValueError(f"schedule {plan.schedule} runs in meshmorph's own executor, not torch's "
+                         "pipelining (run/async_pipe/)")
+    cls = getattr(pipelining_schedules, name)
+    single = issubclass(cls, PipelineScheduleSingle)
+    return cls(stages[0] if single else stages, m, loss_fn=loss_fn)

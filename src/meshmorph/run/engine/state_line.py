@@ -8,7 +8,8 @@ sharded and unsharded gradients), both deduplicated by storage; after the step,
 ``optimizer_bytes`` (AdamW's moments, the per-tensor step counters left out), and ``comm_bytes``
 (run/engine/comm_count.py: bytes sent per collective kind over the whole step, meshmorph's own loss and
 gradient-norm reductions included). ``write_state_line`` gathers every rank's record on rank 0,
-puts the cost model's prediction for that rank beside it (cost/rank_state.py) and writes
+puts the cost model's prediction for that rank beside it (cost/rank_state.py; for a plan whose
+layers' strategies differ, segment by segment) and writes
 ``{"event": "state", "ranks": [{"rank", "measured", "predicted"}, ...]}`` once.
 """
 
@@ -113,15 +114,9 @@ def state_records(model: ModelSpec, plan: Plan, measured: list[dict[str, object]
     """One record per rank: its measured figures beside the cost model's (and, on a catalog
     ``gpu``, the predicted peak allocation beside the measured one)."""
     records = []
-    layerwise = any(stage.layer_strategies is not None for stage in plan.stages)
     for rank, m in enumerate(measured):
-        if layerwise:  # each layer's own tp/dp/ZeRO (cost/layerwise_state.py)
-            from meshmorph.cost.layerwise_state import predict_layerwise_rank_state
-
-            predicted = predict_layerwise_rank_state(model, plan, rank)
-        else:
-            predicted = predict_rank_state(model, plan, rank)
-        if gpu is not None and "peak_allocated_bytes" in m and not layerwise:
+        predicted = predict_rank_state(model, plan, rank)
+        if gpu is not None and "peak_allocated_bytes" in m:
             predicted["peak_allocated_bytes"] = predict_peak_bytes(model, plan, rank, gpu)
         records.append({"rank": rank, "measured": m, "predicted": predicted})
     return records

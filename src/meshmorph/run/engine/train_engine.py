@@ -1,17 +1,26 @@
 """TrainEngine: runs one optimizer step of any Plan, with the numbers of a single device.
 
-One step: this data-parallel rank's share of the global batch is cut into micro-batches; each
-micro-batch's mean token loss is back-propagated scaled by 1/m (by hand, or by the pipeline
-schedule), data parallelism averages over the dp ranks, so the accumulated gradient is that of
-the global-batch mean. Tied embedding copies on different pipeline ranks are summed, the global
-gradient norm is taken over every shard once, gradients are clipped, and AdamW and the LR
-schedule step. The tests' one-device oracle (tests/dist/reference.py) runs the same arithmetic.
+One step: this data-parallel rank's share of the global batch is cut into micro-batches that run
+through this rank's model chunks, each chunk a sequence of segments (run/parallel/segments.py):
+one for a uniform plan, one per run of layers sharing a strategy otherwise. Every micro-batch's
+mean token loss is back-propagated as this rank's exact share of the global-batch mean, so the
+accumulated gradient is that of the global-batch mean: divided by m (by hand, or by the pipeline
+schedule) where torch's wrappers average over the dp ranks (a uniform plan), by m x the dp of
+the layout the loss is taken in where every segment sums over its own dp group (a plan whose
+layers differ: the last segment's layout at pp 1, the data layout at a pipeline stage's end;
+torch's own 1/m would miss a ZeRO-2 layer's shards, whose gathered copies are registered at the
+step's end). Gradients torch's wrappers do not reduce are reduced after the backward, tied
+embedding copies on different pipeline ranks are summed (run/engine/grads.py), the global
+gradient norm is taken over every shard once (run/engine/grad_norm.py), gradients are clipped on
+the device, and AdamW and the LR schedule step. The tests' one-device oracle
+(tests/dist/reference.py) runs the same arithmetic.
 
-Precision: parameters, gradients and Adam moments stay fp32; a 16-bit plan computes under FSDP2's
-MixedPrecisionPolicy (zero 2/3) or ``torch.autocast`` (everything else), and an fp16 plan scales
-its loss (``LossScaler``). ZeRO-2 keeps the parameters FSDP2 gathered for the first micro-batch
-to the end of the step and reshards them after the optimizer step. The first step also records
-what this rank holds at the end of backward and sends (run/engine/state_line.py).
+Precision: parameters, gradients and Adam moments stay fp32; a 16-bit plan computes under
+FSDP2's MixedPrecisionPolicy (ZeRO 2/3 segments) and ``torch.autocast`` (unless every layer is
+cast by FSDP2), and an fp16 plan scales its loss (``LossScaler``). ZeRO-2 keeps the parameters
+FSDP2 gathered for the first micro-batch to the end of the step and reshards them after the
+optimizer step. The first step also records what this rank holds at the end of backward and
+sends (run/engine/state_line.py). A step reads the device once: the loss and the norm together.
 """
 
 from __future__ import annotations
@@ -24,152 +33,80 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from meshmorph.run.config import OptimConfig
 from meshmorph.run.engine import state_line
 from meshmorph.run.engine.comm_count import CommCounter
-from meshmorph.run.engine.grad_norm import clip_grads_, global_grad_norm
+from meshmorph.run.engine.grad_norm import clip_grads_, grad_norm
+from meshmorph.run.engine.grads import (
+    TiedCopies,
+    align_grads_,
+    all_reduce_grads_,
+    hold_reduction,
+    reduce_held,
+)
 from meshmorph.run.engine.loss_scale import LossScaler
-from meshmorph.run.engine.pipeline import build_schedule
-from meshmorph.run.model.decoder import Transformer, build_chunk
+from meshmorph.run.engine.optimizers import make_optimizers
+from meshmorph.run.engine.pipeline import build_schedule, io_dtypes
+from meshmorph.run.model.decoder import build_chunk
 from meshmorph.run.model.loss import token_cross_entropy
 from meshmorph.run.parallel.mesh import TrainMesh, build_mesh
-from meshmorph.run.parallel.parallelize import TORCH_DTYPES, parallelize, uses_fsdp_precision
-from meshmorph.run.parallel.zero1 import ShardedAdamW
+from meshmorph.run.parallel.parallelize import TORCH_DTYPES, autocasts, parallelize
+from meshmorph.run.parallel.segments import ParallelChunk
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, Plan, PlanError, Schedule
+from meshmorph.spec.plan import Plan
+from meshmorph.spec.runnable import check_runnable, defers_grad_reduce
+
+__all__ = ["TrainEngine", "build_engine", "defers_grad_reduce", "validate_plan"]
 
 
 def validate_plan(model: ModelSpec, plan: Plan, world_size: int) -> None:
-    """Refuse, before any process group exists, a plan this model or job cannot run."""
+    """Refuse, before any process group exists, a plan this model or job cannot run: the plan's
+    own checks, then every rule of spec/runnable.py."""
     plan.check_against(model, world_size)
-    if model.arch not in ("gpt", "llama"):
-        raise PlanError(
-            f"model {model.name!r} has arch {model.arch!r}; the runtime builds only 'gpt' and "
-            "'llama' decoders (catalog models or HF configs)"
-        )
-    if plan.seq_len != model.seq_len:
-        raise PlanError(
-            f"plan seq_len {plan.seq_len} != model seq_len {model.seq_len}; load the model at "
-            f"seq_len {plan.seq_len} (ModelSpec.with_seq_len) or re-plan"
-        )
-    if plan.pp == 1 and plan.num_chunks > 1:
-        raise PlanError(f"vpp {plan.vpp} needs pp > 1; set vpp 1 or raise pp")
-    if plan.schedule == Schedule.ASYNC:  # runs in the asynchronous executor (run/async_pipe/train.py)
-        from meshmorph.run.async_pipe.train import check_async_plan
-
-        check_async_plan(model, plan)
-        return
-    if any(stage.layer_strategies is not None for stage in plan.stages):
-        from meshmorph.run.engine.layerwise_engine import validate_layerwise
-
-        validate_layerwise(model, plan)
-    check_overlap_switches(plan)
-    if plan.schedule in SPLIT_BACKWARD_SCHEDULES and plan.pp > 1 and plan.dp > 1 \
-            and plan.zero == 3:
-        # measured with torch 2.13: the last stage's sharded parameters end the step without
-        # gradients (its deferred weight-gradient pass and FSDP2's per-block resharding)
-        raise PlanError(
-            "the zero-bubble schedule with ZeRO-3 loses the last stage's weight gradients in "
-            "torch's pipelining; use zero 2 (or 0/1) with zb, or schedule 1f1b with zero 3"
-        )
-    if plan.schedule == Schedule.ZERO_BUBBLE and plan.pp > 1:
-        rounds = max(1, plan.num_microbatches // plan.pp)
-        if plan.num_microbatches % rounds:
-            raise PlanError(
-                f"zero-bubble runs micro-batches in rounds of pp {plan.pp}: num_microbatches "
-                f"{plan.num_microbatches} is not a multiple of {rounds} rounds; use a multiple of pp"
-            )
-
-
-def defers_grad_reduce(plan: Plan) -> bool:
-    """Whether the runtime reduces this plan's gradients after the backward itself
-    (``overlap_grad_reduce`` off): DDP under ``no_sync`` for every micro-batch, then one
-    all-reduce per gradient. Only the DDP path realises it (dp > 1, ZeRO 0/1, tp 1, pp 1)."""
-    return not plan.overlap_grad_reduce and plan.dp > 1 and plan.zero <= 1 and plan.tp == 1 \
-        and plan.pp == 1 and plan.cp == 1
-
-
-def check_overlap_switches(plan: Plan) -> None:
-    """Refuse an overlap switch the runtime does not realise, saying what to set instead."""
-    if plan.tp_comm_overlap:
-        raise PlanError(
-            "tp_comm_overlap: meshmorph's runtime does not overlap tensor-parallel communication "
-            "with the GEMMs (Megatron-LM does it with TransformerEngine's userbuffers, torch's "
-            "async TP needs CUDA symmetric memory); set tp_comm_overlap false to run the plan "
-            "(estimate prices both)")
-    if not plan.overlap_grad_reduce and plan.grad_replicas > 1 and not defers_grad_reduce(plan):
-        raise PlanError(
-            f"overlap_grad_reduce false: the runtime reduces gradients after the backward only "
-            f"where DDP runs the chunk (dp > 1, zero 0 or 1, tp 1, pp 1, cp 1), not with tp "
-            f"{plan.tp}, pp {plan.pp}, zero {plan.zero}, cp {plan.cp}; set overlap_grad_reduce "
-            f"true (FSDP2 and torch's pipelining reduce during the backward)")
-    if any(stage.layer_strategies for stage in plan.stages) and (
-            not plan.overlap_grad_reduce or not plan.fsdp_prefetch):
-        raise PlanError("layerwise plans run with overlap_grad_reduce and fsdp_prefetch on; set "
-                        "both true or drop layer_strategies")
-
-
-def _make_optimizer(params: list[nn.Parameter], optim: OptimConfig, *,
-                    device: torch.device | None = None, mesh: TrainMesh | None = None,
-                    zero: int = 0
-                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW (fused on CUDA, foreach elsewhere) and its LR schedule; ZeRO-1 over dp > 1 shards
-    the moments (run/parallel/zero1.py)."""
-    fused = device is not None and device.type == "cuda"
-    kw = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-              weight_decay=optim.weight_decay)
-    opt: torch.optim.Optimizer
-    if zero == 1 and mesh is not None and mesh.dp > 1:
-        opt = ShardedAdamW(params, dp_mesh=mesh.sub("dp"),
-                           dp_tp_mesh=mesh.sub("dp", "tp") if mesh.tp > 1 else None,
-                           foreach=not fused, fused=fused, **kw)  # type: ignore[arg-type]
-    else:
-        opt = torch.optim.AdamW(params, foreach=not fused, fused=fused, **kw)  # type: ignore[arg-type]
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: optim.lr_at(step) / optim.lr)
-    return opt, sched
+    check_runnable(model, plan)
 
 
 class TrainEngine:
     """This rank's model chunks, their optimizers and the step that trains them."""
 
     def __init__(self, *, spec: ModelSpec, plan: Plan, optim: OptimConfig, mesh: TrainMesh,
-                 model_parts: list[Transformer], runners: list[nn.Module], chunk_ids: list[int],
-                 device: torch.device) -> None:
+                 chunks: list[ParallelChunk], device: torch.device) -> None:
         self.spec, self.plan, self.optim, self.device = spec, plan, optim, device
         self.train_mesh = mesh
         self.mesh: DeviceMesh = mesh.mesh
-        self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp
-        self.model_parts: list[nn.Module] = list(model_parts)
-        self._runners = runners  # what runs each part: a DDP wrapper or the part itself
-        self.chunk_ids = chunk_ids
+        self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp  # the trainer's data layout
+        self.chunks = chunks
+        self.chunk_ids = [chunk.index for chunk in chunks]
+        self.model_parts: list[nn.Module] = [chunk.module for chunk in chunks]
+        self._runners = [chunk.runner for chunk in chunks]  # DDP wrapper, chunk or SegmentRunner
+        self.segments = [segment for chunk in chunks for segment in chunk.segments]
         # the parameters as registered now: FSDP2's sharded DTensors (ZeRO-2 keeps unsharded
         # ones registered on the modules between backward and the optimizer step)
-        self._params = [list(part.parameters()) for part in model_parts]
-        pairs = [_make_optimizer(params, optim, device=device, mesh=mesh, zero=plan.zero)
-                 for params in self._params]
-        self.optimizers = [opt for opt, _ in pairs]
-        self.lr_schedulers = [sched for _, sched in pairs]
-        self.has_first = 0 in chunk_ids
-        self.has_last = plan.num_chunks - 1 in chunk_ids
+        self._params = [chunk.params for chunk in chunks]
+        self.part_optimizers: list[list[torch.optim.Optimizer]] = []
+        """The optimizers over each model part, for checkpoints (run/checkpoint.py)."""
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.lr_schedulers: list[torch.optim.lr_scheduler.LRScheduler] = []
+        for chunk in chunks:
+            optimizers, schedulers = make_optimizers(chunk.segments, optim, device)
+            self.part_optimizers.append(optimizers)
+            self.optimizers += optimizers
+            self.lr_schedulers += schedulers
+        self.has_first = 0 in self.chunk_ids
+        self.has_last = plan.num_chunks - 1 in self.chunk_ids
         self.scaler = LossScaler() if plan.dtype == "fp16" else None
+        self._set_up_gradients()
         self.schedule = None
         if plan.pp > 1:
-            self.schedule = build_schedule(runners, chunk_ids, spec, plan, mesh, device,
-                                           self._scaled_loss)
-        # under a V (zbv, dualpipev) pipeline rank 0 holds both the embedding and the head
-        self._tied_local = spec.tied_embeddings and plan.pp > 1 and \
-            plan.pp_rank_of_chunk(plan.num_chunks - 1) == 0
-        self._tied_group = None if self._tied_local else self._make_tied_group()
+            self.schedule = build_schedule(self._runners, self.chunk_ids, spec, plan, mesh,
+                                           device, self._stage_loss,
+                                           scale_grads=not self.summed)
+        self.tied = TiedCopies(spec, plan, [chunk.module for chunk in chunks], mesh)
         self._grad_norm = float("nan")
-        # FSDP2's MixedPrecisionPolicy casts zero 2/3's parameters; autocast everywhere else
         self._autocast = (partial(torch.autocast, device.type, dtype=TORCH_DTYPES[plan.dtype])
-                          if plan.dtype != "fp32" and not uses_fsdp_precision(plan)
-                          else contextlib.nullcontext)
-        self._fsdp_modules = [m for part in model_parts for m in part.modules()
-                              if isinstance(m, FSDPModule)]
+                          if autocasts(plan) else contextlib.nullcontext)
         self.capture_state = True
         """Whether the next step records what this rank holds and sends (the first step does)."""
         self.captured_state: dict[str, object] | None = None
@@ -177,84 +114,56 @@ class TrainEngine:
         self.state_written = False
         """Whether the state line of the captured step was written (run/engine/state_line.py)."""
 
+    def _set_up_gradients(self) -> None:
+        """What the step does to gradients besides the backward: its loss share, the ZeRO-2
+        units it keeps gathered, holds or reshards, and the reductions left to it."""
+        plan, segments = self.plan, self.segments
+        self.summed = any(segment.per_layer for segment in segments)
+        """Whether every segment sums its gradients over its own dp group (per-layer data
+        parallelism); False: torch's wrappers average them over the plan's dp."""
+        loss_dp = 1
+        if self.summed:  # the dp of the layout the loss is taken in
+            loss_dp = segments[-1].strategy.dp if plan.pp == 1 else plan.dp
+        self._share = plan.num_microbatches * loss_dp if plan.pp == 1 or self.summed else 1
+        """What a micro-batch's loss is divided by in its backward (1: the schedule divides)."""
+        self._zero2: list[FSDPModule] = [
+            unit for segment in segments if segment.strategy.zero == 2
+            for unit in segment.fsdp_units]  # type: ignore[misc]
+        """ZeRO-2's FSDP2 units: gathered once per step, resharded after the optimizer step."""
+        # torch pipelining defers FSDP2's reduction only for a stage module that is an
+        # FSDPModule; the units below a plain one wait for the weight passes here (grads.py)
+        split = plan.pp > 1 and plan.schedule.split_backward
+        self._held: list[FSDPModule] = [
+            unit for chunk in self.chunks if split and not isinstance(chunk.runner, FSDPModule)
+            for segment in chunk.segments if segment.strategy.zero == 2
+            for unit in segment.fsdp_units]  # type: ignore[misc]
+        dtype = TORCH_DTYPES[plan.reduce_dtype]
+        self._late = [partial(all_reduce_grads_, [segment.params],
+                              segment.mesh.dp_mesh.get_group(), dtype)
+                      for segment in segments if segment.reduced_after_backward]
+        """The reductions after the backward: each ZeRO 0/1 segment summed, or DDP's averaged."""
+        runner = self._runners[0]
+        if isinstance(runner, DistributedDataParallel) and defers_grad_reduce(plan):
+            group = runner.process_group
+            self._late.append(partial(all_reduce_grads_, [[p] for p in runner.module.parameters()],
+                                      group, dtype, dist.get_world_size(group)))
+
     def _scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """A micro-batch's mean loss, times the fp16 loss scale."""
         loss = token_cross_entropy(logits, labels)
         return loss * self.scaler.scale if self.scaler is not None else loss
 
-    # --- tied embeddings across pipeline ranks ------------------------------------------------
-    def _make_tied_group(self) -> dist.ProcessGroup | None:
-        """Group of the two pipeline ranks that hold the embedding and the tied head copy."""
-        if not self.spec.tied_embeddings or self.plan.pp == 1:
-            return None
-        if self.plan.pp == 2:
-            return self.train_mesh.group("pp")
-        mine = None
-        for dp_rank in range(self.plan.dp):  # every rank creates every group, in the same order
-            for tp_rank in range(self.plan.tp):
-                ranks = [self.plan.rank_of(0, dp_rank, tp_rank),
-                         self.plan.rank_of(self.plan.pp - 1, dp_rank, tp_rank)]
-                group = dist.new_group(ranks)
-                if dist.get_rank() in ranks:
-                    mine = group
-        return mine
-
-    def _tied_copies(self) -> list[nn.Parameter]:
-        copies = []
-        for part in self.model_parts:
-            if part.embed is not None:
-                copies.append(part.embed.tok.weight)
-            if part.head is not None and self.spec.tied_embeddings:
-                copies.append(part.head.out.weight)
-        return copies
-
-    def _align_grads(self) -> None:
-        """Give every DTensor gradient its parameter's placements (tensor parallelism can leave a
-        gradient Partial or Replicate where the parameter is sharded)."""
-        for params in self._params:
-            for param in params:
-                grad = param.grad
-                if isinstance(grad, DTensor) and grad.placements != param.placements:
-                    param.grad = grad.redistribute(param.device_mesh, param.placements)
-
-    def _sync_tied_grads(self) -> None:
-        """Sum the gradients of the embedding and its head copy (pipeline ranks 0 and pp-1,
-        or both on rank 0 under a V)."""
-        if self._tied_local:
-            copies = [_local(p.grad) for p in self._tied_copies() if p.grad is not None]
-            if len(copies) == 2:
-                total = copies[0] + copies[1]
-                for grad in copies:
-                    grad.copy_(total)
-            return
-        if self._tied_group is None:
-            return
-        copies = [p for p in self._tied_copies() if p.grad is not None]
-        if not copies:
-            return
-        local = [_local(p.grad) for p in copies]
-        total = torch.stack(local).sum(0) if len(local) > 1 else local[0].clone()
-        dist.all_reduce(total, group=self._tied_group)
-        for grad in local:
-            grad.copy_(total)
-
-    def _norm_params(self) -> list[nn.Parameter]:
-        """Every parameter once: a head copy of a tied embedding on a later rank is not counted."""
-        skip = set()
-        if self._tied_group is not None or self._tied_local:
-            skip = {id(part.head.out.weight) for part in self.model_parts
-                    if part.head is not None and part.embed is None}
-        return [p for params in self._params for p in params
-                if p.grad is not None and id(p) not in skip]
+    def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """A pipeline micro-batch's loss as the last stage back-propagates it."""
+        loss = self._scaled_loss(logits, labels)
+        return loss if self._share == 1 else loss / self._share
 
     # --- the step ------------------------------------------------------------------------------
     def _accumulate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Gradient accumulation without a pipeline; returns the sum of micro-batch mean losses."""
-        model, m = self._runners[0], self.plan.num_microbatches
+        chunk, m = self.chunks[0], self.plan.num_microbatches
+        model = chunk.runner
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        if isinstance(model, FSDPModule) and self.plan.zero == 2:
-            # gathered once for the first micro-batch, kept to the end of the step
-            model.set_reshard_after_backward(False)
         defer = isinstance(model, DistributedDataParallel) and defers_grad_reduce(self.plan)
         for i, (x, y) in enumerate(zip(inputs.chunk(m), labels.chunk(m), strict=True)):
             # zero 2/3 reduce-scatter every micro-batch; DDP reduces in the last micro-batch's
@@ -266,43 +175,47 @@ class TrainEngine:
                 else contextlib.nullcontext()
             with no_sync:
                 with self._autocast():
-                    loss = self._scaled_loss(model(x), y)
-                (loss / m).backward()  # d(mean over m micro-batches) = sum of d(loss_i) / m
+                    loss = self._scaled_loss(model(x), chunk.labels(y))
+                (loss / self._share).backward()  # d(mean over the batch) = sum of d(loss_i) / share
             total += loss.detach().double()
-        if defer:
-            self._reduce_after_backward(model)
         return total
 
-    def _reduce_after_backward(self, model: DistributedDataParallel) -> None:
-        """``overlap_grad_reduce`` off: average every gradient over the dp group after the
-        backward, as DDP's reducer would (each divided by dp first, in the plan's
-        ``reduce_dtype``: DDP's 16-bit compress hooks cast, divide, reduce and copy back)."""
-        group = model.process_group
-        dtype = TORCH_DTYPES[self.plan.reduce_dtype]
-        pending = []
-        for param in model.module.parameters():
-            if param.grad is None:
-                continue
-            wire = param.grad if param.grad.dtype == dtype else param.grad.to(dtype)
-            wire.div_(dist.get_world_size(group))
-            pending.append((dist.all_reduce(wire, group=group, async_op=True), param.grad, wire))
-        for work, grad, wire in pending:
-            work.wait()
-            if wire is not grad:
-                grad.copy_(wire)
-
     def _pipelined(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One step through torch pipelining; returns this rank's sum of its micro-batch mean
+        losses (zero off the last stage)."""
+        hold_reduction(self._held)  # reduced once, after every weight-gradient pass
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first else ()
-        target = labels if self.has_last else None
         with self._autocast():
             # return_outputs=False: the last stage would keep every micro-batch's logits (b s V
             # each) to the end of the step only to hand them back; the losses are all it needs
-            self.schedule.step(*args, target=target, losses=losses if self.has_last else None,
-                               return_outputs=False)
+            self.schedule.step(*((inputs,) if self.has_first else ()),  # type: ignore[union-attr]
+                               target=labels if self.has_last else None,
+                               losses=losses if self.has_last else None, return_outputs=False)
+        reduce_held(self._held)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in losses:
-            total += loss.detach().double()
+            total += loss.detach().double() * self._share
+        return total
+
+    def _forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Check the step's tokens, clear the gradients, run every micro-batch's forward and
+        backward (accumulated or pipelined) and the reductions left after it; returns this
+        rank's loss sum."""
+        plan = self.plan
+        expected = (plan.global_batch // plan.dp, plan.seq_len + 1)
+        if tuple(tokens.shape) != expected:
+            raise ValueError(f"step() takes tokens of shape {list(expected)} (global_batch / dp, "
+                             f"seq_len + 1), got {list(tokens.shape)}")
+        tokens = tokens.to(self.device)
+        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        for module in self._zero2:
+            module.set_reshard_after_backward(False)  # gathered once, kept to the step's end
+        total = self._accumulate(inputs, labels) if self.schedule is None \
+            else self._pipelined(inputs, labels)
+        for reduce in self._late:
+            reduce()
         return total
 
     def step(self, tokens: torch.Tensor) -> float:
@@ -320,81 +233,58 @@ class TrainEngine:
         self.capture_state = False
         return loss
 
-    def _forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Check the step's tokens, clear the gradients, run every micro-batch's forward and
-        backward (accumulated or pipelined); returns this rank's loss sum."""
-        plan = self.plan
-        expected = (plan.global_batch // plan.dp, plan.seq_len + 1)
-        if tuple(tokens.shape) != expected:
-            raise ValueError(f"step() takes tokens of shape {list(expected)} (global_batch / dp, "
-                             f"seq_len + 1), got {list(tokens.shape)}")
-        tokens = tokens.to(self.device)
-        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
-        if self.schedule is None:
-            return self._accumulate(inputs, labels)
-        return self._pipelined(inputs, labels)
-
     def _step(self, tokens: torch.Tensor) -> float:
         plan = self.plan
         loss_sum = self._forward_backward(tokens)
         if self.capture_state:  # the end of backward, before anything touches the gradients
             self.captured_state = state_line.held_bytes(self)
-        self._align_grads()
-        self._sync_tied_grads()
-        grads = [p.grad for params in self._params for p in params
-                 if p.grad is not None]
+        params = [p for params in self._params for p in params]
+        align_grads_(params)
+        self.tied.sum_grads_()  # on gradients laid out as their parameters
+        grads = [p.grad for p in params if p.grad is not None]
         if self.scaler is not None:
             loss_sum /= self.scaler.scale
             self.scaler.unscale_(grads)
-        self._grad_norm = global_grad_norm([p.grad for p in self._norm_params()],
-                                           self.train_mesh)
-        if self.scaler is None or self.scaler.update(self._grad_norm):
+        norm = grad_norm(self.segments, self.train_mesh, self.tied.head_copies, self.device)
+        if self.scaler is None or self.scaler.update(float(norm)):
             if self.optim.grad_clip > 0:
-                clip_grads_(grads, self._grad_norm, self.optim.grad_clip)
+                clip_grads_(grads, norm, self.optim.grad_clip)
             for opt in self.optimizers:
                 opt.step()
         for sched in self.lr_schedulers:
             sched.step()
-        for module in self._fsdp_modules if self.plan.zero == 2 else ():
+        for module in self._zero2:
             module.reshard()  # the next step gathers the updated weights
         # every last-stage rank holds the sum of its m micro-batch means; tp ranks repeat it
         if not self.has_last:
             loss_sum.zero_()
         dist.all_reduce(loss_sum)
-        return float(loss_sum) / (plan.num_microbatches * plan.dp * plan.tp)
+        loss, self._grad_norm = torch.stack((loss_sum, norm.to(loss_sum))).tolist()  # one read
+        return loss / (plan.num_microbatches * plan.dp * plan.tp)
 
     def grad_norm_last(self) -> float:
         """The global gradient norm of the last step, before clipping."""
         return self._grad_norm
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def build_engine(model: ModelSpec, plan: Plan, optim: OptimConfig, *, seed: int,
                  device: torch.device) -> TrainEngine:
-    """This rank's part of ``plan``: model chunks built from ``seed``, parallelized, with
-    optimizers and (pp > 1) the pipeline schedule. torch.distributed must be initialised."""
+    """This rank's part of ``plan``: model chunks built from ``seed``, parallelized segment by
+    segment, with optimizers and (pp > 1) the pipeline schedule. torch.distributed must be
+    initialised."""
     if not dist.is_initialized():
         raise RuntimeError("build_engine needs torch.distributed initialised "
                            "(launch with torchrun, or call init_process_group first)")
     validate_plan(model, plan, dist.get_world_size())
-    if any(stage.layer_strategies is not None for stage in plan.stages):
-        from meshmorph.run.engine.layerwise_engine import LayerwiseEngine
-
-        return LayerwiseEngine(spec=model, plan=plan, optim=optim, seed=seed, device=device)
     mesh = build_mesh(plan, device.type)
-    chunk_ids = plan.chunks_of(mesh.pp_rank)
-    parts, runners = [], []
-    for index in chunk_ids:
+    hidden, logits = io_dtypes(plan)  # what torch pipelining sends between stages
+    chunks = []
+    for index in plan.chunks_of(mesh.pp_rank):
         stage = plan.stages[index]
+        boundary = None if plan.pp == 1 else logits if index == plan.num_chunks - 1 else hidden
         # built on the meta device; parallelize allocates and fills only this rank's shards
         chunk = build_chunk(model, stage.start, stage.stop, seed=seed, device="meta")
-        runners.append(parallelize(chunk, model, plan, stage, mesh, seed=seed, device=device))
-        parts.append(chunk)
-    return TrainEngine(spec=model, plan=plan, optim=optim, mesh=mesh, model_parts=parts,
-                       runners=runners, chunk_ids=chunk_ids, device=device)
-
+        chunks.append(parallelize(chunk, model, plan, index, mesh, seed=seed, device=device,
+                                  boundary_dtype=boundary))
+    return TrainEngine(spec=model, plan=plan, optim=optim, mesh=mesh, chunks=chunks,
+                       device=device)

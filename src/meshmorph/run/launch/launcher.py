@@ -24,13 +24,14 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshmorph.plan.runnable_plans import runnable_plans
 from meshmorph.run.checkpoint import CheckpointInfo
 from meshmorph.run.job import JobConfig, load_job
 from meshmorph.spec.catalog import load_model
-from meshmorph.spec.cp_runtime import refuse_context_parallel
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan, PlanError
 from meshmorph.spec.plan_file import load_plan
+from meshmorph.spec.runnable import refuse_context_parallel
 
 STOP_GRACE_S = 300.0
 """Seconds the ranks get, after the first Ctrl-C, to finish their step, save and exit before they
@@ -85,13 +86,30 @@ class ElasticNode:
         return self.run_id or "meshmorph-" + self.endpoint.replace(":", "-").replace(".", "-")
 
 
+def parse_failure(text: str | None) -> tuple[int, int] | None:
+    """``RANK@STEP`` -> (rank, step); None for None."""
+    if text is None:
+        return None
+    rank, sep, step = text.partition("@")
+    if not sep or not rank.isdigit() or not step.isdigit() or int(step) < 1:
+        raise ValueError(f"--inject-failure takes RANK@STEP (e.g. 3@4, step >= 1), got {text!r}")
+    return int(rank), int(step)
+
+
+def parse_elastic(text: str) -> tuple[int, int]:
+    """``MIN:MAX`` nodes (or one number) -> (min, max)."""
+    low, _, high = text.partition(":")
+    high = high or low
+    if not low.isdigit() or not high.isdigit() or not 1 <= int(low) <= int(high):
+        raise ValueError(f"--elastic takes MIN:MAX nodes with 1 <= MIN <= MAX, got {text!r}")
+    return int(low), int(high)
+
+
 def parse_node(node_rank: int | None, endpoint: str | None, run_id: str | None,
                elastic: str | None, nproc: int, plan: Plan) -> ElasticNode | None:
     """The node a ``--node-rank`` run is, checked (None without ``--node-rank``)."""
     if node_rank is None and endpoint is None and run_id is None:
         return None
-    from meshmorph.elastic.live.elastic_run import parse_elastic
-
     if elastic is None or node_rank is None or endpoint is None:
         raise ValueError("--node-rank and --rdzv-endpoint go together, with --elastic MIN:MAX "
                          "(e.g. --elastic 1:2 --node-rank 0 --rdzv-endpoint node0:29500)")
@@ -126,29 +144,17 @@ def default_plan(job: JobConfig, model: ModelSpec, nproc: int) -> Plan:
 
 
 def searched_plans(job: JobConfig, model: ModelSpec, nproc: int) -> tuple[list[Plan], float]:
-    """Plans the planner ranks best first for ``nproc`` local CPU processes, and its search time."""
-    try:
-        from meshmorph.plan.search import search
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("meshmorph"):
-            raise PlanError(
-                "--plan auto needs the planner (meshmorph.plan.search), which this build lacks; "
-                "pass --plan FILE, or leave --plan out for pure data parallelism"
-            ) from None
-        raise
-    from meshmorph.plan.space import SearchOptions
-    from meshmorph.spec.cluster import parse_cluster
-
-    options = SearchOptions(dtype=job.train.dtype, top_k=8, cp_max=1)  # the runtime runs cp 1
-    result = search(model, parse_cluster(f"cpu:1x{nproc}"), global_batch=job.train.global_batch,
-                    options=options)
-    plans = [plan if plan.stages else plan.with_even_stages(model) for plan in result.plans]
-    if not plans:
+    """Plans the planner ranks best first for ``nproc`` local CPU processes that the runtime
+    runs, and its search time."""
+    found = runnable_plans(model, nproc, global_batch=job.train.global_batch,
+                           dtype=job.train.dtype)
+    if not found.plans:
         raise PlanError(
             f"the planner found no plan for {model.name} on {nproc} CPU processes with "
-            f"global_batch {job.train.global_batch}; try another --nproc or batch"
+            f"global_batch {job.train.global_batch} that the runtime runs; try another --nproc "
+            "or batch"
         )
-    return plans, float(result.search_time_s)
+    return [plan for plan, _ in found.plans], found.search_time_s
 
 
 def check_plan_for_job(plan: Plan, job: JobConfig, model: ModelSpec, nproc: int) -> None:
@@ -219,8 +225,6 @@ def prepare_run(job_path: Path, *, nproc: int | None, plan_arg: str | None, resu
     else:
         check_fresh(out_dir, job.checkpoint_dir(out_dir))
     if elastic is not None or inject_failure is not None:
-        from meshmorph.elastic.live.elastic_run import parse_elastic, parse_failure
-
         if elastic is not None:
             parse_elastic(elastic)
         failure = parse_failure(inject_failure)
@@ -289,13 +293,19 @@ def elastic_args(run: PreparedRun) -> tuple[list[str], list[str]]:
                                   if run.inject_failure else [])
 
 
+TRAINER = "meshmorph.run.trainer"
+"""The module each rank of a plain run runs."""
+ELASTIC_WORKER = "meshmorph.elastic.live.worker"
+"""The module each rank of an ``--elastic`` run runs: the trainer with the node-local store."""
+
+
 def torchrun_command(run: PreparedRun, plan_path: Path,
                      rendezvous: list[str] | None = None) -> list[str]:
     extra: list[str] = []
     if run.elastic:
         rendezvous, extra = elastic_args(run)
     command = [sys.executable, "-m", "meshmorph.run.launch.agent", *(rendezvous or ["--standalone"]),
-               "--nproc_per_node", str(run.nproc), "-m", "meshmorph.run.trainer",
+               "--nproc_per_node", str(run.nproc), "-m", ELASTIC_WORKER if run.elastic else TRAINER,
                "--job", str(run.job_path.resolve()), "--plan", str(plan_path.resolve()),
                "--out", str(run.out_dir.resolve()), *extra]
     return command + (["--resume"] if run.resume else [])

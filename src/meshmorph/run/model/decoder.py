@@ -39,17 +39,23 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+SDPA_GQA = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+"""Whether ``scaled_dot_product_attention`` takes ``enable_gqa`` (torch 2.5 on)."""
+
+
 class AttentionCore(nn.Module):
     """Causal softmax attention of already projected heads; holds no parameters, so selective
     recompute can checkpoint exactly this part."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [b, heads, s, d], k/v [b, kv_heads, s, d]; grouped-query heads share k/v
-        if k.shape[1] != q.shape[1]:
-            repeat = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if k.shape[1] == q.shape[1]:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if SDPA_GQA:  # the kernel reads each k/v head for its group: no copies saved for backward
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        repeat = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, dim=1),
+                                              v.repeat_interleave(repeat, dim=1), is_causal=True)
 
 
 def rotary(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:

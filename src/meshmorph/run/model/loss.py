@@ -1,5 +1,13 @@
 """The training loss: mean token cross-entropy, over whole logits or over vocabulary shards.
 
+Whole logits (``_RowChunkedCrossEntropy``): the log-softmax runs in fp32 over blocks of rows, the
+upcast inside ``log_softmax(dtype=float32)``, so the only fp32 tensor over every logit is the
+log-probabilities kept for backward: no fp32 copy of the whole [b s, V] logits beside them, and
+a padded vocabulary's head (a strided slice of its [b, s, V_padded] product) is copied one
+block at a time, never whole. The backward runs nll_loss's and log_softmax's own backward
+kernels per block and writes into one gradient in the logits' dtype, so the loss and every
+gradient are bitwise what ``F.cross_entropy(logits.float())`` gives.
+
 A vocabulary-parallel head (tensor parallelism with the vocabulary split, run/parallel/parallelize.py)
 hands back its logits as a DTensor sharded on the vocabulary: torch's ``loss_parallel`` takes the
 cross-entropy over the shards (a max, a sum of exponentials and the target logits reduced over
@@ -11,6 +19,7 @@ accumulation, torch's pipeline schedules) treat it as any other loss.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,7 +36,49 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     the vocabulary (a DTensor) go through ``loss_parallel``."""
     if isinstance(logits, DTensor):
         return _VocabParallelCrossEntropy.apply(logits, labels)
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    return _RowChunkedCrossEntropy.apply(logits.flatten(0, 1), labels.flatten())
+
+
+CHUNK_FP32_BYTES = 256 * 2**20
+"""Most bytes of fp32 log-probabilities the loss holds at once (a block of rows)."""
+
+
+def _row_blocks(logits: torch.Tensor) -> Iterator[slice]:
+    """The row blocks of ``logits`` [N, V], ``CHUNK_FP32_BYTES`` of fp32 each."""
+    rows = max(1, CHUNK_FP32_BYTES // (4 * logits.shape[1]))
+    return (slice(start, start + rows) for start in range(0, logits.shape[0], rows))
+
+
+class _RowChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of logits [N, V] (any dtype and strides) against labels [N], with the
+    log-softmax in fp32 block by block (module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        picked = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        blocks = list(_row_blocks(logits))
+        logps = []
+        for block in blocks:
+            logps.append(F.log_softmax(logits[block], dim=-1, dtype=torch.float32))
+            picked[block] = logps[-1].gather(1, labels[block, None])[:, 0]
+        ctx.save_for_backward(labels, *logps)
+        ctx.blocks, ctx.shape, ctx.dtype = blocks, logits.shape, logits.dtype
+        # nll_loss's own mean over the picked log-probabilities: its summation, its rounding
+        return F.nll_loss(picked[:, None], torch.zeros_like(labels))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        labels, *logps = ctx.saved_tensors
+        total = torch.tensor(float(ctx.shape[0]), device=grad.device)  # nll's mean weight
+        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=grad.device)
+        for block, logp in zip(ctx.blocks, logps, strict=True):
+            dlogp = torch.ops.aten.nll_loss_backward(grad, logp, labels[block], None, 1, -100,
+                                                     total)  # mean reduction, no ignore index
+            if ctx.dtype == torch.float32:  # straight into the gradient
+                torch._log_softmax_backward_data(dlogp, logp, -1, torch.float32, out=out[block])
+            else:  # the fp32 gradient rounded to the logits' dtype, as .float()'s backward does
+                out[block] = torch._log_softmax_backward_data(dlogp, logp, -1, torch.float32)
+        return out, None
 
 
 def mask_padded_vocab(logits: DTensor, vocab_size: int) -> DTensor:

@@ -25,12 +25,24 @@ bf16/fp16 compress hook (``replicate``'s ``reduce_dtype``) when the plan's ``red
 With tensor parallelism every parameter of the chunk is a DTensor on the tp mesh (parameters TP
 does not split are replicated DTensors), so with data parallelism on top every parameter lives on
 the same 2-D (dp, tp) mesh.
+
+``parallelize`` applies this segment by segment (run/parallel/segments.py). A uniform plan's
+chunk is one segment on the plan's mesh and gets exactly the above. A plan whose layers'
+strategies differ gives each segment the same tensor parallel styles (restricted to its layers,
+logits gathered rather than vocabulary-parallel) over its own split's tp mesh, the stage's
+recompute, and per layer: FSDP2 ``fully_shard`` of the layer alone for ZeRO 2/3, gradients summed
+over the segment's dp group; ZeRO 0/1 layers keep whole parameters and the engine all-reduces
+their summed gradients after the backward (run/engine/grads.py), ZeRO 1 then steps a
+``ShardedAdamW`` over that group. Gradients are sums there, never means: the engine
+back-propagates each rank's share of the micro-batch mean. A tied embedding and head in one
+chunk stay one parameter (ZeRO 0/1: FSDP2 cannot shard one matrix for two modules it runs
+apart); on two pipeline stages each holds its copy, laid out alike, and the engine sums their
+gradients.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -55,8 +67,16 @@ from meshmorph.run.model.decoder import Transformer
 from meshmorph.run.model.materialize import materialize_
 from meshmorph.run.parallel.mesh import TrainMesh
 from meshmorph.run.parallel.recompute import apply_recompute
+from meshmorph.run.parallel.segments import (
+    ParallelChunk,
+    Segment,
+    SegmentRunner,
+    layer_module,
+    strategy_runs,
+)
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import SPLIT_BACKWARD_SCHEDULES, Plan, StagePlan
+from meshmorph.spec.plan import Plan, StagePlan
+from meshmorph.spec.runnable import lists_layer_strategies, stage_strategies
 
 
 class ReplicateParallel(ParallelStyle):
@@ -136,12 +156,26 @@ def tp_plan(chunk: Transformer, spec: ModelSpec, tp_degree: int,
     return plan
 
 
-def apply_tp(chunk: Transformer, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Tensor (and sequence) parallelism over ``tp_mesh``; a tied head is re-tied afterwards
-    (both halves are split by vocabulary rows, so they stay one DTensor)."""
+def apply_tp(chunk: Transformer, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool,
+             *, layers: Collection[str] | None = None, vocab_parallel_loss: bool = True,
+             tie: bool = True) -> None:
+    """Tensor (and sequence) parallelism over ``tp_mesh`` of the chunk's layers named in
+    ``layers`` (``embed``, ``blocks.<i>``, ``head``; None: every layer). A tied head is re-tied
+    afterwards where ``tie`` (both halves are split by vocabulary rows, so they stay one
+    DTensor); with ``tie`` off the caller re-ties it (``tie_head``) after its last call."""
+    styles = tp_plan(chunk, spec, tp_mesh.size(), sequence_parallel,
+                     vocab_parallel_loss=vocab_parallel_loss)
+    if layers is not None:
+        styles = {key: style for key, style in styles.items()
+                  if any(key == name or key.startswith(name + ".") for name in layers)}
     # every rank built the same weights from the same seed: no broadcast needed (src_data_rank None)
-    parallelize_module(chunk, tp_mesh, tp_plan(chunk, spec, tp_mesh.size(), sequence_parallel,
-                                               vocab_parallel_loss=True), src_data_rank=None)
+    parallelize_module(chunk, tp_mesh, styles, src_data_rank=None)
+    if tie:
+        tie_head(chunk, spec)
+
+
+def tie_head(chunk: Transformer, spec: ModelSpec) -> None:
+    """Make a tied head's weight the embedding's parameter again, where the chunk holds both."""
     if spec.tied_embeddings and chunk.embed is not None and chunk.head is not None:
         chunk.head.out.weight = chunk.embed.tok.weight
 
@@ -151,8 +185,17 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 
 
 def uses_fsdp_precision(plan: Plan) -> bool:
-    """Whether FSDP2's MixedPrecisionPolicy (not autocast) sets the compute dtype: zero 2/3."""
+    """Whether FSDP2's MixedPrecisionPolicy sets the compute dtype of the plan's own layout
+    (zero 2/3 over dp > 1): what pipeline stages hand over (run/engine/pipeline.io_dtypes)."""
     return plan.dp > 1 and plan.zero >= 2
+
+
+def autocasts(plan: Plan) -> bool:
+    """Whether the forward runs under ``torch.autocast``: a 16-bit plan with some layer that
+    FSDP2's mixed precision does not cast (ZeRO 0/1, or dp 1); where every layer is cast the
+    parameters are already 16-bit and autocast would only move norms and softmax to fp32."""
+    return plan.dtype != "fp32" and not all(
+        s.dp > 1 and s.zero >= 2 for stage in plan.stages for s in stage_strategies(plan, stage))
 
 
 def _bf16_compress(state, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
@@ -166,6 +209,20 @@ _COMPRESS_HOOKS = {"bf16": _bf16_compress, "fp16": default_hooks.fp16_compress_h
 """DDP comm hooks that reduce fp32 gradients in a 16-bit dtype (torch's default hooks)."""
 
 
+def _fully_shard(units: list[nn.Module], mesh: DeviceMesh, plan: Plan, zero: int, *,
+                 summed: bool) -> None:
+    """FSDP2 on each of ``units`` in order (ZeRO-3 reshards after forward), computing in the
+    plan's dtype and reducing in its ``reduce_dtype``; ``summed``: gradients summed over the dp
+    group (SUM ops and no division: gloo has no PREMUL_SUM) instead of averaged."""
+    policy = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[plan.dtype],
+                                  reduce_dtype=TORCH_DTYPES[plan.reduce_dtype])
+    for unit in units:
+        module = fully_shard(unit, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy)
+        if summed:
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
 def apply_dp(chunk: Transformer, dp_mesh: DeviceMesh, plan: Plan, *, allow_ddp: bool = True,
              materialize: Callable[[], None] = lambda: None) -> nn.Module:
     """Data parallelism over ``dp_mesh`` by ZeRO stage (see the module docstring); returns the
@@ -173,7 +230,6 @@ def apply_dp(chunk: Transformer, dp_mesh: DeviceMesh, plan: Plan, *, allow_ddp: 
     zero 0/1 on ``replicate`` (a zero-bubble schedule computes weight gradients apart from the
     backward that DDP's reducer hooks into, and DDP then misses them). ``materialize`` gives a
     chunk built on the meta device its storage; it runs before DDP, which needs real tensors."""
-    reduce_dtype = TORCH_DTYPES[plan.reduce_dtype]
     if plan.zero <= 1:  # zero 1 shards only the optimizer (run/parallel/zero1.py)
         if allow_ddp and not any(isinstance(p, DTensor) for p in chunk.parameters()):
             materialize()
@@ -185,17 +241,12 @@ def apply_dp(chunk: Transformer, dp_mesh: DeviceMesh, plan: Plan, *, allow_ddp: 
             if plan.reduce_dtype in _COMPRESS_HOOKS:
                 ddp.register_comm_hook(dp_mesh.get_group(), _COMPRESS_HOOKS[plan.reduce_dtype])
             return ddp
-        policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+        policy = MixedPrecisionPolicy(reduce_dtype=TORCH_DTYPES[plan.reduce_dtype])
         for block in chunk.blocks.values():
             replicate(block, mesh=dp_mesh, mp_policy=policy)
         replicate(chunk, mesh=dp_mesh, mp_policy=policy)
         return chunk
-    policy = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[plan.dtype], reduce_dtype=reduce_dtype)
-    shard = partial(fully_shard, mesh=dp_mesh, reshard_after_forward=plan.zero == 3,
-                    mp_policy=policy)
-    for block in chunk.blocks.values():
-        shard(block)
-    shard(chunk)
+    _fully_shard([*chunk.blocks.values(), chunk], dp_mesh, plan, plan.zero, summed=False)
     if plan.zero == 3:
         set_prefetch(chunk, plan.fsdp_prefetch, wait_for_device=dp_mesh.device_type == "cuda")
     return chunk
@@ -223,23 +274,62 @@ def set_prefetch(chunk: Transformer, prefetch: bool, *, wait_for_device: bool) -
                 lambda *_: torch.cuda.current_stream().synchronize(), prepend=True)
 
 
-def parallelize(chunk: Transformer, spec: ModelSpec, plan: Plan, stage: StagePlan,
-                mesh: TrainMesh, *, seed: int, device: torch.device) -> nn.Module:
-    """Apply ``plan`` to ``chunk`` (the layers of ``stage``) in place: TP/SP, recompute, DP, and
-    give a chunk built on the meta device this rank's shards (``materialize_``: after TP and
-    FSDP2 sharding, so only the local shards are allocated; before DDP, which needs real tensors).
-    Returns the module that runs the chunk (a DDP wrapper for zero 0/1 without TP, else the chunk)."""
+def _segments(chunk: Transformer, spec: ModelSpec, plan: Plan, stage: StagePlan,
+              mesh: TrainMesh) -> list[Segment]:
+    """The chunk's segments (run/parallel/segments.py), before any parallelism."""
+    per_layer = lists_layer_strategies(plan)  # as cost/segments.py prices it
+    segments = []
+    for start, stop, strategy in strategy_runs(plan, stage):
+        named = [layer_module(chunk, spec, index) for index in range(start, stop)]
+        segments.append(Segment(start=start, stop=stop, strategy=strategy,
+                                mesh=mesh.splits[strategy.tp], per_layer=per_layer,
+                                names=[name for name, _ in named],
+                                modules=[module for _, module in named]))
+    return segments
+
+
+def parallelize(chunk: Transformer, spec: ModelSpec, plan: Plan, index: int, mesh: TrainMesh,
+                *, seed: int, device: torch.device,
+                boundary_dtype: torch.dtype | None = None) -> ParallelChunk:
+    """Apply ``plan`` to ``chunk`` (the layers of ``plan.stages[index]``, built on the meta
+    device) in place, segment by segment: TP/SP, recompute, DP, and give it this rank's shards
+    (``materialize_``: after TP and FSDP2 sharding, so only the local shards are allocated;
+    before DDP, which needs real tensors). ``boundary_dtype``: a pipeline stage's output dtype
+    (``io_dtypes``), which a chunk of per-layer segments casts its output to."""
     def materialize() -> None:
         if any(p.is_meta for p in chunk.parameters()):
             materialize_(chunk, spec, seed=seed, device=device)
 
-    if plan.tp > 1:
-        apply_tp(chunk, spec, mesh.sub("tp"), plan.sequence_parallel)
+    stage = plan.stages[index]
+    segments = _segments(chunk, spec, plan, stage, mesh)
+    per_layer = segments[0].per_layer
+    for segment in segments:
+        if segment.strategy.tp > 1:
+            apply_tp(chunk, spec, segment.mesh.tp_mesh, plan.sequence_parallel,
+                     layers=segment.names, vocab_parallel_loss=not per_layer, tie=False)
+    tie_head(chunk, spec)
     apply_recompute(chunk, stage.start, stage.recompute)
     runner: nn.Module = chunk
-    if plan.dp > 1:
-        split_backward = plan.pp > 1 and plan.schedule in SPLIT_BACKWARD_SCHEDULES
-        runner = apply_dp(chunk, mesh.sub("dp"), plan, allow_ddp=not split_backward,
+    if per_layer:
+        for segment in segments:
+            if segment.fsdp:
+                segment.fsdp_units = list(segment.modules)
+                _fully_shard(segment.fsdp_units, segment.mesh.dp_mesh, plan,
+                             segment.strategy.zero, summed=True)
+        runner = SegmentRunner(chunk, segments, mesh.moves, data_tp=plan.tp,
+                               sequence_parallel=plan.sequence_parallel,
+                               boundary_dtype=boundary_dtype)
+    elif plan.dp > 1:
+        split_backward = plan.pp > 1 and plan.schedule.split_backward
+        runner = apply_dp(chunk, segments[0].mesh.dp_mesh, plan, allow_ddp=not split_backward,
                           materialize=materialize)
+        if segments[0].fsdp:
+            segments[0].fsdp_units = [*chunk.blocks.values(), chunk]
     materialize()
-    return runner
+    seen: set[int] = set()
+    for segment in segments:  # as registered now; a tied matrix once, with the embedding
+        for param in (p for module in segment.modules for p in module.parameters()):
+            if id(param) not in seen:
+                seen.add(id(param))
+                segment.params.append(param)
+    return ParallelChunk(index=index, module=chunk, runner=runner, segments=segments)

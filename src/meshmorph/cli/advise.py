@@ -1,0 +1,80 @@
+"""``meshmorph advise``: what to rent, as the Pareto set of (time, cost) with the policy, zones and
+plan of each point."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.table import Table
+
+from meshmorph.cli.args import positive_float, positive_int
+from meshmorph.cli.output import add_output, write_json
+from meshmorph.plan.report import report_console
+from meshmorph.predict.advise import AdviceOptions, advise, pareto, recommend
+from meshmorph.predict.cloud_catalog import load_catalog
+from meshmorph.spec.catalog import load_model
+from meshmorph.spec.gpus import load_gpus_toml
+
+
+def _zones(shares: dict[str, float]) -> str:
+    names = list(shares)
+    return ", ".join(names[:2]) + (f" +{len(names) - 2}" if len(names) > 2 else "")
+
+
+def _advise(args: argparse.Namespace) -> int:
+    if args.gpus:
+        load_gpus_toml(args.gpus)
+    model = load_model(args.model)
+    options = AdviceOptions(runs=args.runs, deadline_h=args.deadline, budget_usd=args.budget)
+    front = pareto(advise(model, args.tokens, load_catalog(args.catalog), options))
+    if not front:
+        raise ValueError("no option meets the deadline and budget; raise --deadline or --budget")
+    pick = recommend(front, args.deadline)
+    assert pick is not None
+    console = report_console()
+    table = Table(title=f"{model.name}, {args.tokens:.3g} tokens: Pareto options (P50 over "
+                        f"{args.runs} runs, P90 in brackets)", title_justify="left")
+    for name in ("", "instance", "GPUs", "policy", "zones", "tp/pp/dp", "time h (P90)",
+                 "cost $ (P90)"):
+        table.add_column(name, justify="left" if name in ("instance", "policy", "zones")
+                         else "right")
+    for o in front:
+        plan = o["plan"]
+        table.add_row("*" if o is pick else "", o["instance"], str(o["gpus"]), o["policy"],
+                      _zones(o["zones"]), f"{plan['tp']}/{plan['pp']}/{plan['dp']}",
+                      f"{o['time_h']:.1f} ({o['time_h_p90']:.1f})",
+                      f"{o['cost_usd']:,.0f} ({o['cost_usd_p90']:,.0f})")
+    console.print(table)
+    console.print(f"recommended (*): {pick['gpus']} x {pick['gpu']} ({pick['instance']}, "
+                  f"{pick['policy']}, {_zones(pick['zones'])}): {pick['time_h']:.1f} h, "
+                  f"${pick['cost_usd']:,.0f} (prices read {pick['price_date']})")
+    for note in sorted({n for o in front for n in o["notes"]}):
+        console.print(f"[dim]note:[/] {note}")
+    if args.json:
+        write_json(args.json, {"model": model.name, "tokens": args.tokens,
+                               "deadline_h": args.deadline, "pareto": front,
+                               "recommended": pick})
+        console.print(f"options written to {args.json}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    adv = subparsers.add_parser(
+        "advise", help="what to rent: Pareto set of (time, cost) with policy, zones and plan",
+        description="Plan and simulate every catalog instance type with 4 or more GPUs at 1-8 "
+                    "instances under each policy (restart, multi-zone, deadline with --deadline, "
+                    "on-demand) in the zones with data; print the Pareto front and recommend one. "
+                    "Reshape: meshmorph simulate --policy reshape.")
+    adv.add_argument("--model", required=True, help="catalog model (see meshmorph models)")
+    adv.add_argument("--tokens", required=True, type=positive_float, help="tokens to train on")
+    adv.add_argument("--deadline", type=positive_float, default=None, metavar="HOURS",
+                     help="hours (P90); adds the deadline policy")
+    adv.add_argument("--budget", type=positive_float, default=None, help="USD (P90)")
+    adv.add_argument("--runs", type=positive_int, default=5,
+                     help="simulated runs per option (default 5)")
+    adv.add_argument("--catalog", type=Path, default=None,
+                     help="your providers, zones and prices (TOML)")
+    adv.add_argument("--gpus", type=Path, default=None, help="your GPU TOML ([gpus.NAME])")
+    add_output(adv, "--json", help="write the options as JSON")
+    adv.set_defaults(func=_advise)

@@ -1,0 +1,73 @@
+"""``meshmorph validate``: run several plans on local processes and compare their measured step
+times and state bytes with the cost model's predictions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.table import Table
+
+from meshmorph.cli.flags import add_field, add_fields, config_from
+from meshmorph.cli.output import add_output
+from meshmorph.plan.report import report_console
+from meshmorph.profile.validate import ValidateConfig
+from meshmorph.viz.validate_chart import chart
+
+
+def report(result: dict[str, object], *, json_path: Path | None, png_path: Path | None) -> None:
+    """Print the prediction-vs-measurement table; write the JSON and the chart if asked."""
+    rows: list[dict[str, object]] = result["plans"]  # type: ignore[assignment]
+    table = Table(title=f"{result['model']} seq {result['seq_len']} on {result['nproc']} processes")
+    for col in ("plan", "measured s", "predicted s", "range s", "error", "state MiB meas/pred", "note"):
+        table.add_column(col, overflow="fold")  # wrapped, never cut
+    for r in rows:
+        meas, pred = float(r["measured_step_s"]), float(r["predicted_step_s"])  # type: ignore[arg-type]
+        table.add_row(str(r["name"]), f"{meas:.4f}", f"{pred:.4f}",
+                      f"{float(r['predicted_low_s']):.4f}-{float(r['predicted_high_s']):.4f}",  # type: ignore[arg-type]
+                      f"{100 * (pred - meas) / meas:+.1f}%",
+                      f"{float(r['state_bytes_rank0']) / 2**20:.1f}/"  # type: ignore[arg-type]
+                      f"{float(r['predicted_state_bytes_rank0']) / 2**20:.1f}",  # type: ignore[arg-type]
+                      "; ".join(r["outside_profile"]) or "")  # type: ignore[arg-type]
+    console = report_console()
+    console.print(table)
+    console.print(f"MAPE {float(result['mape']):.1f}%  Kendall tau {float(result['kendall_tau']):.3f}  "  # type: ignore[arg-type]
+                  f"measured inside the predicted range: {result['in_range']}/{len(rows)}  "
+                  f"load average at profile {float(result['load_avg_profile']):.2f} "  # type: ignore[arg-type]
+                  f"on {result['cores']} cores")
+    if "mape_profile_before" in result:
+        low, high = result.get("load_avg_plans", (0.0, 0.0))  # type: ignore[misc]
+        console.print(f"predicted from: {result.get('method', 'interleaved')}; from the profile "
+                      f"taken before the plans alone: MAPE {float(result['mape_profile_before']):.1f}%  "  # type: ignore[arg-type]
+                      f"Kendall tau {float(result['kendall_tau_profile_before']):.3f}; load average "  # type: ignore[arg-type]
+                      f"{low:.2f}-{high:.2f} while the plans ran")
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=1) + "\n")
+        console.print(f"wrote {json_path}")
+    if png_path is not None:
+        chart(rows, png_path, f"validate: MAPE {float(result['mape']):.1f}%, "  # type: ignore[arg-type]
+              f"tau {float(result['kendall_tau']):.2f}")  # type: ignore[arg-type]
+        console.print(f"wrote {png_path}")
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from meshmorph.profile.validate import run_validate
+
+    result = run_validate(config_from(args, ValidateConfig))
+    report(result, json_path=args.json, png_path=args.png)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    val = subparsers.add_parser(
+        "validate", help="run several plans on local processes; predicted vs measured step time")
+    add_fields(val, ValidateConfig, "nproc", "model", "seq_len", "repeats", "warmup", "nice",
+               num_plans="--plans", profile_path="--profile", tensor_parallel="--tp",
+               quick_profile="--quick")
+    add_field(val, ValidateConfig, "interleave", "--profile-once",
+              help="predict every plan from the profile taken before them all (default: from "
+                   "profile pieces measured between each plan's own steps)")
+    add_output(val, "--json", help="write the table as JSON")
+    add_output(val, "--png", help="write the predicted-vs-measured chart")
+    val.set_defaults(func=_validate)

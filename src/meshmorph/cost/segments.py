@@ -1,0 +1,121 @@
+"""A model chunk as segments: the runtime's units of data-parallel communication.
+
+The cost model prices every chunk of a Plan as a sequence of segments, runs of consecutive
+layers under one strategy (tp, dp, ZeRO) that the runtime wraps and reduces as one unit. Each
+segment is priced as ``CostModel.chunk_time`` prices layers under one plan; between two
+neighbouring segments whose tp differs the activation is redistributed (cost/transition.py).
+
+Which layers form one unit is the engine's choice, so the segments follow the engine that
+runs the plan:
+
+- a stage without layer strategies runs as a whole: its chunk is one segment under
+  the plan itself, and a rank's segments reduce their gradients together after the last
+  backward (DDP's buckets over every chunk of the rank, FSDP2's one step reduction), so every
+  uniform figure is the one the cost model gave before segments existed;
+- a stage listing ``layer_strategies`` runs on the layerwise engine, which wraps every layer
+  as its own unit (FSDP2 ``fully_shard`` of the layer alone for ZeRO-2/3, one flat gradient
+  buffer all-reduced per layer for ZeRO-0/1): one segment per layer, under the uniform plan the
+  layer sees (``layer_plan``), exposing its ZeRO traffic against its own compute and reducing
+  its gradients on its own (``Segment.alone``). Two neighbouring layers under one strategy are
+  still two units, each with its own collectives' latency and last gradient bucket. The per-layer
+  search (plan/strategy_dp.py) prices each layer by the same function (``CostModel.layer_alone``),
+  so its optimum is this model's optimum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
+
+from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
+from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
+from meshmorph.spec.runnable import lists_layer_strategies
+
+
+class Segment(NamedTuple):
+    """Consecutive layers of one chunk that run under one strategy as one unit (a tuple: the
+    planner makes one per chunk of every plan it prices)."""
+
+    start: int
+    """Index of the first layer."""
+    stop: int
+    """One past the last layer."""
+    plan: Plan
+    """The uniform plan its layers see: the plan itself, or ``layer_plan`` of a layer strategy."""
+    recompute: tuple[Recompute, ...]
+    """Recompute of each of its layers."""
+    drop_tied: bool = False
+    """It holds the head of a chunk that also holds the tied embedding: the tied matrix is
+    counted once, with the embedding."""
+    alone: bool = False
+    """It reduces its gradients on its own (a layer of a layerwise stage), not together with
+    the rank's other segments; its one layer is one FSDP2 unit."""
+
+    def units(self, model: ModelSpec) -> int:
+        """FSDP2 units it holds: each block and the chunk's root, one for a layer alone."""
+        return 1 if self.alone else fsdp_units(model, self.start, self.stop)
+
+    @property
+    def strategy(self) -> LayerStrategy:
+        """Its (tp, dp, ZeRO)."""
+        return LayerStrategy(tp=self.plan.tp, dp=self.plan.dp, zero=self.plan.zero)
+
+
+def is_layerwise(plan: Plan) -> bool:
+    """Whether the engine runs ``plan`` layer by layer: some stage lists layer strategies
+    (spec/runnable.py's ``lists_layer_strategies``)."""
+    return lists_layer_strategies(plan)
+
+
+def layer_plan(plan: Plan, strategy: LayerStrategy) -> Plan:
+    """The uniform plan a layer under ``strategy`` sees: the plan's devices, schedule and
+    micro-batch count, the layer's tp, dp, ZeRO and its per-rank micro-batch (the stage's
+    plan dp x micro_batch sequences per micro-batch, over the layer's dp)."""
+    sequences = plan.dp * plan.micro_batch
+    if sequences % strategy.dp:
+        raise PlanError(f"layer dp {strategy.dp} does not divide the stage's {sequences} sequences "
+                        "per micro-batch; choose a dp that divides them")
+    micro = sequences // strategy.dp
+    return replace(plan, tp=strategy.tp, dp=strategy.dp, zero=strategy.zero, micro_batch=micro,
+                   global_batch=strategy.dp * micro * plan.num_microbatches,
+                   sequence_parallel=plan.sequence_parallel and strategy.tp > 1, stages=())
+
+
+def fsdp_units(model: ModelSpec, start: int, stop: int) -> int:
+    """FSDP2 units of a chunk of layers [start, stop): each block and the chunk's root."""
+    return sum(1 for layer in model.layers[start:stop] if layer.kind == LayerKind.BLOCK) + 1
+
+
+def chunk_segments(model: ModelSpec, plan: Plan, chunk: int,
+                   plans: dict[LayerStrategy, Plan] | None = None) -> list[Segment]:
+    """The segments of model chunk ``chunk`` (module docstring); ``plans`` caches
+    ``layer_plan`` by strategy across chunks."""
+    stage = plan.stages[chunk]
+    tied = model.tied_embeddings and stage.start == 0 and stage.stop == model.num_layers
+    if stage.layer_strategies is None:
+        return [Segment(stage.start, stage.stop, plan, tuple(stage.recompute))]
+    plans = {} if plans is None else plans
+    out = []
+    for offset, strategy in enumerate(stage.layer_strategies):
+        sub = plans.get(strategy)
+        if sub is None:
+            sub = plans[strategy] = layer_plan(plan, strategy)
+        index = stage.start + offset
+        out.append(Segment(index, index + 1, sub, (stage.recompute[offset],),
+                           drop_tied=tied and index == model.num_layers - 1, alone=True))
+    return out
+
+
+def uniform_segments(plan: Plan,
+                     chunks: list[tuple[int, int, tuple[Recompute, ...]]]) -> list[Segment]:
+    """Segments of chunks (start, stop, recompute) that run under ``plan`` itself."""
+    return [Segment(start, stop, plan, tuple(recompute)) for start, stop, recompute in chunks]
+
+
+def as_layerwise(plan: Plan) -> Plan:
+    """``plan`` with every stage listing the plan's own strategy for each layer: the same
+    layout run by the layerwise engine, priced layer by layer (module docstring)."""
+    own = LayerStrategy(tp=plan.tp, dp=plan.dp, zero=plan.zero)
+    return replace(plan, stages=tuple(
+        stage if stage.layer_strategies is not None
+        else replace(stage, layer_strategies=(own,) * stage.num_layers) for stage in plan.stages))

@@ -1,0 +1,334 @@
+"""The fastest plan of one configuration (plan/space.py), exactly under the cost model.
+
+Regular configurations: non-interleaved schedules get the exact stage partition with the best
+per-stage recompute (plan/stage_recompute.py per stage, plan/partition_search.py over stage
+ends); interleaved schedules take each chunk split of
+``plan.partition_search.interleaved_block_counts`` (even where the blocks divide; else, as
+Megatron-LM's first and last stage layer counts, any ends around equal interior chunks), the V
+schedules split the blocks evenly; both use one recompute mode for all blocks.
+
+Configurations with per-layer strategies (``Config.strategies``): every layer chooses its
+strategy and recompute (plan/strategy_dp.py's program per rank), each plan priced by
+``CostModel.estimate`` with every layer its own segment (cost/segments.py).
+
+- pp = 1: the rank's own time is the step; the program gives the optimum over every per-layer
+  assignment (tests/unit/test_layerwise_exact.py).
+- pp > 1, GPipe, 1F1B and zero-bubble: every stage partition and, per stage, every assignment on
+  its front (plan/strategy_fronts.py, plan/partition_search.py's ``best_front_partition``):
+  the optimum over all partitions and per-layer assignments
+  (tests/unit/test_layerwise_pipeline_exact.py).
+- interleaved, zbv, dualpipev: the blocks split evenly and each rank's chunks minimise the
+  rank's own m (f + b) + tail together; not proven optimal over the per-chunk trade-offs, so
+  the configuration's bound stays open.
+
+With ``ends`` (a tied embedding and head, spec/runnable.py) the model's first and last layer
+share one (tp, ZeRO) pair, each pair tried in turn.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, replace
+
+from meshmorph.cost.estimate import Estimate
+from meshmorph.cost.model import CostModel
+from meshmorph.plan.bounds import ConfigBounds, rank_chunks
+from meshmorph.plan.fastest_layers import cluster_gpu
+from meshmorph.plan.partition_search import (
+    PartitionResult,
+    best_front_partition,
+    interleaved_block_counts,
+    solve_partition,
+    stages_of_counts,
+)
+from meshmorph.plan.space import Config, SearchOptions
+from meshmorph.plan.stage_recompute import StageSolver
+from meshmorph.plan.strategy_dp import StageSolution, TermsCache, solve_stage
+from meshmorph.plan.strategy_fronts import FrontBudgetExceeded, StageFronts
+from meshmorph.schedule.table import Schedule
+from meshmorph.spec.gpus import GPUSpec
+from meshmorph.spec.model import Recompute
+from meshmorph.spec.plan import LayerStrategy, Plan, StagePlan
+
+Found = tuple[Plan, Estimate] | None
+"""A plan with its estimate, or None."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayersResult:
+    """What one configuration with per-layer strategies gives."""
+
+    uniform: Found
+    """Its best plan with one strategy per stage (a rank's chunks share it)."""
+    best: Found
+    """Its best plan."""
+    open_bound_s: float
+    """No plan of it left unexplored is faster than this (inf: solved to the end)."""
+
+
+def even_estimate(cost: CostModel, config: Config, mode: Recompute) -> tuple[Plan, Estimate]:
+    """A configuration with its blocks split evenly (Megatron-style) and ``mode`` recompute."""
+    plan = config.plan
+    candidate = plan.with_even_stages(cost.model, mode)
+    gpus = [cluster_gpu(cost, config.rank_gpus[plan.pp_rank_of_chunk(c)])
+            for c in range(plan.num_chunks)]
+    if len(set(config.rank_gpus)) > 1:
+        candidate = replace(candidate, stages=tuple(
+            replace(s, gpu=g.name) for s, g in zip(candidate.stages, gpus, strict=True)))
+    times = [cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
+             for s, g in zip(candidate.stages, gpus, strict=True)]
+    return candidate, cost.assemble(candidate, gpus, times)
+
+
+def counts_estimate(cost: CostModel, config: Config, counts: tuple[int, ...],
+                    mode: Recompute, bound: float = float("inf")
+                    ) -> tuple[Plan, Estimate | None]:
+    """An interleaved configuration with chunks of ``counts`` blocks and ``mode`` recompute;
+    the estimate is None (not simulated) when its busiest rank's own work, m x the forward and
+    backward of its chunks, already reaches ``bound``: no step of it can be shorter."""
+    plan = config.plan
+    gpus = [cluster_gpu(cost, config.rank_gpus[plan.pp_rank_of_chunk(c)])
+            for c in range(plan.num_chunks)]
+    names = [g.name for g in gpus] if len(set(config.rank_gpus)) > 1 else None
+    candidate = replace(plan, stages=stages_of_counts(cost.model, counts, mode, names))
+    times = [cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
+             for s, g in zip(candidate.stages, gpus, strict=True)]
+    busiest = max(sum(times[c].fwd_s + times[c].bwd_s for c in plan.chunks_of(k))
+                  for k in range(plan.pp))
+    if plan.num_microbatches * busiest >= bound:
+        return candidate, None
+    return candidate, cost.assemble(candidate, gpus, times)
+
+
+class _LayerWork:
+    """m x (forward + backward) of any run of layers of an interleaved configuration, from
+    prefix sums of the per-layer times (no ZeRO traffic: at most a chunk's own time), so a
+    chunk split is dropped before its chunks are priced."""
+
+    def __init__(self, cost: CostModel, config: Config):
+        self.cost, self.plan = cost, config.plan
+        self.gpus = [cluster_gpu(cost, config.rank_gpus[self.plan.pp_rank_of_chunk(c)])
+                     for c in range(self.plan.num_chunks)]
+        self._prefix: dict[tuple[str, Recompute], list[float]] = {}
+
+    def prefix(self, gpu: GPUSpec, mode: Recompute) -> list[float]:
+        key = (gpu.name, mode)
+        sums = self._prefix.get(key)
+        if sums is None:
+            plan, model = self.plan, self.cost.model
+            coster = self.cost.coster(plan.dtype, plan.cp, plan.tp_comm_overlap)
+            sums = [0.0]
+            for index, layer in enumerate(model.layers):
+                c = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
+                                 mode if mode in layer.activation else Recompute.NONE)
+                sums.append(sums[-1] + c.fwd_s + c.bwd_s)
+            self._prefix[key] = sums
+        return sums
+
+    def busiest_rank_s(self, counts: tuple[int, ...], mode: Recompute) -> float:
+        plan = self.plan
+        busy = [0.0] * plan.pp
+        start = 0
+        for c, count in enumerate(counts):
+            stop = start + count + (c == 0) + (c == len(counts) - 1)
+            sums = self.prefix(self.gpus[c], mode)
+            busy[plan.pp_rank_of_chunk(c)] += sums[stop] - sums[start]
+            start = stop
+        return plan.num_microbatches * max(busy)
+
+
+def solve_config(cost: CostModel, config: Config, options: SearchOptions,
+                 bound: float, bounds: ConfigBounds) -> PartitionResult:
+    """The fastest plan of one configuration with step time below ``bound``, and the bound of
+    what was left unexplored."""
+    plan = config.plan
+    if plan.schedule == Schedule.INTERLEAVED:  # every chunk split interleaved_block_counts lists
+        best = None
+        work = _LayerWork(cost, config)
+        for counts in interleaved_block_counts(cost.model.num_blocks, plan.num_chunks):
+            for mode in options.recompute:
+                if work.busiest_rank_s(counts, mode) >= bound:
+                    continue  # its busiest rank alone takes longer than the best found
+                candidate, estimate = counts_estimate(cost, config, counts, mode, bound)
+                if estimate is not None and estimate.fits and estimate.step_time_s < bound:
+                    bound = estimate.step_time_s
+                    best = (candidate, estimate)
+        return PartitionResult(best, float("inf"))
+    if plan.num_chunks > plan.pp:  # the V schedules: blocks split evenly
+        best = None
+        for mode in options.recompute:
+            candidate, estimate = even_estimate(cost, config, mode)
+            if estimate.fits and estimate.step_time_s < bound:
+                bound = estimate.step_time_s
+                best = (candidate, estimate)
+        return PartitionResult(best, float("inf"))
+    gpus = [cluster_gpu(cost, name) for name in config.rank_gpus]
+    return solve_partition(StageSolver(cost, plan, gpus, options.recompute), bound,
+                           options.tolerance, options.max_nodes, bounds.split_table(config))
+
+
+def solve_layers(cost: CostModel, config: Config, options: SearchOptions,
+                 bounds: tuple[float, float], cache: TermsCache,
+                 config_bound: float) -> LayersResult:
+    """The best plans of a configuration with per-layer strategies (module docstring): a rank
+    slower than ``bounds`` (the best uniform and per-layer steps found so far) is not finished;
+    ``config_bound`` is the configuration's own bound (kept where it is left open)."""
+    plan, strategies = config.plan, list(config.strategies or ())
+    uniform_only = options.one_strategy_per_stage
+    ends = list(config.ends) if config.ends is not None else None
+    if plan.pp > 1 and plan.vpp == 1:
+        one, mixed, open_bound = solve_partitioned(cost, plan, strategies, options, uniform_only,
+                                                   bounds, cache, config_bound, ends)
+        return LayersResult(one, mixed, open_bound)
+    one, mixed = _solve_plan(cost, plan, strategies, options, uniform_only, bounds, cache, ends)
+    # interleaved and V: even chunks, each rank its own busy time: the bound stays open
+    return LayersResult(one, mixed, config_bound if plan.pp > 1 else float("inf"))
+
+
+def _build(cost: CostModel, plan: Plan,
+           chunks: list[tuple[int, int, tuple[LayerStrategy, ...], tuple]]) -> tuple[Plan, Estimate]:
+    """The plan of ``chunks`` (start, stop, strategy and recompute of each layer, one per model
+    chunk in chunk order) and its estimate: its own tp/dp/zero the most common layer strategy
+    (with sequence parallelism, the most common at tp > 1), every stage listing its layer
+    strategies (the runtime's rule: all stages or none), so that the plan is priced, and run,
+    layer by layer as the per-layer search priced it (cost/segments.py)."""
+    every = Counter(s for _, _, strategies, _ in chunks for s in strategies)
+    split = Counter({s: n for s, n in every.items() if s.tp > 1})
+    sp = plan.sequence_parallel and bool(split)
+    common = (split if sp else every).most_common(1)[0][0]
+    sequences = plan.dp * plan.micro_batch
+    top = replace(plan, tp=common.tp, dp=common.dp, zero=common.zero, sequence_parallel=sp,
+                  micro_batch=sequences // common.dp, stages=())
+    stages = tuple(StagePlan(start=a, stop=b, recompute=tuple(recompute),
+                             layer_strategies=tuple(strategies))
+                   for a, b, strategies, recompute in chunks)
+    final = replace(top, stages=stages)
+    return final, cost.estimate(final)
+
+
+def _assemble(cost: CostModel, plan: Plan, solved: list[StageSolution]) -> tuple[Plan, Estimate]:
+    """The plan of the ranks' solutions over ``plan``'s stages (a rank's chunks in order)."""
+    per_chunk: dict[int, tuple[tuple[LayerStrategy, ...], tuple]] = {}
+    for k, sol in enumerate(solved):
+        at = 0
+        for c in plan.chunks_of(k):
+            n = plan.stages[c].num_layers
+            per_chunk[c] = (sol.strategies[at:at + n], sol.recompute[at:at + n])
+            at += n
+    return _build(cost, plan, [(st.start, st.stop, *per_chunk[c])
+                               for c, st in enumerate(plan.stages)])
+
+
+def _solve_plan(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
+                options: SearchOptions, uniform_only: bool, bounds: tuple[float, float],
+                cache: TermsCache, ends: list[tuple[int, int]] | None = None
+                ) -> tuple[tuple[Plan, Estimate] | None, tuple[Plan, Estimate] | None]:
+    """(best with one strategy per rank, best per layer) of one configuration; a rank slower
+    than ``bounds`` (the best uniform and per-layer steps found so far: a step is never shorter
+    than any rank's own time) cannot make a better plan and is not finished. With ``ends``
+    (a tied embedding and head) the model's first and last layer get one of these (tp, zero)
+    pairs, the same on both: at pp = 1 each pair is tried in the one rank's program, with
+    pp > 1 each pair in turn for the whole plan (the two ends sit on different ranks)."""
+    if ends is not None and plan.pp > 1 and len(ends) > 1:
+        one = mixed = None
+        for pair in ends:
+            found = _solve_plan(cost, plan, strategies, options, uniform_only, bounds, cache,
+                                [pair])
+            if found[0] is not None and (one is None or found[0][1].step_time_s
+                                         < one[1].step_time_s):
+                one = found[0]
+            if found[1] is not None and (mixed is None or found[1][1].step_time_s
+                                         < mixed[1].step_time_s):
+                mixed = found[1]
+        return one, mixed
+    gpu = cost.default_gpu()
+    uniform: list[StageSolution] = []
+    mixed_: list[StageSolution] = []
+    last = cost.model.num_layers - 1
+    for k in range(plan.pp):
+        chunks = rank_chunks(plan, k)
+        holds_end = any(a == 0 or b == last + 1 for a, b in chunks)
+        best: StageSolution | None = None
+        for s in strategies:
+            if ends is not None and holds_end and (s.tp, s.zero) not in ends:
+                continue  # a tied end under this strategy does not run
+            one = solve_stage(cost, plan, k, 0, 0, [s], options.recompute, gpu,
+                              upper_bound_s=bounds[0], cache=cache, chunks=chunks)
+            if one is not None and (best is None or one.busy_s < best.busy_s):
+                best = one
+        if best is not None:
+            uniform.append(best)
+        if uniform_only:
+            continue
+        bound = min(best.busy_s if best is not None else float("inf"), bounds[1])
+        per_layer = None
+        for pair in ends if ends is not None and holds_end else [None]:
+            found = solve_stage(cost, plan, k, 0, 0, strategies, options.recompute, gpu,
+                                upper_bound_s=bound, cache=cache, chunks=chunks, ends=pair)
+            if found is not None and (per_layer is None or found.busy_s < per_layer.busy_s):
+                per_layer, bound = found, min(bound, found.busy_s)
+        if per_layer is not None and (best is None or per_layer.busy_s < best.busy_s):
+            best = per_layer
+        if best is None:
+            return None, None
+        mixed_.append(best)
+    one = _assemble(cost, plan, uniform) if len(uniform) == plan.pp else None
+    return one, (_assemble(cost, plan, mixed_) if not uniform_only else one)
+
+
+LABELS_PER_NODE = 1
+"""A stage program may keep this many labels per branch-and-bound node of the options' budget
+(``SearchOptions.max_nodes``; None: no budget) before its configuration is left open."""
+
+
+def solve_partitioned(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
+                      options: SearchOptions, uniform_only: bool, bounds: tuple[float, float],
+                      cache: TermsCache, config_bound: float = 0.0,
+                      ends: list[tuple[int, int]] | None = None
+                      ) -> tuple[tuple[Plan, Estimate] | None, tuple[Plan, Estimate] | None,
+                                 float]:
+    """(best uniform, best per layer, least bound left open) of a pp > 1 configuration with one
+    chunk per rank: the even split first (a quick incumbent), then every partition exactly
+    (plan/partition_search.py's ``best_front_partition``), with one strategy per stage, then per layer. With ``ends``
+    (a tied embedding and head) the partition search runs once per (tp, zero) pair, the model's
+    first and last layer held to it (``StageFronts``'s ``ends``): the best over the pairs is
+    the best over every plan whose two ends agree."""
+    one, mixed = _solve_plan(cost, plan, strategies, options, uniform_only, bounds, cache, ends)
+    gpu = cost.default_gpu()
+    open_bound = float("inf")
+
+    def build(stages: list) -> tuple[Plan, Estimate]:
+        chunks = []
+        for a, b, point in stages:
+            picked = point.assignment(strategies)
+            chunks.append((a, b, tuple(s for _, s, _ in picked), tuple(r for _, _, r in picked)))
+        return _build(cost, plan, chunks)
+
+    def step(found: tuple[Plan, Estimate] | None) -> float:
+        return found[1].step_time_s if found is not None else float("inf")
+
+    for uniform, pair in itertools.product((True, False), ends or [None]):
+        if step(one) < step(mixed):  # a rank's least busy time is not always the least step
+            mixed = one
+        if not uniform and uniform_only:
+            break
+        bound = min(bounds[0], step(one)) if uniform else min(bounds[1], step(one), step(mixed))
+        fronts = StageFronts(cost, plan, strategies, options.recompute, gpu, cache,
+                             uniform=uniform, max_labels=None if options.max_nodes is None
+                             else LABELS_PER_NODE * options.max_nodes, ends=pair)
+        try:
+            out = best_front_partition(fronts, bound, options.tolerance, options.max_nodes)
+        except FrontBudgetExceeded:  # left open: its bound stays unproven
+            open_bound = min(open_bound, config_bound)
+            continue
+        open_bound = min(open_bound, out.open_bound_s)
+        if out.stages is not None:
+            found = build(out.stages)
+            if uniform:
+                one = found if step(found) < step(one) else one
+            if step(found) < step(mixed):
+                mixed = found
+    return one, (one if uniform_only else mixed), open_bound
+
+

@@ -86,11 +86,17 @@ def run_job(folder: Path, worlds: dict[str, Path | None]) -> None:
 BACKGROUND_JOBS = [Job("async_run", run_job)]
 
 
+@pytest.fixture(scope="module")
+def async_folder(background: Callable[[str], Path]) -> Path:
+    """The job's folder, waited for here (not inside the test's timeout)."""
+    return background("async_run")
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(120, func_only=True)
 def test_async_stash_run_logs_the_pipedream_reference_losses(
-        background: Callable[[str], Path]) -> None:
-    folder = background("async_run")
+        async_folder: Path) -> None:
+    folder = async_folder
     done = json.loads((folder / "done.json").read_text())
     assert done["code"] == 0, done["output"]
     job_path, plan, run_dir = folder / "job.toml", _plan(), folder / "run"

@@ -122,11 +122,17 @@ def run_job(tmp_path: Path, worlds: dict[str, Path | None]) -> None:
 BACKGROUND_JOBS = [Job("elastic_nodes", run_job)]
 
 
+@pytest.fixture(scope="module")
+def nodes_folder(background: Callable[[str], Path]) -> Path:
+    """The job's folder, waited for here (not inside the test's timeout)."""
+    return background("elastic_nodes")
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(60, func_only=True)
 def test_a_lost_node_shrinks_the_job_to_the_survivors_and_it_trains_like_one_process(
-        background: Callable[[str], Path]) -> None:
-    tmp_path = background("elastic_nodes")
+        nodes_folder: Path) -> None:
+    tmp_path = nodes_folder
     facts = json.loads((tmp_path / "job.json").read_text())
     killed_after, code = facts["killed_after"], facts["code"]
     reference = records(tmp_path / "ref")

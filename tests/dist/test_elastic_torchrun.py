@@ -47,6 +47,12 @@ def run_job(folder: Path, worlds: dict[str, Path | None]) -> None:
 BACKGROUND_JOBS = [Job("elastic_torchrun", run_job)]
 
 
+@pytest.fixture(scope="module")
+def torchrun_folder(background: Callable[[str], Path]) -> Path:
+    """The job's folder, waited for here (not inside the test's timeout)."""
+    return background("elastic_torchrun")
+
+
 def trained_ids(folder: Path) -> dict[tuple[int, int], list[int]]:
     """(step, dp rank) -> sample ids, the newest restart round's entry winning (a round that
     died rolls its unfinished steps back)."""
@@ -63,8 +69,8 @@ def trained_ids(folder: Path) -> dict[tuple[int, int], list[int]]:
 @pytest.mark.dist
 @pytest.mark.timeout(60, func_only=True)
 def test_rank_killed_at_step_3_restarts_under_torchrun_and_ends_with_the_uninterrupted_loss(
-        background: Callable[[str], Path]) -> None:
-    tmp_path = background("elastic_torchrun")
+        torchrun_folder: Path) -> None:
+    tmp_path = torchrun_folder
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
     output = (tmp_path / "killed.log").read_text()
 

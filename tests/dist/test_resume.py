@@ -137,12 +137,19 @@ def test_dp2_resume_after_kill_matches_uninterrupted_losses_and_refuses_corrupti
     assert (ckpt / "step-60").is_dir()
 
 
+@pytest.fixture
+def resumed(background: Callable[[str], Path], layout: str) -> Path:
+    """The folder of ``layout``'s background job, waited for here (not inside the test's
+    timeout)."""
+    return background(f"resume_{layout}")
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(60, func_only=True)
 @pytest.mark.parametrize(("layout", "plan"), list(LAYOUTS.items()))
 def test_fsdp_and_pipeline_resume_after_kill_matches_uninterrupted_losses(
-        background: Callable[[str], Path], layout: str, plan: dict) -> None:
-    tmp_path = background(f"resume_{layout}")
+        resumed: Path, layout: str, plan: dict) -> None:
+    tmp_path = resumed
     runs = json.loads((tmp_path / "runs.json").read_text())
     assert runs["full"]["code"] == 0, runs["full"]["output"]
     full = [tuple(row) for row in runs["full_losses"]]

@@ -41,6 +41,12 @@ def run_job(folder: Path, worlds: dict[str, Path | None]) -> None:
 BACKGROUND_JOBS = [Job("validate_run", run_job)]
 
 
+@pytest.fixture(scope="module")
+def validate_folder(background: Callable[[str], Path]) -> Path:
+    """The job's folder, waited for here (not inside the test's timeout)."""
+    return background("validate_run")
+
+
 def _output(done: dict, name: str) -> str:
     assert name in done, f"meshmorph {name} did not run"
     run = done[name]
@@ -51,8 +57,8 @@ def _output(done: dict, name: str) -> str:
 @pytest.mark.dist
 @pytest.mark.timeout(60, func_only=True)
 def test_quick_profile_then_validate_three_plans_reports_each_with_exact_state_bytes(
-        background: Callable[[str], Path]) -> None:
-    folder = background("validate_run")
+        validate_folder: Path) -> None:
+    folder = validate_folder
     done = json.loads((folder / "done.json").read_text())
     out = _output(done, "profile")
     assert "all_reduce/2" in out and "fsdp_all_gather/2" in out and "fsdp_reduce_scatter/2" in out

@@ -12,8 +12,10 @@ fails every test using it with every rank's output if the job failed.
 
 ``background``: the ``BACKGROUND_JOBS`` of the selected modules that use this fixture:
 multi-process work no test needs to watch (a job whose rank kills itself, a command-line run to
-its end, restores that follow up on a world's results), run in a second background thread (the
-jobs that read a world after it, in the worlds' thread), at the same lower priority;
+its end, restores that follow up on a world's results), taken in collection order by
+``JOB_THREADS`` background threads (and by the worlds' thread once the worlds and the jobs that
+read them are done: those run in it, after the worlds), at the same lower priority; most of a
+job's time is its processes starting, meeting and waiting, so two run side by side;
 ``background(name)`` waits for a job and gives its folder. While anything runs in the
 background the test process computes with one thread.
 
@@ -40,6 +42,8 @@ from tests.helpers.world import BACKGROUND_NICE, Job, Part
 
 WORLDS = {"world4": 4, "world2": 2}
 """The world fixtures and their number of processes (started in this order)."""
+JOB_THREADS = 2
+"""Background threads that take the jobs which read no world, one job at a time each."""
 WORLD_COLLECTIVE_TIMEOUT_S = 300.0
 """How long a collective of a world may wait for a peer (a failed part's peers give up then);
 a rank of lower priority may wait for a core while a foreground test holds both."""
@@ -78,9 +82,10 @@ def _selected_jobs(items: list[pytest.Item]) -> list[Job]:
 
 
 class Background:
-    """This session's background work in two threads of the test process: the worlds, then the
-    jobs that read them; and the other jobs. ``result(name)`` waits for a world or a job and
-    gives its folder (or raises its error)."""
+    """This session's background work in threads of the test process: the worlds, then the
+    jobs that read them, then whatever other jobs are left; and ``JOB_THREADS`` threads taking
+    the other jobs in order. ``result(name)`` waits for a world or a job and gives its folder (or
+    raises its error)."""
 
     def __init__(self, worlds: list[tuple[str, int, list[Part], Path]],
                  jobs: list[tuple[Job, Path]]) -> None:
@@ -90,8 +95,12 @@ class Background:
         self.folders = {name: out for name, _, _, out in worlds}
         self.folders.update({job.name: out for job, out in jobs})
         self.failed: dict[str, BaseException] = {}
-        self.threads = [threading.Thread(target=self._run_worlds, name="worlds", daemon=True),
-                        threading.Thread(target=self._run_jobs, name="jobs", daemon=True)]
+        self.waiting = [(job, out) for job, out in jobs if not job.after_worlds]
+        """The jobs that read no world, not yet taken by a thread (in collection order)."""
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run_worlds, name="worlds", daemon=True)]
+        self.threads += [threading.Thread(target=self._run_jobs, name=f"jobs{i}", daemon=True)
+                         for i in range(JOB_THREADS)]
 
     def start(self) -> None:
         for thread in self.threads:
@@ -110,11 +119,16 @@ class Background:
         for job, out in self.jobs:
             if job.after_worlds:
                 self._do(job.name, lambda job=job, out=out: job.fn(out, ready))
+        self._run_jobs()
 
     def _run_jobs(self) -> None:
-        for job, out in self.jobs:
-            if not job.after_worlds:
-                self._do(job.name, lambda job=job, out=out: job.fn(out, {}))
+        """The waiting jobs, one at a time, until none is left."""
+        while True:
+            with self.lock:
+                if not self.waiting:
+                    return
+                job, out = self.waiting.pop(0)
+            self._do(job.name, lambda job=job, out=out: job.fn(out, {}))
 
     def _do(self, name: str, work: Callable[[], object]) -> None:
         try:

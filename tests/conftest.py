@@ -28,7 +28,6 @@ checkpoint read it (those that change its run folder change a copy).
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import ExampleRun
+from tests.helpers.cli import ENVIRONMENT, ExampleRun
 from tests.helpers.jobs import TEXT_FILE_JOB
 from tests.helpers.world import BACKGROUND_NICE, Job, Part
 
@@ -217,7 +216,7 @@ def run_example(folder: Path, worlds: dict[str, Path | None]) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     proc = start_cli(["run", "--config", str(TEXT_FILE_JOB), "--nproc", "2", "--out",
-                      str(run_dir)], log, env={**os.environ, "MASTER_PORT": str(port)},
+                      str(run_dir)], log, env={**ENVIRONMENT, "MASTER_PORT": str(port)},
                      nice=BACKGROUND_NICE)
 
     def agents() -> list[str]:

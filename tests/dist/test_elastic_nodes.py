@@ -32,7 +32,7 @@ import pytest
 
 from meshmorph.run.launch.launcher import descendants
 from meshmorph.run.trainer import SAMPLE_LOG_ENV
-from tests.helpers.cli import finish, records, start_cli
+from tests.helpers.cli import ENVIRONMENT, finish, records, start_cli
 from tests.helpers.jobs import ELASTIC_GLOBAL_BATCH as GLOBAL_BATCH
 from tests.helpers.jobs import ELASTIC_STEPS as STEPS
 from tests.helpers.jobs import elastic_job
@@ -47,7 +47,7 @@ def _free_port() -> int:
 
 def _start_node(k: int, tmp_path: Path, job: Path, plan: Path, endpoint: str, run_id: str
                 ) -> subprocess.Popen[str]:
-    env = dict(os.environ, MESHMORPH_STORE_ROOT=str(tmp_path / f"memory-node{k}"))
+    env = dict(ENVIRONMENT, MESHMORPH_STORE_ROOT=str(tmp_path / f"memory-node{k}"))
     env[SAMPLE_LOG_ENV] = str(tmp_path / "ids")
     return start_cli(["run", "--config", str(job), "--nproc", "2", "--plan", str(plan), "--out",
                       str(tmp_path / f"node{k}"), "--elastic", "1:2", "--node-rank", str(k),
@@ -95,7 +95,7 @@ def run_job(tmp_path: Path, worlds: dict[str, Path | None]) -> None:
     # the yardstick: one process, the same job and sample sequence
     (tmp_path / "ref-ids").mkdir()
     ref_log = tmp_path / "ref.log"
-    env = dict(os.environ, **{SAMPLE_LOG_ENV: str(tmp_path / "ref-ids")})
+    env = dict(ENVIRONMENT, **{SAMPLE_LOG_ENV: str(tmp_path / "ref-ids")})
     ref = start_cli(["run", "--config", str(job), "--nproc", "1", "--out", str(tmp_path / "ref")],
                     ref_log, env=env, nice=BACKGROUND_NICE)
     assert finish(ref, ref_log, 600) == 0, ref_log.read_text()

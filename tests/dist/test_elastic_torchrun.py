@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from meshmorph.run.trainer import SAMPLE_LOG_ENV
-from tests.helpers.cli import finish, records, start_cli
+from tests.helpers.cli import ENVIRONMENT, finish, records, start_cli
 from tests.helpers.jobs import ELASTIC_GLOBAL_BATCH as GLOBAL_BATCH
 from tests.helpers.jobs import ELASTIC_STEPS as STEPS
 from tests.helpers.jobs import elastic_job
@@ -30,7 +30,7 @@ def run_elastic(tmp_path: Path, name: str, job: Path, plan: Path, *extra: str
     samples.mkdir()
     proc = start_cli(["run", "--config", str(job), "--nproc", "4", "--plan", str(plan),
                       "--out", str(run_dir), "--elastic", "1:1", *extra], log,
-                     env={**os.environ, SAMPLE_LOG_ENV: str(samples)}, nice=BACKGROUND_NICE)
+                     env={**ENVIRONMENT, SAMPLE_LOG_ENV: str(samples)}, nice=BACKGROUND_NICE)
     code = finish(proc, log, 600)
     output = log.read_text()
     assert code == 0, output

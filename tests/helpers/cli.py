@@ -21,6 +21,15 @@ import pytest
 
 from meshmorph.run.launch.launcher import descendants
 
+_POPEN = subprocess.Popen
+"""``subprocess.Popen`` as it was when the suite started. The background jobs start their runs
+through it while the foreground tests go on, and some of those tests replace
+``subprocess.Popen`` for a moment to show that bad input starts no process: a run the
+background starts then must neither fail nor count as one the test's command started."""
+ENVIRONMENT = dict(os.environ)
+"""The environment as it was when the suite started: what every command started here gets (plus
+what its caller adds), not what a foreground test set for a moment (``MASTER_PORT``...)."""
+
 
 def _command(args: list[str], nice: int) -> list[str]:
     """``meshmorph ARGS``; with ``nice``, under ``nice -n NICE`` (every process it starts
@@ -34,9 +43,9 @@ def start_cli(args: list[str], log: Path, env: Mapping[str, str] | None = None, 
               nice: int = 0) -> subprocess.Popen[str]:
     """``meshmorph ARGS`` started in a new session, stdout and stderr into ``log``; ``nice``:
     its CPU priority increment (for runs in the background of the session)."""
-    return subprocess.Popen(_command(args, nice), text=True, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True,
-                            env=None if env is None else dict(env))
+    return _POPEN(_command(args, nice), text=True, stdout=log.open("w"),
+                  stderr=subprocess.STDOUT, start_new_session=True,
+                  env=dict(ENVIRONMENT if env is None else env))
 
 
 def kill_tree(proc: subprocess.Popen[str]) -> None:
@@ -60,8 +69,8 @@ def finish(proc: subprocess.Popen[str], log: Path, timeout_s: float) -> int:
 def run_cli(args: list[str], *, timeout_s: float = 120, nice: int = 0) -> tuple[int, str]:
     """``meshmorph ARGS`` to its end: exit code and output (every rank's lines come through
     torchrun); past the timeout every process it started is killed and the test fails."""
-    proc = subprocess.Popen(_command(args, nice), text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = _POPEN(_command(args, nice), text=True, stdout=subprocess.PIPE,
+                  stderr=subprocess.STDOUT, start_new_session=True, env=ENVIRONMENT)
     try:
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

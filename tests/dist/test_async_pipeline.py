@@ -1,4 +1,5 @@
-"""The asynchronous pipeline executor on 4 gloo processes (one spawned job, every check in it):
+"""The asynchronous pipeline executor on the 4 gloo processes of the ``world4`` job (one part,
+every check in it):
 stashing's gradients equal a hand-rolled PipeDream reference, synchronous 1F1B equals one
 process, SGD weight prediction trains and repeats itself exactly, and the guard's fallback to
 flushing drains and finishes the run."""
@@ -6,9 +7,11 @@ flushing drains and finishes the run."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from spawn import spawn
+
+from tests.helpers.world import Part, part_folder
 
 STAGES, BATCH = 4, 16
 
@@ -57,7 +60,7 @@ def reference(seed: int, batches: int, micro: int, version, momentum: float = 0.
     return grads, [[t.detach() for t in s.parameters()] for s in stages]
 
 
-def async_job(rank: int, world_size: int) -> None:
+def async_part(rank: int, world_size: int, folder: Path) -> None:
     import torch
     import torch.nn.functional as F
 
@@ -109,15 +112,18 @@ def async_job(rank: int, world_size: int) -> None:
                                          guard_every=8), 24)
     out["guard_switched_at"] = guarded.switched_at
     out["guard_losses"] = len(guarded.losses)
-    print("RESULT " + json.dumps(out), flush=True)
+    (folder / f"rank{rank}.json").write_text(json.dumps(out))
+
+
+WORLD_PARTS = [Part("async_pipeline", async_part, world=STAGES, timeout_s=120)]
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(120)
-def test_async_pipeline_stash_matches_reference_sync_matches_one_process_prediction_trains() -> None:
-    outputs = spawn(async_job, STAGES, timeout_s=110)
-    rows = [json.loads(line[len("RESULT "):]) for out in outputs for line in out.splitlines()
-            if line.startswith("RESULT ")]
+@pytest.mark.timeout(60, func_only=True)
+def test_async_pipeline_stash_matches_reference_sync_matches_one_process_prediction_trains(
+        world4: Path) -> None:
+    folder = part_folder(world4, "async_pipeline")
+    rows = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(STAGES)]
     assert [row["rank"] for row in rows] == [0, 1, 2, 3]
     for row in rows:
         assert row["stash_grads"] == 10

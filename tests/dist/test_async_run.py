@@ -1,13 +1,15 @@
 """``meshmorph run`` of an asynchronous plan (schedule async, weight stashing) on 4 gloo
 processes: the logged step losses equal a one-process PipeDream reference on the same model
 chunks, data and optimizer, where stage k's forward and backward of micro-batch j use its weights
-after max(0, j - (pp - 1 - k)) updates and every micro-batch updates every stage."""
+after max(0, j - (pp - 1 - k)) updates and every micro-batch updates every stage.
+
+The run is a background job of the session (``BACKGROUND_JOBS``, tests/conftest.py); the test
+computes the reference and reads the run's metrics."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,13 +18,15 @@ from torch.func import functional_call
 
 from meshmorph.run.data import DataShard, SampleOrder
 from meshmorph.run.job import load_job
-from meshmorph.run.model.loss import token_cross_entropy
 from meshmorph.run.model.decoder import build_chunk
+from meshmorph.run.model.loss import token_cross_entropy
 from meshmorph.run.trainer import make_source
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.plan import Plan
+from tests.helpers.cli import records, run_cli
+from tests.helpers.jobs import text_file_job, write_job
+from tests.helpers.world import BACKGROUND_NICE, Job
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STEPS, PP = 5, 4
 
 
@@ -62,27 +66,41 @@ def pipedream_losses(job_path: Path, plan: Plan, version: object) -> list[float]
     return [sum(losses[s * m:(s + 1) * m]) / m for s in range(STEPS)]
 
 
-@pytest.mark.dist
-@pytest.mark.timeout(240)
-def test_async_stash_run_logs_the_pipedream_reference_losses(tmp_path: Path) -> None:
-    job_path = tmp_path / "job.toml"
-    job_path.write_text((EXAMPLES / "jobs" / "text-file.toml").read_text()
-                        .replace("steps = 60", f"steps = {STEPS}")
-                        .replace('"../data/tiny.txt"', f'"{EXAMPLES / "data" / "tiny.txt"}"'))
-    model = load_model("gpt-tiny", 32)
-    plan = Plan(model="gpt-tiny", seq_len=32, global_batch=8, pp=PP, micro_batch=2,
+def _plan() -> Plan:
+    return Plan(model="gpt-tiny", seq_len=32, global_batch=8, pp=PP, micro_batch=2,
                 num_microbatches=4, schedule="async", weight_prediction="stash",
-                dtype="fp32").with_even_stages(model)
-    plan_path = tmp_path / "plan.json"
-    plan_path.write_text(plan.to_json())
-    run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "meshmorph.cli.app", "run", "--config",
-                           str(job_path), "--nproc", str(PP), "--plan", str(plan_path), "--out",
-                           str(run_dir)], capture_output=True, text=True, timeout=200)
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
-    rows = [r for r in rows if "event" not in r]
+                dtype="fp32").with_even_stages(load_model("gpt-tiny", 32))
+
+
+def run_job(folder: Path, worlds: dict[str, Path | None]) -> None:
+    """``meshmorph run`` of the async plan, its exit code and output kept in the folder."""
+    job_path = write_job(folder, text_file_job(steps=STEPS))
+    plan_path = folder / "plan.json"
+    plan_path.write_text(_plan().to_json())
+    code, output = run_cli(["run", "--config", str(job_path), "--nproc", str(PP), "--plan",
+                            str(plan_path), "--out", str(folder / "run")], timeout_s=600,
+                           nice=BACKGROUND_NICE)
+    (folder / "done.json").write_text(json.dumps({"code": code, "output": output}))
+
+
+BACKGROUND_JOBS = [Job("async_run", run_job)]
+
+
+@pytest.fixture(scope="module")
+def async_folder(background: Callable[[str], Path]) -> Path:
+    """The job's folder, waited for here (not inside the test's timeout)."""
+    return background("async_run")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120, func_only=True)
+def test_async_stash_run_logs_the_pipedream_reference_losses(
+        async_folder: Path) -> None:
+    folder = async_folder
+    done = json.loads((folder / "done.json").read_text())
+    assert done["code"] == 0, done["output"]
+    job_path, plan, run_dir = folder / "job.toml", _plan(), folder / "run"
+    rows = records(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert [r["consumed_samples"] for r in rows] == [8 * s for s in range(1, STEPS + 1)]
     logged = [r["loss"] for r in rows]

@@ -1,6 +1,6 @@
 """``[train] compile = true``: blocks compiled with ``torch.compile`` train to the eager losses.
 
-One spawned 2-process gloo job runs each layout (DDP data parallel; tensor parallel with DTensor
+A part of the 2-process ``world2`` job runs each layout (DDP data parallel; tensor parallel with DTensor
 parameters) for three steps eagerly and three steps with every block compiled by inductor (or
 aot_eager where no C++ compiler is found, as the runtime would), from the same weights and
 batches; the losses must agree within fp32 noise, and dynamo must have compiled and run graphs
@@ -10,14 +10,11 @@ batches; the losses must agree within fp32 noise, and dynamo must have compiled 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from spawn import spawn  # noqa: E402
+from tests.helpers.world import Part, part_folder
 
 pytestmark = pytest.mark.dist
 
@@ -26,7 +23,7 @@ LAYOUTS = {"dp2": {"dp": 2}, "tp2": {"tp": 2}}
 REL_TOL = 1e-5  # fp32: compiled kernels reassociate sums (measured ~1e-7 on gpt-tiny)
 
 
-def _job(rank: int, world: int, out: str) -> None:
+def compile_part(rank: int, world: int, out: Path) -> None:
     import torch
     from torch._dynamo.utils import counters
 
@@ -59,14 +56,16 @@ def _job(rank: int, world: int, out: str) -> None:
             graphs = counters["stats"]["unique_graphs"] - before
         results[name] = {**losses, "graphs": graphs, "backend": backend}
     if rank == 0:
-        Path(out).write_text(json.dumps(results))
+        (out / "losses.json").write_text(json.dumps(results))
 
 
-@pytest.mark.timeout(900)
-def test_compiled_blocks_train_to_the_eager_losses(tmp_path: Path) -> None:
-    out = tmp_path / "losses.json"
-    spawn(_job, WORLD, (str(out),), timeout_s=840)
-    results = json.loads(out.read_text())
+WORLD_PARTS = [Part("compile_run", compile_part, world=WORLD, timeout_s=600)]
+
+
+@pytest.mark.timeout(60, func_only=True)
+def test_compiled_blocks_train_to_the_eager_losses(world2: Path) -> None:
+    results = json.loads((part_folder(world2, "compile_run") / "losses.json").read_text())
+    assert sorted(results) == sorted(LAYOUTS)
     for name, r in results.items():
         assert r["graphs"] > 0, f"{name}: no block was compiled by {r['backend']}"
         for step, (eager, compiled) in enumerate(zip(r["eager"], r["compiled"], strict=True)):

@@ -10,7 +10,8 @@ the lost node's ranks, and training ends with the numbers of one process trained
 sample sequence, no sample skipped or repeated.
 
 It takes about 1.5-3 minutes on 2 loaded cores (the survivor waits out the rendezvous's 30 s
-last call for the lost node).
+last call for the lost node), so it runs as a background job of the session
+(``BACKGROUND_JOBS``, tests/conftest.py) at a lower priority, and the test reads what it left.
 """
 
 from __future__ import annotations
@@ -22,17 +23,20 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tests.dist.test_elastic_torchrun import GLOBAL_BATCH, STEPS, write_job
-from tests.dist.test_run_cli import finish, records
 
 from meshmorph.run.launch.launcher import descendants
 from meshmorph.run.trainer import SAMPLE_LOG_ENV
+from tests.helpers.cli import ENVIRONMENT, finish, records, start_cli
+from tests.helpers.jobs import ELASTIC_GLOBAL_BATCH as GLOBAL_BATCH
+from tests.helpers.jobs import ELASTIC_STEPS as STEPS
+from tests.helpers.jobs import elastic_job
+from tests.helpers.world import BACKGROUND_NICE, Job
 
 
 def _free_port() -> int:
@@ -43,14 +47,12 @@ def _free_port() -> int:
 
 def _start_node(k: int, tmp_path: Path, job: Path, plan: Path, endpoint: str, run_id: str
                 ) -> subprocess.Popen[str]:
-    env = dict(os.environ, MESHMORPH_STORE_ROOT=str(tmp_path / f"memory-node{k}"))
+    env = dict(ENVIRONMENT, MESHMORPH_STORE_ROOT=str(tmp_path / f"memory-node{k}"))
     env[SAMPLE_LOG_ENV] = str(tmp_path / "ids")
-    return subprocess.Popen(
-        [sys.executable, "-m", "meshmorph.cli.app", "run", "--config", str(job), "--nproc", "2",
-         "--plan", str(plan), "--out", str(tmp_path / f"node{k}"), "--elastic", "1:2",
-         "--node-rank", str(k), "--rdzv-endpoint", endpoint, "--rdzv-id", run_id],
-        text=True, stdout=(tmp_path / f"node{k}.log").open("w"), stderr=subprocess.STDOUT,
-        start_new_session=True, env=env)
+    return start_cli(["run", "--config", str(job), "--nproc", "2", "--plan", str(plan), "--out",
+                      str(tmp_path / f"node{k}"), "--elastic", "1:2", "--node-rank", str(k),
+                      "--rdzv-endpoint", endpoint, "--rdzv-id", run_id],
+                     tmp_path / f"node{k}.log", env=env, nice=BACKGROUND_NICE)
 
 
 def _kill_node(proc: subprocess.Popen[str]) -> None:
@@ -86,28 +88,24 @@ def _ids_by_step(folder: Path) -> dict[int, list[int]]:
     return by_step
 
 
-@pytest.mark.dist
-@pytest.mark.timeout(480)
-def test_a_lost_node_shrinks_the_job_to_the_survivors_and_it_trains_like_one_process(
-        tmp_path: Path) -> None:
-    job, plan = write_job(tmp_path)
+def run_job(tmp_path: Path, worlds: dict[str, Path | None]) -> None:
+    """The one-process yardstick, then the two nodes; node 1 is killed after two steps and
+    node 0 runs to its end. What the test needs besides the folders goes to ``job.json``."""
+    job, plan = elastic_job(tmp_path)
     # the yardstick: one process, the same job and sample sequence
     (tmp_path / "ref-ids").mkdir()
     ref_log = tmp_path / "ref.log"
-    env = dict(os.environ, **{SAMPLE_LOG_ENV: str(tmp_path / "ref-ids")})
-    ref = subprocess.Popen([sys.executable, "-m", "meshmorph.cli.app", "run", "--config", str(job),
-                            "--nproc", "1", "--out", str(tmp_path / "ref")], text=True,
-                           stdout=ref_log.open("w"), stderr=subprocess.STDOUT, env=env,
-                           start_new_session=True)
-    assert finish(ref, ref_log, 180) == 0, ref_log.read_text()
-    reference = records(tmp_path / "ref")
+    env = dict(ENVIRONMENT, **{SAMPLE_LOG_ENV: str(tmp_path / "ref-ids")})
+    ref = start_cli(["run", "--config", str(job), "--nproc", "1", "--out", str(tmp_path / "ref")],
+                    ref_log, env=env, nice=BACKGROUND_NICE)
+    assert finish(ref, ref_log, 600) == 0, ref_log.read_text()
 
     (tmp_path / "ids").mkdir()
     endpoint, run_id = f"localhost:{_free_port()}", f"nodes-{uuid.uuid4().hex[:8]}"
     node0 = _start_node(0, tmp_path, job, plan, endpoint, run_id)
     node1 = _start_node(1, tmp_path, job, plan, endpoint, run_id)
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 480
         while max(_rows(tmp_path), default=0) < 2:  # two steps on 4 ranks, then node 1 dies
             assert node0.poll() is None and node1.poll() is None, \
                 (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
@@ -117,7 +115,27 @@ def test_a_lost_node_shrinks_the_job_to_the_survivors_and_it_trains_like_one_pro
         _kill_node(node1)
     killed_after = max(_rows(tmp_path))
     shutil.rmtree(tmp_path / "memory-node1", ignore_errors=True)  # its memory went with it
-    code = finish(node0, tmp_path / "node0.log", 300)
+    code = finish(node0, tmp_path / "node0.log", 600)
+    (tmp_path / "job.json").write_text(json.dumps({"killed_after": killed_after, "code": code}))
+
+
+BACKGROUND_JOBS = [Job("elastic_nodes", run_job)]
+
+
+@pytest.fixture(scope="module")
+def nodes_folder(background: Callable[[str], Path]) -> Path:
+    """The job's folder, waited for here (not inside the test's timeout)."""
+    return background("elastic_nodes")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60, func_only=True)
+def test_a_lost_node_shrinks_the_job_to_the_survivors_and_it_trains_like_one_process(
+        nodes_folder: Path) -> None:
+    tmp_path = nodes_folder
+    facts = json.loads((tmp_path / "job.json").read_text())
+    killed_after, code = facts["killed_after"], facts["code"]
+    reference = records(tmp_path / "ref")
     output = (tmp_path / "node0.log").read_text()
     assert code == 0, output
 

@@ -1,52 +1,56 @@
 """``meshmorph run --elastic`` under torchrun's elastic agent: a rank SIGKILLed mid-step, the
 worker group restarted by torchrun, the state rebuilt from the node-local store, and the run
-ending exactly where an uninterrupted run of the same plan ends."""
+ending exactly where an uninterrupted run of the same plan ends.
+
+Both runs (the uninterrupted one and the one with the failure) are a background job of the
+session (``BACKGROUND_JOBS``, tests/conftest.py); the test reads their folders."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tests.dist.test_run_cli import EXAMPLES, finish, records, start_cli
 
 from meshmorph.run.trainer import SAMPLE_LOG_ENV
-from meshmorph.spec.catalog import load_model
-from meshmorph.spec.plan import Plan
-
-STEPS, GLOBAL_BATCH = 6, 8
-
-
-def write_job(tmp_path: Path) -> tuple[Path, Path]:
-    """A 6-step gpt-tiny job on the example text file, and a ZeRO-3 plan over 4 ranks."""
-    job = tmp_path / "job.toml"
-    job.write_text((EXAMPLES / "text-file.toml").read_text()
-                   .replace("steps = 60", f"steps = {STEPS}").replace("every = 30", "every = 0")
-                   .replace("decay_steps = 60", f"decay_steps = {STEPS}")
-                   .replace('"../data/tiny.txt"', f'"{(EXAMPLES.parent / "data" / "tiny.txt")}"')
-                   .replace("[run]", "[run]\ncollective_timeout_s = 60"))
-    plan = Plan(model="gpt-tiny", seq_len=32, global_batch=GLOBAL_BATCH, dp=4, zero=3,
-                micro_batch=2, num_microbatches=1, dtype="fp32")
-    plan_path = tmp_path / "zero3.json"
-    plan_path.write_text(plan.with_even_stages(load_model("gpt-tiny", 32)).to_json())
-    return job, plan_path
+from tests.helpers.cli import ENVIRONMENT, finish, records, start_cli
+from tests.helpers.jobs import ELASTIC_GLOBAL_BATCH as GLOBAL_BATCH
+from tests.helpers.jobs import ELASTIC_STEPS as STEPS
+from tests.helpers.jobs import elastic_job
+from tests.helpers.world import BACKGROUND_NICE, Job
 
 
 def run_elastic(tmp_path: Path, name: str, job: Path, plan: Path, *extra: str
                 ) -> tuple[Path, str]:
+    """``meshmorph run --elastic 1:1`` of the plan on 4 processes, to its end: (run folder,
+    output); fails unless it exits 0."""
     run_dir, log, samples = tmp_path / name, tmp_path / f"{name}.log", tmp_path / f"{name}-ids"
     samples.mkdir()
-    os.environ[SAMPLE_LOG_ENV] = str(samples)
-    try:
-        proc = start_cli(["run", "--config", str(job), "--nproc", "4", "--plan", str(plan),
-                          "--out", str(run_dir), "--elastic", "1:1", *extra], log)
-    finally:
-        del os.environ[SAMPLE_LOG_ENV]
-    code = finish(proc, log, 240)
+    proc = start_cli(["run", "--config", str(job), "--nproc", "4", "--plan", str(plan),
+                      "--out", str(run_dir), "--elastic", "1:1", *extra], log,
+                     env={**ENVIRONMENT, SAMPLE_LOG_ENV: str(samples)}, nice=BACKGROUND_NICE)
+    code = finish(proc, log, 600)
     output = log.read_text()
     assert code == 0, output
     return run_dir, output
+
+
+def run_job(folder: Path, worlds: dict[str, Path | None]) -> None:
+    """The uninterrupted run, then the one whose rank 3 is killed in step 3."""
+    job, plan = elastic_job(folder)
+    run_elastic(folder, "ref", job, plan)
+    run_elastic(folder, "killed", job, plan, "--inject-failure", "3@3")
+
+
+BACKGROUND_JOBS = [Job("elastic_torchrun", run_job)]
+
+
+@pytest.fixture(scope="module")
+def torchrun_folder(background: Callable[[str], Path]) -> Path:
+    """The job's folder, waited for here (not inside the test's timeout)."""
+    return background("elastic_torchrun")
 
 
 def trained_ids(folder: Path) -> dict[tuple[int, int], list[int]]:
@@ -63,12 +67,12 @@ def trained_ids(folder: Path) -> dict[tuple[int, int], list[int]]:
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(60, func_only=True)
 def test_rank_killed_at_step_3_restarts_under_torchrun_and_ends_with_the_uninterrupted_loss(
-        tmp_path: Path) -> None:
-    job, plan = write_job(tmp_path)
-    ref_dir, _ = run_elastic(tmp_path, "ref", job, plan)
-    run_dir, output = run_elastic(tmp_path, "killed", job, plan, "--inject-failure", "3@3")
+        torchrun_folder: Path) -> None:
+    tmp_path = torchrun_folder
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
+    output = (tmp_path / "killed.log").read_text()
 
     assert "injected failure: SIGKILL rank 3" in output, output
     ref, rows = records(ref_dir), records(run_dir)

@@ -1,8 +1,8 @@
 """Layerwise plans (a tp/dp/ZeRO per layer) train like one device, and hold and send what the
 cost model predicts.
 
-One spawned 4-process gloo job trains every layout below for three steps (each rank rebuilds
-its engine per layout) and writes losses, gradient norms, final parameters and every rank's
+A part of the 4-process ``world4`` job trains every layout below for three steps (each rank
+rebuilds its engine per layout) and writes losses, gradient norms, final parameters and every rank's
 measured state of the first step; each test then checks one layout against the float64
 one-device run with the equivalence matrix's rule (tests/dist/test_equivalence.py: every
 figure within K x its one-device fp32 noise), and the example's state against
@@ -33,29 +33,34 @@ from __future__ import annotations
 
 import gc
 import json
-import traceback
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from reference import ReferenceRun, deviation, reference_run
-from test_equivalence import (
-    FLOOR_BF16,
-    FLOOR_FP32,
-    K_BF16,
-    K_FP32,
-    OPTIM,
-    Expectation,
-    _worst,
-    bf16_not_shown,
-    violations,
-)
 
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.plan import LayerStrategy, Plan
+from tests.helpers.harness import (
+    each_case,
+    rank_reports,
+    reported_run,
+    state_gaps,
+    train_and_report,
+)
+from tests.helpers.oracle import (
+    FLOOR_BF16,
+    K_BF16,
+    OPTIM,
+    Expectation,
+    bf16_not_shown,
+    fp32_expectation,
+    violations,
+)
+from tests.helpers.reference import deviation, reference_run
+from tests.helpers.world import Part, part_folder
 
 WORLD = 4
 STEPS = 3
@@ -120,27 +125,11 @@ def batches(model: ModelSpec, plan: Plan) -> list[torch.Tensor]:
 
 
 def _train(model: ModelSpec, plan: Plan, out: Path, rank: int) -> None:
-    from torch.distributed.tensor import DTensor
-
-    from meshmorph.run.engine import state_line
     from meshmorph.run.engine.train_engine import build_engine
 
     engine = build_engine(model, plan, OPTIM, seed=SEED, device=torch.device("cpu"))
     assert engine.summed  # every segment's data parallelism runs layer by layer
-    share = plan.global_batch // plan.dp
-    losses, norms = [], []
-    for batch in batches(model, plan):
-        losses.append(engine.step(batch[engine.dp_rank * share:(engine.dp_rank + 1) * share]))
-        norms.append(engine.grad_norm_last())
-    params = {}
-    for name, param in engine.model_parts[0].named_parameters(remove_duplicate=False):
-        full = param.full_tensor() if isinstance(param, DTensor) else param
-        params[name] = full.detach().clone()
-    mesh = engine.train_mesh
-    if mesh.dp_rank == 0 and mesh.tp_rank == 0:  # the first rank of each pipeline stage
-        torch.save(params, out / f"params_pp{mesh.pp_rank}.pt")
-    (out / f"rank{rank}.json").write_text(json.dumps(
-        {"losses": losses, "grad_norms": norms, "state": state_line.measured_state(engine)}))
+    train_and_report(engine, plan, batches(model, plan), out, rank, state=True)
 
 
 CKPT_LAYOUT = "gpt_tp4_zero123_tied"
@@ -207,72 +196,46 @@ def _checkpoint(out: Path, rank: int) -> None:
         and all(torch.equal(saved[k], loaded[k]) for k in saved)}))
 
 
-def job(rank: int, world_size: int, result_dir: str) -> None:
-    """Spawned on every rank: every layout in turn, then the checkpoint scenario; one process
-    group."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
+def layerwise_part(rank: int, world_size: int, out: Path) -> None:
+    """On every rank: every layout in turn, then the checkpoint scenario; one process group."""
     runs = [(name, partial(_train, model, plan)) for name, (model, plan) in layouts().items()]
-    for name, run in [*runs, ("checkpoint", _checkpoint)]:
-        out = Path(result_dir) / name
-        out.mkdir(parents=True, exist_ok=True)
-        try:
-            run(out, rank)
-        except Exception:
-            (out / f"error{rank}.txt").write_text(traceback.format_exc())
-            print(f"rank {rank} layout {name} failed:\n{traceback.format_exc()}", flush=True)
-        gc.collect()
-        dist.barrier()
+    each_case(rank, out, [(name, partial(run, rank=rank)) for name, run in
+                          [*runs, ("checkpoint", _checkpoint)]])
+
+
+WORLD_PARTS = [Part("layerwise_equivalence", layerwise_part, world=WORLD, timeout_s=300)]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from spawn import spawn
-
-    torch.set_num_threads(1)
-    result_dir = tmp_path_factory.mktemp("layerwise")
-    spawn(job, WORLD, (str(result_dir),), timeout_s=400, collective_timeout_s=60)
-    return result_dir
+def results(world4: Path) -> Path:
+    return part_folder(world4, "layerwise_equivalence")
 
 
 def _reports(out: Path) -> list[dict]:
-    errors = sorted(out.glob("error*.txt"))
-    assert not errors, "\n".join(e.read_text() for e in errors)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return rank_reports(out, WORLD)
 
 
 def _expectation(model: ModelSpec, plan: Plan) -> Expectation:
     """The equivalence matrix's truth and noise for ``plan``'s precision: the fp64 one-device run
     and three fp32 ones (fp32), or the bf16 one-device run and its distance from fp64 (bf16)."""
     data = batches(model, plan)
-    fp64 = reference_run(model, OPTIM, data, seed=SEED, micro_batch=plan.micro_batch,
-                         precision="fp64")
     if plan.dtype == "bf16":
+        fp64 = reference_run(model, OPTIM, data, seed=SEED, micro_batch=plan.micro_batch,
+                             precision="fp64")
         bf16 = reference_run(model, OPTIM, data, seed=SEED, micro_batch=plan.micro_batch,
                              precision="bf16")
         return Expectation(bf16, "bf16 one-device", fp64, deviation(bf16, fp64, OPTIM), K_BF16,
                            FLOOR_BF16)
-    fp32 = [reference_run(model, OPTIM, data, seed=SEED, micro_batch=mb, precision="fp32")
-            for mb in sorted({1, plan.micro_batch, plan.global_batch})]
-    return Expectation(fp64, "fp64 one-device", fp64,
-                       _worst([deviation(run, fp64, OPTIM) for run in fp32]), K_FP32, FLOOR_FP32)
+    return fp32_expectation(model, data, micro_batch=plan.micro_batch, seed=SEED)
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(120, func_only=True)
 @pytest.mark.parametrize("name", list(layouts()))
 def test_layerwise_plan_matches_one_device_within_measured_noise(name: str,
                                                                  results: Path) -> None:
     model, plan = layouts()[name]
-    reports = _reports(results / name)
-    for rank, report in enumerate(reports):  # every rank returns the same loss and norm
-        assert report["losses"] == reports[0]["losses"], f"rank {rank} reports other losses"
-        assert report["grad_norms"] == reports[0]["grad_norms"], f"rank {rank}: other norms"
-    params: dict[str, torch.Tensor] = {}
-    for path in sorted((results / name).glob("params_pp*.pt")):
-        params.update(torch.load(path))
-    run = ReferenceRun(tuple(reports[0]["losses"]), tuple(reports[0]["grad_norms"]), params)
+    run = reported_run(results / name, WORLD)
     expectation = _expectation(model, plan)
     found = violations(run, expectation)
     if plan.dtype == "bf16":
@@ -282,25 +245,14 @@ def test_layerwise_plan_matches_one_device_within_measured_noise(name: str,
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(120, func_only=True)
 @pytest.mark.parametrize("name", list(layouts()))
 def test_layerwise_state_matches_prediction_per_rank(name: str, results: Path) -> None:
     from meshmorph.cost.rank_state import predict_rank_state
 
     model, plan = layouts()[name]
-    gaps = []
-    for rank, report in enumerate(_reports(results / name)):
-        measured = report["state"]
-        predicted = predict_rank_state(model, plan, rank)
-        pairs = [(key, measured[key], predicted[key])
-                 for key in ("params_bytes", "grads_bytes", "optimizer_bytes")]
-        pairs += [(kind, measured["comm_bytes"].get(kind, 0), predicted["comm_bytes"][kind])
-                  for kind in predicted["comm_bytes"]]
-        pairs += [(kind, sent, 0) for kind, sent in measured["comm_bytes"].items()
-                  if kind not in predicted["comm_bytes"]]
-        for key, got, want in pairs:
-            if abs(got - want) > TOLERANCE * max(abs(want), 1):
-                gaps.append(f"rank {rank} {key}: measured {got:,} vs predicted {want:,.0f}")
+    gaps = state_gaps([(rank, report["state"], predict_rank_state(model, plan, rank))
+                       for rank, report in enumerate(_reports(results / name))], TOLERANCE)
     assert not gaps, "\n".join(gaps)
 
 
@@ -310,7 +262,7 @@ summation order in fp32 (measured: 2e-8)."""
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(120, func_only=True)
 def test_layerwise_checkpoint_resumes_exactly_and_reshards_into_a_uniform_plan(
         results: Path) -> None:
     reports = _reports(results / "checkpoint")

@@ -1,16 +1,19 @@
-"""Activations moved between layer strategies on 4 gloo processes equal the single-process
-slices, forward and backward."""
+"""Activations moved between layer strategies on the 4 gloo processes of the ``world4`` job equal
+the single-process slices, forward and backward."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from spawn import spawn
+
+from tests.helpers.world import Part, part_folder
 
 CHAIN = ((1, 4), (2, 2), (4, 1), (1, 4), (4, 1), (2, 2), (1, 4))
 """(tp, dp) of successive layers: every gather and slice between 1, 2 and 4."""
 
 
-def chain_matches_reference(rank: int, world_size: int) -> None:
+def chain_matches_reference(rank: int, world_size: int, out: Path) -> None:
     import torch
 
     from meshmorph.run.parallel.redistribute import LayoutGroups, redistribute
@@ -41,11 +44,16 @@ def chain_matches_reference(rank: int, world_size: int) -> None:
     # d(sum over the batch of y * w)/dx = w on this rank's own block: nothing lost or doubled
     assert x.grad is not None
     assert torch.equal(x.grad, weight[block(tp0, dp0)]), rank
-    print(f"rank {rank}: chain of {len(CHAIN) - 1} redistributions equal to reference")
+    (out / f"rank{rank}.txt").write_text(
+        f"rank {rank}: chain of {len(CHAIN) - 1} redistributions equal to reference")
+
+
+WORLD_PARTS = [Part("layerwise_redistribute", chain_matches_reference, world=4, timeout_s=60)]
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(180)
-def test_redistribution_chain_equals_single_process_slices_and_gradients() -> None:
-    outputs = spawn(chain_matches_reference, 4, timeout_s=150)
+@pytest.mark.timeout(60, func_only=True)
+def test_redistribution_chain_equals_single_process_slices_and_gradients(world4: Path) -> None:
+    out = part_folder(world4, "layerwise_redistribute")
+    outputs = [path.read_text() for path in sorted(out.glob("rank*.txt"))]
     assert sum("equal to reference" in out for out in outputs) == 4

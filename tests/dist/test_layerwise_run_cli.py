@@ -2,7 +2,7 @@
 and its ``state`` line puts every rank's measured bytes beside the prediction within 2%.
 
 The job trains gpt-small on the synthetic task for three steps with the equivalence matrix's
-optimizer; the one-device oracle (tests/dist/reference.py) trains the same global batches (the
+optimizer; the one-device oracle (tests/helpers/reference.py) trains the same global batches (the
 trainer's DataShard with one data-parallel rank) in float64, and the logged losses and gradient
 norms are held to the matrix's rule: K x the largest deviation of three fp32 one-device runs.
 
@@ -10,24 +10,30 @@ A second test trains a mixed layerwise plan (ZeRO-1/2/3, tp4, a tied embedding) 
 a checkpoint every two, then resumes copies of the run folder from the step-2 checkpoint: under
 the same plan (steps 3-4 bit for bit the uninterrupted losses) and under a uniform tp2 x dp2
 ZeRO-3 plan with ``--reshard`` (within fp32 rounding).
+
+Every ``meshmorph run`` of both tests is one background job of the session (``BACKGROUND_JOBS``,
+tests/conftest.py); the tests read the run folders and outputs it leaves.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from reference import deviation, reference_run
-from test_equivalence import K_FP32, OPTIM, _worst
-from test_layerwise_equivalence import EXAMPLE, TOLERANCE
 
 from meshmorph.run.data import DataShard, SampleOrder, SyntheticTask
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.plan import Plan
+from tests.dist.test_layerwise_equivalence import EXAMPLE, TOLERANCE
+from tests.helpers.oracle import K_FP32, OPTIM
+from tests.helpers.oracle import worst as _worst
+from tests.helpers.cli import run_cli
+from tests.helpers.reference import deviation, reference_run
+from tests.helpers.world import BACKGROUND_NICE, Job
 
 STEPS = 3
 SEED = 7
@@ -68,16 +74,71 @@ def _global_batches(plan: Plan) -> list[torch.Tensor]:
     return [shard.batch(step * plan.global_batch) for step in range(STEPS)]
 
 
-@pytest.mark.dist
-@pytest.mark.timeout(300)
-def test_meshmorph_run_trains_the_layerwise_example_like_one_device(tmp_path: Path) -> None:
-    job, run_dir = tmp_path / "job.toml", tmp_path / "run"
+def _run(job: Path, plan_file: Path, out: Path, *extra: str) -> dict:
+    """``meshmorph run`` of ``job`` under ``plan_file`` on 4 processes into ``out``, at the
+    background's priority: its exit code and output."""
+    code, output = run_cli(["run", "--config", str(job), "--plan", str(plan_file), "--nproc", "4",
+                            "--out", str(out), *extra], timeout_s=300, nice=BACKGROUND_NICE)
+    return {"code": code, "output": output}
+
+
+def example_job(folder: Path, worlds: dict[str, Path | None]) -> None:
+    """In the background: the layerwise example trained to its end into ``folder/run``."""
+    job = folder / "job.toml"
     job.write_text(JOB)
-    done = subprocess.run([sys.executable, "-m", "meshmorph.cli.app", "run", "--config", str(job),
-                           "--plan", str(EXAMPLE), "--nproc", "4", "--out", str(run_dir)],
-                          capture_output=True, text=True, timeout=240)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
+    (folder / "done.json").write_text(json.dumps({"run": _run(job, EXAMPLE, folder / "run")}))
+
+
+def resume_job(folder: Path, worlds: dict[str, Path | None]) -> None:
+    """In the background: the mixed plan four steps into ``full``, then copies of that folder
+    without the step-4 checkpoint resumed under the same plan (``resumed``) and under the uniform
+    plan with ``--reshard`` (``resharded``); every run's code and output in ``done.json``."""
+    from tests.dist.test_layerwise_equivalence import CKPT_LAYOUT, ckpt_uniform, layouts
+
+    model, plan = layouts()[CKPT_LAYOUT]
+    job, mixed, uniform = folder / "job.toml", folder / "mixed.json", folder / "uni.json"
+    job.write_text(RESUME_JOB)
+    mixed.write_text(json.dumps(plan.to_dict()))
+    uniform.write_text(json.dumps(ckpt_uniform(model, plan).to_dict()))
+    done = {"full": _run(job, mixed, folder / "full")}
+    if done["full"]["code"] == 0:
+        for name, plan_file, extra in (("resumed", mixed, ()),
+                                       ("resharded", uniform, ("--reshard",))):
+            out = folder / name
+            shutil.copytree(folder / "full", out)
+            shutil.rmtree(out / "checkpoints" / "step-4")  # as if stopped after the step-2 save
+            done[name] = _run(job, plan_file, out, "--resume", *extra)
+    (folder / "done.json").write_text(json.dumps(done))
+
+
+BACKGROUND_JOBS = [Job("layerwise_example_run", example_job),
+                   Job("layerwise_resume_runs", resume_job)]
+
+
+def _output(done: dict, name: str) -> str:
+    """The output of run ``name``, after checking it ran and ended with 0."""
+    assert name in done, f"meshmorph run {name} did not run"
+    assert done[name]["code"] == 0, done[name]["output"]
+    return done[name]["output"]
+
+
+@pytest.fixture(scope="module")
+def example_folder(background: Callable[[str], Path]) -> Path:
+    """The example job's folder, waited for here (not inside the test's timeout)."""
+    return background("layerwise_example_run")
+
+
+@pytest.fixture(scope="module")
+def resume_folder(background: Callable[[str], Path]) -> Path:
+    """The resume job's folder, waited for here (not inside the test's timeout)."""
+    return background("layerwise_resume_runs")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300, func_only=True)
+def test_meshmorph_run_trains_the_layerwise_example_like_one_device(example_folder: Path) -> None:
+    run_dir = example_folder / "run"
+    output = _output(json.loads((example_folder / "done.json").read_text()), "run")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "event" not in row]
     assert [row["step"] for row in steps] == [1, 2, 3], output
@@ -137,37 +198,17 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(120, func_only=True)
 def test_meshmorph_run_resumes_a_layerwise_checkpoint_and_reshards_it_into_a_uniform_plan(
-        tmp_path: Path) -> None:
-    import shutil
-
-    from test_layerwise_equivalence import CKPT_LAYOUT, ckpt_uniform, layouts
-
-    model, plan = layouts()[CKPT_LAYOUT]
-    job, mixed, uniform = tmp_path / "job.toml", tmp_path / "mixed.json", tmp_path / "uni.json"
-    job.write_text(RESUME_JOB)
-    mixed.write_text(json.dumps(plan.to_dict()))
-    uniform.write_text(json.dumps(ckpt_uniform(model, plan).to_dict()))
-
-    def run(plan_file: Path, out: Path, *extra: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "meshmorph.cli.app", "run", "--config", str(job),
-                               "--plan", str(plan_file), "--nproc", "4", "--out", str(out),
-                               *extra], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stdout + done.stderr
-        return done.stdout + done.stderr
-
-    full = tmp_path / "full"
-    run(mixed, full)
-    truth = _losses(full)
+        resume_folder: Path) -> None:
+    done = json.loads((resume_folder / "done.json").read_text())
+    _output(done, "full")
+    truth = _losses(resume_folder / "full")
     assert len(truth) == 4
-    for name, plan_file, extra in (("resumed", mixed, ()), ("resharded", uniform, ("--reshard",))):
-        out = tmp_path / name
-        shutil.copytree(full, out)
-        shutil.rmtree(out / "checkpoints" / "step-4")  # as if stopped after the step-2 save
-        output = run(plan_file, out, "--resume", *extra)
+    for name in ("resumed", "resharded"):
+        output = _output(done, name)
         assert "resumed from" in output and "(step 2, 16 samples consumed)" in output, output
-        got = _losses(out)[2:]
+        got = _losses(resume_folder / name)[2:]
         if name == "resumed":
             assert got == truth[2:], f"resumed {got} vs uninterrupted {truth[2:]}"
         else:  # the same weights and moments, another summation order in fp32

@@ -1,9 +1,9 @@
 """Layerwise plans under the zero-bubble, interleaved, ZBV and DualPipeV schedules train like one
 device, and every rank holds and sends what the cost model predicts.
 
-One spawned 4-process gloo job trains every layout below for three steps (llama-tiny, pp 2 of
-two ranks each, layers under their own tp/dp/ZeRO inside each chunk) and writes losses, gradient
-norms, final parameters and every rank's measured state of the first step. Each test then holds
+A part of the 4-process ``world4`` job trains every layout below for three steps (llama-tiny,
+pp 2 of two ranks each, layers under their own tp/dp/ZeRO inside each chunk) and writes losses,
+gradient norms, final parameters and every rank's measured state of the first step. Each test then holds
 a layout to the equivalence matrix's rule against the float64 one-device run
 (tests/dist/test_layerwise_equivalence.py) and every rank's state to
 cost/rank_state.py (within 2%).
@@ -30,17 +30,26 @@ parameters where every layer does; the rows here are one or the other.
 
 from __future__ import annotations
 
-import gc
-import json
-import traceback
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from reference import ReferenceRun, deviation, reference_run
-from test_equivalence import (
+
+from meshmorph.spec.catalog import catalog_model
+from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import LayerStrategy, Plan
+from tests.dist.test_layerwise_equivalence import (
+    SEED,
+    TOLERANCE,
+    WORLD,
+    _expectation,
+    _reports,
+    batches,
+)
+from tests.helpers.harness import each_case, reported_run, state_gaps, train_and_report
+from tests.helpers.oracle import (
     FLOOR_BF16,
     K_BF16,
     OPTIM,
@@ -48,11 +57,8 @@ from test_equivalence import (
     bf16_not_shown,
     violations,
 )
-from test_layerwise_equivalence import SEED, TOLERANCE, WORLD, _expectation, _reports, batches
-
-from meshmorph.spec.catalog import catalog_model
-from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import LayerStrategy, Plan
+from tests.helpers.reference import deviation, reference_run
+from tests.helpers.world import Part, part_folder
 
 SEQ = 16
 
@@ -133,73 +139,37 @@ def expectation(model: ModelSpec, plan: Plan) -> Expectation:
 
 
 def _train(model: ModelSpec, plan: Plan, out: Path, rank: int) -> None:
-    from torch.distributed.tensor import DTensor
-
-    from meshmorph.run.engine import state_line
     from meshmorph.run.engine.train_engine import build_engine
 
     engine = build_engine(model, plan, OPTIM, seed=SEED, device=torch.device("cpu"))
     assert engine.summed  # every segment's data parallelism runs layer by layer
     assert len(engine.model_parts) == plan.vpp
-    share = plan.global_batch // plan.dp
-    losses, norms = [], []
-    for batch in batches(model, plan):
-        losses.append(engine.step(batch[engine.dp_rank * share:(engine.dp_rank + 1) * share]))
-        norms.append(engine.grad_norm_last())
-    params = {}
-    for part in engine.model_parts:  # every chunk of this pipeline rank (global layer names)
-        for name, param in part.named_parameters():
-            full = param.full_tensor() if isinstance(param, DTensor) else param
-            params[name] = full.detach().clone()
-    mesh = engine.train_mesh
-    if mesh.dp_rank == 0 and mesh.tp_rank == 0:  # the first rank of each pipeline stage
-        torch.save(params, out / f"params_pp{mesh.pp_rank}.pt")
-    (out / f"rank{rank}.json").write_text(json.dumps(
-        {"losses": losses, "grad_norms": norms, "state": state_line.measured_state(engine)}))
+    train_and_report(engine, plan, batches(model, plan), out, rank, state=True)
 
 
-def job(rank: int, world_size: int, result_dir: str) -> None:
-    """Spawned on every rank: every layout in turn, one process group."""
-    import torch.distributed as dist
+def schedules_part(rank: int, world_size: int, out: Path) -> None:
+    """On every rank: every layout in turn, one process group."""
+    each_case(rank, out, [(name, partial(_train, model, plan, rank=rank))
+                          for name, (model, plan) in layouts().items()])
 
-    torch.set_num_threads(1)
-    for name, (model, plan) in layouts().items():
-        out = Path(result_dir) / name
-        out.mkdir(parents=True, exist_ok=True)
-        try:
-            partial(_train, model, plan)(out, rank)
-        except Exception:
-            (out / f"error{rank}.txt").write_text(traceback.format_exc())
-            print(f"rank {rank} layout {name} failed:\n{traceback.format_exc()}", flush=True)
-        gc.collect()
-        dist.barrier()
+
+WORLD_PARTS = [Part("layerwise_schedules", schedules_part, world=WORLD, timeout_s=240)]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from spawn import spawn
-
-    torch.set_num_threads(1)
-    result_dir = tmp_path_factory.mktemp("layerwise_schedules")
-    spawn(job, WORLD, (str(result_dir),), timeout_s=300, collective_timeout_s=60)
-    return result_dir
+def results(world4: Path) -> Path:
+    return part_folder(world4, "layerwise_schedules")
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(120, func_only=True)
 @pytest.mark.parametrize("name", list(layouts()))
 def test_schedule_plan_matches_one_device_within_measured_noise(name: str,
                                                                 results: Path) -> None:
     model, plan = layouts()[name]
-    reports = _reports(results / name)
-    for rank, report in enumerate(reports):  # every rank returns the same loss and norm
-        assert report["losses"] == reports[0]["losses"], f"rank {rank} reports other losses"
-        assert report["grad_norms"] == reports[0]["grad_norms"], f"rank {rank}: other norms"
-    params: dict[str, torch.Tensor] = {}
-    for path in sorted((results / name).glob("params_pp*.pt")):
-        params.update(torch.load(path))
-    assert len(params) == len(dict(_one_device_names(model))), "a chunk's parameters are missing"
-    run = ReferenceRun(tuple(reports[0]["losses"]), tuple(reports[0]["grad_norms"]), params)
+    run = reported_run(results / name, WORLD)
+    assert len(run.params) == len(dict(_one_device_names(model))), \
+        "a chunk's parameters are missing"
     truth = expectation(model, plan)
     found = violations(run, truth)
     if plan.dtype == "bf16":  # it must show bf16 rounding at all
@@ -216,23 +186,12 @@ def _one_device_names(model: ModelSpec) -> list[tuple[str, None]]:
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(120, func_only=True)
 @pytest.mark.parametrize("name", list(layouts()))
 def test_schedule_plan_state_matches_prediction_per_rank(name: str, results: Path) -> None:
     from meshmorph.cost.rank_state import predict_rank_state
 
     model, plan = layouts()[name]
-    gaps = []
-    for rank, report in enumerate(_reports(results / name)):
-        measured = report["state"]
-        predicted = predict_rank_state(model, plan, rank)
-        pairs = [(key, measured[key], predicted[key])
-                 for key in ("params_bytes", "grads_bytes", "optimizer_bytes")]
-        pairs += [(kind, measured["comm_bytes"].get(kind, 0), predicted["comm_bytes"][kind])
-                  for kind in predicted["comm_bytes"]]
-        pairs += [(kind, sent, 0) for kind, sent in measured["comm_bytes"].items()
-                  if kind not in predicted["comm_bytes"]]
-        for key, got, want in pairs:
-            if abs(got - want) > TOLERANCE * max(abs(want), 1):
-                gaps.append(f"rank {rank} {key}: measured {got:,} vs predicted {want:,.0f}")
+    gaps = state_gaps([(rank, report["state"], predict_rank_state(model, plan, rank))
+                       for rank, report in enumerate(_reports(results / name))], TOLERANCE)
     assert not gaps, "\n".join(gaps)

@@ -1,7 +1,7 @@
 """Layerwise plans with sequence parallelism, and a tied embedding and head split across
 pipeline stages, train like one device and hold and send exactly what the cost model predicts.
 
-One spawned 4-process gloo job trains every layout below for three steps (the harness of
+A part of the 4-process ``world4`` job trains every layout below for three steps (the harness of
 tests/dist/test_layerwise_equivalence.py: each rank rebuilds its engine per layout and writes
 losses, gradient norms, final parameters and its measured state of the first step); each test
 then checks one layout against the float64 one-device run with the equivalence matrix's rule,
@@ -30,17 +30,18 @@ bf16 layouts are held to ``test_layerwise_schedules.bf16_expectation``.
 
 from __future__ import annotations
 
-import gc
-import traceback
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from reference import ReferenceRun
-from test_equivalence import bf16_not_shown, violations
-from test_layerwise_equivalence import (
+
+from meshmorph.spec.catalog import MODEL_CATALOG, catalog_model
+from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.plan import Plan
+from meshmorph.spec.transformer import build_transformer
+from tests.dist.test_layerwise_equivalence import (
     SEQ,
     WORLD,
     _mixed,
@@ -48,12 +49,10 @@ from test_layerwise_equivalence import (
     _reports,
     _train,
 )
-from test_layerwise_schedules import expectation
-
-from meshmorph.spec.catalog import MODEL_CATALOG, catalog_model
-from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import Plan
-from meshmorph.spec.transformer import build_transformer
+from tests.dist.test_layerwise_schedules import expectation
+from tests.helpers.harness import each_case, reported_run, state_gaps
+from tests.helpers.oracle import bf16_not_shown, violations
+from tests.helpers.world import Part, part_folder
 
 
 def layouts() -> dict[str, tuple[ModelSpec, Plan]]:
@@ -88,31 +87,18 @@ def layouts() -> dict[str, tuple[ModelSpec, Plan]]:
     }
 
 
-def job(rank: int, world_size: int, result_dir: str) -> None:
-    """Spawned on every rank: every layout in turn, one process group."""
-    import torch.distributed as dist
+def sp_part(rank: int, world_size: int, out: Path) -> None:
+    """On every rank: every layout in turn, one process group."""
+    each_case(rank, out, [(name, partial(_train, model, plan, rank=rank))
+                          for name, (model, plan) in layouts().items()])
 
-    torch.set_num_threads(1)
-    for name, (model, plan) in layouts().items():
-        out = Path(result_dir) / name
-        out.mkdir(parents=True, exist_ok=True)
-        try:
-            partial(_train, model, plan)(out, rank)
-        except Exception:
-            (out / f"error{rank}.txt").write_text(traceback.format_exc())
-            print(f"rank {rank} layout {name} failed:\n{traceback.format_exc()}", flush=True)
-        gc.collect()
-        dist.barrier()
+
+WORLD_PARTS = [Part("layerwise_sp", sp_part, world=WORLD, timeout_s=240)]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from spawn import spawn
-
-    torch.set_num_threads(1)
-    result_dir = tmp_path_factory.mktemp("layerwise_sp")
-    spawn(job, WORLD, (str(result_dir),), timeout_s=300, collective_timeout_s=60)
-    return result_dir
+def results(world4: Path) -> Path:
+    return part_folder(world4, "layerwise_sp")
 
 
 def test_layouts_are_what_they_claim() -> None:
@@ -130,21 +116,15 @@ def test_layouts_are_what_they_claim() -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(120, func_only=True)
 @pytest.mark.parametrize("name", list(layouts()))
 def test_layerwise_sp_and_tied_plans_match_one_device(name: str, results: Path) -> None:
     model, plan = layouts()[name]
-    reports = _reports(results / name)
-    for rank, report in enumerate(reports):  # every rank returns the same loss and norm
-        assert report["losses"] == reports[0]["losses"], f"rank {rank} reports other losses"
-        assert report["grad_norms"] == reports[0]["grad_norms"], f"rank {rank}: other norms"
-    params: dict[str, torch.Tensor] = {}
-    for path in sorted((results / name).glob("params_pp*.pt")):
-        params.update(torch.load(path))
+    run = reported_run(results / name, WORLD)
+    params = run.params
     if model.tied_embeddings and plan.pp > 1:  # the head's copy holds the embedding's value
         assert torch.equal(params["head.out.weight"], params["embed.tok.weight"]), \
             f"{name}: the tied head's copy left the embedding"
-    run = ReferenceRun(tuple(reports[0]["losses"]), tuple(reports[0]["grad_norms"]), params)
     truth = expectation(model, plan)
     found = violations(run, truth)
     if plan.dtype == "bf16":  # it must show bf16 rounding at all
@@ -154,21 +134,12 @@ def test_layerwise_sp_and_tied_plans_match_one_device(name: str, results: Path) 
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(120, func_only=True)
 @pytest.mark.parametrize("name", list(layouts()))
 def test_layerwise_sp_and_tied_state_equals_prediction(name: str, results: Path) -> None:
     from meshmorph.cost.rank_state import predict_rank_state
 
     model, plan = layouts()[name]
-    gaps = []
-    for rank, report in enumerate(_reports(results / name)):
-        measured = report["state"]
-        predicted = predict_rank_state(model, plan, rank)
-        pairs = [(key, measured[key], predicted[key])
-                 for key in ("params_bytes", "grads_bytes", "optimizer_bytes")]
-        kinds = set(predicted["comm_bytes"]) | set(measured["comm_bytes"])
-        pairs += [(kind, measured["comm_bytes"].get(kind, 0), predicted["comm_bytes"].get(kind, 0))
-                  for kind in sorted(kinds)]
-        gaps += [f"rank {rank} {key}: measured {got:,} vs predicted {want:,.0f}"
-                 for key, got, want in pairs if got != want]
+    gaps = state_gaps([(rank, report["state"], predict_rank_state(model, plan, rank))
+                       for rank, report in enumerate(_reports(results / name))], 0)
     assert not gaps, "\n".join(gaps)

@@ -1,7 +1,7 @@
 """The vocabulary-parallel loss (run/model/loss.py) equals the cross-entropy of whole, unpadded logits.
 
-On 2 gloo processes, logits of a padded vocabulary (251 real columns of 256) sharded on the
-vocabulary go through ``mask_padded_vocab`` and ``token_cross_entropy`` (torch's loss_parallel);
+On the 2 gloo processes of the ``world2`` job, logits of a padded vocabulary (251 real columns
+of 256) sharded on the vocabulary go through ``mask_padded_vocab`` and ``token_cross_entropy`` (torch's loss_parallel);
 the loss and the gradient of every real column must equal ``F.cross_entropy`` over the first
 251 columns of the whole tensor, the pad columns' gradient must be exactly 0, and the collectives
 counted must be loss_parallel's three fp32 all-reduces of one value per token.
@@ -10,21 +10,18 @@ counted must be loss_parallel's three fp32 all-reduces of one value per token.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from spawn import spawn  # noqa: E402
+from tests.helpers.world import Part, part_folder
 
 pytestmark = pytest.mark.dist
 
 VOCAB, PADDED, B, S = 251, 256, 2, 5
 
 
-def _job(rank: int, world: int, out: str) -> None:
+def loss_part(rank: int, world: int, out: Path) -> None:
     import torch
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
@@ -48,18 +45,19 @@ def _job(rank: int, world: int, out: str) -> None:
     loss.backward()
     grad = leaf.grad.full_tensor()
     if rank == 0:
-        Path(out).write_text(json.dumps({
+        (out / "loss.json").write_text(json.dumps({
             "loss": float(loss), "expected": float(expected),
             "grad_gap": float((grad[..., :VOCAB] - reference.grad).abs().max()),
             "pad_grad": float(grad[..., VOCAB:].abs().max()),
             "plain": type(loss).__name__, "sent": counter.sent_bytes, "calls": counter.calls}))
 
 
-@pytest.mark.timeout(300)
-def test_vocab_parallel_loss_equals_whole_unpadded_cross_entropy(tmp_path: Path) -> None:
-    out = tmp_path / "loss.json"
-    spawn(_job, 2, (str(out),), timeout_s=240)
-    r = json.loads(out.read_text())
+WORLD_PARTS = [Part("loss_parallel", loss_part, world=2, timeout_s=60)]
+
+
+@pytest.mark.timeout(60, func_only=True)
+def test_vocab_parallel_loss_equals_whole_unpadded_cross_entropy(world2: Path) -> None:
+    r = json.loads((part_folder(world2, "loss_parallel") / "loss.json").read_text())
     assert r["plain"] == "Tensor", f"the loss comes back as a {r['plain']}, not a plain tensor"
     assert abs(r["loss"] - r["expected"]) <= 1e-6 * abs(r["expected"]), r
     assert r["grad_gap"] <= 1e-7, f"real columns' gradient differs by {r['grad_gap']:.2e}"

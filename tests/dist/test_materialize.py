@@ -1,6 +1,6 @@
 """Meta-device init: every rank's materialised shards are exactly the one-device model's slices.
 
-One spawned 4-process gloo job builds engines (meta device, parallelize, ``materialize_``) for a
+A part of the 4-process ``world4`` job builds engines (meta device, parallelize, ``materialize_``) for a
 small GPT (tied head, vocabulary 251 padded to 256) and a small Llama (vocabulary 251 left
 unpadded, odd FFN width, so FSDP2 pads its dim-0 shards) under 1-D tensor parallelism (tp 2 with
 pp 2), 1-D FSDP2 (dp 2 with pp 2, and dp 4), 2-D dp 2 x tp 2 and DDP (dp 4, zero 0). Each rank
@@ -23,6 +23,7 @@ import torch
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
 from meshmorph.spec.transformer import TransformerShape, build_transformer
+from tests.helpers.world import Part, part_folder
 
 WORLD = 4
 SEED = 11
@@ -101,31 +102,37 @@ def _check_case(name: str, rank: int) -> dict[str, object]:
             "reference_numel": sum(p.numel() for p in reference.parameters())}
 
 
-def job(rank: int, world_size: int, out: str) -> None:
+def materialize_part(rank: int, world_size: int, out: Path) -> None:
+    """Every case under both block sizes; the runtime's block size is restored afterwards (the
+    world's later parts build engines too)."""
     import gc
 
     from meshmorph.run.model import decoder as models
 
     results: dict[str, dict[str, object]] = {}
-    for blocks, block_bytes in BLOCK_BYTES.items():
-        models.INIT_BLOCK_BYTES = block_bytes  # the reference and the shards alike
-        for name in CASES:
-            results[f"{name}/{blocks}"] = _check_case(name, rank)
-            gc.collect()
+    default = models.INIT_BLOCK_BYTES
+    try:
+        for blocks, block_bytes in BLOCK_BYTES.items():
+            models.INIT_BLOCK_BYTES = block_bytes  # the reference and the shards alike
+            for name in CASES:
+                results[f"{name}/{blocks}"] = _check_case(name, rank)
+                gc.collect()
+    finally:
+        models.INIT_BLOCK_BYTES = default
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict]]:
-    from spawn import spawn
+WORLD_PARTS = [Part("materialize", materialize_part, world=WORLD, timeout_s=240)]
 
-    out = tmp_path_factory.mktemp("materialize")
-    spawn(job, WORLD, (str(out),), timeout_s=300, collective_timeout_s=60)
+
+@pytest.fixture(scope="module")
+def results(world4: Path) -> list[dict[str, dict]]:
+    out = part_folder(world4, "materialize")
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(60, func_only=True)
 @pytest.mark.parametrize("blocks", list(BLOCK_BYTES))
 @pytest.mark.parametrize("case", list(CASES))
 def test_materialized_shards_equal_the_one_device_models_slices(
@@ -146,7 +153,7 @@ def test_materialized_shards_equal_the_one_device_models_slices(
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(60, func_only=True)
 def test_padded_vocabulary_rows_start_at_zero_on_the_ranks_that_hold_them(
         results: list[dict[str, dict]]) -> None:
     # gpt: vocab 251 padded to 256; dp 2 x tp 2 splits the 256 rows into four blocks of 64, and

@@ -1,15 +1,14 @@
 """The runtime's overlap switches change when gradients are reduced and what FSDP2 prefetches,
 never the training: each switch on and off gives the same losses and an exact state line.
 
-One spawned 2-process gloo job trains each layout for three steps (each rank rebuilds its
-engine per layout) and writes its losses and its ``state`` line per layout.
+A part of the 2-process ``world2`` job trains each layout for three steps (each rank rebuilds
+its engine per layout) and writes its losses and its ``state`` line per layout.
 """
 
 from __future__ import annotations
 
-import gc
 import json
-import traceback
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,8 @@ from meshmorph.run.config import OptimConfig
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
+from tests.helpers.harness import each_case
+from tests.helpers.world import Part, part_folder
 
 WORLD = 2
 SEQ = 16
@@ -56,52 +57,53 @@ PAIRS = [("zero0_overlap", "zero0_after_backward"),
          ("zero3_prefetch", "zero3_no_prefetch")]
 
 
-def _run_layouts(rank: int, world_size: int, out_dir: str) -> None:
+def _one_layout(name: str, plan: Plan, rank: int, folder: Path) -> None:
+    from meshmorph.run.engine.state_line import write_state_line
     from meshmorph.run.engine.train_engine import build_engine
     from meshmorph.run.metrics import MetricsLogger
-    from meshmorph.run.engine.state_line import write_state_line
 
     model = _model()
-    for name, plan in LAYOUTS.items():
-        try:
-            engine = build_engine(model, plan, OPTIM, seed=SEED, device=torch.device("cpu"))
-            generator = torch.Generator().manual_seed(rank)
-            metrics = MetricsLogger(Path(out_dir) / name, enabled=rank == 0, total_steps=STEPS,
-                                    start_step=0, tokens_per_step=1)
-            losses = []
-            for _ in range(STEPS):
-                tokens = torch.randint(0, model.vocab_size, (plan.global_batch // plan.dp, SEQ + 1),
-                                       generator=generator)
-                losses.append(engine.step(tokens))
-                write_state_line(engine, metrics)
-            metrics.close()
-            if rank == 0:
-                (Path(out_dir) / f"{name}.losses.json").write_text(json.dumps(losses))
-        except Exception:
-            (Path(out_dir) / f"{name}.rank{rank}.error").write_text(traceback.format_exc())
-            raise
-        del engine
-        gc.collect()
+    engine = build_engine(model, plan, OPTIM, seed=SEED, device=torch.device("cpu"))
+    generator = torch.Generator().manual_seed(rank)
+    metrics = MetricsLogger(folder, enabled=rank == 0, total_steps=STEPS, start_step=0,
+                            tokens_per_step=1)
+    losses = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, model.vocab_size, (plan.global_batch // plan.dp, SEQ + 1),
+                               generator=generator)
+        losses.append(engine.step(tokens))
+        write_state_line(engine, metrics)
+    metrics.close()
+    if rank == 0:
+        (folder / "losses.json").write_text(json.dumps(losses))
+
+
+def overlap_part(rank: int, world_size: int, out: Path) -> None:
+    """Every layout in turn: three steps, the state line after each (written once)."""
+    each_case(rank, out, [(name, partial(_one_layout, name, plan, rank))
+                          for name, plan in LAYOUTS.items()])
+
+
+WORLD_PARTS = [Part("overlap_switches", overlap_part, world=WORLD, timeout_s=300)]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[float], list[dict]]]:
-    from spawn import spawn
-
-    out = tmp_path_factory.mktemp("overlap")
-    spawn(_run_layouts, WORLD, (str(out),), timeout_s=400)
+def results(world2: Path) -> dict[str, tuple[list[float], list[dict]]]:
+    out = part_folder(world2, "overlap_switches")
     found = {}
     for name in LAYOUTS:
+        errors = sorted((out / name).glob("error*.txt"))
+        assert not errors, "\n".join(e.read_text() for e in errors)
         records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text()
                    .splitlines() if line.strip()]
         states = [r for r in records if r.get("event") == "state"]
         assert len(states) == 1, f"{name}: expected one state line, got {len(states)}"
-        found[name] = (json.loads((out / f"{name}.losses.json").read_text()), states[0]["ranks"])
+        found[name] = (json.loads((out / name / "losses.json").read_text()), states[0]["ranks"])
     return found
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(60, func_only=True)
 @pytest.mark.parametrize("on, off", PAIRS)
 def test_switch_off_trains_as_on(results: dict, on: str, off: str) -> None:
     losses_on, losses_off = results[on][0], results[off][0]
@@ -110,7 +112,7 @@ def test_switch_off_trains_as_on(results: dict, on: str, off: str) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(60, func_only=True)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_state_line_is_exact_with_every_switch(results: dict, layout: str) -> None:
     for record in results[layout][1]:

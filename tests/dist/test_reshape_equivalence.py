@@ -1,6 +1,6 @@
 """Reshaping a running job in memory trains to the numbers of one device.
 
-One spawned 4-process gloo job (fp32, gpt-tiny, global batch 8) trains one step under each plan
+A part of the 4-process ``world4`` job (fp32, gpt-tiny, global batch 8) trains one step under each plan
 of a chain and reshapes in memory between them (``elastic/live/controller.py``: the MovePlan's
 transfers point to point, the new engine built on the meta device and filled from the pieces):
 
@@ -13,38 +13,31 @@ hashes of the whole state (parameters, both AdamW moments, step, LR schedule, da
 after the move equal those before it, and the bytes moved equal the MovePlan's lower bound;
 over the chain, the per-step losses, gradient norms and final parameters equal one process
 training on the same samples within the equivalence matrix's tolerances (``test_equivalence``:
-K x the fp32 one-device noise against fp64); and the sample ids the data-parallel ranks consumed
+K x the fp32 one-device noise against fp64, ``tests/helpers/oracle.py``); and the sample ids the data-parallel ranks consumed
 cover every position of the order once (no gap, no duplicate).
 """
 
 from __future__ import annotations
 
 import json
-import traceback
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from reference import ReferenceRun, deviation, reference_run
-from test_equivalence import (
-    FLOOR_FP32,
-    K_FP32,
-    OPTIM,
-    SEED,
-    SEQ,
-    Expectation,
-    _gpt,
-    _plan,
-    _worst,
-    violations,
-)
 
 from meshmorph.spec.plan import Plan
-
-WORLD = 4
-GLOBAL_BATCH = 8
+from tests.helpers.harness import full_params
+from tests.helpers.oracle import OPTIM, SEED, even_plan, gpt_tiny
+from tests.helpers.reshape import (
+    GLOBAL_BATCH,
+    WORLD,
+    assert_every_sample_once,
+    assert_matches_one_device,
+    batches,
+    rank_step,
+)
+from tests.helpers.world import Part, part_folder
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +55,10 @@ class Stage:
 
 
 def chain() -> list[Stage]:
-    gpt = _gpt()
+    gpt = gpt_tiny()
 
     def plan(**kw: object) -> Plan:
-        return _plan(gpt, global_batch=GLOBAL_BATCH, **kw)
+        return even_plan(gpt, global_batch=GLOBAL_BATCH, **kw)
 
     return [
         Stage("start_dp4", plan(dp=4, num_microbatches=2)),
@@ -82,138 +75,66 @@ def chain() -> list[Stage]:
 MOVES = [stage.name for stage in chain()[1:]]
 
 
-def batches(steps: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1234)
-    return [torch.randint(0, _gpt().vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=gen)
-            for _ in range(steps)]
-
-
-def _rank_step(engine, batch: torch.Tensor, consumed: int) -> tuple[float, float, list[int]]:  # noqa: ANN001
-    share = GLOBAL_BATCH // engine.dp_size
-    lo = engine.dp_rank * share
-    loss = engine.step(batch[lo:lo + share])
-    return loss, engine.grad_norm_last(), list(range(consumed + lo, consumed + lo + share))
-
-
-def _full_params(engine) -> dict[str, torch.Tensor]:  # noqa: ANN001
-    from torch.distributed.tensor import DTensor
-
-    params = {}
-    for part in engine.model_parts:
-        for name, param in part.named_parameters(remove_duplicate=False):
-            full = param.full_tensor() if isinstance(param, DTensor) else param
-            params[name] = full.detach().clone()
-    return params
-
-
-def assert_matches_one_device(entries: Iterable[dict], param_files: Iterable[Path],
-                              steps: int) -> None:
-    """Every rank of a step reports the same loss and grad norm, and the losses, norms and the
-    parameters saved in ``param_files`` equal the fp64 one-device run within K times the
-    measured fp32 noise (test_equivalence's tolerances)."""
-    by_step: dict[int, tuple[float, float]] = {}
-    for entry in entries:
-        got = (entry["loss"], entry["grad_norm"])
-        assert by_step.setdefault(entry["step"], got) == got, entry
-    assert sorted(by_step) == list(range(steps))
-    params: dict[str, torch.Tensor] = {}
-    for path in sorted(param_files):
-        params.update(torch.load(path))
-    run = ReferenceRun(tuple(by_step[s][0] for s in range(steps)),
-                       tuple(by_step[s][1] for s in range(steps)), params)
-    gpt, data = _gpt(), batches(steps)
-    fp64 = reference_run(gpt, OPTIM, data, seed=SEED, micro_batch=1, precision="fp64")
-    noise = _worst([deviation(reference_run(gpt, OPTIM, data, seed=SEED, micro_batch=mb,
-                                            precision="fp32"), fp64, OPTIM)
-                    for mb in (1, 2, GLOBAL_BATCH)])
-    found = violations(run, Expectation(fp64, "fp64 one-device", fp64, noise, K_FP32, FLOOR_FP32))
-    assert not found, "\n".join(found)
-
-
-def assert_every_sample_once(entries: Iterable[dict], steps: int) -> None:
-    """Every rank of one dp rank read the same sample ids in a step, and over ``steps`` steps
-    every sample id was consumed exactly once."""
-    seen: dict[int, dict[int, list[int]]] = {}  # step -> dp rank -> sample ids
-    for entry in entries:
-        ids = seen.setdefault(entry["step"], {}).setdefault(entry["dp_rank"], entry["ids"])
-        assert ids == entry["ids"]
-    consumed = sorted(i for step in seen.values() for ids in step.values() for i in ids)
-    assert consumed == list(range(steps * GLOBAL_BATCH))
-
-
-def job(rank: int, world_size: int, out_dir: str) -> None:
-    """Spawned on every process: the whole chain, one step per plan, a move between plans."""
+def chain_part(rank: int, world_size: int, out: Path) -> None:
+    """On every process: the whole chain, one step per plan, a move between plans."""
     import torch.distributed as dist
 
     from meshmorph.elastic.live.controller import ReshapeRequest, reshape_in_memory
     from meshmorph.elastic.live.local_state import extract_state, state_hashes
     from meshmorph.run.engine.train_engine import build_engine
 
-    out = Path(out_dir)
     stages, data = chain(), batches(len(chain()))
-    gpt = _gpt()
-    try:
-        engine = build_engine(gpt, stages[0].plan, OPTIM, seed=SEED, device=torch.device("cpu"))
-        processes = tuple(range(world_size))
-        consumed, record = 0, []
-        for index, stage in enumerate(stages):
-            if index:
-                if engine is not None:
-                    small = extract_state(engine, consumed_samples=consumed, checksums=False).small
-                    before = state_hashes(engine, small)
-                    if dist.get_rank() == 0:
-                        (out / f"{stage.name}.before.json").write_text(json.dumps(before))
-                request = ReshapeRequest(model=gpt, optim=OPTIM, plan_a=stages[index - 1].plan,
-                                         processes_a=processes, plan_b=stage.plan,
-                                         staying=stage.staying, joining=stage.joining, seed=99)
-                engine, report = reshape_in_memory(request, rank, engine,
-                                                   consumed_samples=consumed, store_dir=out,
-                                                   tag=f"move{index}")
-                processes = report.processes_b
-                consumed = report.consumed_samples  # the data position moves with the state
-                if engine is not None:
-                    small = extract_state(engine, consumed_samples=consumed, checksums=False).small
-                    after = state_hashes(engine, small)
-                    if dist.get_rank() == 0:
-                        (out / f"{stage.name}.after.json").write_text(json.dumps(
-                            {**report.figures(), "processes": processes,
-                             "times_s": report.times_s, "hashes": after}))
-            if engine is None:
-                continue
-            loss, norm, ids = _rank_step(engine, data[index], consumed)
-            consumed += GLOBAL_BATCH
-            record.append({"step": index, "loss": loss, "grad_norm": norm,
-                           "dp_rank": engine.dp_rank, "ids": ids})
-        torch.save(_full_params(engine), out / f"params{rank}_pp{engine.train_mesh.pp_rank}.pt")
-        (out / f"rank{rank}.json").write_text(json.dumps(record))
-        dist.barrier()
-    except Exception:
-        (out / f"error{rank}.txt").write_text(traceback.format_exc())
-        raise
+    gpt = gpt_tiny()
+    engine = build_engine(gpt, stages[0].plan, OPTIM, seed=SEED, device=torch.device("cpu"))
+    processes = tuple(range(world_size))
+    consumed, record = 0, []
+    for index, stage in enumerate(stages):
+        if index:
+            if engine is not None:
+                small = extract_state(engine, consumed_samples=consumed, checksums=False).small
+                before = state_hashes(engine, small)
+                if dist.get_rank() == 0:
+                    (out / f"{stage.name}.before.json").write_text(json.dumps(before))
+            request = ReshapeRequest(model=gpt, optim=OPTIM, plan_a=stages[index - 1].plan,
+                                     processes_a=processes, plan_b=stage.plan,
+                                     staying=stage.staying, joining=stage.joining, seed=99)
+            engine, report = reshape_in_memory(request, rank, engine,
+                                               consumed_samples=consumed, store_dir=out,
+                                               tag=f"move{index}")
+            processes = report.processes_b
+            consumed = report.consumed_samples  # the data position moves with the state
+            if engine is not None:
+                small = extract_state(engine, consumed_samples=consumed, checksums=False).small
+                after = state_hashes(engine, small)
+                if dist.get_rank() == 0:
+                    (out / f"{stage.name}.after.json").write_text(json.dumps(
+                        {**report.figures(), "processes": processes,
+                         "times_s": report.times_s, "hashes": after}))
+        if engine is None:
+            continue
+        loss, norm, ids = rank_step(engine, data[index], consumed)
+        consumed += GLOBAL_BATCH
+        record.append({"step": index, "loss": loss, "grad_norm": norm,
+                       "dp_rank": engine.dp_rank, "ids": ids})
+    torch.save(full_params(engine), out / f"params{rank}_pp{engine.train_mesh.pp_rank}.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    dist.barrier()
 
 
-def run_chain(out: Path) -> None:
-    from spawn import spawn
-
-    spawn(job, WORLD, (str(out),), timeout_s=240, collective_timeout_s=60)
+WORLD_PARTS = [Part("reshape_chain", chain_part, world=WORLD, timeout_s=180, regroups=True)]
 
 
 @pytest.fixture(scope="module")
-def chain_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.set_num_threads(1)
-    out = tmp_path_factory.mktemp("reshape")
-    run_chain(out)
-    return out
+def chain_results(world4: Path) -> Path:
+    return part_folder(world4, "reshape_chain")
 
 
 def _records(out: Path) -> list[list[dict]]:
-    errors = sorted(out.glob("error*.txt"))
-    assert not errors, "\n".join(e.read_text() for e in errors)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(60, func_only=True)
 @pytest.mark.parametrize("move", MOVES)
 def test_move_keeps_every_tensor_hash_and_moves_the_lower_bound(move: str,
                                                                 chain_results: Path) -> None:
@@ -228,14 +149,14 @@ def test_move_keeps_every_tensor_hash_and_moves_the_lower_bound(move: str,
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(60, func_only=True)
 def test_chain_of_reshapes_matches_one_device_losses_norms_and_params(chain_results: Path) -> None:
     entries = [entry for record in _records(chain_results) for entry in record]
     assert_matches_one_device(entries, chain_results.glob("params*_pp*.pt"), len(chain()))
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(60, func_only=True)
 def test_chain_of_reshapes_consumes_every_sample_once(chain_results: Path) -> None:
     # tp and pp ranks of one dp rank read the same samples
     entries = [entry for record in _records(chain_results) for entry in record]

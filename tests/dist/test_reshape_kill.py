@@ -11,6 +11,9 @@ remaining steps. Checked: every tensor hash after recovery equals the one before
 per-step losses, gradient norms and final parameters equal one process on the same samples
 (the equivalence matrix's tolerances); every sample id is consumed once, the interrupted step's
 samples by the survivors only.
+
+The job runs in the background of the test session (``BACKGROUND_JOBS``, tests/conftest.py), its
+processes at a lower CPU priority.
 """
 
 from __future__ import annotations
@@ -22,26 +25,27 @@ import signal
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from test_equivalence import (
-    OPTIM,
-    SEED,
-    _gpt,
-    _plan,
-)
-from test_reshape_equivalence import (
+
+from tests.helpers.harness import full_params
+from tests.helpers.oracle import OPTIM, SEED, even_plan, gpt_tiny
+from tests.helpers.reshape import (
     GLOBAL_BATCH,
-    _full_params,
-    _rank_step,
+    WORLD,
     assert_every_sample_once,
     assert_matches_one_device,
     batches,
+    rank_step,
 )
+from tests.helpers.world import BACKGROUND_NICE, Job
 
-WORLD, STEPS, KILL_AT, VICTIM = 4, 6, 3, 3
+STEPS, KILL_AT, VICTIM = 6, 3, 3
+REGROUP_TIMEOUT_S = 120
+"""How long the processes wait for each other to form a group (and a collective of it waits)."""
 
 
 def _kill_in_second_forward(engine) -> None:  # noqa: ANN001
@@ -66,10 +70,10 @@ def kill_job(rank: int, out: Path, run_id: str) -> None:
     from meshmorph.elastic.live.store import NodeStore
     from meshmorph.run.engine.train_engine import build_engine
 
-    gpt, data = _gpt(), batches(STEPS)
-    plan = _plan(gpt, dp=4, zero=3, global_batch=GLOBAL_BATCH, num_microbatches=2)
+    gpt, data = gpt_tiny(), batches(STEPS)
+    plan = even_plan(gpt, dp=4, zero=3, global_batch=GLOBAL_BATCH, num_microbatches=2)
     store = NodeStore(run_id, 0)
-    regroup(out, "g0", rank, list(range(WORLD)), timeout_s=30)
+    regroup(out, "g0", rank, list(range(WORLD)), timeout_s=REGROUP_TIMEOUT_S)
     engine = build_engine(gpt, plan, OPTIM, seed=SEED, device=torch.device("cpu"))
     step, consumed, log = 0, 0, (out / f"steps{rank}.jsonl").open("a")
     while step < STEPS:
@@ -82,13 +86,13 @@ def kill_job(rank: int, out: Path, run_id: str) -> None:
                     (out / "before.json").write_text(json.dumps(before))
                 if rank == VICTIM:
                     _kill_in_second_forward(engine)
-            loss, norm, ids = _rank_step(engine, data[step], consumed)
+            loss, norm, ids = rank_step(engine, data[step], consumed)
         except RuntimeError:
             if step != KILL_AT:
                 raise
             start = time.perf_counter()
             survivors = [r for r in range(WORLD) if r != VICTIM]
-            regroup(out, "g1", rank, survivors, timeout_s=30)
+            regroup(out, "g1", rank, survivors, timeout_s=REGROUP_TIMEOUT_S)
             new_plan = replan(gpt, len(survivors), global_batch=GLOBAL_BATCH)
             done = restore_step(store, list(range(WORLD)))
             engine = build_engine(gpt, new_plan, OPTIM, seed=99, device=torch.device("cpu"))
@@ -110,7 +114,7 @@ def kill_job(rank: int, out: Path, run_id: str) -> None:
                               "pp_rank": engine.train_mesh.pp_rank}) + "\n")
         log.flush()
         step, consumed = step + 1, consumed + GLOBAL_BATCH
-    torch.save(_full_params(engine), out / f"params{rank}.pt")
+    torch.save(full_params(engine), out / f"params{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -119,6 +123,7 @@ def _main(rank: int, out: str, run_id: str) -> None:
     fd = os.open(os.path.join(out, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    os.nice(BACKGROUND_NICE)  # in the background of the test session: the foreground tests come first
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
@@ -129,7 +134,7 @@ def _main(rank: int, out: str, run_id: str) -> None:
     os._exit(0)
 
 
-def run_kill_job(out: Path, timeout_s: float = 200) -> dict[int, int | None]:
+def run_kill_job(out: Path, timeout_s: float = 400) -> dict[int, int | None]:
     """Start the 4 processes; every one still running at the timeout is killed. Exit codes."""
     from meshmorph.elastic.live.store import NodeStore
 
@@ -152,11 +157,19 @@ def run_kill_job(out: Path, timeout_s: float = 200) -> dict[int, int | None]:
     return {r: p.exitcode for r, p in enumerate(procs)}
 
 
-@pytest.fixture(scope="module")
-def kill_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.set_num_threads(1)
-    out = tmp_path_factory.mktemp("kill")
+def background_job(out: Path, worlds: dict[str, Path | None]) -> None:
+    """The 4 processes, their exit codes written to ``codes.json``."""
     codes = run_kill_job(out)
+    (out / "codes.json").write_text(json.dumps({str(r): c for r, c in codes.items()}))
+
+
+BACKGROUND_JOBS = [Job("reshape_kill", background_job)]
+
+
+@pytest.fixture(scope="module")
+def kill_results(background: Callable[[str], Path]) -> Path:
+    out = background("reshape_kill")
+    codes = {int(r): c for r, c in json.loads((out / "codes.json").read_text()).items()}
     logs = "\n".join(f"--- rank {r} ---\n" + (out / f"rank{r}.log").read_text()[-4000:]
                      for r in range(WORLD) if (out / f"rank{r}.log").exists())
     assert codes == {0: 0, 1: 0, 2: 0, 3: -signal.SIGKILL}, f"{codes}\n{logs}"
@@ -169,7 +182,7 @@ def _entries(out: Path) -> list[dict]:
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(60, func_only=True)
 def test_survivors_of_a_sigkill_restore_every_tensor_of_the_last_step_boundary(
         kill_results: Path) -> None:
     before = json.loads((kill_results / "before.json").read_text())
@@ -182,12 +195,12 @@ def test_survivors_of_a_sigkill_restore_every_tensor_of_the_last_step_boundary(
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(60, func_only=True)
 def test_survivors_of_a_sigkill_train_to_the_one_device_numbers(kill_results: Path) -> None:
     assert_matches_one_device(_entries(kill_results), kill_results.glob("params*.pt"), STEPS)
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(60, func_only=True)
 def test_survivors_of_a_sigkill_consume_every_sample_once(kill_results: Path) -> None:
     assert_every_sample_once(_entries(kill_results), STEPS)

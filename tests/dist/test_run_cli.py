@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,46 +12,17 @@ import pytest
 
 from meshmorph.run.checkpoint import scan_checkpoints, verify_checkpoint
 from meshmorph.run.launch.launcher import descendants
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "jobs"
-
-
-def start_cli(args: list[str], log: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "meshmorph.cli.app", *args], text=True,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def finish(proc: subprocess.Popen[str], log: Path, timeout_s: float) -> int:
-    """Wait for the launcher; past the timeout kill everything it started and fail with the
-    output of every rank."""
-    try:
-        return proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        for pid in [*descendants(proc.pid), proc.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait()
-        pytest.fail(f"meshmorph ran past {timeout_s} s; output:\n{log.read_text()}")
-
-
-def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [row for row in rows if "event" not in row]  # step lines only
+from tests.helpers.cli import ExampleRun, finish, records, start_cli
+from tests.helpers.jobs import TEXT_FILE_JOB, text_file_job
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(180)
 def test_text_file_example_trains_on_2_procs_one_metric_line_per_step_and_loss_falls(
-        tmp_path: Path) -> None:
-    run_dir, log = tmp_path / "run", tmp_path / "out.log"
-    proc = start_cli(["run", "--config", str(EXAMPLES / "text-file.toml"), "--nproc", "2",
-                      "--out", str(run_dir)], log)
-    code = finish(proc, log, 150)
-    output = log.read_text()
+        example_run: ExampleRun) -> None:
+    # the session's run of examples/jobs/text-file.toml (tests/conftest.py)
+    run_dir, output, code = example_run.run_dir, example_run.output, example_run.code
+    assert example_run.job == TEXT_FILE_JOB
     assert code == 0, output
     rows = records(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 61)), output
@@ -75,9 +43,7 @@ def test_text_file_example_trains_on_2_procs_one_metric_line_per_step_and_loss_f
 def test_ctrl_c_finishes_the_step_saves_and_prints_the_resume_command(
         tmp_path: Path) -> None:
     job = tmp_path / "long.toml"
-    job.write_text((EXAMPLES / "text-file.toml").read_text()
-                   .replace("steps = 60", "steps = 100000").replace("every = 30", "every = 3")
-                   .replace('"../data/tiny.txt"', f'"{(EXAMPLES.parent / "data" / "tiny.txt")}"'))
+    job.write_text(text_file_job(steps=100000, every=3))
     run_dir, log = tmp_path / "run", tmp_path / "out.log"
     proc = start_cli(["run", "--config", str(job), "--nproc", "2", "--out", str(run_dir)], log)
     deadline = time.monotonic() + 120

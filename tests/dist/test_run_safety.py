@@ -1,7 +1,8 @@
 """``meshmorph run`` under signals and failures, on 2 gloo processes: Ctrl-C while the ranks are
 still starting, a second Ctrl-C, SIGKILL of torchrun, SIGKILL of one rank, and a data-parallel
-checkpoint resumed under a pipeline plan (the tied head's optimizer state). Every case ends with
-every process gone, a clear message, and the committed checkpoints intact."""
+checkpoint resumed under a pipeline plan (the tied head's optimizer state; the run that saved it
+also shows that a free ``MASTER_PORT`` is the rendezvous port). Every case ends with every
+process gone, a clear message, and the committed checkpoints intact."""
 
 from __future__ import annotations
 
@@ -9,82 +10,30 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from meshmorph.cli import main as cli_main
 from meshmorph.run.checkpoint import scan_checkpoints, verify_checkpoint
 from meshmorph.run.launch.launcher import descendants
-
-JOB = """
-[model]
-source = "gpt-tiny"
-seq_len = 32
-[data]
-kind = "synthetic"
-seed = 1
-[train]
-steps = {steps}
-global_batch = 8
-micro_batch = 2
-seed = 2
-[optim]
-warmup_steps = 2
-decay_steps = 100
-[checkpoint]
-every = {every}
-keep = 3
-"""
-
-
-def start(args: list[str], log: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "meshmorph.cli.app", *args], text=True,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def finish(proc: subprocess.Popen[str], log: Path, timeout_s: float) -> int:
-    try:
-        return proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        for pid in [*descendants(proc.pid), proc.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait()
-        pytest.fail(f"meshmorph ran past {timeout_s} s; output:\n{log.read_text()}")
-
-
-def steps_done(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return 0
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return max((row["step"] for row in rows if "event" not in row), default=0)
-
-
-def wait_for(predicate, proc: subprocess.Popen[str], log: Path, timeout_s: float = 120) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not predicate() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert proc.poll() is None and predicate(), log.read_text()
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
+from tests.helpers.cli import (
+    ExampleRun,
+    command_line,
+    finish,
+    start_cli,
+    steps_done,
+    wait_for,
+)
+from tests.helpers.jobs import gpt_tiny_job, write_job
 
 def ranks_of(proc: subprocess.Popen[str]) -> dict[int, int]:
     """rank -> pid of every trainer process below the launcher."""
     found = {}
     for pid in descendants(proc.pid):
-        command = _cmdline(pid)  # torchrun's own command line names the trainer too
+        command = command_line(pid)  # torchrun's own command line names the trainer too
         if "meshmorph.run.trainer" not in command or "meshmorph.run.launch.agent" in command:
             continue
         with contextlib.suppress(OSError):
@@ -95,7 +44,7 @@ def ranks_of(proc: subprocess.Popen[str]) -> dict[int, int]:
 
 
 def agent_of(proc: subprocess.Popen[str]) -> int:
-    return next(pid for pid in descendants(proc.pid) if "meshmorph.run.launch.agent" in _cmdline(pid))
+    return next(pid for pid in descendants(proc.pid) if "meshmorph.run.launch.agent" in command_line(pid))
 
 
 def gone_within(pids: list[int], timeout_s: float) -> float:
@@ -111,16 +60,16 @@ def gone_within(pids: list[int], timeout_s: float) -> float:
 
 
 def job_file(tmp_path: Path, *, steps: int, every: int) -> Path:
-    job = tmp_path / "job.toml"
-    job.write_text(JOB.format(steps=steps, every=every))
-    return job
+    return write_job(tmp_path, gpt_tiny_job(steps=steps, train={"seed": 2},
+                                            optim={"warmup_steps": 2, "decay_steps": 100},
+                                            checkpoint={"every": every, "keep": 3}))
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(150)
 def test_ctrl_c_in_the_first_second_stops_torchrun_and_every_rank(tmp_path: Path) -> None:
     job, run_dir, log = job_file(tmp_path, steps=100000, every=5), tmp_path / "run", tmp_path / "log"
-    proc = start(["run", "--config", str(job), "--nproc", "2", "--out", str(run_dir)], log)
+    proc = start_cli(["run", "--config", str(job), "--nproc", "2", "--out", str(run_dir)], log)
     wait_for(lambda: "meshmorph: starting" in log.read_text(), proc, log, 60)
     time.sleep(0.5)
     started = descendants(proc.pid)
@@ -138,7 +87,7 @@ def test_ctrl_c_in_the_first_second_stops_torchrun_and_every_rank(tmp_path: Path
 @pytest.mark.timeout(200)
 def test_second_ctrl_c_aborts_leaving_the_previous_checkpoint_intact(tmp_path: Path) -> None:
     job, run_dir, log = job_file(tmp_path, steps=100000, every=2), tmp_path / "run", tmp_path / "log"
-    proc = start(["run", "--config", str(job), "--nproc", "2", "--out", str(run_dir)], log)
+    proc = start_cli(["run", "--config", str(job), "--nproc", "2", "--out", str(run_dir)], log)
     ckpt = run_dir / "checkpoints"
     wait_for(lambda: len(scan_checkpoints(ckpt)[0]) >= 1 and steps_done(run_dir) >= 3, proc, log)
     ranks = list(ranks_of(proc).values())
@@ -158,7 +107,7 @@ def test_second_ctrl_c_aborts_leaving_the_previous_checkpoint_intact(tmp_path: P
 @pytest.mark.timeout(200)
 def test_sigkill_of_torchrun_stops_the_orphaned_ranks(tmp_path: Path) -> None:
     job, run_dir, log = job_file(tmp_path, steps=100000, every=3), tmp_path / "run", tmp_path / "log"
-    proc = start(["run", "--config", str(job), "--nproc", "2", "--out", str(run_dir)], log)
+    proc = start_cli(["run", "--config", str(job), "--nproc", "2", "--out", str(run_dir)], log)
     wait_for(lambda: steps_done(run_dir) >= 2, proc, log)
     ranks = ranks_of(proc)
     assert sorted(ranks) == [0, 1], log.read_text()
@@ -177,7 +126,7 @@ def test_sigkill_of_torchrun_stops_the_orphaned_ranks(tmp_path: Path) -> None:
 def test_sigkill_of_one_rank_stops_the_job_naming_it_and_the_run_resumes(tmp_path: Path) -> None:
     job, run_dir, log = job_file(tmp_path, steps=12, every=2), tmp_path / "run", tmp_path / "log"
     base = ["run", "--config", str(job), "--nproc", "2", "--out", str(run_dir)]
-    proc = start(base, log)
+    proc = start_cli(base, log)
     ckpt = run_dir / "checkpoints"
     wait_for(lambda: len(scan_checkpoints(ckpt)[0]) >= 1 and steps_done(run_dir) >= 3, proc, log)
     victim = ranks_of(proc)[1]
@@ -191,28 +140,10 @@ def test_sigkill_of_one_rank_stops_the_job_naming_it_and_the_run_resumes(tmp_pat
     assert f"meshmorph: rank 1 (pid {victim}) was killed by SIGKILL" in output, output
     assert "resume with:" in output and "Traceback" not in output, output
     newest = verify_checkpoint(scan_checkpoints(ckpt)[0][-1]).step
-    resumed = start([*base, "--resume"], tmp_path / "log2")
+    resumed = start_cli([*base, "--resume"], tmp_path / "log2")
     assert finish(resumed, tmp_path / "log2", 150) == 0, (tmp_path / "log2").read_text()
     assert f"(step {newest}," in (tmp_path / "log2").read_text()
     assert steps_done(run_dir) == 12
-
-
-@pytest.mark.dist
-@pytest.mark.timeout(150)
-def test_a_free_master_port_from_the_environment_is_the_rendezvous_port(tmp_path: Path) -> None:
-    job, run_dir, log = job_file(tmp_path, steps=2, every=0), tmp_path / "run", tmp_path / "log"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "meshmorph.cli.app", "run", "--config", str(job),
-                             "--nproc", "2", "--out", str(run_dir)], text=True,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "MASTER_PORT": str(port)})
-    wait_for(lambda: any("meshmorph.run.launch.agent" in _cmdline(pid)
-                         for pid in descendants(proc.pid)), proc, log, 60)
-    assert f"--rdzv-endpoint localhost:{port}" in _cmdline(agent_of(proc))
-    assert finish(proc, log, 120) == 0, log.read_text()
-    assert steps_done(run_dir) == 2
 
 
 @pytest.mark.dist
@@ -222,7 +153,7 @@ def test_a_frozen_rank_ends_the_job_after_the_collective_timeout_naming_the_wait
     job = job_file(tmp_path, steps=100000, every=0)
     job.write_text(job.read_text() + "[run]\ncollective_timeout_s = 5\n")
     run_dir, log = tmp_path / "run", tmp_path / "log"
-    proc = start(["run", "--config", str(job), "--nproc", "2", "--out", str(run_dir)], log)
+    proc = start_cli(["run", "--config", str(job), "--nproc", "2", "--out", str(run_dir)], log)
     wait_for(lambda: steps_done(run_dir) >= 2, proc, log)
     ranks = ranks_of(proc)
     frozen = time.monotonic()
@@ -239,26 +170,42 @@ def test_a_frozen_rank_ends_the_job_after_the_collective_timeout_naming_the_wait
 
 
 @pytest.mark.dist
+@pytest.mark.timeout(200)
+def test_a_free_master_port_from_the_environment_is_the_rendezvous_port(
+        example_run: ExampleRun) -> None:
+    # the session's example run was started with MASTER_PORT set to a free port
+    assert f"--rdzv-endpoint localhost:{example_run.port}" in example_run.agent_command
+    assert example_run.code == 0, example_run.output
+    assert steps_done(example_run.run_dir) == 60
+
+
+@pytest.mark.dist
 @pytest.mark.timeout(300)
-def test_dp2_checkpoint_resumes_under_pp2_with_reshard_and_tied_head(tmp_path: Path) -> None:
-    job, run_dir = job_file(tmp_path, steps=6, every=3), tmp_path / "run"
-    log = tmp_path / "log"
-    proc = start(["run", "--config", str(job), "--nproc", "2", "--out", str(run_dir)], log)
-    assert finish(proc, log, 150) == 0, log.read_text()
-    (run_dir / "checkpoints" / "step-6").rename(run_dir / "checkpoints" / "step-6.tmp-moved")
+def test_dp2_checkpoint_resumes_under_pp2_with_reshard_and_tied_head(
+        example_run: ExampleRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # the example job's dp2 run, checkpoints at steps 30 and 60, the second set aside
+    run_dir, job, log = example_run.copy_to(tmp_path), example_run.job, tmp_path / "log"
+    (run_dir / "checkpoints" / "step-60").rename(run_dir / "checkpoints" / "step-60.tmp-moved")
     plan = tmp_path / "pp2.json"
     plan.write_text(json.dumps({"model": "gpt-tiny", "seq_len": 32, "global_batch": 8, "pp": 2,
                                 "schedule": "1f1b", "micro_batch": 2, "num_microbatches": 4,
                                 "dtype": "fp32"}))
     base = ["run", "--config", str(job), "--nproc", "2", "--out", str(run_dir), "--plan", str(plan),
             "--resume"]
-    refused = subprocess.run([sys.executable, "-m", "meshmorph.cli.app", *base], text=True,
-                             capture_output=True, timeout=60)
-    assert refused.returncode == 2 and "saved under another plan" in refused.stderr
-    assert "pass --reshard" in refused.stderr and "Traceback" not in refused.stderr
-    proc = start([*base, "--reshard"], log)
+    with monkeypatch.context() as patch:
+        patch.setattr("meshmorph.run.launch.launcher.subprocess.Popen", _refuse_to_start)
+        code = cli_main(base)
+    refused = capsys.readouterr().err
+    assert code == 2 and "saved under another plan" in refused
+    assert "pass --reshard" in refused and "Traceback" not in refused
+    proc = start_cli([*base, "--reshard"], log)
     assert finish(proc, log, 150) == 0, log.read_text()
     output = log.read_text()
-    assert "resharding" in output and "(step 3, 24 samples consumed)" in output, output
-    assert steps_done(run_dir) == 6
+    assert "resharding" in output and "(step 30, 240 samples consumed)" in output, output
+    assert steps_done(run_dir) == 60
     assert json.loads((run_dir / "plan.json").read_text())["pp"] == 2
+
+
+def _refuse_to_start(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a process was started before the job was refused")

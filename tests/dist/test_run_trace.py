@@ -2,42 +2,52 @@
 meshmorph's action list for the schedule (torch's runtime runs it in that order), the actions of
 a rank never overlap, and ``meshmorph timeline --compare`` reads it back.
 
-One spawned job trains gpt-tiny with pp 4 under 1F1B and under ZB-H1 (input- and weight-gradient
+A part of the 4-process ``world4`` job trains gpt-tiny with pp 4 under 1F1B and under ZB-H1 (input- and weight-gradient
 backwards timed apart), tracing steps 2 and 3 of each through ``run.pipeline.RunTrace``."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from spawn import spawn  # noqa: E402
-
-from meshmorph.cli import main  # noqa: E402
-from meshmorph.schedule import schedule_actions  # noqa: E402
-from meshmorph.schedule.trace import read_trace_ops  # noqa: E402
+from meshmorph.cli import main
+from meshmorph.schedule import schedule_actions
+from meshmorph.schedule.trace import read_trace_ops
+from meshmorph.spec.model import ModelSpec
+from tests.helpers.world import Part, part_folder
 
 PP, M, STEPS = 4, 4, 3
 SCHEDULES = ("1f1b", "zb")
 
 
-def _job(rank: int, world: int, out: str) -> None:
+def trace_part(rank: int, world: int, out: Path) -> None:
     import os
 
+    from meshmorph.run.engine.pipeline import TRACE_ENV
+    from meshmorph.spec import catalog_model
+
+    spec = catalog_model("gpt-tiny").with_seq_len(16)
+    before = os.environ.get(TRACE_ENV)
+    os.environ[TRACE_ENV] = "2"
+    try:
+        _trace_schedules(spec, out)
+    finally:  # the world's later parts run untraced
+        if before is None:
+            del os.environ[TRACE_ENV]
+        else:
+            os.environ[TRACE_ENV] = before
+
+
+def _trace_schedules(spec: ModelSpec, out: Path) -> None:
     import torch
 
     from meshmorph.run.config import OptimConfig
+    from meshmorph.run.engine.pipeline import RunTrace
     from meshmorph.run.engine.train_engine import build_engine
-    from meshmorph.run.engine.pipeline import TRACE_ENV, RunTrace
-    from meshmorph.spec import catalog_model
     from meshmorph.spec.plan import Plan
 
-    os.environ[TRACE_ENV] = "2"
-    spec = catalog_model("gpt-tiny").with_seq_len(16)
     for name in SCHEDULES:
         plan = Plan(model=spec.name, seq_len=16, dtype="fp32", micro_batch=1, num_microbatches=M,
                     global_batch=M, pp=PP, schedule=name).with_even_stages(spec)
@@ -53,13 +63,16 @@ def _job(rank: int, world: int, out: str) -> None:
             trace.after_step()
 
 
+WORLD_PARTS = [Part("run_trace", trace_part, world=PP, timeout_s=90)]
+
+
 @pytest.mark.dist
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(60, func_only=True)
 def test_run_trace_records_meshmorphs_action_order_per_rank_and_compare_reads_it(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    spawn(_job, PP, (str(tmp_path),), timeout_s=110, collective_timeout_s=60)
+        world4: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = part_folder(world4, "run_trace")
     for name in SCHEDULES:
-        path = tmp_path / name / "trace.json"
+        path = folder / name / "trace.json"
         meta = json.loads(path.read_text())
         assert (meta["schedule"], meta["pp"], meta["microbatches"], meta["steps"]) == \
             (name, PP, M, 2)
@@ -71,6 +84,6 @@ def test_run_trace_records_meshmorphs_action_order_per_rank_and_compare_reads_it
             mine = sorted((op for op in ops if op[0] == rank), key=lambda op: op[4])
             assert [f"{s}{k}{j}" for _, k, s, j, _, _ in mine] == expected[rank] * 2, (name, rank)
             assert all(a[5] <= b[4] for a, b in zip(mine, mine[1:], strict=False)), (name, rank)
-        assert main(["timeline", "--compare", str(tmp_path / name)]) == 0
+        assert main(["timeline", "--compare", str(folder / name)]) == 0
         out = capsys.readouterr().out
         assert out.startswith("simulated ") and " ms per step, measured " in out

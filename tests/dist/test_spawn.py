@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from spawn import SpawnError, spawn
+
+from tests.helpers.spawn import SpawnError, spawn
 
 
 def fail_while_peer_hangs(rank: int, world_size: int) -> None:

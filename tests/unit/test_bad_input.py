@@ -11,22 +11,9 @@ from pathlib import Path
 import pytest
 
 from meshmorph.cli import main as cli_main
+from tests.helpers.jobs import gpt_tiny_job
 
-JOB = """
-[model]
-source = "gpt-tiny"
-seq_len = 32
-[data]
-kind = "synthetic"
-seed = 1
-[train]
-steps = 4
-global_batch = 8
-micro_batch = 2
-[optim]
-lr = 1e-3
-grad_clip = 1.0
-"""
+JOB = gpt_tiny_job(steps=4, optim={"lr": 1e-3, "grad_clip": 1.0})
 PLAN = {"model": "gpt-tiny", "seq_len": 32, "global_batch": 8, "dp": 2, "micro_batch": 2,
         "num_microbatches": 2, "dtype": "fp32"}
 CLUSTER = """
@@ -80,9 +67,9 @@ JOB_CASES = [
     ("table not value", JOB.replace('kind = "synthetic"', "kind = 3"), ["[data] kind must be str"]),
     ("negative steps", JOB.replace("steps = 4", "steps = -4"),
      ["[train] steps must be at least 1, got -4"]),
-    ("lr inf", JOB.replace("lr = 1e-3", "lr = inf"), ["[optim] lr must be a finite number, got inf"]),
-    ("lr nan", JOB.replace("lr = 1e-3", "lr = nan"), ["[optim] lr must be a finite number, got nan"]),
-    ("negative lr", JOB.replace("lr = 1e-3", "lr = -1e-3"), ["[optim] needs 0 <= min_lr <= lr"]),
+    ("lr inf", JOB.replace("lr = 0.001", "lr = inf"), ["[optim] lr must be a finite number, got inf"]),
+    ("lr nan", JOB.replace("lr = 0.001", "lr = nan"), ["[optim] lr must be a finite number, got nan"]),
+    ("negative lr", JOB.replace("lr = 0.001", "lr = -1e-3"), ["[optim] needs 0 <= min_lr <= lr"]),
     ("grad_clip -1", JOB.replace("grad_clip = 1.0", "grad_clip = -1"),
      ["[optim] grad_clip must be >= 0 (0 disables clipping), got -1.0"]),
     ("beta2 1.5", JOB.replace("grad_clip = 1.0", "beta2 = 1.5"),

@@ -20,21 +20,9 @@ from meshmorph.run.job import load_job
 from meshmorph.run.launch.launcher import default_plan
 from meshmorph.run.launch.run_folder import RunLock
 from meshmorph.spec.catalog import load_model
+from tests.helpers.jobs import gpt_tiny_job
 
-JOB = """
-[model]
-source = "gpt-tiny"
-seq_len = 32
-[data]
-kind = "synthetic"
-seed = 1
-[train]
-steps = 8
-global_batch = 8
-micro_batch = 2
-[checkpoint]
-every = 2
-"""
+JOB = gpt_tiny_job(steps=8, checkpoint={"every": 2})
 
 
 @pytest.fixture(autouse=True)

@@ -21,6 +21,7 @@ from meshmorph.spec.model import LayerKind, Recompute
 from meshmorph.spec.plan import Plan, PlanError
 from meshmorph.spec.runnable import refuse_context_parallel
 from meshmorph.spec.transformer import TransformerShape, build_transformer
+from tests.helpers.jobs import gpt_tiny_job
 
 SEQ = 32_768
 MODEL = build_transformer(TransformerShape(name="cp-llama", arch="llama", num_layers=2,
@@ -214,8 +215,7 @@ def test_meshmorph_run_refuses_a_cp_plan_before_any_process_starts(
     monkeypatch.setattr("subprocess.Popen", refuse)
     folder = Path(str(tmp_path))
     job = folder / "job.toml"
-    job.write_text('[model]\nsource = "gpt-tiny"\nseq_len = 32\n[data]\nkind = "synthetic"\n'
-                   'seed = 1\n[train]\nsteps = 2\nglobal_batch = 8\nmicro_batch = 2\n')
+    job.write_text(gpt_tiny_job(steps=2))
     plan = Plan(model="gpt-tiny", seq_len=32, global_batch=8, cp=2, micro_batch=2,
                 num_microbatches=4)
     (folder / "plan.json").write_text(plan.to_json())
@@ -247,7 +247,7 @@ def test_exact_planner_equals_the_independent_brute_force_with_cp_searched() -> 
     planner, on its random instances with cp searched at every sequence length."""
     import random
 
-    import test_planner_exact_independent as independent
+    from tests.unit import test_planner_exact_independent as independent
 
     rng = random.Random(20_251_124)
     compared = with_cp = 0

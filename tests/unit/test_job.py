@@ -8,33 +8,13 @@ import pytest
 
 from meshmorph.run.config import OptimConfig
 from meshmorph.run.job import load_job
+from tests.helpers.jobs import gpt_tiny_job
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "jobs"
 
-FULL = """
-[model]
-source = "gpt-tiny"
-seq_len = 32
-[data]
-kind = "text"
-path = "data/t.txt"
-seed = 4
-[train]
-steps = 12
-global_batch = 8
-micro_batch = 2
-seed = 3
-[optim]
-lr = 1e-3
-min_lr = 0
-warmup_steps = 2
-[checkpoint]
-every = 5
-keep = 3
-dir = "ckpt"
-[run]
-out_dir = "runs/x"
-"""
+FULL = gpt_tiny_job(steps=12, data={"kind": "text", "path": "data/t.txt", "seed": 4},
+                    train={"seed": 3}, optim={"lr": 1e-3, "min_lr": 0, "warmup_steps": 2},
+                    checkpoint={"every": 5, "keep": 3, "dir": "ckpt"}, run={"out_dir": "runs/x"})
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -72,10 +52,10 @@ def test_minimal_job_file_takes_defaults(tmp_path: Path) -> None:
     (("steps = 12", 'steps = "12"'), r"job\.toml: \[train\] steps must be int, got '12'"),
     (("steps = 12", "steps = 12.5"), r"\[train\] steps must be int, got 12\.5"),
     (("every = 5", "every = true"), r"\[checkpoint\] every must be int, got True"),
-    (("lr = 1e-3", 'lr = "fast"'), r"\[optim\] lr must be float, got 'fast'"),
+    (("lr = 0.001", 'lr = "fast"'), r"\[optim\] lr must be float, got 'fast'"),
     (('kind = "text"', 'kind = "images"'), r"\[data\] kind must be 'synthetic' or 'text'"),
     (("micro_batch = 2", "micro_batch = 3"), r"micro_batch 3 does not divide global_batch 8"),
-    (("lr = 1e-3", "lr = -1.0"), r"job\.toml: \[optim\] needs 0 <= min_lr <= lr"),
+    (("lr = 0.001", "lr = -1.0"), r"job\.toml: \[optim\] needs 0 <= min_lr <= lr"),
     (("[model]", "model = 3\n[models]"), r"unknown section \[models\]"),
 ])
 def test_mistakes_are_refused_naming_file_and_key(tmp_path: Path, edit: tuple[str, str],

@@ -5,7 +5,6 @@ install and parts priced from those counts (hand-computed)."""
 from __future__ import annotations
 
 import pytest
-from test_layout import plan_for
 
 from meshmorph.elastic.moves.build_counts import build_counts
 from meshmorph.elastic.moves.layout import layout_of
@@ -13,6 +12,7 @@ from meshmorph.elastic.moves.move_plan import plan_move
 from meshmorph.elastic.moves.move_time import PARTS, MoveTimeModel, move_time
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.cluster import parse_cluster
+from tests.unit.test_layout import plan_for
 
 PLANS = [dict(dp=4, zero=3, global_batch=8, num_microbatches=2),
          dict(pp=2, dp=2, global_batch=8, num_microbatches=4),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import pytest
-from test_layout import plan_for
 
 from meshmorph.elastic.moves.choose_plan import rank_choices
 from meshmorph.elastic.moves.layout import layout_of
@@ -15,6 +14,7 @@ from meshmorph.elastic.moves.move_time import MoveTimeModel, move_time
 from meshmorph.elastic.moves.placement import ReshapeError
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.cluster import parse_cluster
+from tests.unit.test_layout import plan_for
 
 SLOW_LINK = MoveTimeModel(fixed_s=0.0, p2p_alpha_s=1e-3, p2p_beta_s_per_byte=1e-5)
 """100 kB/s: a move of a few MB costs seconds, as a large model's move does on real links."""

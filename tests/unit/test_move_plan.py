@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from test_layout import plan_for
 
 from meshmorph.elastic.moves.layout import DTYPE_BYTES, Layout, layout_of
 from meshmorph.elastic.moves.move_plan import FROM_CHECKPOINT, MovePlan, plan_move
@@ -19,6 +18,7 @@ from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan, PlanError
 from meshmorph.spec.transformer import TransformerShape, build_transformer
+from tests.unit.test_layout import plan_for
 
 GLOBAL_BATCH = 12
 NUMPY = {"fp32": np.float32, "int64": np.int64, "uint8": np.uint8}

@@ -8,12 +8,12 @@ from __future__ import annotations
 import itertools
 
 from hypothesis import given, settings
-from test_layout import plan_for
-from test_move_plan import reshapes
 
 from meshmorph.elastic.moves.layout import Layout, layout_of
 from meshmorph.elastic.moves.move_plan import plan_move
 from meshmorph.spec.catalog import catalog_model
+from tests.unit.test_layout import plan_for
+from tests.unit.test_move_plan import reshapes
 
 
 def hall_optimum_and_slack(move, a: Layout) -> tuple[float, int]:  # type: ignore[no-untyped-def]

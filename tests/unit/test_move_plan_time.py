@@ -4,7 +4,6 @@ devices, the busiest direction of the busiest device, plus the fixed cost (hand-
 from __future__ import annotations
 
 import pytest
-from test_layout import plan_for
 
 from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.elastic.moves.layout import layout_of
@@ -12,6 +11,7 @@ from meshmorph.elastic.moves.move_plan import plan_move
 from meshmorph.elastic.moves.move_time import MoveTimeModel, move_time, node_of, predict_move_time_s
 from meshmorph.spec.catalog import catalog_model
 from meshmorph.spec.cluster import parse_cluster
+from tests.unit.test_layout import plan_for
 
 EFFICIENCY = CostCoefficients().link_efficiency  # the cost model's achieved fraction of nominal
 NDR = 400 / 8 * 1e9 * EFFICIENCY  # ib-ndr per GPU

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from test_plan_cli import PNG_MAGIC, run_cli
+from tests.unit.test_plan_cli import PNG_MAGIC, run_cli
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        rank, failure = _cause(exc)
         how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
                else f"exited with code {failure.exitcode}")
         others = sorted(set(exc.failures) - {rank})
@@ -30,6 +30,18 @@ def main(argv: list[str] | None = None) -> int:
     except SignalException as exc:
         return 128 + int(exc.sigval)
     return 0
+
+
+def _cause(exc):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+    """(rank, failure) that stopped the job: a rank killed by a signal where one was (the ranks
+    it left waiting then fail on their collectives, and torch may see one of them first), else
+    the first to fail."""
+    killed = sorted((failure.timestamp, rank) for rank, failure in exc.failures.items()
+                    if failure.exitcode < 0)
+    if killed:
+        rank = killed[0][1]
+        return rank, exc.failures[rank]
+    return exc.get_first_failure()
 
 
 if __name__ == "__main__":

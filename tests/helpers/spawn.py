@@ -19,8 +19,10 @@ __all__ = ["SpawnError", "spawn"]
 
 
 def spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), *,
-          timeout_s: float = 300.0, collective_timeout_s: float = 120.0) -> list[str]:
+          timeout_s: float = 300.0, collective_timeout_s: float = 120.0,
+          nice: int = 0) -> list[str]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; returns each rank's
-    output. ``fn`` must be importable (a module-level function)."""
+    output. ``fn`` must be importable (a module-level function); ``nice``: the ranks' CPU
+    priority increment (19: only what other work leaves)."""
     return _spawn(fn, world_size, args, timeout_s=timeout_s, backend="gloo",
-                  collective_timeout_s=collective_timeout_s)
+                  collective_timeout_s=collective_timeout_s, nice=nice)

@@ -34,7 +34,7 @@ what its caller adds), not what a foreground test set for a moment (``MASTER_POR
 def _command(args: list[str], nice: int) -> list[str]:
     """``meshmorph ARGS``; with ``nice``, under ``nice -n NICE`` (every process it starts
     inherits the priority)."""
-    command = [sys.executable, "-m", "meshmorph.cli.app", *args]
+    command = [sys.executable, "-m", "meshmorph", *args]
     tool = shutil.which("nice") if nice else None
     return [tool, "-n", str(nice), *command] if tool else command
 

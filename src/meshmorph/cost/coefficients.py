@@ -1,12 +1,10 @@
 """The few coefficients of the cost model, shared by every estimate.
 
-The three fitted defaults (matmul_efficiency, elementwise_passes, link_efficiency) are
-least-squares fits, rounded, over the 32 Megatron-LM runs (Narayanan et al. 2021 Table 1, the
-Megatron-LM README tables of 2020-09 and 2021-01) and are used unchanged for every GPU.
-``python bench/calibrate.py`` fits them again, with eager_elementwise_passes and the 500 W
-H100's own GEMM ceiling, over 46 published runs (those 32 and torchtitan's 14) and reports the
-in-sample and leave-one-out error; see docs/cost-model.md for the source of every coefficient.
-A Profile measured on real hardware overrides them.
+The three fitted ones (matmul_efficiency, elementwise_passes, link_efficiency) are least-squares
+fits, rounded, over 32 published runs (Narayanan et al. 2021 Table 1, the Megatron-LM README
+tables of 2020-09 and 2021-01; ``python bench/calibrate.py`` reports their in-sample and
+leave-one-out error) and are used unchanged for every GPU; see docs/cost-model.md for the source
+of every coefficient. A Profile measured on real hardware overrides them.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.gpus import gpu
 from meshmorph.spec.model import Recompute
 from meshmorph.spec.plan import Plan
-from meshmorph.spec.transformer import TransformerShape, build_transformer, causal_flash_share
+from meshmorph.spec.transformer import TransformerShape, build_transformer
 
 
 def test_wave_efficiency_counts_the_idle_slots_of_the_last_wave() -> None:
@@ -101,21 +101,3 @@ def test_selective_recompute_repeats_only_the_attention_cores_memory_traffic() -
         peak_eff / (312e12 * layer_efficiency(model, model.layers[1], 1, 2048, a100, "bf16", 2,
                                               0.63, 128)))
     assert full.recompute_s > sel.recompute_s
-
-
-def test_a_causal_flash_kernel_prices_half_the_attention_core_and_counts_it_whole() -> None:
-    # 16 query tiles of 128 at s = 2048: 16 x 17 / 2 of the 256 tiles run, 17/32
-    assert causal_flash_share(2048) == pytest.approx(17 / 32)
-    assert causal_flash_share(100) == 1.0  # one tile: the diagonal is all there is
-    flash, scores = _gpt(flash=True), _gpt(flash=False)
-    assert flash.attention_executed_share == pytest.approx(17 / 32)
-    assert scores.attention_executed_share == 1.0  # the scores are computed whole, then masked
-    block, a100, tokens = flash.layers[1], gpu("a100-80g"), 2048
-    assert block.fwd_flops_per_token == scores.layers[1].fwd_flops_per_token  # counted whole
-
-    def seconds(model):
-        eff = layer_efficiency(model, model.layers[1], 1, tokens, a100, "fp16", 2, 0.63, 128)
-        return block.fwd_flops_per_token * tokens / (312e12 * eff)
-
-    attention = 4.0 * 2048 * 2304 * tokens / (312e12 * 0.63)
-    assert seconds(scores) - seconds(flash) == pytest.approx(attention * 15 / 32)

@@ -8,9 +8,7 @@ ceiling * peak * tiles / (waves * S) (compute bound) and the arithmetic intensit
 2MNK / (c (MK + KN + MN)) times HBM bandwidth (memory bound), c the element bytes.
 
 Each layer's GEMMs are read from the ModelSpec's shape (GPT and Llama blocks, the head); FLOPs
-no GEMM accounts for (the attention core, a custom model's layers) run at the ceiling; of a
-block's attention core only the share its kernel executes (``ModelSpec.attention_executed_share``:
-about half for a causal flash kernel) takes time.
+no GEMM accounts for (the attention core, a custom model's layers) run at the ceiling.
 """
 
 from __future__ import annotations
@@ -63,8 +61,5 @@ def layer_efficiency(model: ModelSpec, layer: LayerSpec, tp: int, tokens: int, g
         seconds += gemm_time(tokens, n, k, gpu, dtype, element_bytes, ceiling, tile)
         gemm_flops += 2.0 * tokens * n * k
     rest = max(total - gemm_flops, 0.0)
-    if layer.kind == LayerKind.BLOCK:
-        # the attention core: a causal flash kernel executes only the tiles the mask keeps
-        rest *= model.attention_executed_share
     seconds += rest / (peak * ceiling)
     return total / (peak * seconds)

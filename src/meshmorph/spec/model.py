@@ -118,13 +118,6 @@ class ModelSpec:
     """Bytes per element of parameters and activations in training (2 for bf16/fp16)."""
     tp_splittable: bool = True
     """Whether tensor parallelism can split this model (False for traced custom modules)."""
-    attention_executed_share: float = 1.0
-    """Share of a block's attention-core FLOPs (QK^T and AV over the whole s x s score matrix, as
-    ``fwd_flops_per_token`` counts them, after Narayanan et al. 2021 Eq. 3) its kernel executes:
-    a causal flash kernel skips the key tiles above the diagonal, leaving (n + 1) / (2 n) of them
-    for n query tiles of 128 (``ATTENTION_TILE``), a kernel that writes the scores out
-    (Megatron-LM 2021) computes every one and masks them (1). The cost model prices the executed
-    FLOPs; the FLOP counts (hardware TFLOP/s, MFU) stay the full ones."""
 
     def __post_init__(self) -> None:
         if self.arch not in tuple(Arch):

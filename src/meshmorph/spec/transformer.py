@@ -16,9 +16,6 @@ if TYPE_CHECKING:
     pass
 
 VOCAB_MULTIPLE = 128
-ATTENTION_TILE = 128
-"""Query and key rows of one tile of a flash attention kernel (FlashAttention-2's forward on
-A100 and H100 takes 128 queries per block): a causal kernel computes the diagonal tiles whole."""
 """The runtime pads the vocabulary to a multiple of this (tensor-core friendly head and embedding
 matmuls on GPUs; every tensor-parallel degree up to 128 that is a power of two divides it)."""
 
@@ -292,12 +289,4 @@ def build_transformer(shape: TransformerShape) -> ModelSpec:
         seq_len=s,
         tied_embeddings=shape.tied,
         dtype_bytes=shape.dtype_bytes,
-        attention_executed_share=causal_flash_share(s) if shape.flash else 1.0,
     )
-
-
-def causal_flash_share(seq_len: int, tile: int = ATTENTION_TILE) -> float:
-    """Share of the full s x s attention FLOPs a causal flash kernel executes: of n x n tiles
-    (n = ceil(s / tile)) it computes the n (n + 1) / 2 on and below the diagonal."""
-    n = -(-seq_len // tile)
-    return (n + 1) / (2 * n)

@@ -1,9 +1,10 @@
 """The few coefficients of the cost model, shared by every estimate.
 
 The three fitted ones (matmul_efficiency, elementwise_passes, link_efficiency) are least-squares
-fits, rounded, over 32 published runs (Narayanan et al. 2021 Table 1, the Megatron-LM README
-tables of 2020-09 and 2021-01; ``python bench/calibrate.py`` reports their in-sample and
-leave-one-out error) and are used unchanged for every GPU; see docs/cost-model.md for the source
+fits, rounded, over the 32 published Megatron-LM runs (Narayanan et al. 2021 Table 1, the
+Megatron-LM README tables of 2020-09 and 2021-01); ``python bench/calibrate.py`` refits them
+with torchtitan's runs over 46 and reports in-sample and leave-one-out error. They are used
+unchanged for every GPU; see docs/cost-model.md for the source
 of every coefficient. A Profile measured on real hardware overrides them.
 """
 

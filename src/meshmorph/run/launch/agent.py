@@ -8,6 +8,7 @@ instead of torchrun's own traceback, and exits with 1. A signal that stops the a
 
 from __future__ import annotations
 
+import signal
 import sys
 
 
@@ -32,16 +33,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+AGENT_KILL_AFTER_S = 10
+"""A rank SIGKILLed this long or more after the first failure was killed by the agent stopping
+the job (torch's agent sends SIGTERM, then SIGKILL after a 30 s grace): a casualty, not the
+cause."""
+
+
 def _cause(exc):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
-    """(rank, failure) that stopped the job: a rank killed by a signal where one was (the ranks
-    it left waiting then fail on their collectives, and torch may see one of them first), else
-    the first to fail."""
+    """(rank, failure) that stopped the job: a rank SIGKILLed from outside where one was (the
+    ranks it left waiting then fail on their collectives, and torch may see one of them
+    first), else the first to fail."""
+    first = exc.get_first_failure()
     killed = sorted((failure.timestamp, rank) for rank, failure in exc.failures.items()
-                    if failure.exitcode < 0)
+                    if failure.exitcode == -signal.SIGKILL
+                    and failure.timestamp - first[1].timestamp < AGENT_KILL_AFTER_S)
     if killed:
         rank = killed[0][1]
         return rank, exc.failures[rank]
-    return exc.get_first_failure()
+    return first
 
 
 if __name__ == "__main__":

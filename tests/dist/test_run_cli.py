@@ -39,14 +39,15 @@ def test_text_file_example_trains_on_2_procs_one_metric_line_per_step_and_loss_f
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(330)
 def test_ctrl_c_finishes_the_step_saves_and_prints_the_resume_command(
         tmp_path: Path) -> None:
     job = tmp_path / "long.toml"
     job.write_text(text_file_job(steps=100000, every=3))
     run_dir, log = tmp_path / "run", tmp_path / "out.log"
     proc = start_cli(["run", "--config", str(job), "--nproc", "2", "--out", str(run_dir)], log)
-    deadline = time.monotonic() + 120
+    # the suite's background worlds share the 2 cores: a start-up there took over 120 s once
+    deadline = time.monotonic() + 270
     while len(records(run_dir)) < 7 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert proc.poll() is None and len(records(run_dir)) >= 7, log.read_text()

@@ -44,11 +44,13 @@ class RankBound:
                  modes: tuple[Recompute, ...], tail_line: tuple[float, float] | None = None):
         """``tail_line``: ``tail_line(cost, plan, gpu)``, when the caller has it (every rank of
         a plan on one GPU type shares it)."""
-        coster = cost.coster(plan.dtype, plan.cp, plan.tp_comm_overlap)
+        coster = cost.coster(plan)
         model = cost.model
         b, tp, sp = plan.micro_batch, plan.tp, plan.sequence_parallel
         self.terms = terms = rank_memory_terms(cost, plan, k, gpu)
-        fixed = [*(run.prefix if k == 0 else ()), *(run.suffix if k == plan.pp - 1 else ())]
+        # the embedding's chunk is rank 0's; the head's is the last rank's, or rank 0's in a V
+        head_rank = plan.pp_rank_of_chunk(plan.num_chunks - 1)
+        fixed = [*(run.prefix if k == 0 else ()), *(run.suffix if k == head_rank else ())]
         # fixed layers at their fastest and at their smallest, each on its own (a relaxation)
         self.fixed_work = self.fixed_fwd = self.fixed_wgrad = self.fixed_params = 0.0
         self.fixed_stored = 0.0

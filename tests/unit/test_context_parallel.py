@@ -82,9 +82,9 @@ def test_cp_1_prices_as_a_plan_that_never_names_cp() -> None:
     assert named.to_dict() == unnamed.to_dict()
     assert "cp_comm_exposed" not in named.breakdown_s
     # the layer coster for cp 1 is the one built before cp existed (no ring, full tokens)
-    legacy = cost.coster("bf16")
+    legacy = cost.layer_coster("bf16")
     gpu = cost.default_gpu()
-    assert cost.coster("bf16", 1) is legacy
+    assert cost.layer_coster("bf16", cp=1) is legacy
     assert legacy.layer(BLOCK, gpu, 1, 1, False, Recompute.NONE).cp_comm_s == 0.0
 
 
@@ -92,8 +92,8 @@ def test_cp_2_halves_activation_bytes_and_flops() -> None:
     cost = CostModel(MODEL, parse_cluster("h100:1x8"))
     gpu = cost.default_gpu()
     for index in range(MODEL.num_layers):
-        one = cost.coster("bf16", 1).layer(index, gpu, 1, 1, False, Recompute.NONE)
-        two = cost.coster("bf16", 2).layer(index, gpu, 1, 1, False, Recompute.NONE)
+        one = cost.layer_coster("bf16", cp=1).layer(index, gpu, 1, 1, False, Recompute.NONE)
+        two = cost.layer_coster("bf16", cp=2).layer(index, gpu, 1, 1, False, Recompute.NONE)
         assert two.activation_bytes == one.activation_bytes / 2
         assert two.flops == one.flops / 2
     one = cost.estimate(_plan(cp=1, dp=2))
@@ -138,10 +138,10 @@ def test_the_ring_by_hand_on_a_slow_link() -> None:
 def test_the_ring_crosses_nodes_once_tp_x_cp_leaves_one() -> None:
     cost = CostModel(MODEL, parse_cluster("h100:2x4"))
     gpu = cost.default_gpu()
-    assert cost.coster("bf16", 4).cp_link(gpu.name, 1) == cost.intra[gpu.name]
-    assert cost.coster("bf16", 4).cp_link(gpu.name, 2) == cost.inter
-    slow = cost.coster("bf16", 4).layer(BLOCK, gpu, 1, 2, False, Recompute.NONE)
-    fast = cost.coster("bf16", 4).layer(BLOCK, gpu, 1, 1, False, Recompute.NONE)
+    assert cost.layer_coster("bf16", cp=4).cp_link(gpu.name, 1) == cost.intra[gpu.name]
+    assert cost.layer_coster("bf16", cp=4).cp_link(gpu.name, 2) == cost.inter
+    slow = cost.layer_coster("bf16", cp=4).layer(BLOCK, gpu, 1, 2, False, Recompute.NONE)
+    fast = cost.layer_coster("bf16", cp=4).layer(BLOCK, gpu, 1, 1, False, Recompute.NONE)
     assert slow.cp_comm_s >= 0.0 and fast.cp_comm_s >= 0.0
 
 

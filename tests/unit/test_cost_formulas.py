@@ -22,7 +22,7 @@ from meshmorph.spec.transformer import TransformerShape, build_transformer
 # Korthikanti's block: attention that keeps its scores, with dropout (as Megatron-LM 2021 ran)
 GPT = build_transformer(TransformerShape(name="gpt-1k", arch="gpt", num_layers=4, hidden_size=1024,
                                          num_heads=16, vocab_size=50304, seq_len=2048,
-                                         flash_attention=False, dropout=True))
+                                         flash_attention=False, dropout=True, runtime=False))
 A100 = gpu("a100-80g")
 
 
@@ -86,7 +86,7 @@ S, B, H, A, T = 2048, 2, 1024, 16, 4
 
 
 def _block_activation(tp: int, sp: bool, mode: Recompute, dtype: str = "bf16") -> float:
-    coster = CostModel(GPT, parse_cluster("a100-80g:1x8")).coster(dtype)
+    coster = CostModel(GPT, parse_cluster("a100-80g:1x8")).layer_coster(dtype)
     return coster.layer(1, A100, B, tp, sp, mode).activation_bytes
 
 
@@ -110,7 +110,7 @@ def test_fp32_activations_are_twice_the_16_bit_ones() -> None:
 
 
 def test_full_recompute_working_set_is_one_layer_without_recompute_minus_its_input() -> None:
-    coster = CostModel(GPT, parse_cluster("a100-80g:1x8")).coster("bf16")
+    coster = CostModel(GPT, parse_cluster("a100-80g:1x8")).layer_coster("bf16")
     cost = coster.layer(1, A100, B, 1, False, Recompute.FULL)
     assert cost.working_bytes == pytest.approx(S * B * H * (34 + 5 * A * S / H) - 2 * S * B * H)
 

@@ -75,7 +75,7 @@ def test_memory_bound_passes_add_time_proportional_to_saved_activations() -> Non
     costs = {}
     for passes in (0.0, 3.0, 6.0):
         cost = CostModel(model, cluster, replace(base, elementwise_passes=passes))
-        costs[passes] = cost.coster("bf16").layer(block, cluster.groups[0].gpu, 1, 1, False,
+        costs[passes] = cost.layer_coster("bf16").layer(block, cluster.groups[0].gpu, 1, 1, False,
                                                    Recompute.NONE)
     act = costs[0.0].activation_bytes  # bytes of this micro-batch, no recompute
     one_pass = act / 2039e9
@@ -88,7 +88,7 @@ def test_memory_bound_passes_add_time_proportional_to_saved_activations() -> Non
 def test_selective_recompute_repeats_only_the_attention_cores_memory_traffic() -> None:
     model = _gpt(flash=False)  # attention that keeps its scores: selective recompute drops them
     cluster = parse_cluster("a100-80g:1x1")
-    coster = CostModel(model, cluster, CostCoefficients(elementwise_passes=3.0)).coster("bf16")
+    coster = CostModel(model, cluster, CostCoefficients(elementwise_passes=3.0)).layer_coster("bf16")
     a100 = cluster.groups[0].gpu
     none, sel, full = (coster.layer(1, a100, 1, 1, False, r)
                        for r in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL))

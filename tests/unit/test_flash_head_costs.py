@@ -19,7 +19,7 @@ import pytest
 from meshmorph.cost import comm
 from meshmorph.cost.calibration import published_runs
 from meshmorph.cost.model import CostModel
-from meshmorph.cost.rank_terms import head_loss_bytes, rank_memory_terms
+from meshmorph.cost.rank_terms import LOSS_BLOCK_BYTES, head_loss_bytes, rank_memory_terms
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import MODEL_CATALOG, catalog_model
 from meshmorph.spec.cluster import parse_cluster
@@ -104,14 +104,17 @@ def _pp2(model_name: str = "gpt3-1.3b", *, tp: int = 1, schedule: Schedule = Sch
 def test_the_loss_buffers_sit_on_the_rank_with_the_head_only(tp: int) -> None:
     cost, plan = _pp2(tp=tp)
     gpu = cost.default_gpu()
-    # 8 bytes per (padded) logit: the fp32 copy of the logits and their gradient, b s V / t
-    assert head_loss_bytes(cost, plan, 1) == 8 * VP * 2 * S / tp
+    # over vocabulary shards (tp 2): 8 bytes per (padded) logit, the fp32 copy of the logits and
+    # their gradient, b s V / t; over whole logits (tp 1): the bf16 product and one row block's
+    # two fp32 temporaries (run/model/loss.py)
+    loss = 8 * VP * 2 * S / tp if tp > 1 else 2 * VP * 2 * S + 2 * LOSS_BLOCK_BYTES
+    assert head_loss_bytes(cost, plan, 1) == loss
     assert head_loss_bytes(cost, plan, 0) == 0.0
     reserve = cost.coef.context_bytes + cost.coef.memory_reserve_fraction * gpu.memory_bytes
     assert rank_memory_terms(cost, plan, 0, gpu).reserved_bytes == reserve
-    assert rank_memory_terms(cost, plan, 1, gpu).reserved_bytes == reserve + 8 * VP * 2 * S / tp
+    assert rank_memory_terms(cost, plan, 1, gpu).reserved_bytes == reserve + loss
     estimate = cost.estimate(plan)
-    assert estimate.memory[1].reserved - estimate.memory[0].reserved == 8 * VP * 2 * S / tp
+    assert estimate.memory[1].reserved - estimate.memory[0].reserved == loss
 
 
 def test_the_tied_embedding_gradient_is_all_reduced_between_the_end_ranks() -> None:

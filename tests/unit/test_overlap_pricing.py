@@ -94,8 +94,8 @@ def test_tp_comm_overlap_hides_at_most_the_ring_steps_after_the_first() -> None:
     gpu = cost.default_gpu()
     off = _plan(tp=2, dp=1, global_batch=2, sequence_parallel=True)
     on = replace(off, tp_comm_overlap=True)
-    lay_off = cost.coster("bf16").layer(1, gpu, 1, 2, True, Recompute.NONE)
-    lay_on = cost.coster("bf16", 1, True).layer(1, gpu, 1, 2, True, Recompute.NONE)
+    lay_off = cost.layer_coster("bf16").layer(1, gpu, 1, 2, True, Recompute.NONE)
+    lay_on = cost.layer_coster("bf16", tp_comm_overlap=True).layer(1, gpu, 1, 2, True, Recompute.NONE)
     fwd_comm = lay_off.fwd_s - lay_on.fwd_s  # what overlap saved in forward
     total = MODEL.layers[1].tp_allreduces_fwd * comm.all_reduce(
         2, 1024 * MODEL.hidden_size * 2, cost.intra[gpu.name])

@@ -51,12 +51,16 @@ class Instance:
     megatron_2021: bool = False
     """Attention that keeps its s x s scores, and dropout (as Megatron-LM 2021 ran); False: as
     meshmorph's runtime runs (flash attention, no dropout)."""
+    compile: bool = True
+    """``Plan.compile`` of every plan (the fixed cases were chosen under compiled prices; the
+    drawn ones try both)."""
 
     def model(self) -> ModelSpec:
         return build_transformer(TransformerShape(
             name="tiny", arch=self.arch, num_layers=self.blocks, hidden_size=self.hidden,
             num_heads=self.heads, vocab_size=self.vocab, seq_len=self.seq_len,
-            flash_attention=not self.megatron_2021, dropout=self.megatron_2021))
+            flash_attention=not self.megatron_2021, dropout=self.megatron_2021,
+            runtime=not self.megatron_2021))
 
     def spec(self) -> Cluster:
         return parse_cluster(self.cluster)
@@ -67,7 +71,7 @@ class Instance:
             zero_stages=self.zero_stages, schedules=self.schedules,
             sequence_parallel=self.sequence_parallel, max_vpp=self.max_vpp,
             tp_degrees=self.tp_degrees, pp_degrees=self.pp_degrees,
-            dtype="fp32" if self.cluster.startswith("cpu") else "bf16")
+            dtype="fp32" if self.cluster.startswith("cpu") else "bf16", compile=self.compile)
 
     def plans_to_score(self) -> int:
         model, options = self.model(), self.options()
@@ -95,6 +99,7 @@ def instances(draw: st.DrawFn) -> Instance:
         sequence_parallel=draw(st.sampled_from(((False,), (True,), (False, True)))),
         max_micro_batch=draw(st.integers(1, 3)),
         max_vpp=draw(st.integers(2, 3)),
+        compile=draw(st.booleans()),
         pp_degrees=draw(st.sampled_from((None, (2,), (4,)))),
     )
 
@@ -131,8 +136,8 @@ INTERLEAVED_MIXED = Instance(
     arch="gpt", blocks=4, hidden=256, heads=4, seq_len=8192, vocab=8000, cluster=MIXED,
     global_batch=8, zero_stages=(2,), schedules=(Schedule.INTERLEAVED,), sequence_parallel=(False,),
     max_micro_batch=2)
-ZERO_BUBBLE_ZERO2_MIXED = Instance(
-    arch="llama", blocks=3, hidden=512, heads=8, seq_len=8192, vocab=32000, cluster=MIXED,
+ZERO_BUBBLE_ZERO2_MIXED = Instance(  # a 32000 vocabulary's loss makes tp 2 x dp 1 the best
+    arch="llama", blocks=3, hidden=512, heads=8, seq_len=8192, vocab=8000, cluster=MIXED,
     global_batch=8, zero_stages=(2,), schedules=(Schedule.ZERO_BUBBLE,),
     sequence_parallel=(False, True), max_micro_batch=2)
 ASYNC_PP2 = Instance(
@@ -242,6 +247,7 @@ def test_zero_bubble_planner_finds_the_brute_force_partition_on_two_ranks() -> N
                         schedules=(Schedule.ZERO_BUBBLE,), sequence_parallel=(False,),
                         max_micro_batch=1, tp_degrees=(1,), pp_degrees=(2,), megatron_2021=True)
     brute = _brute_step(instance)
-    # (36.643 s before the tied embedding's gradient all-reduce across the two ranks was priced)
-    assert brute == pytest.approx(36.67904388657778, rel=1e-9)
+    # (36.643 s before the tied embedding's gradient all-reduce across the two ranks was priced,
+    # 36.679 s before the loss was priced by the bytes its kernels move)
+    assert brute == pytest.approx(36.88875908657778, rel=1e-9)
     assert _planner_step(instance, tolerance=0.0) == pytest.approx(brute, rel=1e-9)

@@ -58,7 +58,7 @@ def test_rank_memory_terms_add_up_to_rank_memory_for_random_plans(cluster: str) 
     checked = 0
     for model, plan in _random_plans(rng, 60):
         cost = CostModel(model, spec)
-        coster = cost.coster(plan.dtype)
+        coster = cost.coster(plan)
         for k, stage in enumerate(plan.stages):
             layers = [coster.layer(i, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel, mode)
                       for i, mode in zip(range(stage.start, stage.stop), stage.recompute,

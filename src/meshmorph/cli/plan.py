@@ -73,7 +73,8 @@ def _plan(args: argparse.Namespace) -> int:
     model = load_model(args.model, args.seq_len)
     cluster = parse_cluster(args.cluster)
     layerwise = args.layerwise or args.uniform
-    options = SearchOptions(top_k=args.top, dtype=args.dtype, max_micro_batch=args.max_micro_batch,
+    options = SearchOptions(top_k=args.top, dtype=args.dtype, compile=args.compile,
+                            max_micro_batch=args.max_micro_batch,
                             tolerance=args.tolerance, max_nodes=args.max_nodes or None,
                             allow_async=args.allow_async,
                             weight_prediction=args.weight_prediction, cp_max=args.max_cp,
@@ -212,7 +213,7 @@ def build_plan(args: argparse.Namespace, model) -> Plan:  # type: ignore[no-unty
                 schedule=schedule, vpp=vpp, sequence_parallel=args.sequence_parallel,
                 dtype=args.dtype, overlap_grad_reduce=not args.no_overlap_grad_reduce,
                 tp_comm_overlap=args.tp_comm_overlap, fsdp_prefetch=not args.no_fsdp_prefetch,
-                overlap_param_gather=not args.no_overlap_param_gather)
+                overlap_param_gather=not args.no_overlap_param_gather, compile=args.compile)
     return plan.with_even_stages(model, recompute)
 
 
@@ -266,6 +267,9 @@ def _register_plan(subparsers: argparse._SubParsersAction) -> None:
                       help="sequence length (default: the model's own)")
     plan.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
     plan.add_argument("--dtype", choices=DTYPES, default="bf16", help="training dtype (default bf16)")
+    plan.add_argument("--compile", action="store_true",
+                      help="price (and run) every transformer block under torch.compile: fused "
+                          "elementwise kernels, fewer kept activations (default: eager)")
     plan.add_argument("--max-micro-batch", type=positive_int, default=16,
                       help="largest micro-batch size tried (default 16)")
     plan.add_argument("--tolerance", type=float, default=1e-3,
@@ -352,6 +356,9 @@ def _register_estimate(subparsers: argparse._SubParsersAction) -> None:
     est.add_argument("--sequence-parallel", action="store_true",
                      help="Megatron sequence parallelism (needs tp > 1)")
     est.add_argument("--dtype", choices=DTYPES, default="bf16", help="training dtype (default bf16)")
+    est.add_argument("--compile", action="store_true",
+                     help="price (and run) every transformer block under torch.compile: fused "
+                         "elementwise kernels, fewer kept activations (default: eager)")
     est.add_argument("--profile", type=Path, default=None,
                       help="a Profile JSON (meshmorph profile) replacing catalog figures")
     est.add_argument("--json", type=Path, default=None,

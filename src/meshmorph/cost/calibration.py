@@ -19,7 +19,8 @@ parameters and fp32 gradient reduce-scatters, the whole local batch one micro-ba
 tensor parallelism with sequence parallelism, async TP priced as tensor-parallel communication
 overlapped with its GEMMs (``Plan.tp_comm_overlap``), full, per-layer (every second block) or
 per-op selective checkpointing (``TransformerShape.selective = "op"``), and memory-bound ops
-unfused (``CostCoefficients.eager_elementwise_passes``) unless the run used torch.compile. They
+unfused (``Plan.compile`` false: ``CostCoefficients.eager_elementwise_passes``) unless the run
+used torch.compile. They
 publish tokens per second per GPU; the TFLOP/s compared is the step's hardware FLOPs as meshmorph
 counts them over the published step time, so its error is the error of the predicted throughput.
 Their out-of-memory rows are kept apart (``published_oom_runs``): they must be predicted not to fit.
@@ -73,9 +74,13 @@ class PublishedRun:
     meshmorph counts them over the published step time)."""
     published_tokens_per_s_per_gpu: float | None = None
     """Tokens per second per GPU as published (torchtitan), None where the source gives TFLOP/s."""
-    eager: bool = False
-    """The run's memory-bound ops ran unfused, one kernel each (torchtitan without
-    torch.compile): priced with ``eager_elementwise_passes``."""
+
+    @property
+    def eager(self) -> bool:
+        """The run's memory-bound ops ran unfused, one kernel each (torchtitan without
+        torch.compile): its plan says ``compile`` false, priced with
+        ``eager_elementwise_passes``."""
+        return not self.plan.compile
 
 
 def _cluster_text(entry: dict[str, Any]) -> str:
@@ -103,7 +108,7 @@ def _run(entry: dict[str, Any], source: str) -> PublishedRun:
         tied_embeddings=True,
         # Megatron-LM 2021 kept the s x s attention scores (no flash kernel) and trained with
         # hidden and attention dropout 0.1: its activations, not the ones meshmorph's runtime holds
-        flash_attention=False, dropout=True))
+        flash_attention=False, dropout=True, runtime=False))
     tp, pp, dp, batch = (par["tensor_parallel"], par["pipeline_parallel"], par["data_parallel"],
                          par["global_batch"])
     per_rank = batch // dp
@@ -120,8 +125,9 @@ def _run(entry: dict[str, Any], source: str) -> PublishedRun:
                 micro_batch=micro, num_microbatches=m, schedule=schedule, vpp=vpp, dtype="fp16",
                 reduce_dtype="fp16",
                 # Megatron-LM 2020-21 had neither --overlap-grad-reduce nor --tp-comm-overlap:
-                # gradients were all-reduced after the backward (Narayanan et al. 2021, sec. 3)
-                overlap_grad_reduce=False, tp_comm_overlap=False)
+                # gradients were all-reduced after the backward (Narayanan et al. 2021, sec. 3);
+                # its fused kernels (LayerNorm, bias-GeLU, masked softmax) price as compiled ones
+                overlap_grad_reduce=False, tp_comm_overlap=False, compile=True)
     return PublishedRun(id=entry["id"], source=source, model=model,
                         cluster=parse_cluster(_cluster_text(entry)),
                         plan=plan.with_even_stages(model, Recompute.FULL),
@@ -187,7 +193,8 @@ def _torchtitan_run(entry: dict[str, Any], source: str) -> PublishedRun | None:
     dp = total // tp
     plan = Plan(model=entry["id"], seq_len=seq, global_batch=dp * local, tp=tp, dp=dp,
                 zero=ZeroStage.PARAMETERS, micro_batch=local, num_microbatches=1,
-                sequence_parallel=tp > 1, tp_comm_overlap=bool(par["async_tp"]))
+                sequence_parallel=tp > 1, tp_comm_overlap=bool(par["async_tp"]),
+                compile=bool(par["compile"]))
     plan = _recompute(model, plan, par["activation_checkpoint"])
     cluster = _torchtitan_cluster(entry)
     tokens = pub["tokens_per_s_per_gpu"]
@@ -200,8 +207,7 @@ def _torchtitan_run(entry: dict[str, Any], source: str) -> PublishedRun | None:
     step_s = plan.global_batch * seq / (tokens * total)
     return PublishedRun(id=entry["id"], source=source, model=model, cluster=cluster, plan=plan,
                         published_tflops=estimate.tflops_per_gpu * estimate.step_time_s / step_s,
-                        published_tokens_per_s_per_gpu=float(tokens),
-                        eager=not par["compile"])
+                        published_tokens_per_s_per_gpu=float(tokens))
 
 
 @cache
@@ -228,15 +234,9 @@ def published_oom_runs() -> tuple[PublishedRun, ...]:
     return tuple(run for run in _all_runs() if run.published_tflops <= 0)
 
 
-def run_coefficients(run: PublishedRun, coef: CostCoefficients) -> CostCoefficients:
-    """The coefficients a run is priced with: the eager passes where its kernels were unfused."""
-    return replace(coef, elementwise_passes=coef.eager_elementwise_passes) if run.eager else coef
-
-
 def predicted_tflops(run: PublishedRun, coef: CostCoefficients) -> float:
     """Hardware TFLOP/s per GPU the cost model predicts for the run's layout."""
-    return CostModel(run.model, run.cluster, run_coefficients(run, coef)).estimate(
-        run.plan).tflops_per_gpu
+    return CostModel(run.model, run.cluster, coef).estimate(run.plan).tflops_per_gpu
 
 
 def coefficient(coef: CostCoefficients, name: str) -> float:

@@ -37,6 +37,11 @@ class CostCoefficients:
     products, SiLU and the gate product, about 12 passes over the saved activations); the fused
     kernels of Megatron-LM and of torch.compile make ``elementwise_passes``. Calibration prices
     the published runs that state eager execution with it."""
+    loss_bandwidth_efficiency: float = 0.5
+    """Fraction of HBM bandwidth the loss's memory-bound kernels reach over the logits (the
+    fp32 log-softmax forward and backward, nll's gradient, the cast back to the logits' dtype:
+    ``cost.layer_cost.loss_bytes_per_logit``): on an H200 (torch 2.11) they moved those bytes at
+    about 2.4 TB/s of the 4.8 nominal (bench/results/gpu_suite.json, kernel time by kind)."""
     gpu_matmul_efficiency: tuple[tuple[str, float], ...] = ()
     """(GPU name, ceiling) pairs that replace ``matmul_efficiency`` for those GPUs: a part whose
     sustained clock is not its data sheet's (a power limit below the board's rating) reaches its

@@ -14,7 +14,7 @@ from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.gemm import layer_efficiency
 from meshmorph.cost.profile import Profile
 from meshmorph.spec.gpus import GPUSpec
-from meshmorph.spec.model import LayerKind, LayerSpec, ModelSpec, Recompute
+from meshmorph.spec.model import ActivationBytes, LayerKind, LayerSpec, ModelSpec, Recompute
 
 
 class PieceCost(NamedTuple):
@@ -57,6 +57,16 @@ class PieceCost(NamedTuple):
     cost/transition.py); in fwd_s, bwd_s and bgrad_s."""
 
 
+def loss_bytes_per_logit(element_bytes: float) -> tuple[float, float]:
+    """(forward, backward) bytes per logit that the training loss (run/model/loss.py) moves for
+    logits of ``element_bytes`` bytes: forward reads the logits and writes their fp32
+    log-probabilities; backward writes nll's fp32 gradient (4), reads it with the
+    log-probabilities (8) and writes the fp32 input gradient (4), which 16-bit logits then cast
+    to their dtype (4 read, ``element_bytes`` written)."""
+    cast = 4.0 + element_bytes if element_bytes < 4 else 0.0
+    return element_bytes + 4.0, 16.0 + cast
+
+
 def layer_classes(model: ModelSpec) -> tuple[int, ...]:
     """For each layer, the index of the first layer with the same figures."""
     reps: list[int] = []
@@ -74,9 +84,9 @@ def layer_classes(model: ModelSpec) -> tuple[int, ...]:
 
 def _same(a: LayerSpec, b: LayerSpec) -> bool:
     return (a.kind, a.params, a.tp_split_params, a.fwd_flops_per_token, a.recompute_flops_per_token,
-            a.activation, a.tp_allreduces_fwd, a.tied_params) == (
+            a.activation, a.tp_allreduces_fwd, a.tied_params, a.runtime) == (
         b.kind, b.params, b.tp_split_params, b.fwd_flops_per_token, b.recompute_flops_per_token,
-        b.activation, b.tp_allreduces_fwd, b.tied_params)
+        b.activation, b.tp_allreduces_fwd, b.tied_params, b.runtime)
 
 
 def matmul_efficiency(coef: CostCoefficients, ceiling: float, width: float, tokens: float) -> float:
@@ -94,8 +104,12 @@ class LayerCoster:
                  efficiency: dict[str, float], tp_link: dict[str, comm.Link],
                  profile: Profile | None = None, cp: int = 1,
                  inter_link: comm.Link | None = None, gpus_per_node: int = 0,
-                 tp_comm_overlap: bool = False):
+                 tp_comm_overlap: bool = False, compiled: bool = False,
+                 stream32: bool = False):
         self.model = model
+        self.compiled = compiled  # Plan.compile: fused elementwise kernels, fewer kept results
+        self.stream32 = stream32  # autocast over an fp32 residual stream (no FSDP2 cast)
+        self.passes = coef.elementwise_passes if compiled else coef.eager_elementwise_passes
         self.tp_comm_overlap = tp_comm_overlap  # Plan.tp_comm_overlap: TP collectives beside GEMMs
         self.coef = coef
         self.dtype = dtype
@@ -116,6 +130,24 @@ class LayerCoster:
         if self.inter_link is None or tp * self.cp <= self.gpus_per_node:
             return self.tp_link[gpu_name]
         return self.inter_link
+
+    def _runtime_bytes(self, layer: LayerSpec, recompute: Recompute, tp: int, sp: bool) -> float:
+        """Bytes per token one tensor-parallel rank keeps beyond (or short of) the layer's fused
+        count when meshmorph's decoder block runs it (``LayerSpec.runtime``): eager or compiled
+        (``Plan.compile``), over an fp32 or a 16-bit residual stream."""
+        runtime, h = layer.runtime, self.model.hidden_size
+        if runtime is None:
+            return 0.0
+        if recompute == Recompute.FULL:  # only the layer's input is kept: fp32 under autocast
+            return ActivationBytes(2.0 * h if self.stream32 else 0.0, 0.0).per_rank(tp, sp)
+        selective = layer.activation.get(Recompute.SELECTIVE)
+        if recompute == Recompute.SELECTIVE and selective is not None and \
+                selective.shared != layer.activation[Recompute.NONE].shared:
+            return 0.0  # a per-op policy (torchtitan's) keeps its own list of tensors
+        norms = (1 if self.compiled else runtime.norm_inputs) if self.stream32 else 0
+        casts = runtime.norm_readers if self.stream32 and not self.compiled else 0
+        fewer = runtime.recomputed_pointwise * self.act_scale if self.compiled else 0.0
+        return ActivationBytes(2.0 * h * (norms + casts), -fewer).per_rank(tp, sp)
 
     def layer(self, index: int, gpu: GPUSpec, micro_batch: int, tp: int, sp: bool,
               recompute: Recompute) -> PieceCost:
@@ -140,12 +172,17 @@ class LayerCoster:
         # LayerNorm/dropout share is this rank's 1/t, as its activations are)
         act_none = layer.activation[Recompute.NONE].per_rank(tp, sp) * tokens * self.act_scale
         hbm = gpu.hbm_gbps * 1e9
-        mem_pass = self.coef.elementwise_passes / 3 * act_none / hbm
+        # the head's vocabulary share is the loss's log-probabilities: priced by its own bytes
+        logits = layer.activation[Recompute.NONE].split / 4.0 / tp * tokens \
+            if layer.kind == LayerKind.HEAD else 0.0
+        loss_f, loss_b = (logits * moved / (hbm * self.coef.loss_bandwidth_efficiency)
+                          for moved in loss_bytes_per_logit(element_bytes))
+        mem_pass = self.passes / 3 * (act_none - 4.0 * logits * self.act_scale) / hbm
         fwd_c = fwd_flops / (peak * eff) + mem_pass
         # a recompute rewrites what it did not keep: selective the attention core's softmax and
         # dropout over the scores (the 5as/h term), full everything but the layer input
         act_kept = layer.activation[recompute].per_rank(tp, sp) * tokens * self.act_scale
-        re_mem = self.coef.elementwise_passes / 3 * max(act_none - act_kept, 0.0) / hbm \
+        re_mem = self.passes / 3 * max(act_none - act_kept, 0.0) / hbm \
             if recompute != Recompute.NONE else 0.0
         re_c = re_flops / (peak * eff) + re_mem
         wgrad_c = fwd_c  # backward = 2x forward FLOPs: input gradient ~ forward, weight ~ forward
@@ -157,6 +194,7 @@ class LayerCoster:
             fwd_c = measured.fwd_s / tp / self.cp
             re_c = fwd_c * re_flops / fwd_flops if fwd_flops else 0.0
             wgrad_c = measured.bwd_s / tp / self.cp / 2
+            loss_f = loss_b = 0.0  # the measured head's times hold its loss
         # TP: each forward all-reduce (or reduce-scatter + all-gather with SP, the same volume)
         # moves the b*s*h hidden state; backward has as many; full recompute repeats the forward's
         if tp > 1:
@@ -184,16 +222,18 @@ class LayerCoster:
         if ring is not None:
             ring_f = ring.fwd_exposed_s
             ring_b = ring.bwd_exposed_s + (ring_f if recompute != Recompute.NONE else 0.0)
-        bgrad = wgrad_c + re_c + bwd_comm + ring_b
+        bgrad = wgrad_c + re_c + bwd_comm + ring_b + loss_b
         wgrad = wgrad_c
-        act = layer.activation[recompute].per_rank(tp, sp) * tokens * self.act_scale
-        full = layer.activation[Recompute.NONE].per_rank(tp, sp) * tokens * self.act_scale
+        act = (layer.activation[recompute].per_rank(tp, sp) * self.act_scale
+               + self._runtime_bytes(layer, recompute, tp, sp)) * tokens
+        full = (layer.activation[Recompute.NONE].per_rank(tp, sp) * self.act_scale
+                + self._runtime_bytes(layer, Recompute.NONE, tp, sp)) * tokens
         return PieceCost(
-            fwd_s=fwd_c + fwd_comm + ring_f,
+            fwd_s=fwd_c + loss_f + fwd_comm + ring_f,
             bwd_s=bgrad + wgrad,
             bgrad_s=bgrad,
             wgrad_s=wgrad,
-            compute_s=fwd_c + 2 * wgrad_c,
+            compute_s=fwd_c + loss_f + 2 * wgrad_c + loss_b,
             recompute_s=re_c,
             tp_comm_s=fwd_comm + bwd_comm,
             activation_bytes=act,

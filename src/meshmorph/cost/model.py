@@ -30,6 +30,7 @@ from meshmorph.cost.rank_terms import (
 from meshmorph.cost.segments import (
     LayerPlan,
     Segment,
+    autocast_stream,
     chunk_segments,
     fsdp_units,
     is_layerwise,
@@ -95,18 +96,29 @@ class CostModel:
         return comm.Link(lat * 1e-6 if lat is not None else link.latency_s,
                          bw * 1e9 if bw is not None else link.bandwidth_bps)
 
-    def coster(self, dtype: str, cp: int = 1, tp_comm_overlap: bool = False) -> LayerCoster:
-        """Per-layer costs in ``dtype`` with each sequence split over ``cp`` ranks, tensor-parallel
-        communication beside the GEMMs where ``tp_comm_overlap`` (``Plan.tp_comm_overlap``)."""
-        key = (dtype if cp == 1 else f"{dtype}/cp{cp}") + ("/tpo" if tp_comm_overlap else "")
-        if key not in self._costers:
-            self._costers[key] = LayerCoster(self.model, self.coef, dtype=dtype,
-                                             efficiency=self.efficiency, tp_link=self.intra,
-                                             profile=self.profile, cp=cp,
-                                             inter_link=self.inter,
-                                             gpus_per_node=self.cluster.gpus_per_node,
-                                             tp_comm_overlap=tp_comm_overlap)
-        return self._costers[key]
+    def coster(self, plan: Plan) -> LayerCoster:
+        """Per-layer costs of ``plan``'s layers (a segment's plan for its own layers): in its
+        dtype, each sequence split over its ``cp`` ranks, tensor-parallel communication beside
+        the GEMMs where ``tp_comm_overlap``, eager or compiled (``Plan.compile``), over an fp32
+        residual stream where autocast runs without FSDP2's cast (``autocast_stream``)."""
+        return self.layer_coster(str(plan.dtype), cp=plan.cp,
+                                 tp_comm_overlap=plan.tp_comm_overlap, compiled=plan.compile,
+                                 stream32=autocast_stream(plan))
+
+    def layer_coster(self, dtype: str, *, cp: int = 1, tp_comm_overlap: bool = False,
+                     compiled: bool = True, stream32: bool = False) -> LayerCoster:
+        """Per-layer costs in ``dtype``, each sequence split over ``cp`` ranks; by default as
+        fused kernels over a 16-bit stream keep and run them (Korthikanti's counts, Megatron-LM);
+        ``coster`` picks the flags of a plan."""
+        key = (dtype, cp, tp_comm_overlap, compiled, stream32)
+        coster = self._costers.get(key)
+        if coster is None:
+            coster = self._costers[key] = LayerCoster(
+                self.model, self.coef, dtype=dtype, efficiency=self.efficiency,
+                tp_link=self.intra, profile=self.profile, cp=cp, inter_link=self.inter,
+                gpus_per_node=self.cluster.gpus_per_node, tp_comm_overlap=tp_comm_overlap,
+                compiled=compiled, stream32=stream32)
+        return coster
 
     # --- placement --------------------------------------------------------------------------
     def group_link(self, gpu: GPUSpec, span: int) -> comm.Link:
@@ -165,7 +177,7 @@ class CostModel:
         """Layers [start, stop) as one unit under ``plan``'s tp/dp/ZeRO: a uniform chunk, or one
         segment (cost/segments.py). ``drop_tied``: the head's tied matrix is counted with the
         embedding; ``units``: its FSDP2 units (default each block and the chunk's root)."""
-        layer = self.coster(plan.dtype, plan.cp, plan.tp_comm_overlap).layer
+        layer = self.coster(plan).layer
         micro_batch, tp, sp = plan.micro_batch, plan.tp, plan.sequence_parallel
         f = b = bg = wg = comp = re = tpc = cpc = 0.0
         for offset, index in enumerate(range(start, stop)):
@@ -237,7 +249,7 @@ class CostModel:
         tied embedding's all-reduce too), as ``estimate`` adds them up."""
         piece = self.chunk_time(plan, index, index + 1, (recompute,), gpu, drop_tied=drop_tied,
                                 units=1)
-        own = self.coster(plan.dtype, plan.cp, plan.tp_comm_overlap).layer(
+        own = self.coster(plan).layer(
             index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel, recompute)
         piece = piece._replace(activation_bytes=own.activation_bytes,
                                working_bytes=own.working_bytes, flops=own.flops)
@@ -367,7 +379,7 @@ class CostModel:
             if group is None:
                 group = [sub, 0.0, 0.0]
                 groups.append(group)
-            layer = self.coster(sub.dtype, sub.cp).layer
+            layer = self.coster(sub).layer
             micro_batch, tp, sp = sub.micro_batch, sub.tp, sub.sequence_parallel
             # a tied head in a chunk of its own (the V's rank 0 holds chunks 0 and 2pp - 1) is a
             # second parameter the runtime holds, reduces and updates (run/engine/train_engine.py

@@ -82,7 +82,7 @@ from dataclasses import dataclass, field
 
 from meshmorph.cost.context_parallel import kv_bytes
 from meshmorph.cost.model import CostModel
-from meshmorph.cost.segments import LayerPlan, Segment, chunk_segments, is_layerwise
+from meshmorph.cost.segments import Segment, chunk_segments, fsdp_sharded, is_layerwise
 from meshmorph.cost.state import compute_bytes, data_parallel_traffic, fsdp_shards
 from meshmorph.cost.tensor_shapes import ParamTensor, layer_tensors, rank_tensors, vocab_split
 from meshmorph.spec.cluster import parse_cluster
@@ -227,17 +227,13 @@ def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, obj
     return state.result()
 
 
-def _fsdp(plan: Plan) -> bool:
-    """Whether FSDP2 shards the parameters of a layer under ``plan``'s (segment's) strategy: a
-    ``LayerPlan`` and every layer of a layerwise plan run as the layerwise engine runs them."""
-    per_layer = isinstance(plan, LayerPlan) or is_layerwise(plan)
-    return fsdp_shards(zero=plan.zero, dp=plan.grad_replicas, per_layer=per_layer)
+_fsdp = fsdp_sharded
 
 
 def _casts(plan: Plan) -> bool:
     """Whether FSDP2's mixed precision casts a layer under ``plan``'s (segment's) strategy to
     the compute dtype; under autocast alone the residual stream keeps the dtype it comes in."""
-    return plan.dtype != "fp32" and _fsdp(plan)
+    return plan.dtype != "fp32" and fsdp_sharded(plan)
 
 
 def _held(model: ModelSpec, state: _RankState, segment: Segment) -> None:

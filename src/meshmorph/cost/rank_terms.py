@@ -25,6 +25,7 @@ from meshmorph.cost.context_parallel import kv_bytes
 from meshmorph.cost.layer_cost import PieceCost
 from meshmorph.cost.pipeline import weight_copies
 from meshmorph.cost.state import MASTER_BYTES, compute_bytes
+from meshmorph.cost.tensor_shapes import vocab_split
 from meshmorph.schedule.simulator import schedule_program
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec.gpus import GPUSpec
@@ -129,16 +130,29 @@ def ring_buffer_bytes(cost: CostModel, plan: Plan) -> float:
     return 2 * kv_bytes(cost.model, plan.micro_batch, plan.tp, plan.cp, compute_bytes(plan.dtype))
 
 
+LOSS_BLOCK_BYTES = 256 * 2**20
+"""fp32 bytes of one row block of the whole-logits loss (run/model/loss.py's
+``CHUNK_FP32_BYTES``; tests/unit/test_loss_memory.py holds the two equal)."""
+
+
 def head_loss_bytes(cost: CostModel, plan: Plan, pp_rank: int) -> float:
     """Bytes the loss holds on the rank with the head while it runs, beyond what it keeps for
-    backward (``LayerSpec.transient_bytes_per_token`` of the head: the logits' fp32 copy and
-    gradients, split over tp; the rank's s / cp tokens), for one micro-batch; 0 on the other
-    pipeline ranks."""
+    backward, for one micro-batch of the rank's s / cp tokens: over whole logits the head's
+    product (or its gradient) and one row block's fp32 temporaries; over vocabulary shards
+    ``LayerSpec.transient_bytes_per_token`` of the head split over tp; 0 on the other pipeline
+    ranks."""
     if pp_rank != plan.pp_rank_of_chunk(plan.num_chunks - 1):
         return 0.0
-    head = cost.model.layers[-1]
-    return head.transient_bytes_per_token / plan.tp * plan.micro_batch * cost.model.seq_len \
-        / plan.cp
+    model = cost.model
+    tokens = plan.micro_batch * model.seq_len / plan.cp
+    if not vocab_split(model, plan.tp):
+        # whole logits (run/model/loss.py's row blocks): the head's product in the compute
+        # dtype (or, in backward, the logits' gradient) beside the kept log-probabilities, and
+        # one row block's two fp32 temporaries (nll's gradient, the fp32 input gradient)
+        blocks = min(2 * LOSS_BLOCK_BYTES, 8.0 * model.vocab_size * tokens)
+        return compute_bytes(plan.dtype) * model.padded_vocab_size * tokens + blocks
+    head = model.layers[-1]
+    return head.transient_bytes_per_token / plan.tp * tokens
 
 
 def tp_overlap_buffer_bytes(cost: CostModel, plan: Plan) -> float:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from meshmorph.cost.state import fsdp_shards
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
 from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
 from meshmorph.spec.runnable import lists_layer_strategies
@@ -65,6 +66,20 @@ def is_layerwise(plan: Plan) -> bool:
     """Whether the engine runs ``plan`` layer by layer: some stage lists layer strategies
     (spec/runnable.py's ``lists_layer_strategies``)."""
     return lists_layer_strategies(plan)
+
+
+def fsdp_sharded(plan: Plan) -> bool:
+    """Whether FSDP2 shards the parameters of a layer under ``plan``'s (segment's) strategy: a
+    ``LayerPlan`` and every layer of a layerwise plan run as the layerwise engine runs them."""
+    per_layer = isinstance(plan, LayerPlan) or is_layerwise(plan)
+    return fsdp_shards(zero=plan.zero, dp=plan.grad_replicas, per_layer=per_layer)
+
+
+def autocast_stream(plan: Plan) -> bool:
+    """Whether a layer under ``plan``'s (segment's) strategy runs 16-bit autocast over an fp32
+    residual stream (the embedding's output is fp32, and so is every residual add after it);
+    FSDP2's mixed precision casts the stream to the compute dtype where it shards the layer."""
+    return plan.dtype != "fp32" and not fsdp_sharded(plan)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

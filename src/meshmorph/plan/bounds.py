@@ -38,7 +38,7 @@ from meshmorph.cost.rank_terms import (
     in_flight_microbatches,
     least_rank_tail_s,
 )
-from meshmorph.cost.segments import layer_plan
+from meshmorph.cost.segments import autocast_stream, layer_plan
 from meshmorph.plan.block_run import BlockRun, block_run
 from meshmorph.plan.fastest_layers import cluster_gpu, fastest_layer_times, unique_gpus
 from meshmorph.plan.partition_bounds import rest_bounds
@@ -96,7 +96,8 @@ class ConfigBounds:
     def _sums_of(self, plan: Plan, gpus: list[GPUSpec]) -> _Sums:
         key = (plan.dtype, plan.micro_batch, plan.tp, plan.cp, plan.sequence_parallel,
                plan.schedule.split_backward, tuple(g.name for g in gpus),
-               plan.overlap_grad_reduce, plan.tp_comm_overlap, plan.fsdp_prefetch)
+               plan.overlap_grad_reduce, plan.tp_comm_overlap, plan.fsdp_prefetch,
+               plan.compile, autocast_stream(plan))
         sums = self._sums.get(key)
         if sums is None:
             cost = self.cost
@@ -348,7 +349,8 @@ class ConfigBounds:
                plan.sequence_parallel, plan.dp, plan.cp, plan.zero, plan.num_microbatches, in_flight,
                k == 0, k == p - 1, p == 1,
                plan.pp_rank_of_chunk(plan.num_chunks - 1) == k,  # the head's loss buffers
-               plan.overlap_grad_reduce, plan.tp_comm_overlap, plan.fsdp_prefetch)
+               plan.overlap_grad_reduce, plan.tp_comm_overlap, plan.fsdp_prefetch,
+               plan.compile, autocast_stream(plan))
         rank = self._ranks.get(key)
         if rank is None:
             gpu = cluster_gpu(self.cost, gpu_name)

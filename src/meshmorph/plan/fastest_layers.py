@@ -47,7 +47,7 @@ class FastestLayer:
 
 def fastest_layer_times(cost: CostModel, plan: Plan, gpus: Sequence[GPUSpec]) -> list[FastestLayer]:
     """Per layer, the least times over ``gpus`` (recompute only ever adds time)."""
-    coster = cost.coster(plan.dtype, plan.cp, plan.tp_comm_overlap)
+    coster = cost.coster(plan)
     zb = plan.schedule.split_backward
     out = []
     for index in range(cost.model.num_layers):

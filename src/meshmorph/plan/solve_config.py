@@ -140,7 +140,7 @@ class _LayerWork:
         sums = self._prefix.get(key)
         if sums is None:
             plan, model = self.plan, self.cost.model
-            coster = self.cost.coster(plan.dtype, plan.cp, plan.tp_comm_overlap)
+            coster = self.cost.coster(plan)
             sums = [0.0]
             for index, layer in enumerate(model.layers):
                 c = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,

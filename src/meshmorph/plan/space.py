@@ -89,6 +89,9 @@ class SearchOptions:
     """``Plan.tp_comm_overlap`` settings tried for sequence-parallel layouts: (False, True) lets
     the planner weigh the hidden collectives against TransformerEngine's buffers (priced only:
     ``meshmorph run`` refuses the plans with it on)."""
+    compile: bool = False
+    """``Plan.compile`` of every plan: blocks under torch.compile, priced with fused kernels and
+    fewer kept activations (not searched: it is the user's choice of how the run executes)."""
     overlap_grad_reduce: bool = True
     """``Plan.overlap_grad_reduce`` of every plan: on is never slower (what hides costs only
     ``overlap_slowdown`` of itself) and holds no more memory (DDP's buckets are the gradients,
@@ -277,7 +280,8 @@ def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int,
                                 schedule=schedule, vpp=vpp, sequence_parallel=sp,
                                 dtype=options.dtype, weight_prediction=options.weight_prediction
                                 if schedule == Schedule.ASYNC else "none",
-                                overlap_grad_reduce=options.overlap_grad_reduce)
+                                overlap_grad_reduce=options.overlap_grad_reduce,
+                                compile=options.compile)
                     for prefetch in prefetch_choices(plan, options):
                         for tpo in options.tp_comm_overlap if sp else (False,):
                             yield Config(replace(plan, fsdp_prefetch=prefetch,

@@ -58,7 +58,7 @@ class StageSolver:
         self.modes = [m for m in _ORDER if m in modes]
         self.model = cost.model
         self.L = self.model.num_layers
-        self.classes = cost.coster(plan.dtype, plan.cp, plan.tp_comm_overlap).classes
+        self.classes = cost.coster(plan).classes
         self.zb = plan.schedule == Schedule.ZERO_BUBBLE
         self._cache: dict[tuple, StageChoice | None] = {}
         self._by_range: dict[tuple[int, int, int], StageChoice | None] = {}
@@ -181,7 +181,7 @@ class StageSolver:
 
     def _extra_backward(self, index: int, gpu: GPUSpec) -> dict[Recompute, float]:
         """Backward time a layer adds per mode over no recompute."""
-        coster = self.cost.coster(self.plan.dtype, self.plan.cp, self.plan.tp_comm_overlap)
+        coster = self.cost.coster(self.plan)
         plan = self.plan
         base = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
                             Recompute.NONE).bwd_s
@@ -239,7 +239,7 @@ class StageSolver:
                       build: Build) -> _GroupMemory:
         """Memory of a stage with one group of interchangeable layers, by its counts."""
         plan = self.plan
-        coster = self.cost.coster(plan.dtype, plan.cp, plan.tp_comm_overlap)
+        coster = self.cost.coster(plan)
         per = {mode: coster.layer(group[0], gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
                                   mode) for mode in self.modes
                if mode in self.model.layers[group[0]].activation}
@@ -266,7 +266,7 @@ class StageSolver:
         figures = self._figures.get(gpu.name)
         if figures is None:
             plan, cost = self.plan, self.cost
-            coster = cost.coster(plan.dtype, plan.cp, plan.tp_comm_overlap)
+            coster = cost.coster(plan)
             figures = self._figures[gpu.name] = _LayerFigures(
                 params=[cost.chunk_params(i, i + 1, plan.tp) for i in range(self.L)],
                 stored=[coster.layer(i, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,

@@ -127,7 +127,7 @@ def stage_choices(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: i
     last = cost.model.num_layers - 1
     # one chunk holding both tied ends holds one matrix (cost/segments.py's drop_tied)
     tied = cost.model.tied_embeddings and any(a == 0 and b == last + 1 for a, b in spans)
-    classes = cost.coster(plan.dtype).classes
+    classes = cost.coster(plan).classes
     # what a layer's figures depend on besides its class, strategy and recompute: the times on
     # ``shape``, the memory on the rank too (identical ranks' layers: one time)
     shape = (plan.num_microbatches, plan.dp * plan.micro_batch, plan.schedule, plan.pp,

@@ -64,7 +64,8 @@ class TrainSection:
     dtype: str = "fp32"
     """Training dtype of the default and searched plans (``fp32``, ``bf16``, ``fp16``)."""
     compile: bool = False
-    """Compile each transformer block with ``torch.compile`` (run/parallel/compile.py)."""
+    """Compile each transformer block with ``torch.compile`` (run/parallel/compile.py): sets the
+    run's ``Plan.compile``, which also compiles where this is false."""
     compile_backend: str = "inductor"
     """``torch.compile`` backend: ``inductor``, ``aot_eager`` or ``eager`` (inductor on a CPU
     without a C++ compiler falls back to aot_eager and says so)."""

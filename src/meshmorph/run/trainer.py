@@ -20,7 +20,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -196,7 +196,7 @@ def _engine_at_start(job: JobConfig, plan: Plan, model: ModelSpec, device: torch
         engine, plan, step, consumed, reshape = restored
     else:
         engine = build_engine(model, plan, job.optim, seed=job.train.seed, device=device)
-    if job.train.compile:  # torch.compile per block (run/parallel/compile.py)
+    if plan.compile or job.train.compile:  # torch.compile per block (run/parallel/compile.py)
         from meshmorph.run.parallel.compile import compile_blocks, resolve_backend
 
         choice = resolve_backend(job.train.compile_backend, device)
@@ -236,6 +236,8 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
         if rank == 0:
             print(f"stopped by {stop.reason or 'a stop request'} before step 1", flush=True)
         return 0
+    if job.train.compile and not plan.compile:  # [train] compile: the plan says it, as priced
+        plan = replace(plan, compile=True)
     model = load_model(job.model.source, job.model.seq_len)
     source = make_source(job, model)
     if not plan.schedule.info.flush:  # no flush: the asynchronous executor (run/async_pipe/)

@@ -54,6 +54,28 @@ class ActivationBytes:
         return shared + self.split / tp
 
 
+@dataclass(frozen=True, slots=True)
+class RuntimeActivation:
+    """How meshmorph's own decoder block (run/model/decoder.py) departs from the fused counts of
+    ``LayerSpec.activation`` (Korthikanti's, which Megatron-LM's fused kernels and a
+    ``torch.compile``d block keep), as measured tensor by tensor on an H200
+    (bench/activation_probe.py): what ``Plan.compile`` and the residual stream's dtype change."""
+
+    norm_inputs: int
+    """Norms reading the residual stream. Under autocast the stream is fp32 (the embedding's
+    output, plus the blocks' outputs), so an eager block keeps each norm's input at 4 bytes, 2
+    more per element than the count; a compiled block keeps only its own input in fp32 (the
+    second norm's input is recomputed from it)."""
+    norm_readers: int
+    """Projections reading a norm's output beyond one per norm (gpt: k and v beside q; llama: k,
+    v and w3). Eager autocast casts the fp32 norm output once per projection and each linear
+    keeps its own 16-bit copy (2 bytes per element each); compiled, one copy serves all."""
+    recomputed_pointwise: float
+    """16-bit bytes per token, divided by t like ``ActivationBytes.split``, of pointwise results
+    that a compiled backward recomputes instead of keeping: SwiGLU's silu(gate) (2f) for llama,
+    none for gpt (GeLU's output is fc2's input: kept)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayerSpec:
     """One layer of a model, with every figure the cost model needs."""
@@ -81,6 +103,9 @@ class LayerSpec:
     tied_params: int = 0
     """Parameters shared with an earlier layer (a tied output head): counted once in the model,
     but held by every pipeline stage that has either layer."""
+    runtime: RuntimeActivation | None = None
+    """What meshmorph's decoder block keeps beyond (or short of) ``activation`` when run eagerly or
+    compiled; None: ``activation`` as it stands (embedding, head, traced modules)."""
 
     def recompute_modes(self) -> tuple[Recompute, ...]:
         return tuple(self.activation)

@@ -150,6 +150,11 @@ class StagePlan:
         return self.stop - self.start
 
 
+BOOL_FIELDS = ("sequence_parallel", "overlap_grad_reduce", "tp_comm_overlap", "fsdp_prefetch",
+               "overlap_param_gather", "compile")
+"""The Plan's switches: each must be a bool (``Plan.__post_init__`` refuses anything else)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
     """A hybrid-parallel layout; the predicted figures travel with it when a planner made it."""
@@ -209,11 +214,21 @@ class Plan:
     overlapped with the next step's forward, each unit's gather issued while the unit before it
     computes, so the first forward waits only for its own unit (Megatron-LM's
     ``--overlap-param-gather``); False: each unit's gather on the critical path."""
+    compile: bool = False
+    """Each transformer block compiled by ``torch.compile`` (inductor): its elementwise work fused
+    into few kernels (``CostCoefficients.elementwise_passes``, as Megatron-LM's fused kernels),
+    and pointwise results that feed no matmul recomputed in backward rather than kept. False:
+    eager PyTorch, a kernel per op (``eager_elementwise_passes``) and, under autocast, every
+    fp32 norm input and each projection's own 16-bit copy of a norm's output kept for backward
+    (``spec.model.RuntimeActivation``)."""
     predicted: dict[str, Any] | None = field(default=None, compare=False)
     """Predicted figures (step_time_s, tokens_per_s, ...) from the cost model, if any."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", _member("schedule", Schedule, self.schedule))
+        for name in BOOL_FIELDS:  # a JSON "yes" or 1 would read as true everywhere it is tested
+            if not isinstance(getattr(self, name), bool):
+                raise PlanError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("tp", "pp", "dp", "cp", "micro_batch", "num_microbatches", "vpp", "seq_len",
                      "global_batch"):
             if getattr(self, name) < 1:

@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshmorph.spec.model import ActivationBytes, LayerKind, LayerSpec, ModelSpec, Recompute
+from meshmorph.spec.model import (
+    ActivationBytes,
+    LayerKind,
+    LayerSpec,
+    ModelSpec,
+    Recompute,
+    RuntimeActivation,
+)
 
 if TYPE_CHECKING:
     pass
@@ -64,6 +71,10 @@ class TransformerShape:
     """Dropout after the embedding, the attention softmax and both residual branches
     (Megatron's hidden and attention dropout: 1-byte masks kept for backward). False: meshmorph's
     runtime (run/model/decoder.py) has no dropout."""
+    runtime: bool = True
+    """meshmorph's decoder (run/model/decoder.py) runs the model, so its eager and compiled
+    departures from the fused counts apply (``LayerSpec.runtime``); False for a run of another
+    framework described by its own counts (Megatron-LM: fused kernels over a 16-bit stream)."""
     selective: str = "attention"
     """What ``Recompute.SELECTIVE`` keeps: ``attention`` (Korthikanti et al. 2022: recompute the
     attention core, keep the rest) or ``op`` (torchtitan's per-op selective checkpointing, Llama
@@ -145,6 +156,7 @@ class TransformerShape:
             flash_attention=_spec_flash(spec),
             dropout=_spec_dropout(spec),
             selective=_spec_selective(spec),
+            runtime=_first_block(spec).runtime is not None,
             dtype_bytes=spec.dtype_bytes,
             padded_vocab_size=spec.padded_vocab_size,
         )
@@ -234,6 +246,11 @@ def _block(shape: TransformerShape, index: int) -> LayerSpec:
             Recompute.FULL: ActivationBytes(2.0 * h * scale, 0.0),
         },
         tp_allreduces_fwd=2,
+        # gpt: k and v read the first norm's output beside q; llama: k, v beside q and w3 beside w1
+        runtime=RuntimeActivation(
+            norm_inputs=2, norm_readers=2 if shape.arch == "gpt" else 3,
+            recomputed_pointwise=0.0 if shape.arch == "gpt" else 2.0 * f * scale)
+        if shape.runtime else None,
     )
 
 
@@ -265,12 +282,13 @@ def build_transformer(shape: TransformerShape) -> ModelSpec:
         fwd_flops_per_token=2.0 * h * v,
         recompute_flops_per_token={Recompute.NONE: 0.0},
         # final-norm input 2h and head input 2h, plus the loss's fp32 log-softmax of the logits
-        # (4V, vocab-parallel), kept for backward (run/model/loss.py: the logits leave the head in the
-        # compute dtype and the loss takes a fp32 copy of them)
+        # (4V, vocab-parallel), kept for backward (run/model/loss.py: the logits leave the head in
+        # the compute dtype and the loss writes their fp32 log-probabilities)
         activation={Recompute.NONE: ActivationBytes(4.0 * h * scale, 4.0 * v)},
-        # while the loss runs: in forward the compute-dtype logits and their fp32 copy beside the
-        # log-softmax (c + 4 bytes per logit), in backward two fp32 gradient buffers of the
-        # logits (the loss's and the log-softmax's, 8 bytes): 8V per token at most, split by tp
+        # while the vocabulary-parallel loss runs (torch's loss_parallel over a fp32 copy of the
+        # shards): in forward the compute-dtype logits and their fp32 copy beside the
+        # log-softmax, in backward two fp32 gradient buffers of the logits: 8V per token at most,
+        # split by tp; the whole-logits loss holds less (cost/rank_terms.py head_loss_bytes)
         transient_bytes_per_token=8.0 * v,
         tp_allreduces_fwd=1,
         tied_params=v * h if shape.tied else 0,

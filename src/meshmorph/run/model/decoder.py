@@ -59,11 +59,13 @@ class AttentionCore(nn.Module):
 
 
 def rotary(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Rotary position embedding (Su et al. 2021) of x [b, heads, s, d], pairs (i, i + d/2)."""
-    s, d = x.shape[-2], x.shape[-1]
+    """Rotary position embedding (Su et al. 2021) of x [b, s, heads, d], pairs (i, i + d/2): the
+    projection's output in its own layout, transposed to [b, heads, s, d] only afterwards, as
+    a view (the result is the same element for element)."""
+    s, d = x.shape[1], x.shape[-1]
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
     angles = torch.outer(torch.arange(s, dtype=torch.float32, device=x.device), inv_freq)  # [s, d/2]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    cos, sin = angles.cos().to(x.dtype)[:, None], angles.sin().to(x.dtype)[:, None]  # [s, 1, d/2]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
@@ -88,12 +90,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s = x.shape[0], x.shape[1]
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.rope:
             q, k = rotary(q), rotary(k)
-        out = self.core(q, k, v)  # [b, heads, s, d]
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [b, heads, s, d]
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -27,7 +27,6 @@ from meshmorph.cost.calibration import (
     leave_one_out,
     published_oom_runs,
     published_runs,
-    run_coefficients,
 )
 from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.model import CostModel
@@ -44,7 +43,7 @@ def oom_rows(coef: CostCoefficients) -> list[dict[str, object]]:
     """The published runs that ran out of memory, with the peak the fitted model predicts."""
     out = []
     for run in published_oom_runs():
-        est = CostModel(run.model, run.cluster, run_coefficients(run, coef)).estimate(run.plan)
+        est = CostModel(run.model, run.cluster, coef).estimate(run.plan)
         out.append({"id": run.id, "source": run.source, "predicted_fits": est.fits,
                     "predicted_peak_gib": max(est.peak_memory_gib),
                     "memory_gib": run.cluster.groups[0].gpu.memory_gib})

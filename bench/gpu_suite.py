@@ -105,6 +105,7 @@ if importlib.util.find_spec("meshmorph") is None:  # run without PYTHONPATH=src
 from meshmorph.cost.coefficients import CostCoefficients  # noqa: E402
 from meshmorph.cost.estimate import GIB, Estimate  # noqa: E402
 from meshmorph.cost.model import CostModel  # noqa: E402
+from meshmorph.cost.rank_terms import device_reserve_bytes  # noqa: E402
 from meshmorph.run.config import OptimConfig  # noqa: E402
 from meshmorph.run.engine.train_engine import TrainEngine, build_engine, validate_plan  # noqa: E402
 from meshmorph.spec import ModelSpec, gpu, load_model, parse_cluster  # noqa: E402
@@ -308,11 +309,13 @@ def describe(device: torch.device, gpu_name: str, dtype: str) -> dict[str, Any]:
 
 
 # --- plan and prediction -----------------------------------------------------------------------
-def make_plan(spec: ModelSpec, micro_batch: int, num_microbatches: int, dtype: str) -> Plan:
-    """tp = pp = dp = 1, zero 0, no recompute: the whole model on one device."""
+def make_plan(spec: ModelSpec, micro_batch: int, num_microbatches: int, dtype: str,
+              compile: bool = False) -> Plan:
+    """tp = pp = dp = 1, zero 0, no recompute: the whole model on one device, eager or with its
+    blocks compiled (``Plan.compile``: priced as such)."""
     return Plan(model=spec.name, seq_len=spec.seq_len, global_batch=micro_batch * num_microbatches,
                 micro_batch=micro_batch, num_microbatches=num_microbatches, zero=0,
-                dtype=dtype).with_even_stages(spec)
+                dtype=dtype, compile=compile).with_even_stages(spec)
 
 
 def predict(spec: ModelSpec, plan: Plan, gpu_name: str, ceiling: float | None = None) -> Estimate:
@@ -352,10 +355,14 @@ def prediction_record(spec: ModelSpec, plan: Plan, gpu_name: str, dtype: str) ->
     except Exception as exc:
         return record | {"prediction_error": error_text(exc)}
     memory = est.memory[0]
+    cost = CostModel(spec, parse_cluster(f"{gpu_name}:1x1"))
+    reserve = device_reserve_bytes(cost, cost.default_gpu())  # CUDA context, allocator slack
     return record | {
         "predicted_step_s": est.step_time_s, "predicted_mfu": est.mfu,
         "predicted_peak_gib": memory.total / GIB,
-        "predicted_peak_gib_without_reserve": (memory.total - memory.reserved) / GIB,
+        # what max_memory_allocated sees: everything but the context and the allocator's slack
+        # (the loss's buffers included)
+        "predicted_allocated_gib": (memory.total - reserve) / GIB,
         "predicted_memory_gib": {key: getattr(memory, key) / GIB for key in (
             "params", "grads", "optimizer", "activations", "buffers", "reserved")},
         "predicted_fits": est.fits, "predicted_breakdown_s": dict(est.breakdown_s),
@@ -582,7 +589,7 @@ def step_case_line(case: dict[str, Any]) -> str:
     if "ratio" not in case:
         return f"{measured}  {mem}{warm}  (no prediction: {case.get('prediction_error')})"
     return (f"{measured}  pred {case['predicted_step_s'] * 1e3:7.1f} ms (x{case['ratio']:.2f})  "
-            f"{mem} (pred {case['predicted_peak_gib_without_reserve']:.1f}"
+            f"{mem} (pred {case['predicted_allocated_gib']:.1f}"
             f"+res {case['predicted_peak_gib']:.1f}){warm}")
 
 
@@ -595,8 +602,13 @@ def finish_case(case: dict[str, Any]) -> dict[str, Any]:
         return case
     case["ratio"] = case["predicted_step_s"] / measured
     if case.get("measured_peak_gib"):
-        case["peak_ratio_without_reserve"] = (case["predicted_peak_gib_without_reserve"]
-                                              / case["measured_peak_gib"])
+        # memory an earlier case left allocated (held at this case's start beyond the weights)
+        # sits under its whole peak: the case's own peak is without it
+        left = max(0.0, case.get("allocated_at_start_gib", 0.0) - case.get("resident_gib", 0.0))
+        case["left_over_gib"] = left
+        case["measured_case_peak_gib"] = case["measured_peak_gib"] - left
+        case["peak_ratio_allocated"] = (case["predicted_allocated_gib"]
+                                        / case["measured_case_peak_gib"])
         case["peak_ratio_reserved"] = case["predicted_peak_gib"] / case["measured_reserved_gib"]
     return case
 
@@ -650,6 +662,9 @@ class StepSection:
             engine = build_engine(spec, plans[batches[0]], OptimConfig(), seed=SEED, device=device)
             build_s = time.perf_counter() - started
             self._fresh, self._compiled_with = True, None
+            release(device)
+            self._resident = torch.cuda.memory_allocated(device) / GIB \
+                if device.type == "cuda" else 0.0  # the weights (and nothing else yet)
         except Exception as exc:
             for b in batches:
                 self._add(records[b] | {"mode": "eager", **error_record(exc)})
@@ -658,7 +673,8 @@ class StepSection:
         eager_ok: list[int] = []
         if "eager" in args.modes:
             for b in batches:
-                engine = self._run(engine, records[b] | {"mode": "eager", "build_s": build_s},
+                engine = self._run(engine, records[b] | {"mode": "eager", "build_s": build_s,
+                                                         "resident_gib": self._resident},
                                    plans[b], args.warmup)
                 build_s = 0.0
                 if self.cases[-1]["status"] == "ok":
@@ -674,10 +690,11 @@ class StepSection:
         args, device = self.args, self.device
         chosen = args.compile_micro_batches or (
             eager_ok[:1] if args.quick else eager_ok) or batches[:1]
-        for b in chosen:
-            if b not in plans:
-                plans[b] = make_plan(spec, b, args.num_microbatches, self.dtype)
-                records[b] = prediction_record(spec, plans[b], self.gpu_name, self.dtype)
+        # the compiled cases' own plans (Plan.compile) and predictions
+        plans = {b: make_plan(spec, b, args.num_microbatches, self.dtype, compile=True)
+                 for b in chosen}
+        records = {b: prediction_record(spec, plans[b], self.gpu_name, self.dtype)
+                   | {"resident_gib": getattr(self, "_resident", 0.0)} for b in chosen}
         first = records[chosen[0]] | {"mode": "compile"}
         if self.budget is not None and not self.budget.allows(
                 self._estimate_s(first, "compile", args.compile_warmup)):
@@ -1079,15 +1096,15 @@ def summary_table(data: dict[str, Any]) -> list[str]:
                 f"{_fmt(c.get('measured_step_s'), '8.1f', 1e3)} {span:>11s} "
                 f"{_fmt(c.get('measured_mfu'), '6.1%')} "
                 f"{_fmt(c.get('predicted_step_s'), '8.1f', 1e3)} {_fmt(c.get('ratio'), '5.2f')} "
-                f"{_fmt(c.get('measured_peak_gib'), '6.1f')} "
+                f"{_fmt(c.get('measured_case_peak_gib'), '6.1f')} "
                 f"{_fmt(c.get('measured_reserved_gib'), '6.1f')} "
-                f"{_fmt(c.get('predicted_peak_gib_without_reserve'), '7.1f')} "
+                f"{_fmt(c.get('predicted_allocated_gib'), '7.1f')} "
                 f"{_fmt(c.get('predicted_peak_gib'), '6.1f')} "
                 f"{_fmt(c.get('fwd_bwd_s'), '7.1f', 1e3)} {_fmt(c.get('optimizer_s'), '7.1f', 1e3)} "
                 f"{'ok' if ok else str(c.get('status'))[:40]}")
         for c in step:
             if c.get("status") == "ok" and c.get("mode") == "compile" and "ratio" in c:
-                mem = c.get("peak_ratio_without_reserve")
+                mem = c.get("peak_ratio_allocated")
                 checks = [f"MFU {c['measured_mfu']:.1%} {'PASS' if c['measured_mfu'] >= 0.45 else 'FAIL'}",
                           f"pred/meas step {c['ratio']:.2f} "
                           f"{'PASS' if abs(c['ratio'] - 1) <= 0.10 else 'FAIL'}"]

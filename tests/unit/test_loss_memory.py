@@ -95,3 +95,15 @@ def test_a_switch_that_is_not_a_bool_is_refused_by_name(field: str) -> None:
     for bad in ("yes", 1, None):
         with pytest.raises(PlanError, match=f"{field} must be true or false"):
             Plan.from_dict({**data, field: bad})
+
+
+def test_another_frameworks_loss_over_a_fp32_copy_keeps_eight_bytes_per_logit() -> None:
+    from meshmorph.spec.transformer import TransformerShape, build_transformer
+
+    shape = TransformerShape(name="tt", arch="llama", num_layers=2, hidden_size=256,
+                             num_heads=4, vocab_size=32000, seq_len=512, runtime=False)
+    model = build_transformer(shape)
+    cost = CostModel(model, parse_cluster("h100:1x1"))
+    plan = Plan(model="tt", seq_len=512, global_batch=2, micro_batch=2)
+    assert model.layers[1].runtime is None
+    assert head_loss_bytes(cost, plan, 0) == 8 * model.padded_vocab_size * 2 * 512

@@ -254,3 +254,19 @@ def test_memory_summary_lists_up_to_three_stages_then_a_range() -> None:
     assert memory_summary([52.25]) == "52.2"
     assert memory_summary([1.0, 2.5, 3.0]) == "1.0 / 2.5 / 3.0"
     assert memory_summary([4.0, 1.26, 5.0, 2.0]) == "1.3–5.0"
+
+
+def test_the_no_fit_message_offers_only_ways_out_the_search_has_not_tried() -> None:
+    from meshmorph.plan.search import PlanDoesNotFit, search
+    from meshmorph.plan.space import SearchOptions
+
+    model, cluster = load_model("llama3-70b"), parse_cluster("a100-40g:1x8")
+    with pytest.raises(PlanDoesNotFit) as searched:
+        search(model, cluster, global_batch=64)  # ZeRO-3 and full recompute both tried
+    text = str(searched.value)
+    assert "zero 3" in text and "full recompute" in text
+    assert "allow ZeRO-3" not in text and "allow full recompute" not in text
+    with pytest.raises(PlanDoesNotFit) as narrow:
+        search(model, cluster, global_batch=64, options=SearchOptions(
+            zero_stages=(0, 1), recompute=(Recompute.NONE, Recompute.SELECTIVE)))
+    assert "allow ZeRO-3" in str(narrow.value) and "allow full recompute" in str(narrow.value)

@@ -188,7 +188,7 @@ def _torchtitan_run(entry: dict[str, Any], source: str) -> PublishedRun | None:
         hidden_size=shape["hidden_size"], num_heads=shape["num_attention_heads"],
         num_kv_heads=shape["num_kv_heads"], ffn_hidden_size=shape["ffn_hidden_size"],
         vocab_size=shape["vocab_size"], seq_len=seq, tied_embeddings=False,
-        flash_attention=True, dropout=False, selective="op"))
+        flash_attention=True, dropout=False, selective="op", runtime=False))
     tp, total, local = par["tensor_parallel"], hw["total_gpus"], par["local_batch"]
     dp = total // tp
     plan = Plan(model=entry["id"], seq_len=seq, global_batch=dp * local, tp=tp, dp=dp,

@@ -137,15 +137,17 @@ LOSS_BLOCK_BYTES = 256 * 2**20
 
 def head_loss_bytes(cost: CostModel, plan: Plan, pp_rank: int) -> float:
     """Bytes the loss holds on the rank with the head while it runs, beyond what it keeps for
-    backward, for one micro-batch of the rank's s / cp tokens: over whole logits the head's
-    product (or its gradient) and one row block's fp32 temporaries; over vocabulary shards
-    ``LayerSpec.transient_bytes_per_token`` of the head split over tp; 0 on the other pipeline
-    ranks."""
+    backward, for one micro-batch of the rank's s / cp tokens: over whole logits in meshmorph's
+    row-chunked loss the head's product (or its gradient) and one row block's fp32 temporaries;
+    over vocabulary shards, or in another framework's loss over a fp32 copy of the logits
+    (``TransformerShape.runtime`` false), ``LayerSpec.transient_bytes_per_token`` of the head
+    split over tp; 0 on the other pipeline ranks."""
     if pp_rank != plan.pp_rank_of_chunk(plan.num_chunks - 1):
         return 0.0
     model = cost.model
     tokens = plan.micro_batch * model.seq_len / plan.cp
-    if not vocab_split(model, plan.tp):
+    if not vocab_split(model, plan.tp) and model.layers[min(1, model.num_layers - 1)].runtime \
+            is not None:
         # whole logits (run/model/loss.py's row blocks): the head's product in the compute
         # dtype (or, in backward, the logits' gradient) beside the kept log-probabilities, and
         # one row block's two fp32 temporaries (nll's gradient, the fp32 input gradient)

@@ -273,11 +273,19 @@ def _does_not_fit(cost: CostModel, configs: list[Config],
     stage = max(range(plan.pp), key=lambda k: estimate.memory[k].total - estimate.memory_budget_bytes[k])
     need = estimate.memory[stage].total / GIB
     have = estimate.memory_budget_bytes[stage] / GIB
+    mode = Recompute.FULL if Recompute.FULL in options.recompute else options.recompute[-1]
+    # only the ways out the search has not already tried
+    ways = ["use more or larger GPUs", "a shorter sequence"]
+    if 3 not in options.zero_stages:
+        ways.append("allow ZeRO-3")
+    if Recompute.FULL not in options.recompute:
+        ways.append("allow full recompute")
+    if not options.compile and cost.estimate(replace(plan, compile=True)).fits:
+        ways.append("--compile (a compiled block keeps fewer activations: the closest then fits)")
     return PlanDoesNotFit(
         f"no plan fits memory: the closest (tp {plan.tp}, pp {plan.pp}, dp {plan.dp}, "
         f"{f'cp {plan.cp}, ' if plan.cp > 1 else ''}"
-        f"zero {plan.zero}, micro-batch {plan.micro_batch}, full recompute) needs "
+        f"zero {plan.zero}, micro-batch {plan.micro_batch}, {mode} recompute) needs "
         f"{need:.1f} GiB per GPU on stage {stage}, the device has {have:.1f} GiB "
-        f"(over by {need - have:.1f} GiB); use more or larger GPUs, a shorter sequence, "
-        "or allow ZeRO-3 and full recompute"
+        f"(over by {need - have:.1f} GiB); {', '.join(ways[:-1])} or {ways[-1]}"
     )

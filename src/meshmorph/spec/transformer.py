@@ -72,9 +72,11 @@ class TransformerShape:
     (Megatron's hidden and attention dropout: 1-byte masks kept for backward). False: meshmorph's
     runtime (run/model/decoder.py) has no dropout."""
     runtime: bool = True
-    """meshmorph's decoder (run/model/decoder.py) runs the model, so its eager and compiled
-    departures from the fused counts apply (``LayerSpec.runtime``); False for a run of another
-    framework described by its own counts (Megatron-LM: fused kernels over a 16-bit stream)."""
+    """meshmorph's decoder (run/model/decoder.py) and loss (run/model/loss.py) run the model, so
+    its eager and compiled departures from the fused counts apply (``LayerSpec.runtime``) and
+    whole logits go through the row-chunked loss; False for a run of another framework described
+    by its own counts (Megatron-LM's fused kernels over a 16-bit stream, torchtitan's blocks
+    under FSDP2; both take the cross-entropy of a fp32 copy of the logits)."""
     selective: str = "attention"
     """What ``Recompute.SELECTIVE`` keeps: ``attention`` (Korthikanti et al. 2022: recompute the
     attention core, keep the rest) or ``op`` (torchtitan's per-op selective checkpointing, Llama

@@ -27,7 +27,7 @@ REQUIRED_PREDICTED_KEYS = {"step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu
                            "peak_memory_gib", "bubble_fraction"}
 GPT3_175B_FLAGS = ["--model", "gpt3-175b", "--cluster", "a100-80g:96x8", "--tp", "8", "--pp", "8",
                    "--dp", "12", "--global-batch", "1536", "--schedule", "interleaved", "--vpp",
-                   "2", "--recompute", "full"]
+                   "2", "--recompute", "full", "--compile"]  # the example plan says compile
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

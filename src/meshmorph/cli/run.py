@@ -11,6 +11,10 @@ from meshmorph.run.launch.launcher import launch, prepare_run
 from meshmorph.run.metrics import LOSS_CHART, METRICS_FILE, read_metrics
 
 
+INTERRUPTED = 130
+"""The launcher's exit code after Ctrl-C (128 + SIGINT), as a shell reports it."""
+
+
 def draw_loss_chart(out_dir: Path) -> Path | None:
     """``loss.png`` of a run folder from its ``metrics.jsonl`` (None without step records)."""
     from meshmorph.viz.loss_chart import write_loss_chart
@@ -28,7 +32,9 @@ def _run(args: argparse.Namespace) -> int:
                       inject_failure=args.inject_failure, node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
     code = launch(run)
-    if run.node is None or run.node.rank == 0:
+    # Ctrl-C asks to stop now: no chart (importing and drawing it took over 20 s on a loaded
+    # machine); the resumed run draws the whole curve when it ends
+    if code != INTERRUPTED and (run.node is None or run.node.rank == 0):
         chart = draw_loss_chart(run.out_dir)
         if chart is not None:
             print(f"loss chart in {chart}", flush=True)

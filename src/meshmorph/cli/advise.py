@@ -22,6 +22,20 @@ def _zones(shares: dict[str, float]) -> str:
     return ", ".join(names[:2]) + (f" +{len(names) - 2}" if len(names) > 2 else "")
 
 
+def _nothing(model: str, tokens: float, options: AdviceOptions) -> str:
+    """Why no option is left, naming only the limits the user gave."""
+    given = [f"--deadline {options.deadline_h:g} h" if options.deadline_h is not None else "",
+             f"--budget ${options.budget_usd:,.0f}" if options.budget_usd is not None else ""]
+    given = [g for g in given if g]
+    if given:
+        return (f"no option trains {tokens:.3g} tokens of {model} within {' and '.join(given)}; "
+                f"raise {' or '.join(g.split()[0] for g in given)}, or train fewer tokens")
+    nodes = max(options.node_counts)
+    return (f"no catalog instance trains {tokens:.3g} tokens of {model} within "
+            f"{options.max_days:g} days on up to {nodes} instances (or the model fits none of "
+            f"them); train fewer tokens, or give a catalog with larger instances (--catalog)")
+
+
 def _advise(args: argparse.Namespace) -> int:
     if args.gpus:
         load_gpus_toml(args.gpus)
@@ -29,7 +43,7 @@ def _advise(args: argparse.Namespace) -> int:
     options = AdviceOptions(runs=args.runs, deadline_h=args.deadline, budget_usd=args.budget)
     front = pareto(advise(model, args.tokens, load_catalog(args.catalog), options))
     if not front:
-        raise ValueError("no option meets the deadline and budget; raise --deadline or --budget")
+        raise ValueError(_nothing(model.name, args.tokens, options))
     pick = recommend(front, args.deadline)
     assert pick is not None
     console = report_console()

@@ -10,7 +10,6 @@ from meshmorph.run.engine.pipeline import TRACE_ENV
 from meshmorph.run.launch.launcher import launch, prepare_run
 from meshmorph.run.metrics import LOSS_CHART, METRICS_FILE, read_metrics
 
-
 INTERRUPTED = 130
 """The launcher's exit code after Ctrl-C (128 + SIGINT), as a shell reports it."""
 

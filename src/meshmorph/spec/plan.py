@@ -451,6 +451,12 @@ class Plan:
         if unknown:
             raise PlanError(f"plan has unknown keys: {', '.join(sorted(unknown))}")
         kwargs = {k: v for k, v in data.items() if k in known and k != "stages"}
+        listed = data.get("stages", [])
+        if not isinstance(listed, list) or not all(isinstance(s, dict) for s in listed):
+            raise PlanError(f"'stages' must be a list of objects "
+                            f'{{"layers": [start, stop], "recompute": [...]}}, got '
+                            f"{type(listed).__name__} {str(listed)[:60]}; leave it out to split "
+                            f"the layers evenly")
         stages = tuple(
             StagePlan(start=int(s["layers"][0]), stop=int(s["layers"][1]),
                       recompute=tuple(Recompute(m) for m in s["recompute"]), gpu=s.get("gpu"),

@@ -68,6 +68,15 @@ def test_bad_survivors_are_one_line_errors(argv: list[str], message: str,
     assert message in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("value", ["nan", "-1", "0", "inf"])
+def test_a_staging_buffer_that_is_not_a_positive_size_is_refused(
+        value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["reshape", "--from", str(FROM), "--to", str(TO), "--staging-mib", value])
+    assert exited.value.code == 2
+    assert f"--staging-mib: must be a finite number > 0, got {value}" in capsys.readouterr().err
+
+
 def test_plans_for_different_models_are_refused(tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     other = _write(tmp_path / "llama.json", "llama-tiny", dp=4, global_batch=8, num_microbatches=2)

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from meshmorph.cli.args import positive_float
 from meshmorph.cli.output import add_output, write_json
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.profile import Profile
@@ -209,7 +210,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="cluster whose links price the move and whose memory the target "
                              "must fit (h100:1x8, a .toml file); default: local CPU processes, "
                              "no memory check")
-    parser.add_argument("--staging-mib", type=float, default=DEFAULT_STAGING_BYTES / 2**20,
+    parser.add_argument("--staging-mib", type=positive_float, default=DEFAULT_STAGING_BYTES / 2**20,
                         help="largest batch a destination buffers, MiB (default 256)")
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
                         help="price messages with a measured profile's send_recv/2 alpha/beta "

@@ -91,3 +91,10 @@ def test_demo_job_is_a_valid_job_file(tmp_path: Path) -> None:
     job = load_job(path)
     assert (job.model.source, job.train.steps, job.optim.decay_steps) == ("gpt-small", 50, 50)
     assert job.checkpoint.every == 0 and job.out_dir() == Path("runs/demo")
+
+
+def test_min_lr_defaults_to_a_tenth_of_lr_so_a_small_lr_is_accepted() -> None:
+    assert OptimConfig().min_lr == 3e-4  # lr 3e-3
+    assert OptimConfig(lr=1e-4).min_lr == 1e-5
+    with pytest.raises(ValueError, match=r"set min_lr at most lr, or leave it out \(lr / 10\)"):
+        OptimConfig(lr=1e-4, min_lr=3e-4)

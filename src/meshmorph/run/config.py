@@ -12,8 +12,8 @@ class OptimConfig:
 
     lr: float = 3e-3
     """Peak learning rate."""
-    min_lr: float = 3e-4
-    """Learning rate at the end of the cosine decay."""
+    min_lr: float | None = None
+    """Learning rate at the end of the cosine decay; None (the default): lr / 10."""
     warmup_steps: int = 10
     """Steps of linear warm-up from 0 to ``lr``."""
     decay_steps: int = 1000
@@ -30,13 +30,17 @@ class OptimConfig:
     """Clip the global gradient norm to this value (0 disables clipping)."""
 
     def __post_init__(self) -> None:
+        if self.min_lr is None:  # a tenth of the peak, whatever the peak is
+            object.__setattr__(self, "min_lr", float(f"{self.lr / 10:.12g}")  # 3e-3 -> 3e-4
+                               if isinstance(self.lr, float | int) else self.lr)
         for name in ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
             value = getattr(self, name)
             if not math.isfinite(value):
                 raise ValueError(f"[optim] {name} must be a finite number, got {value}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"[optim] needs 0 <= min_lr <= lr and lr > 0, got lr {self.lr}, "
-                             f"min_lr {self.min_lr}")
+                             f"min_lr {self.min_lr}; set min_lr at most lr, or leave it out "
+                             f"(lr / 10)")
         if self.warmup_steps < 0 or self.decay_steps < 1:
             raise ValueError(f"[optim] warmup_steps must be >= 0 and decay_steps >= 1, got "
                              f"{self.warmup_steps} and {self.decay_steps}")

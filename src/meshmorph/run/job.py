@@ -196,7 +196,8 @@ def _section(name: str, cls: type, data: Any, source: str) -> Any:
             raise ValueError(
                 f"{source}: [{name}] {key} must be {known[key].type}, got {value!r}"
             )
-    kwargs = {k: float(v) if known[k].type == "float" else v for k, v in data.items()}
+    kwargs = {k: float(v) if known[k].type in ("float", "float | None") and v is not None
+              else v for k, v in data.items()}
     try:
         return cls(**kwargs)
     except TypeError as exc:  # a required key is missing

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from meshmorph.cli import main
 from tests.unit.test_plan_cli import PNG_MAGIC, run_cli
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -98,4 +101,13 @@ def test_advise_refuses_an_impossible_deadline_with_a_way_out() -> None:
     code, _, err = run_cli(["advise", "--model", "gpt3-125m", "--tokens", "2e9", "--runs", "1",
                             "--deadline", "0.001"])
     assert code == 2
-    assert "no option meets the deadline and budget; raise --deadline or --budget" in err
+    assert "no option trains 2e+09 tokens of gpt3-125m within --deadline 0.001 h; raise " \
+        "--deadline, or train fewer tokens" in err
+
+
+def test_simulate_names_a_negative_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:  # argparse's own exit, usage line first
+        main(["simulate", "--model", "gpt3-125m", "--tokens", "1e9", "--cluster", "h100:1x8",
+              "--seed", "-5"])
+    assert exited.value.code == 2
+    assert "argument --seed: must be 0 or more, got -5" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from meshmorph.cli.args import positive_float, positive_int
+from meshmorph.cli.args import non_negative_int, positive_float, positive_int
 from meshmorph.cli.output import add_output, write_json
 from meshmorph.plan.report import report_console
 from meshmorph.predict.cloud_catalog import load_catalog
@@ -191,7 +191,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      default=None, help="capacity: nodes go when the zone's capacity goes; "
                                         "lifetime: per-VM lifetimes (default: by the data)")
     sim.add_argument("--runs", type=positive_int, default=20, help="simulated runs (default 20)")
-    sim.add_argument("--seed", type=int, default=0, help="first random seed (default 0)")
+    sim.add_argument("--seed", type=non_negative_int, default=0,
+                     help="first random seed (default 0)")
     sim.add_argument("--global-batch", type=positive_int, default=None,
                      help="sequences per step (default: about 2 M tokens)")
     sim.add_argument("--provider", default=None,

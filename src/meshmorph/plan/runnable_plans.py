@@ -31,12 +31,14 @@ class RunnablePlans:
 
 
 def runnable_plans(model: ModelSpec, world_size: int, *, global_batch: int, dtype: str = "fp32",
-                   cluster: str | None = None, top_k: int = 8) -> RunnablePlans:
+                   cluster: str | None = None, top_k: int = 8,
+                   compile: bool = False) -> RunnablePlans:
     """The planner's ``top_k`` fastest plans for ``world_size`` devices (``cluster``, or that
-    many local CPU processes) that the runtime runs, the global batch kept."""
+    many local CPU processes) that the runtime runs, the global batch kept; ``compile``: every
+    block compiled (``Plan.compile``)."""
     result = search(model, parse_cluster(cluster or f"cpu:1x{world_size}"),
                     global_batch=global_batch,
-                    options=SearchOptions(dtype=dtype, top_k=top_k, cp_max=1))
+                    options=SearchOptions(dtype=dtype, top_k=top_k, cp_max=1, compile=compile))
     plans, refused = [], []
     for plan, estimate in zip(result.plans, result.estimates, strict=True):
         plan = plan if plan.stages else plan.with_even_stages(model)

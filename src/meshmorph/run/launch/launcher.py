@@ -139,7 +139,8 @@ def default_plan(job: JobConfig, model: ModelSpec, nproc: int) -> Plan:
     plan = Plan(model=job.model.source, seq_len=job.model.seq_len,
                 global_batch=job.train.global_batch, dp=nproc,
                 micro_batch=job.train.micro_batch,
-                num_microbatches=job.train.global_batch // per_step, dtype=job.train.dtype)
+                num_microbatches=job.train.global_batch // per_step, dtype=job.train.dtype,
+                compile=job.train.compile)
     return plan.with_even_stages(model)
 
 
@@ -147,7 +148,7 @@ def searched_plans(job: JobConfig, model: ModelSpec, nproc: int) -> tuple[list[P
     """Plans the planner ranks best first for ``nproc`` local CPU processes that the runtime
     runs, and its search time."""
     found = runnable_plans(model, nproc, global_batch=job.train.global_batch,
-                           dtype=job.train.dtype)
+                           dtype=job.train.dtype, compile=job.train.compile)
     if not found.plans:
         raise PlanError(
             f"the planner found no plan for {model.name} on {nproc} CPU processes with "

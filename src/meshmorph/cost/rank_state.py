@@ -227,9 +227,6 @@ def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, obj
     return state.result()
 
 
-_fsdp = fsdp_sharded
-
-
 def _casts(plan: Plan) -> bool:
     """Whether FSDP2's mixed precision casts a layer under ``plan``'s (segment's) strategy to
     the compute dtype; under autocast alone the residual stream keeps the dtype it comes in."""
@@ -241,7 +238,7 @@ def _held(model: ModelSpec, state: _RankState, segment: Segment) -> None:
     micro-batches), and its data-parallel traffic."""
     plan, sub = state.plan, segment.plan
     t, d, zero = sub.tp, sub.grad_replicas, sub.zero
-    fsdp = _fsdp(sub)
+    fsdp = fsdp_sharded(sub)
     tensors = rank_tensors(model, [(segment.start, segment.stop)], t)
     if segment.drop_tied:  # the head's matrix is the embedding's, in the same chunk
         tensors = [x for x in tensors if x.name != "out.weight"]
@@ -286,7 +283,7 @@ def _activations(model: ModelSpec, state: _RankState, segment: Segment, stream: 
     t, m, s, h = sub.tp, plan.num_microbatches, plan.seq_len // plan.cp, model.hidden_size
     sp, c = plan.sequence_parallel and t > 1, compute_bytes(plan.dtype)
     bsh = sub.micro_batch * s * h
-    fsdp = _fsdp(sub)
+    fsdp = fsdp_sharded(sub)
     for offset, index in enumerate(range(segment.start, segment.stop)):
         kind = model.layers[index].kind
         # the embedding's output, or the layer's input (cast, or as it came)
@@ -424,7 +421,7 @@ def _rank_ends(model: ModelSpec, state: _RankState, pp_rank: int) -> None:
                         * plan.seq_len * TOKEN_BYTES
         comm["all_reduce"] += LOSS_BYTES + NORM_BYTES
         return
-    fsdp = _fsdp(plan)
+    fsdp = fsdp_sharded(plan)
     split = plan.tp > 1 and any(tensor.tp_dim is not None for tensor in state.tensors)
     comm["all_reduce"] += LOSS_BYTES + NORM_CLASS_BYTES * (fsdp + split) \
         + NORM_PP_BYTES * (plan.pp > 1)

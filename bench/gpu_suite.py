@@ -680,13 +680,12 @@ class StepSection:
                 if self.cases[-1]["status"] == "ok":
                     eager_ok.append(b)
         if "compile" in args.modes:
-            self._compiled(engine, spec, batches, eager_ok, plans, records)
+            self._compiled(engine, spec, batches, eager_ok)
         del engine
         release(device)
 
     def _compiled(self, engine: TrainEngine, spec: ModelSpec, batches: list[int],
-                  eager_ok: list[int], plans: dict[int, Plan],
-                  records: dict[int, dict[str, Any]]) -> None:
+                  eager_ok: list[int]) -> None:
         args, device = self.args, self.device
         chosen = args.compile_micro_batches or (
             eager_ok[:1] if args.quick else eager_ok) or batches[:1]

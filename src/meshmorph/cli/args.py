@@ -7,12 +7,16 @@ import argparse
 from collections.abc import Callable
 
 
-def positive_int(text: str) -> int:
-    """A whole number >= 1."""
+def _whole_number(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """A whole number >= 1."""
+    value = _whole_number(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
@@ -20,10 +24,7 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     """A whole number >= 0 (a seed, a count that may be zero)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    value = _whole_number(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value

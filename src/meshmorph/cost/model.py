@@ -283,11 +283,7 @@ class CostModel:
         (a lower bound affine in ``reduce_s``, for the planner)."""
         if not plan.overlap_grad_reduce or reduce_s <= 0:
             return max(reduce_s, 0.0)
-        floor = 0.0
-        if last_bucket:
-            floor = reduce_s * min(1.0, self.coef.grad_bucket_bytes / max(grad_bytes, 1.0))
-        return comm.overlapped([(reduce_s, self.coef.dp_overlap)], window_s,
-                               self.coef.overlap_slowdown, least_exposed_s=floor)
+        return self._bucketed(reduce_s, self.coef.dp_overlap, window_s, grad_bytes, last_bucket)
 
     def param_gather_s(self, plan: Plan, gather_s: float, window_s: float, gather_bytes: float, *,
                        first_bucket: bool = True) -> float:
@@ -301,11 +297,19 @@ class CostModel:
         ``first_bucket`` False leaves that floor out (a lower bound, for the planner)."""
         if gather_s <= 0 or not plan.overlap_param_gather or isinstance(plan, LayerPlan):
             return max(gather_s, 0.0)
-        floor = 0.0
-        if first_bucket:
-            floor = gather_s * min(1.0, self.coef.grad_bucket_bytes / max(gather_bytes, 1.0))
-        return comm.overlapped([(gather_s, self.coef.zero3_overlap)], window_s,
-                               self.coef.overlap_slowdown, least_exposed_s=floor)
+        return self._bucketed(gather_s, self.coef.zero3_overlap, window_s, gather_bytes,
+                              first_bucket)
+
+    def _bucketed(self, seconds: float, share: float, window_s: float, nbytes: float,
+                  one_bucket_exposed: bool) -> float:
+        """Exposed seconds of a collective moving ``nbytes`` bucket by bucket beside compute
+        lasting ``window_s``: up to ``share`` of it hides, slowing the compute by
+        ``overlap_slowdown``; with ``one_bucket_exposed`` one ``grad_bucket_bytes`` bucket's
+        share (the last gradients', the first unit's parameters) never hides."""
+        floor = seconds * min(1.0, self.coef.grad_bucket_bytes / max(nbytes, 1.0)) \
+            if one_bucket_exposed else 0.0
+        return comm.overlapped([(seconds, share)], window_s, self.coef.overlap_slowdown,
+                               least_exposed_s=floor)
 
     def fsdp_measured(self, plan: Plan) -> bool:
         """Whether the Profile measured FSDP2's per-unit calls for this plan's dp group (a plan

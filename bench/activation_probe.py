@@ -6,8 +6,10 @@ residual stream's dtype: fp32 under autocast, as the engine's embedding hands it
 on CUDA, compiled by inductor; the block's saved tensors are listed (``saved_tensors_hooks``,
 one entry per storage: shape, dtype, bytes; the block's input included, autocast's 16-bit weight
 copies left out: the cost model counts those with the parameters) and the allocator's growth over the forward is read
-(CUDA). Beside them: the ModelSpec's ``activation[none]`` bytes for the same tokens, and its
-eager extra (``LayerSpec.eager_activation_extra``).
+(CUDA). Beside them: the ModelSpec's fused ``activation[none]`` bytes for the same tokens, and
+what the cost model predicts for the block run that way (``Plan.compile``, ``LayerSpec.runtime``).
+On the CPU, ``F.rms_norm`` runs decomposed and also keeps each normalized fp32 output (a llama
+block 8h bytes per token above the prediction, which follows the fused CUDA kernel).
 
     PYTHONPATH=src python bench/activation_probe.py [--device cpu] [--out PATH]
 
@@ -26,36 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from meshmorph.cost.model import CostModel  # noqa: E402
 from meshmorph.run.model.decoder import Block  # noqa: E402
-from meshmorph.spec import load_model  # noqa: E402
+from meshmorph.run.model.saved import saved_tensors  # noqa: E402
+from meshmorph.spec import load_model, parse_cluster  # noqa: E402
 from meshmorph.spec.model import Recompute  # noqa: E402
-
-
-def saved_tensors(block: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype) -> tuple[list, int]:
-    """(saved tensors as [shape, dtype, bytes], allocator growth over the forward or -1)."""
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    weights = {tuple(p.shape) for p in block.parameters() if p.dim() == 2}
-    weights |= {shape[::-1] for shape in weights}  # autocast's 16-bit weight copies (transposed)
-    seen: dict[int, list] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
-        if key not in params and key not in seen and tuple(t.shape) not in weights:
-            seen[key] = [list(t.shape), str(t.dtype).removeprefix("torch."),
-                         t.untyped_storage().nbytes()]
-        return t
-
-    cuda = x.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated() if cuda else 0
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        out = block(x)
-    grown = (torch.cuda.memory_allocated() - before - out.untyped_storage().nbytes()) if cuda \
-        else -1
-    out.float().sum().backward()
-    return list(seen.values()), grown
+from meshmorph.spec.plan import Plan  # noqa: E402
 
 
 def probe(name: str, device: torch.device, dtype: torch.dtype, b: int, seq: int,
@@ -71,9 +49,7 @@ def probe(name: str, device: torch.device, dtype: torch.dtype, b: int, seq: int,
                            "hidden": spec.hidden_size, "tokens": tokens}
     act = layer.activation[Recompute.NONE]
     row["predicted_fused_bytes"] = (act.shared + act.split) * tokens * scale
-    extra = getattr(layer, "eager_activation_extra", None)
-    if extra is not None:
-        row["predicted_eager_extra_bytes"] = extra * tokens * scale
+    cost = CostModel(spec, parse_cluster("h200:1x1"))  # activation bytes: any GPU will do
     cases = [("eager", block)]
     if compile_too:
         cases.append(("compile", torch.compile(block, dynamic=False)))
@@ -81,7 +57,12 @@ def probe(name: str, device: torch.device, dtype: torch.dtype, b: int, seq: int,
         for _ in range(2 if mode == "compile" else 1):  # the first compiled call compiles
             saved, grown = saved_tensors(module, x, dtype)
         total = sum(entry[2] for entry in saved)
+        plan = Plan(model=name, seq_len=seq, global_batch=b, micro_batch=b,
+                    dtype="fp32" if dtype == torch.float32 else "bf16", compile=mode == "compile")
+        predicted = cost.coster(plan).layer(1, cost.default_gpu(), b, 1, False,
+                                            Recompute.NONE).activation_bytes
         row[mode] = {"saved": saved, "saved_bytes": total, "allocated_growth_bytes": grown,
+                     "predicted_bytes": predicted,
                      "saved_per_token_per_h": total / tokens / spec.hidden_size,
                      "growth_per_token_per_h": grown / tokens / spec.hidden_size
                      if grown >= 0 else None}
@@ -89,7 +70,8 @@ def probe(name: str, device: torch.device, dtype: torch.dtype, b: int, seq: int,
               f"({total / tokens / spec.hidden_size:5.1f} h bytes/token)"
               + (f", allocator +{grown / 2**20:9.1f} MiB "
                  f"({grown / tokens / spec.hidden_size:5.1f} h)" if grown >= 0 else "")
-              + f"; predicted fused {row['predicted_fused_bytes'] / tokens / spec.hidden_size:5.1f} h",
+              + f"; predicted {predicted / tokens / spec.hidden_size:5.1f} h (fused "
+              f"{row['predicted_fused_bytes'] / tokens / spec.hidden_size:.1f} h)",
               flush=True)
     return row
 

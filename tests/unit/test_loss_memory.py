@@ -11,6 +11,7 @@ from meshmorph.cost.model import CostModel
 from meshmorph.cost.rank_terms import LOSS_BLOCK_BYTES, head_loss_bytes
 from meshmorph.run.model.decoder import Block
 from meshmorph.run.model.loss import CHUNK_FP32_BYTES
+from meshmorph.run.model.saved import saved_tensors
 from meshmorph.spec import load_model
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import Recompute
@@ -21,34 +22,13 @@ def test_the_cost_models_loss_block_is_the_runtimes() -> None:
     assert LOSS_BLOCK_BYTES == CHUNK_FP32_BYTES
 
 
-def _saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> int:
-    """Bytes of the distinct storages a block's forward saves for backward (its input
-    included), autocast's 16-bit weight copies left out (the cost model counts those with the
-    parameters)."""
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    weights = {tuple(p.shape) for p in block.parameters() if p.dim() == 2}
-    weights |= {shape[::-1] for shape in weights}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
-        if key not in params and tuple(t.shape) not in weights:
-            seen[key] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast("cpu", dtype=torch.bfloat16):
-        block(x).float().sum().backward()
-    return sum(seen.values())
-
-
 def test_an_eager_gpt_block_under_autocast_keeps_what_the_cost_model_says() -> None:
     # b 2 x s 64 tokens of h 64: shapes unlike any weight (so no activation is mistaken for one)
     spec = load_model("gpt-tiny", 64)
     torch.manual_seed(0)
     block = Block(spec)
     x = torch.randn(3, 64, spec.hidden_size, requires_grad=True)  # fp32: the residual stream
-    measured = _saved_bytes(block, x)
+    measured = sum(nbytes for _, _, nbytes in saved_tensors(block, x, torch.bfloat16)[0])
     plan = Plan(model="gpt-tiny", seq_len=64, global_batch=3, micro_batch=3)
     coster = CostModel(spec, parse_cluster("a100-80g:1x1")).coster(plan)
     gpu = CostModel(spec, parse_cluster("a100-80g:1x1")).default_gpu()

@@ -31,10 +31,10 @@ from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import Cluster, parse_cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import WEIGHT_PREDICTIONS, Plan, PlanError
+from meshmorph.spec.plan import WEIGHT_PREDICTIONS, Fp8Scaling, Plan, PlanError
 from meshmorph.spec.plan_file import load_plan
 
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = ("bf16", "fp16", "fp32", "fp8")
 MAX_GLOBAL_BATCH = 2**24
 """Largest --global-batch accepted (sequences per step); beyond it a number is a typo."""
 MAX_SEQ_LEN = 2**24
@@ -74,6 +74,7 @@ def _plan(args: argparse.Namespace) -> int:
     cluster = parse_cluster(args.cluster)
     layerwise = args.layerwise or args.uniform
     options = SearchOptions(top_k=args.top, dtype=args.dtype, compile=args.compile,
+                            fp8_scaling=args.fp8_scaling,
                             max_micro_batch=args.max_micro_batch,
                             tolerance=args.tolerance, max_nodes=args.max_nodes or None,
                             allow_async=args.allow_async,
@@ -213,7 +214,8 @@ def build_plan(args: argparse.Namespace, model) -> Plan:  # type: ignore[no-unty
                 schedule=schedule, vpp=vpp, sequence_parallel=args.sequence_parallel,
                 dtype=args.dtype, overlap_grad_reduce=not args.no_overlap_grad_reduce,
                 tp_comm_overlap=args.tp_comm_overlap, fsdp_prefetch=not args.no_fsdp_prefetch,
-                overlap_param_gather=not args.no_overlap_param_gather, compile=args.compile)
+                overlap_param_gather=not args.no_overlap_param_gather, compile=args.compile,
+                fp8_scaling=args.fp8_scaling)
     return plan.with_even_stages(model, recompute)
 
 
@@ -252,6 +254,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_estimate(subparsers)
 
 
+def _numerics_flags(parser: argparse.ArgumentParser) -> None:
+    """--dtype, --fp8-scaling and --compile: how the plan's blocks compute (plan and estimate)."""
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16",
+                        help="training dtype (default bf16); fp8: bf16 with the blocks' linear "
+                             "layers multiplying in float8 (torchao), priced only")
+    parser.add_argument("--fp8-scaling", choices=tuple(Fp8Scaling), default="tensorwise",
+                        help="with --dtype fp8: float8 scaling recipe (default tensorwise)")
+    parser.add_argument("--compile", action="store_true",
+                        help="price (and run) every transformer block under torch.compile: fused "
+                             "elementwise kernels, fewer kept activations (default: eager)")
+
+
 def _register_plan(subparsers: argparse._SubParsersAction) -> None:
     plan = subparsers.add_parser(
         "plan", help="search the fastest parallel layouts of a model on a cluster",
@@ -266,10 +280,7 @@ def _register_plan(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--seq-len", type=bounded_int(MAX_SEQ_LEN, "tokens"), default=None,
                       help="sequence length (default: the model's own)")
     plan.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
-    plan.add_argument("--dtype", choices=DTYPES, default="bf16", help="training dtype (default bf16)")
-    plan.add_argument("--compile", action="store_true",
-                      help="price (and run) every transformer block under torch.compile: fused "
-                          "elementwise kernels, fewer kept activations (default: eager)")
+    _numerics_flags(plan)
     plan.add_argument("--max-micro-batch", type=positive_int, default=16,
                       help="largest micro-batch size tried (default 16)")
     plan.add_argument("--tolerance", type=float, default=1e-3,
@@ -355,10 +366,7 @@ def _register_estimate(subparsers: argparse._SubParsersAction) -> None:
                           "forward (Megatron-LM's --overlap-param-gather off): every gather exposed")
     est.add_argument("--sequence-parallel", action="store_true",
                      help="Megatron sequence parallelism (needs tp > 1)")
-    est.add_argument("--dtype", choices=DTYPES, default="bf16", help="training dtype (default bf16)")
-    est.add_argument("--compile", action="store_true",
-                     help="price (and run) every transformer block under torch.compile: fused "
-                         "elementwise kernels, fewer kept activations (default: eager)")
+    _numerics_flags(est)
     est.add_argument("--profile", type=Path, default=None,
                       help="a Profile JSON (meshmorph profile) replacing catalog figures")
     est.add_argument("--json", type=Path, default=None,

@@ -42,6 +42,12 @@ class CostCoefficients:
     fp32 log-softmax forward and backward, nll's gradient, the cast back to the logits' dtype:
     ``cost.layer_cost.loss_bytes_per_logit``): on an H200 (torch 2.11) they moved those bytes at
     about 2.4 TB/s of the 4.8 nominal (bench/results/gpu_suite.json, kernel time by kind)."""
+    fp8_cast_bandwidth_efficiency: float = 0.5
+    """Fraction of HBM bandwidth the float8 casts of dtype ``fp8`` reach (absolute-max
+    reductions and scaled conversions over each GEMM operand, cost/fp8.py): taken equal to
+    ``loss_bandwidth_efficiency``, the one share of nominal bandwidth measured here for compiled
+    memory-bound kernels with reductions (torchao's own roofline assumes 0.92 for large pointwise
+    kernels on an H100); not measured for the casts themselves."""
     gpu_matmul_efficiency: tuple[tuple[str, float], ...] = ()
     """(GPU name, ceiling) pairs that replace ``matmul_efficiency`` for those GPUs: a part whose
     sustained clock is not its data sheet's (a power limit below the board's rating) reaches its

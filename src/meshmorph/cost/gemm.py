@@ -28,11 +28,13 @@ def wave_efficiency(m: int, n: int, tile: int, sms: int) -> float:
 
 
 def gemm_time(m: int, n: int, k: int, gpu: GPUSpec, dtype: str, element_bytes: float,
-              ceiling: float, tile: int) -> float:
-    """Seconds of one M x K by K x N GEMM (roofline with wave quantisation)."""
+              ceiling: float, tile: int, out_bytes: float | None = None) -> float:
+    """Seconds of one M x K by K x N GEMM (roofline with wave quantisation); operands of
+    ``element_bytes``, the result of ``out_bytes`` (by default the operands')."""
     flops = 2.0 * m * n * k
     compute = gpu.peak_flops(dtype) * ceiling * wave_efficiency(m, n, tile, int(gpu.sm_count))
-    memory = element_bytes * (m * k + k * n + m * n) / (gpu.hbm_gbps * 1e9)
+    out = element_bytes if out_bytes is None else out_bytes
+    memory = (element_bytes * (m * k + k * n) + out * m * n) / (gpu.hbm_gbps * 1e9)
     return max(flops / compute, memory)
 
 
@@ -49,16 +51,22 @@ def layer_gemms(model: ModelSpec, layer: LayerSpec, tp: int) -> tuple[tuple[int,
 
 
 def layer_efficiency(model: ModelSpec, layer: LayerSpec, tp: int, tokens: int, gpu: GPUSpec,
-                     dtype: str, element_bytes: float, ceiling: float, tile: int) -> float:
-    """Achieved fraction of peak over the layer's forward FLOPs on one TP rank: the GEMMs at their
-    roofline rate, the rest at the ceiling (FLOP-weighted harmonic mean)."""
+                     dtype: str, element_bytes: float, ceiling: float, tile: int,
+                     gemm_dtype: str | None = None) -> float:
+    """Achieved fraction of ``dtype``'s peak over the layer's forward FLOPs on one TP rank: the
+    GEMMs at their roofline rate, the rest at the ceiling (FLOP-weighted harmonic mean). With
+    ``gemm_dtype`` ``fp8`` the GEMMs multiply float8 operands (1 byte) into ``element_bytes``
+    results at the fp8 peak (cost/fp8.py), so the fraction may pass the ceiling."""
     total = layer.fwd_flops_per_token * tokens / tp
     if total <= 0:
         return ceiling
     peak = gpu.peak_flops(dtype)
+    fp8 = gemm_dtype == "fp8"
     seconds, gemm_flops = 0.0, 0.0
     for n, k in layer_gemms(model, layer, tp):
-        seconds += gemm_time(tokens, n, k, gpu, dtype, element_bytes, ceiling, tile)
+        seconds += gemm_time(tokens, n, k, gpu, gemm_dtype or dtype,
+                             1.0 if fp8 else element_bytes, ceiling, tile,
+                             out_bytes=element_bytes)
         gemm_flops += 2.0 * tokens * n * k
     rest = max(total - gemm_flops, 0.0)
     seconds += rest / (peak * ceiling)

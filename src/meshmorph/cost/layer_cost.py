@@ -11,9 +11,10 @@ from typing import NamedTuple
 
 from meshmorph.cost import comm, context_parallel
 from meshmorph.cost.coefficients import CostCoefficients
-from meshmorph.cost.gemm import layer_efficiency
+from meshmorph.cost.fp8 import cast_seconds, weight_grad_in_fp8
+from meshmorph.cost.gemm import layer_efficiency, layer_gemms
 from meshmorph.cost.profile import Profile
-from meshmorph.spec.gpus import GPUSpec
+from meshmorph.spec.gpus import GPUSpec, flops_dtype
 from meshmorph.spec.model import ActivationBytes, LayerKind, LayerSpec, ModelSpec, Recompute
 
 
@@ -105,8 +106,9 @@ class LayerCoster:
                  profile: Profile | None = None, cp: int = 1,
                  inter_link: comm.Link | None = None, gpus_per_node: int = 0,
                  tp_comm_overlap: bool = False, compiled: bool = False,
-                 stream32: bool = False):
+                 stream32: bool = False, fp8_scaling: str = "tensorwise"):
         self.model = model
+        self.fp8_scaling = fp8_scaling  # Plan.fp8_scaling, under dtype fp8 (cost/fp8.py)
         self.compiled = compiled  # Plan.compile: fused elementwise kernels, fewer kept results
         self.stream32 = stream32  # autocast over an fp32 residual stream (no FSDP2 cast)
         self.passes = coef.elementwise_passes if compiled else coef.eager_elementwise_passes
@@ -159,13 +161,27 @@ class LayerCoster:
         layer = self.model.layers[index]
         gpu = self.gpus[gpu_name]
         tokens = context_parallel.local_tokens(micro_batch, self.model.seq_len, self.cp)
-        peak = gpu.peak_flops(self.dtype)
+        flops16 = flops_dtype(self.dtype)  # fp8 plans run all but the blocks' GEMMs in bf16
+        peak = gpu.peak_flops(flops16)
         element_bytes = self.model.dtype_bytes * self.act_scale
         # GEMMs at their roofline rate with wave quantisation (cost/gemm.py), times the optional
-        # thin-GEMM and small-batch curve (off when its half points are 0)
-        eff = layer_efficiency(self.model, layer, tp, tokens, gpu, self.dtype, element_bytes,
-                               self.efficiency[gpu.name], self.coef.gemm_tile)
-        eff = matmul_efficiency(self.coef, eff, self.model.hidden_size / tp, tokens)
+        # thin-GEMM and small-batch curve (off when its half points are 0); a block's GEMMs in
+        # float8 under dtype fp8, with their casts (cost/fp8.py)
+        fp8 = self.dtype == "fp8" and layer.kind == LayerKind.BLOCK
+        def efficiency(gemm_dtype: str | None) -> float:
+            eff = layer_efficiency(self.model, layer, tp, tokens, gpu, flops16, element_bytes,
+                                   self.efficiency[gpu.name], self.coef.gemm_tile, gemm_dtype)
+            return matmul_efficiency(self.coef, eff, self.model.hidden_size / tp, tokens)
+
+        eff16 = efficiency(None)
+        eff = efficiency("fp8") if fp8 else eff16
+        cast_f, cast_b = cast_seconds(
+            layer_gemms(self.model, layer, tp), tokens, gpu, self.fp8_scaling,
+            bandwidth_efficiency=self.coef.fp8_cast_bandwidth_efficiency,
+            eager_factor=1.0 if self.compiled else
+            self.coef.eager_elementwise_passes / self.coef.elementwise_passes) \
+            if fp8 else (0.0, 0.0)
+        eff_w = eff if weight_grad_in_fp8(self.fp8_scaling) else eff16
         fwd_flops = layer.fwd_flops_per_token * tokens / tp
         re_flops = layer.recompute_flops_per_token.get(recompute, 0.0) * tokens / tp
         # memory-bound kernels: passes over the saved activations at HBM bandwidth (with SP the
@@ -179,13 +195,15 @@ class LayerCoster:
                           for moved in loss_bytes_per_logit(element_bytes))
         mem_pass = self.passes / 3 * (act_none - 4.0 * logits * self.act_scale) / hbm
         fwd_c = fwd_flops / (peak * eff) + mem_pass
+        igrad_c = fwd_c  # backward = 2x forward FLOPs: input gradient ~ forward, weight ~ forward
+        wgrad_c = fwd_flops / (peak * eff_w) + mem_pass
         # a recompute rewrites what it did not keep: selective the attention core's softmax and
         # dropout over the scores (the 5as/h term), full everything but the layer input
         act_kept = layer.activation[recompute].per_rank(tp, sp) * tokens * self.act_scale
         re_mem = self.passes / 3 * max(act_none - act_kept, 0.0) / hbm \
             if recompute != Recompute.NONE else 0.0
-        re_c = re_flops / (peak * eff) + re_mem
-        wgrad_c = fwd_c  # backward = 2x forward FLOPs: input gradient ~ forward, weight ~ forward
+        re_c = re_flops / (peak * eff) + re_mem + (cast_f * re_flops / fwd_flops if fwd_flops
+                                                   else 0.0)
         measured = self.profile.layer_time(self.model.name, self.model.seq_len, micro_batch,
                                            self.dtype, index) if self.profile else None
         if measured is not None:
@@ -193,8 +211,9 @@ class LayerCoster:
             # recompute repeats the share of the forward its FLOPs say
             fwd_c = measured.fwd_s / tp / self.cp
             re_c = fwd_c * re_flops / fwd_flops if fwd_flops else 0.0
-            wgrad_c = measured.bwd_s / tp / self.cp / 2
+            igrad_c = wgrad_c = measured.bwd_s / tp / self.cp / 2
             loss_f = loss_b = 0.0  # the measured head's times hold its loss
+            cast_f = cast_b = 0.0
         # TP: each forward all-reduce (or reduce-scatter + all-gather with SP, the same volume)
         # moves the b*s*h hidden state; backward has as many; full recompute repeats the forward's
         if tp > 1:
@@ -211,29 +230,29 @@ class LayerCoster:
             # forward beside the forward, backward beside both gradient GEMMs and the recompute
             share = self.coef.tp_overlap * (tp - 1) / tp
             fwd_comm = comm.overlapped([(fwd_comm, share)], fwd_c, self.coef.overlap_slowdown)
-            bwd_comm = comm.overlapped([(bwd_comm, share)], 2 * wgrad_c + re_c,
+            bwd_comm = comm.overlapped([(bwd_comm, share)], igrad_c + wgrad_c + re_c,
                                        self.coef.overlap_slowdown)
         # context parallel: the ring's K/V exchange beyond each step's attention block
         ring = context_parallel.ring_time(
             self.model, micro_batch=micro_batch, tp=tp, cp=self.cp, element_bytes=element_bytes,
-            flops_per_s=peak * eff, link=self.cp_link(gpu.name, tp)) \
+            flops_per_s=peak * eff16, link=self.cp_link(gpu.name, tp)) \
             if self.cp > 1 and layer.kind == LayerKind.BLOCK else None
         ring_f = ring_b = 0.0
         if ring is not None:
             ring_f = ring.fwd_exposed_s
             ring_b = ring.bwd_exposed_s + (ring_f if recompute != Recompute.NONE else 0.0)
-        bgrad = wgrad_c + re_c + bwd_comm + ring_b + loss_b
+        bgrad = igrad_c + cast_b + re_c + bwd_comm + ring_b + loss_b
         wgrad = wgrad_c
         act = (layer.activation[recompute].per_rank(tp, sp) * self.act_scale
                + self._runtime_bytes(layer, recompute, tp, sp)) * tokens
         full = (layer.activation[Recompute.NONE].per_rank(tp, sp) * self.act_scale
                 + self._runtime_bytes(layer, Recompute.NONE, tp, sp)) * tokens
         return PieceCost(
-            fwd_s=fwd_c + loss_f + fwd_comm + ring_f,
+            fwd_s=fwd_c + cast_f + loss_f + fwd_comm + ring_f,
             bwd_s=bgrad + wgrad,
             bgrad_s=bgrad,
             wgrad_s=wgrad,
-            compute_s=fwd_c + loss_f + 2 * wgrad_c + loss_b,
+            compute_s=fwd_c + cast_f + loss_f + igrad_c + cast_b + wgrad_c + loss_b,
             recompute_s=re_c,
             tp_comm_s=fwd_comm + bwd_comm,
             activation_bytes=act,

@@ -47,7 +47,7 @@ from meshmorph.cost.state import (
 from meshmorph.cost.transition import transition
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import Cluster
-from meshmorph.spec.gpus import GPUSpec, LinkSpec
+from meshmorph.spec.gpus import GPUSpec, LinkSpec, flops_dtype
 from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.plan import Plan, PlanError, StagePlan
 
@@ -103,21 +103,26 @@ class CostModel:
         residual stream where autocast runs without FSDP2's cast (``autocast_stream``)."""
         return self.layer_coster(str(plan.dtype), cp=plan.cp,
                                  tp_comm_overlap=plan.tp_comm_overlap, compiled=plan.compile,
-                                 stream32=autocast_stream(plan))
+                                 stream32=autocast_stream(plan),
+                                 fp8_scaling=str(plan.fp8_scaling))
 
     def layer_coster(self, dtype: str, *, cp: int = 1, tp_comm_overlap: bool = False,
-                     compiled: bool = True, stream32: bool = False) -> LayerCoster:
+                     compiled: bool = True, stream32: bool = False,
+                     fp8_scaling: str = "tensorwise") -> LayerCoster:
         """Per-layer costs in ``dtype``, each sequence split over ``cp`` ranks; by default as
         fused kernels over a 16-bit stream keep and run them (Korthikanti's counts, Megatron-LM);
         ``coster`` picks the flags of a plan."""
-        key = (dtype, cp, tp_comm_overlap, compiled, stream32)
+        key = (dtype, cp, tp_comm_overlap, compiled, stream32, fp8_scaling)
         coster = self._costers.get(key)
         if coster is None:
+            if dtype == "fp8":  # a GPU without float8 tensor cores: refused, naming a way out
+                for group in self.cluster.groups:
+                    group.gpu.peak_flops("fp8")
             coster = self._costers[key] = LayerCoster(
                 self.model, self.coef, dtype=dtype, efficiency=self.efficiency,
                 tp_link=self.intra, profile=self.profile, cp=cp, inter_link=self.inter,
                 gpus_per_node=self.cluster.gpus_per_node, tp_comm_overlap=tp_comm_overlap,
-                compiled=compiled, stream32=stream32)
+                compiled=compiled, stream32=stream32, fp8_scaling=fp8_scaling)
         return coster
 
     # --- placement --------------------------------------------------------------------------
@@ -620,7 +625,7 @@ class CostModel:
             for layer, mode in zip(self.model.layers, plan.recompute_of_layer(), strict=True)
         )
         world = plan.world_size
-        peak = sum(gpu.peak_flops(plan.dtype) for gpu in rank_gpus) * world / p
+        peak = sum(gpu.peak_flops(flops_dtype(plan.dtype)) for gpu in rank_gpus) * world / p
         return Estimate(
             step_time_s=step,
             tokens_per_s=tokens / step,

@@ -94,7 +94,8 @@ class ConfigBounds:
         return max(memory, self.lower_bound(config))
 
     def _sums_of(self, plan: Plan, gpus: list[GPUSpec]) -> _Sums:
-        key = (plan.dtype, plan.micro_batch, plan.tp, plan.cp, plan.sequence_parallel,
+        key = (plan.dtype, plan.fp8_scaling, plan.micro_batch, plan.tp, plan.cp,
+               plan.sequence_parallel,
                plan.schedule.split_backward, tuple(g.name for g in gpus),
                plan.overlap_grad_reduce, plan.tp_comm_overlap, plan.fsdp_prefetch,
                plan.compile, autocast_stream(plan))
@@ -345,7 +346,7 @@ class ConfigBounds:
         p = plan.pp
         in_flight = in_flight_microbatches(plan.schedule, p, k, plan.num_microbatches, plan.vpp)
         # everything RankBound reads of the plan and the rank (pp only through pp == 1)
-        key = (gpu_name, plan.dtype, plan.reduce_dtype, plan.micro_batch, plan.tp,
+        key = (gpu_name, plan.dtype, plan.fp8_scaling, plan.reduce_dtype, plan.micro_batch, plan.tp,
                plan.sequence_parallel, plan.dp, plan.cp, plan.zero, plan.num_microbatches, in_flight,
                k == 0, k == p - 1, p == 1,
                plan.pp_rank_of_chunk(plan.num_chunks - 1) == k,  # the head's loss buffers

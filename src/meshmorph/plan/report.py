@@ -111,7 +111,7 @@ def plan_headline(plan: Plan, model: ModelSpec | None = None) -> str:
             f"SP {'on' if plan.sequence_parallel else 'off'}, schedule {schedule_label(plan)}, "
             f"micro-batch {plan.micro_batch} x {plan.num_microbatches}, "
             f"recompute {recompute_summary(plan, model)}, overlap {overlap_summary(plan)}, "
-            f"{plan.dtype}")
+            f"{plan.dtype}{f' {plan.fp8_scaling}' if plan.dtype == 'fp8' else ''}")
 
 
 def overlap_summary(plan: Plan) -> str:

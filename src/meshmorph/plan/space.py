@@ -31,7 +31,7 @@ from itertools import permutations
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import DType, LayerStrategy, Plan, WeightPrediction
+from meshmorph.spec.plan import DType, Fp8Scaling, LayerStrategy, Plan, WeightPrediction
 from meshmorph.spec.runnable import runnable_shape_refusal, tied_ends_refusal, zero_runs_under
 
 
@@ -42,7 +42,10 @@ class SearchOptions:
     top_k: int = 5
     """How many plans to return (the best configurations, each with its best stages)."""
     dtype: DType = DType.BF16
-    """Compute dtype of every plan (``bf16``, ``fp16`` or ``fp32``; a string is converted)."""
+    """Compute dtype of every plan (``bf16``, ``fp16``, ``fp32`` or ``fp8``; a string is
+    converted)."""
+    fp8_scaling: Fp8Scaling = Fp8Scaling.TENSORWISE
+    """With dtype ``fp8``: every plan's ``Plan.fp8_scaling``."""
     max_micro_batch: int = 16
     """Largest micro-batch size tried."""
     max_microbatches: int = 65_536
@@ -114,6 +117,7 @@ class SearchOptions:
         if self.dtype not in tuple(DType):
             raise ValueError(f"dtype must be one of {', '.join(DType)}, got {self.dtype!r}")
         object.__setattr__(self, "dtype", DType(self.dtype))
+        object.__setattr__(self, "fp8_scaling", Fp8Scaling(self.fp8_scaling))
         if self.top_k < 1:
             raise ValueError(f"top_k must be at least 1, got {self.top_k}")
         if Recompute.NONE not in self.recompute:
@@ -281,7 +285,7 @@ def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int,
                                 dtype=options.dtype, weight_prediction=options.weight_prediction
                                 if schedule == Schedule.ASYNC else "none",
                                 overlap_grad_reduce=options.overlap_grad_reduce,
-                                compile=options.compile)
+                                compile=options.compile, fp8_scaling=options.fp8_scaling)
                     for prefetch in prefetch_choices(plan, options):
                         for tpo in options.tp_comm_overlap if sp else (False,):
                             yield Config(replace(plan, fsdp_prefetch=prefetch,
@@ -346,7 +350,8 @@ def _layer_config(model: ModelSpec, cluster: Cluster, options: SearchOptions, ba
     plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=batch, tp=first.tp,
                 dp=first.dp, zero=first.zero, pp=pp, micro_batch=sequences // first.dp,
                 num_microbatches=batch // sequences, schedule=schedule, vpp=vpp,
-                sequence_parallel=sp, dtype=options.dtype).with_even_stages(model)
+                sequence_parallel=sp, dtype=options.dtype,
+                fp8_scaling=options.fp8_scaling).with_even_stages(model)
     ends = None
     if options.runnable_only:
         if runnable_shape_refusal(model, plan) is not None:

@@ -131,7 +131,7 @@ def stage_choices(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: i
     # what a layer's figures depend on besides its class, strategy and recompute: the times on
     # ``shape``, the memory on the rank too (identical ranks' layers: one time)
     shape = (plan.num_microbatches, plan.dp * plan.micro_batch, plan.schedule, plan.pp,
-             plan.vpp, plan.dtype, gpu.name, plan.sequence_parallel)
+             plan.vpp, plan.dtype, plan.fp8_scaling, gpu.name, plan.sequence_parallel)
     ranked = (*shape, pp_rank)
     offered = (tuple(strategies), tuple(recompute))
     out = []

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from meshmorph.run.config import OptimConfig
+from meshmorph.spec.runnable import FP8_REFUSAL
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +80,8 @@ class TrainSection:
                 f"[train] micro_batch {self.micro_batch} does not divide global_batch "
                 f"{self.global_batch}"
             )
+        if self.dtype == "fp8":
+            raise ValueError(f"[train] dtype fp8: {FP8_REFUSAL}")
         if self.dtype not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"[train] dtype must be fp32, bf16 or fp16, got {self.dtype!r}")
         if self.compile_backend not in ("inductor", "aot_eager", "eager"):

@@ -105,8 +105,16 @@ class GPUSpec:
                              f"{self.sm_count!r}")
 
     def peak_flops(self, dtype: str) -> float:
-        """Dense peak FLOP/s for a training dtype; falls back to the next wider dtype."""
-        for candidate in (dtype, {"bf16": "fp16", "fp16": "bf16", "fp8": "bf16"}.get(dtype, "fp32"), "fp32"):
+        """Dense peak FLOP/s for a training dtype; a 16-bit dtype falls back to the other 16-bit
+        one, then to fp32. fp8 has no fallback: a GPU without float8 tensor cores cannot run a
+        float8 GEMM at any rate (ValueError naming a way out)."""
+        if dtype == "fp8" and "fp8" not in self.peak_tflops:
+            with_fp8 = ", ".join(name for name, gpu in GPU_CATALOG.items()
+                                 if "fp8" in gpu.peak_tflops)
+            raise ValueError(f"GPU {self.name!r} has no float8 tensor cores (its peak_tflops "
+                             f"lists no fp8): train it in bf16 (--dtype bf16), or on a GPU with "
+                             f"fp8 ({with_fp8})")
+        for candidate in (dtype, {"bf16": "fp16", "fp16": "bf16"}.get(dtype, "fp32"), "fp32"):
             if candidate in self.peak_tflops:
                 return self.peak_tflops[candidate] * 1e12
         raise KeyError(f"{self.name} has no peak figure for {dtype}")
@@ -273,3 +281,10 @@ def load_gpus_toml(path: Path | str) -> dict[str, GPUSpec]:
     LINKS.update(links)
     GPU_CATALOG.update(gpus)
     return gpus
+
+
+def flops_dtype(dtype: str) -> str:
+    """The dtype whose peak prices a plan's FLOPs outside float8 GEMMs and defines its MFU: bf16
+    for ``fp8`` (its attention, head and elementwise work run in bf16; torchtitan reports fp8
+    runs' MFU against the bf16 peak), the dtype itself otherwise."""
+    return "bf16" if dtype == "fp8" else dtype

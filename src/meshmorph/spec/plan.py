@@ -58,11 +58,25 @@ class DType(StrEnum):
     BF16 = "bf16"
     FP16 = "fp16"
     FP32 = "fp32"
+    FP8 = "fp8"
+    """bf16 mixed precision whose transformer blocks' linear layers multiply in float8
+    (torchao's float8 training, ``Plan.fp8_scaling``); weights, activations and gradients stay
+    16-bit, each GEMM operand is scaled and cast on the fly. A compute dtype only."""
 
     @property
     def bytes(self) -> int:
-        """Bytes of one element."""
+        """Bytes of one element as tensors are kept (fp8 keeps 16-bit tensors)."""
         return 4 if self == DType.FP32 else 2
+
+
+class Fp8Scaling(StrEnum):
+    """How a float8 linear layer scales its operands (torchao's recipe names): ``tensorwise``
+    (one scale per tensor), ``rowwise`` (one per row, more accurate, slower kernels) or
+    ``rowwise_with_gw_hp`` (rowwise, the weight gradient's GEMM kept in bf16)."""
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+    ROWWISE_WITH_GW_HP = "rowwise_with_gw_hp"
 
 
 class PlanError(ValueError):
@@ -187,11 +201,15 @@ class Plan:
     sequence_parallel: bool = False
     """Megatron sequence parallelism in the tensor-parallel regions."""
     dtype: DType = DType.BF16
-    """Compute dtype (``bf16``, ``fp16``, ``fp32``); parameters, gradients and Adam moments are
-    kept in fp32 whatever it is (mixed precision)."""
+    """Compute dtype (``bf16``, ``fp16``, ``fp32``, or ``fp8``: bf16 with float8 GEMMs in the
+    blocks' linear layers); parameters, gradients and Adam moments are kept in fp32 whatever it
+    is (mixed precision)."""
     reduce_dtype: DType = DType.FP32
     """Dtype of data-parallel gradient reductions: ``fp32`` (meshmorph's default, FSDP2's
     ``reduce_dtype``), or a 16-bit one as Megatron-LM 2021 reduced fp16 gradients."""
+    fp8_scaling: Fp8Scaling = Fp8Scaling.TENSORWISE
+    """With dtype ``fp8``: how the float8 linear layers scale their operands (``Fp8Scaling``);
+    written to JSON only for fp8 plans."""
     stages: tuple[StagePlan, ...] = ()
     """``pp * vpp`` model chunks in order."""
     weight_prediction: WeightPrediction = WeightPrediction.NONE
@@ -235,6 +253,14 @@ class Plan:
                 raise PlanError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("dtype", "reduce_dtype"):
             object.__setattr__(self, name, _member(name, DType, getattr(self, name)))
+        object.__setattr__(self, "fp8_scaling",
+                           _member("fp8_scaling", Fp8Scaling, self.fp8_scaling))
+        if self.reduce_dtype == DType.FP8:
+            raise PlanError("reduce_dtype fp8: gradients are reduced in fp32 or a 16-bit dtype, "
+                            "float8 is for the linear layers' GEMMs; set reduce_dtype fp32")
+        if self.dtype != DType.FP8 and self.fp8_scaling != Fp8Scaling.TENSORWISE:
+            raise PlanError(f"fp8_scaling '{self.fp8_scaling}' applies to dtype fp8, not "
+                            f"'{self.dtype}'; set dtype fp8 or leave fp8_scaling out")
         object.__setattr__(self, "zero", _zero_stage("zero", self.zero))
         if self.global_batch != self.dp * self.micro_batch * self.num_microbatches:
             raise PlanError(
@@ -435,6 +461,10 @@ class Plan:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stages"}
         data["schedule"] = str(self.schedule)
         data["dtype"], data["reduce_dtype"] = str(self.dtype), str(self.reduce_dtype)
+        if self.dtype == DType.FP8:
+            data["fp8_scaling"] = str(self.fp8_scaling)
+        else:
+            del data["fp8_scaling"]
         data["world_size"] = self.world_size
         data["stages"] = [
             {"layers": [s.start, s.stop], "recompute": [str(m) for m in s.recompute], "gpu": s.gpu}

@@ -39,6 +39,9 @@ nothing else.
   optimizer step, as the cost model prices a layer run alone, so the switch refuses nothing.
 - **fp16** (``fp16_refusal``): loss scaling runs in the synchronous step of plans without
   per-layer strategies.
+- **fp8** (``fp8_refusal``): meshmorph prices float8 linear layers (cost/fp8.py), it does not
+  run them: torchao's float8 training needs fp8 tensor cores (compute capability 8.9 or newer)
+  and its scaled GEMM has no CPU kernel.
 
 A plan whose stages list layer strategies runs them layer by layer even where they all equal the
 plan's own tp, dp and zero (run/parallel/segments.py, priced so by cost/segments.py: the per-layer
@@ -136,6 +139,19 @@ def fp16_refusal(plan: Plan, *, layer_strategies: bool | None = None) -> str | N
     else:
         return None
     return f"{what}; run fp32 or bf16 (dtype bf16)"
+
+
+FP8_REFUSAL = (
+    "meshmorph run does not run dtype fp8: float8 linear layers (torchao's float8 training) "
+    "need a GPU with fp8 tensor cores (compute capability 8.9 or newer, e.g. H100) and torch's "
+    "scaled GEMM, which the CPU build and gloo do not have, and meshmorph's runtime does not "
+    "convert its layers; run dtype bf16 (estimate and plan price fp8 with --dtype fp8)")
+"""Why ``meshmorph run`` refuses dtype fp8 (a job's ``[train] dtype`` says the same)."""
+
+
+def fp8_refusal(plan: Plan) -> str | None:
+    """``FP8_REFUSAL`` for a plan in dtype fp8; None otherwise."""
+    return FP8_REFUSAL if plan.dtype == "fp8" else None
 
 
 # --- the asynchronous executor -----------------------------------------------------------------
@@ -334,7 +350,8 @@ def runtime_refusal(model: ModelSpec, plan: Plan) -> str | None:
     """Why ``meshmorph run`` refuses ``plan`` (a plan ``Plan.check_against`` accepted), the
     first rule it fails in the module docstring's order; None when it runs it."""
     rules: list[Callable[[], str | None]] = [
-        lambda: model_refusal(model, plan), lambda: context_parallel_refusal(plan)]
+        lambda: model_refusal(model, plan), lambda: context_parallel_refusal(plan),
+        lambda: fp8_refusal(plan)]
     if not plan.schedule.info.flush:  # the asynchronous executor's own rules
         rules.append(lambda: async_refusal(plan))
     else:

@@ -1,0 +1,134 @@
+"""dtype fp8: float8 linear layers priced (cost/fp8.py), refused by ``meshmorph run``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from meshmorph.cli import main as cli_main
+from meshmorph.cost import CostModel
+from meshmorph.cost.coefficients import CostCoefficients
+from meshmorph.cost.fp8 import cast_seconds
+from meshmorph.cost.gemm import gemm_time, layer_gemms
+from meshmorph.run.job import TrainSection
+from meshmorph.spec.catalog import load_model
+from meshmorph.spec.cluster import parse_cluster
+from meshmorph.spec.gpus import gpu
+from meshmorph.spec.model import LayerKind, Recompute
+from meshmorph.spec.plan import Plan, PlanError
+from meshmorph.spec.runnable import FP8_REFUSAL, runtime_refusal
+
+MODEL = load_model("llama3-8b", 4096)
+H100 = gpu("h100")
+COEF = CostCoefficients()
+
+
+def _plan(**fields: object) -> Plan:
+    base = Plan(model=MODEL.name, seq_len=MODEL.seq_len, global_batch=8, dp=8, zero=3,
+                micro_batch=1, num_microbatches=1, compile=True)
+    return replace(base, **fields).with_even_stages(MODEL)
+
+
+def _layer(plan: Plan, kind: LayerKind):  # type: ignore[no-untyped-def]
+    cost = CostModel(MODEL, parse_cluster("h100:1x8"))
+    index = next(i for i, layer in enumerate(MODEL.layers) if layer.kind == kind)
+    return cost.coster(plan).layer(index, H100, 1, 1, False, Recompute.NONE)
+
+
+def test_cast_bytes_follow_the_table_for_each_scaling() -> None:
+    n, k, m = 4096, 1024, 2048
+    rate = H100.hbm_gbps * 1e9 * 0.5
+    per = {"tensorwise": ((6 * m * k + 5 * k * n), (3 * k * n + 6 * m * n)),
+           "rowwise": ((8 * m * k + 3 * k * n), (7 * k * n + 8 * m * n)),
+           "rowwise_with_gw_hp": ((3 * m * k + 3 * k * n), (3 * k * n + 3 * m * n))}
+    for scaling, (fwd, bwd) in per.items():
+        got = cast_seconds(((n, k),), m, H100, scaling, bandwidth_efficiency=0.5,
+                           eager_factor=1.0)
+        assert got == pytest.approx((fwd / rate, bwd / rate))
+        eager = cast_seconds(((n, k),), m, H100, scaling, bandwidth_efficiency=0.5,
+                             eager_factor=3.0)
+        assert eager == pytest.approx((3 * fwd / rate, 3 * bwd / rate))
+
+
+def test_a_block_runs_its_gemms_at_the_fp8_peak_plus_its_casts() -> None:
+    bf16 = _layer(_plan(), LayerKind.BLOCK)
+    fp8 = _layer(_plan(dtype="fp8"), LayerKind.BLOCK)
+    tokens, ceiling, tile = MODEL.seq_len, COEF.matmul_efficiency, COEF.gemm_tile
+    gemms = layer_gemms(MODEL, MODEL.layers[1], 1)
+    saved = sum(gemm_time(tokens, n, k, H100, "bf16", 2, ceiling, tile)
+                - gemm_time(tokens, n, k, H100, "fp8", 1, ceiling, tile, out_bytes=2)
+                for n, k in gemms)
+    cast_f, cast_b = cast_seconds(gemms, tokens, H100, "tensorwise",
+                                  bandwidth_efficiency=COEF.fp8_cast_bandwidth_efficiency,
+                                  eager_factor=1.0)
+    assert fp8.fwd_s == pytest.approx(bf16.fwd_s - saved + cast_f)
+    assert fp8.wgrad_s == pytest.approx(bf16.wgrad_s - saved)  # the weight gradient in fp8
+    assert fp8.bgrad_s == pytest.approx(bf16.bgrad_s - saved + cast_b)
+    assert fp8.fwd_s + fp8.bwd_s < 0.8 * (bf16.fwd_s + bf16.bwd_s)  # 8B's GEMMs pay for it
+    assert fp8.activation_bytes == bf16.activation_bytes  # the layer keeps 16-bit tensors
+
+
+def test_rowwise_with_gw_hp_keeps_the_weight_gradient_in_bf16() -> None:
+    bf16 = _layer(_plan(), LayerKind.BLOCK)
+    hp = _layer(_plan(dtype="fp8", fp8_scaling="rowwise_with_gw_hp"), LayerKind.BLOCK)
+    rowwise = _layer(_plan(dtype="fp8", fp8_scaling="rowwise"), LayerKind.BLOCK)
+    assert hp.wgrad_s == pytest.approx(bf16.wgrad_s)
+    assert rowwise.wgrad_s < hp.wgrad_s
+    tensorwise = _layer(_plan(dtype="fp8"), LayerKind.BLOCK)
+    assert rowwise.wgrad_s == pytest.approx(tensorwise.wgrad_s)
+    assert rowwise.fwd_s + rowwise.bgrad_s > tensorwise.fwd_s + tensorwise.bgrad_s  # more casts
+
+
+def test_the_head_stays_bf16_and_mfu_counts_the_bf16_peak() -> None:
+    assert _layer(_plan(dtype="fp8"), LayerKind.HEAD) == _layer(_plan(), LayerKind.HEAD)
+    cost = CostModel(MODEL, parse_cluster("h100:1x8"))
+    plan = _plan(dtype="fp8")
+    estimate, bf16 = cost.estimate(plan), cost.estimate(_plan())
+    tokens = plan.global_batch * plan.seq_len
+    assert estimate.mfu == pytest.approx(
+        tokens * MODEL.model_flops_per_token() / estimate.step_time_s / (8 * 989.4e12))
+    assert estimate.step_time_s < bf16.step_time_s
+    assert [m.total for m in estimate.memory] == [m.total for m in bf16.memory]
+
+
+def test_a_gpu_without_fp8_is_refused_with_a_way_out(capsys: pytest.CaptureFixture) -> None:
+    code = cli_main(["estimate", "--model", "llama3-8b", "--cluster", "a100-80g:1x8", "--tp", "1",
+                     "--pp", "1", "--dp", "8", "--zero", "3", "--global-batch", "8",
+                     "--dtype", "fp8"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "'a100-80g' has no float8 tensor cores" in err and "--dtype bf16" in err
+    assert "h100" in err and err.count("\n") == 1
+
+
+def test_plan_fields_and_json() -> None:
+    with pytest.raises(PlanError, match="fp8_scaling 'rowwise' applies to dtype fp8"):
+        _plan(fp8_scaling="rowwise")
+    with pytest.raises(PlanError, match="reduce_dtype fp8"):
+        _plan(dtype="fp8", reduce_dtype="fp8")
+    with pytest.raises(PlanError, match="fp8_scaling must be one of"):
+        _plan(dtype="fp8", fp8_scaling="blockwise")
+    rowwise = _plan(dtype="fp8", fp8_scaling="rowwise")
+    assert rowwise.to_dict()["fp8_scaling"] == "rowwise"
+    assert Plan.from_dict(rowwise.to_dict()) == rowwise
+    assert "fp8_scaling" not in _plan().to_dict()
+
+
+def test_run_refuses_fp8_plans_and_jobs() -> None:
+    assert runtime_refusal(MODEL, _plan(dtype="fp8")) == FP8_REFUSAL
+    assert runtime_refusal(MODEL, _plan()) is None
+    with pytest.raises(ValueError, match=r"\[train\] dtype fp8: meshmorph run does not run"):
+        TrainSection(steps=1, global_batch=8, dtype="fp8")
+
+
+def test_the_planner_searches_fp8_plans() -> None:
+    from meshmorph.plan.search import search
+    from meshmorph.plan.space import SearchOptions
+
+    cluster = parse_cluster("h100:1x8")
+    found = {dtype: search(MODEL, cluster, global_batch=16,
+                           options=SearchOptions(dtype=dtype, compile=True, top_k=1))
+             for dtype in ("bf16", "fp8")}
+    assert found["fp8"].plans[0].dtype == "fp8"
+    assert found["fp8"].estimates[0].step_time_s < found["bf16"].estimates[0].step_time_s

@@ -65,6 +65,41 @@ def test_layer_efficiency_never_exceeds_the_ceiling_and_drops_for_thin_tp_shards
     assert effs[8] < effs[1]
 
 
+def test_a_flash_attention_core_does_its_causal_half_at_its_own_rate() -> None:
+    flash, kept = _gpt(), _gpt(flash=False)
+    a100, tokens, ceiling = gpu("a100-80g"), 2048, 0.63
+    assert flash.layers[1].flash_attention and not kept.layers[1].flash_attention
+    gemms = sum(gemm_time(tokens, n, k, a100, "bf16", 2, ceiling, 128)
+                for n, k in layer_gemms(flash, flash.layers[1], 1))
+    total = flash.layers[1].fwd_flops_per_token * tokens
+    core = total - sum(2.0 * tokens * n * k for n, k in layer_gemms(flash, flash.layers[1], 1))
+    peak = 312e12
+
+    def seconds(model, share: float) -> float:  # type: ignore[no-untyped-def]
+        eff = layer_efficiency(model, model.layers[1], 1, tokens, a100, "bf16", 2, ceiling, 128,
+                               attention_efficiency=share)
+        return total / (peak * eff)
+
+    # scores kept: the whole s x s core at the ceiling, whatever the share
+    assert seconds(kept, 0.65) == pytest.approx(gemms + core / (peak * ceiling))
+    # flash: half the core's FLOPs at the share of the ceiling; 0.5 prices as the whole core did
+    assert seconds(flash, 0.65) == pytest.approx(gemms + core / 2 / (peak * ceiling * 0.65))
+    assert seconds(flash, 0.5) == pytest.approx(seconds(kept, 0.65))
+
+
+def test_flash_attention_runs_faster_on_the_a100_than_on_hopper_relative_to_gemms() -> None:
+    coef = CostCoefficients()
+    shares = dict(coef.gpu_flash_attention_efficiency)
+    assert shares["a100-80g"] > coef.flash_attention_efficiency  # FA2 near its GEMMs
+    model = _gpt()
+    costs = {}
+    for name in ("a100-80g", "h100"):
+        coster = CostModel(model, parse_cluster(f"{name}:1x1")).layer_coster("bf16")
+        assert coster.attention_efficiency(name) == shares.get(name, 0.44)
+        costs[name] = coster.layer(1, gpu(name), 1, 1, False, Recompute.NONE)
+    assert costs["a100-80g"].fwd_s > costs["h100"].fwd_s  # and the H100 is still the faster part
+
+
 def test_memory_bound_passes_add_time_proportional_to_saved_activations() -> None:
     model = _gpt()
     cluster = parse_cluster("a100-80g:1x1")

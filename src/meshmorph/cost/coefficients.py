@@ -48,6 +48,18 @@ class CostCoefficients:
     ``loss_bandwidth_efficiency``, the one share of nominal bandwidth measured here for compiled
     memory-bound kernels with reductions (torchao's own roofline assumes 0.92 for large pointwise
     kernels on an H100); not measured for the casts themselves."""
+    flash_attention_efficiency: float = 0.44
+    """Share of the GEMM ceiling a causal flash-attention kernel reaches, the FLOPs of the causal
+    half counted and its backward priced at twice its forward (as every layer's): on an H200
+    (torch 2.11, cuDNN's sm90 flash kernels) 348 TFLOP/s of attention beside 790 of GEMMs
+    (bench/results/gpu_suite.json, kernel time by kind, gpt3-1.3b). Hopper's flash kernels
+    reach about half their GEMMs' rate; ``gpu_flash_attention_efficiency`` holds other parts."""
+    gpu_flash_attention_efficiency: tuple[tuple[str, float], ...] = (
+        ("a100-40g", 0.65), ("a100-80g", 0.65))
+    """(GPU name, share) pairs that replace ``flash_attention_efficiency``: on the A100,
+    FlashAttention-2 (the kernel torch's SDPA runs there) reaches 50-73% of the peak, close to
+    its GEMMs (Dao 2023, arXiv 2307.08691): about 0.6 of the peak with its backward counted at
+    2.5x its forward, 0.52 at the 2x this model counts, over a GEMM rate of about 0.8."""
     gpu_matmul_efficiency: tuple[tuple[str, float], ...] = ()
     """(GPU name, ceiling) pairs that replace ``matmul_efficiency`` for those GPUs: a part whose
     sustained clock is not its data sheet's (a power limit below the board's rating) reaches its

@@ -8,7 +8,8 @@ ceiling * peak * tiles / (waves * S) (compute bound) and the arithmetic intensit
 2MNK / (c (MK + KN + MN)) times HBM bandwidth (memory bound), c the element bytes.
 
 Each layer's GEMMs are read from the ModelSpec's shape (GPT and Llama blocks, the head); FLOPs
-no GEMM accounts for (the attention core, a custom model's layers) run at the ceiling.
+no GEMM accounts for (the attention core, a custom model's layers) run at the ceiling, except a
+causal flash-attention core: the half of its FLOPs it does, at its own share of the ceiling.
 """
 
 from __future__ import annotations
@@ -52,9 +53,11 @@ def layer_gemms(model: ModelSpec, layer: LayerSpec, tp: int) -> tuple[tuple[int,
 
 def layer_efficiency(model: ModelSpec, layer: LayerSpec, tp: int, tokens: int, gpu: GPUSpec,
                      dtype: str, element_bytes: float, ceiling: float, tile: int,
-                     gemm_dtype: str | None = None) -> float:
+                     gemm_dtype: str | None = None, attention_efficiency: float = 0.5) -> float:
     """Achieved fraction of ``dtype``'s peak over the layer's forward FLOPs on one TP rank: the
-    GEMMs at their roofline rate, the rest at the ceiling (FLOP-weighted harmonic mean). With
+    GEMMs at their roofline rate, the rest at the ceiling (FLOP-weighted harmonic mean); a flash
+    attention core (``LayerSpec.flash_attention``) does the causal half of its FLOPs at
+    ``attention_efficiency`` times the ceiling (0.5: as if all of them ran at the ceiling). With
     ``gemm_dtype`` ``fp8`` the GEMMs multiply float8 operands (1 byte) into ``element_bytes``
     results at the fp8 peak (cost/fp8.py), so the fraction may pass the ceiling."""
     total = layer.fwd_flops_per_token * tokens / tp
@@ -69,5 +72,7 @@ def layer_efficiency(model: ModelSpec, layer: LayerSpec, tp: int, tokens: int, g
                              out_bytes=element_bytes)
         gemm_flops += 2.0 * tokens * n * k
     rest = max(total - gemm_flops, 0.0)
+    if layer.flash_attention:  # the masked half of the scores is skipped, the rest runs slower
+        rest = rest / 2 / attention_efficiency
     seconds += rest / (peak * ceiling)
     return total / (peak * seconds)

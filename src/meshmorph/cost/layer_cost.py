@@ -126,6 +126,11 @@ class LayerCoster:
         self.gpus: dict[str, GPUSpec] = {}
         self.cost = lru_cache(maxsize=None)(self._cost)
 
+    def attention_efficiency(self, gpu_name: str) -> float:
+        """Share of the GEMM ceiling a causal flash-attention kernel reaches on this GPU."""
+        return dict(self.coef.gpu_flash_attention_efficiency).get(
+            gpu_name, self.coef.flash_attention_efficiency)
+
     def cp_link(self, gpu_name: str, tp: int) -> comm.Link:
         """The context-parallel ring's link: the node's while the tp x cp ranks it spans (tp
         innermost, then cp) fit in one node, else the NIC's."""
@@ -170,7 +175,8 @@ class LayerCoster:
         fp8 = self.dtype == "fp8" and layer.kind == LayerKind.BLOCK
         def efficiency(gemm_dtype: str | None) -> float:
             eff = layer_efficiency(self.model, layer, tp, tokens, gpu, flops16, element_bytes,
-                                   self.efficiency[gpu.name], self.coef.gemm_tile, gemm_dtype)
+                                   self.efficiency[gpu.name], self.coef.gemm_tile, gemm_dtype,
+                                   self.attention_efficiency(gpu.name))
             return matmul_efficiency(self.coef, eff, self.model.hidden_size / tp, tokens)
 
         eff16 = efficiency(None)

@@ -106,6 +106,11 @@ class LayerSpec:
     runtime: RuntimeActivation | None = None
     """What meshmorph's decoder block keeps beyond (or short of) ``activation`` when run eagerly or
     compiled; None: ``activation`` as it stands (embedding, head, traced modules)."""
+    flash_attention: bool = False
+    """The layer's FLOPs beyond its GEMMs (``cost.gemm.layer_gemms``) are a causal attention core
+    run as one flash kernel, which skips the masked half of the scores
+    (``CostCoefficients.flash_attention_efficiency``); False: batched GEMMs over the whole s x s
+    scores (Megatron-LM before flash attention), or work that is no attention at all."""
 
     def recompute_modes(self) -> tuple[Recompute, ...]:
         return tuple(self.activation)

@@ -169,11 +169,7 @@ def _first_block(spec: ModelSpec) -> LayerSpec:
 
 
 def _spec_flash(spec: ModelSpec) -> bool:
-    # the s x s scores are the only split bytes beyond the block's projections and MLP
-    h, f, scale = spec.hidden_size, spec.ffn_hidden_size, spec.dtype_bytes / 2
-    h_kv = spec.num_kv_heads * spec.head_dim
-    split = 8.0 * h + 4.0 * f if spec.arch == "gpt" else 4.0 * h + 4.0 * h_kv + 8.0 * f
-    return _first_block(spec).activation[Recompute.NONE].split <= split * scale
+    return _first_block(spec).flash_attention
 
 
 def _spec_dropout(spec: ModelSpec) -> bool:
@@ -253,6 +249,7 @@ def _block(shape: TransformerShape, index: int) -> LayerSpec:
             norm_inputs=2, norm_readers=2 if shape.arch == "gpt" else 3,
             recomputed_pointwise=0.0 if shape.arch == "gpt" else 2.0 * f * scale)
         if shape.runtime else None,
+        flash_attention=shape.flash,
     )
 
 

@@ -53,11 +53,14 @@ def test_one_line_per_event() -> None:
     assert lost_line(event, 4, {0, 1, 2}) == (
         "meshmorph: rank 3 lost at step 4 (SIGKILL); restarting the workers (restart 1 of 3)")
     assert lost_line(event, None, set()).startswith("meshmorph: rank 3 lost (SIGKILL);")
-    assert recovered_line(3, 4, 4, ring=False) == (
+    assert recovered_line(3, 4, 4, ["own"]) == (
         "meshmorph: recovered at step 3 from memory (node-local store), continuing on 4 ranks")
-    assert recovered_line(5, 2, 4, ring=True) == (
+    assert recovered_line(5, 2, 4, ["own", "ring-rank2", "ring-rank3"]) == (
         "meshmorph: recovered at step 5 from memory (node-local store and ring copies), "
         "continuing on 2 ranks (was 4)")
+    assert recovered_line(5, 2, 4, ["net-ring-rank2", "own"]) == (
+        "meshmorph: recovered at step 5 from memory (node-local store and ring copies, some "
+        "pulled from another node), continuing on 2 ranks (was 4)")
 
 
 def test_a_rank_that_failed_on_its_own_is_named_not_the_peer_whose_collective_failed() -> None:
@@ -92,7 +95,7 @@ def test_a_recovered_restart_shows_its_events_and_keeps_torchs_noise_in_a_log(
     relay.feed("Traceback (most recent call last):", 1.4)  # a worker stopped for the restart
     relay.feed('  File "worker.py", line 1, in <module>', 1.4)
     relay.feed("KeyboardInterrupt", 1.4)
-    relay.feed(recovered_line(3, 4, 4, ring=False), 5.0)
+    relay.feed(recovered_line(3, 4, 4, ["own"]), 5.0)
     relay.feed("meshmorph: reshape at step 3: ...", 5.0)
     relay.close()  # the job ended: nothing is held any more
     log = tmp_path / "logs" / "restart-1.log"
@@ -109,7 +112,7 @@ def test_a_recovered_restart_shows_its_events_and_keeps_torchs_noise_in_a_log(
                                             "KeyboardInterrupt"]
     # a second recovered restart gets a log of its own
     relay.feed(TORCH_E, 9.0)
-    relay.feed(recovered_line(8, 4, 4, ring=False), 9.5)
+    relay.feed(recovered_line(8, 4, 4), 9.5)
     assert relay.logs == [log, tmp_path / "logs" / "restart-2.log"]
 
 

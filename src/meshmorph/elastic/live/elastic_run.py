@@ -225,8 +225,7 @@ class ElasticSession:
                                                          - set(survivors)),
                   "consumed_samples": report.consumed_samples}
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one per agent: its launcher's cue
-            print(recovered_line(step, world, plan_a.world_size,
-                                 ring=any(name.startswith("ring") for name in by_source)),
+            print(recovered_line(step, world, plan_a.world_size, sorted(by_source)),
                   file=sys.stderr, flush=True)
         if rank == 0:  # on stderr too, so that it follows the line above on the console
             print(f"meshmorph: reshape at step {step}: {_plan_line(plan_a)} -> {_plan_line(plan_b)}"

@@ -98,9 +98,14 @@ def lost_line(event: dict[str, Any], step: int | None, collective_ranks: set[int
             f"{event['max_restarts']})")
 
 
-def recovered_line(step: int, world: int, old_world: int, *, ring: bool) -> str:
-    """What the restarted workers print once every rank holds the state of ``step`` again."""
-    where = "node-local store" + (" and ring copies" if ring else "")
+def recovered_line(step: int, world: int, old_world: int, sources: list[str] | None = None
+                   ) -> str:
+    """What the restarted workers print once every rank holds the state of ``step`` again;
+    ``sources``: the names the pieces came from (``own``, ``ring-rank3``, ``net-node-rank2``...)."""
+    names = sources or []
+    where = "node-local store" + (" and ring copies" if any("ring" in n for n in names) else "")
+    if any(n.startswith("net-") for n in names):
+        where += ", some pulled from another node"
     was = f" (was {old_world})" if old_world != world else ""
     return f"{RECOVERED}{step} from memory ({where}), continuing on {world} ranks{was}"
 

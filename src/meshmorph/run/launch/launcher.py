@@ -404,6 +404,13 @@ def _relay(run: PreparedRun, proc: subprocess.Popen[bytes]) -> tuple[Relay, thre
     assert proc.stderr is not None
     fd = proc.stderr.fileno()
 
+    def feed(text: str, now: float) -> None:
+        try:
+            relay.feed(text, now)
+        except Exception:  # never stop draining: the ranks would block on a full pipe
+            with contextlib.suppress(Exception):
+                sys.stderr.write(text + "\n")
+
     def pump() -> None:
         pending = b""
         while True:
@@ -415,10 +422,11 @@ def _relay(run: PreparedRun, proc: subprocess.Popen[bytes]) -> tuple[Relay, thre
             pending += chunk or b""
             *lines, pending = pending.split(b"\n")
             for line in lines:
-                relay.feed(line.decode(errors="replace").rstrip("\r"), now)
-            relay.tick(now)
+                feed(line.decode(errors="replace").rstrip("\r"), now)
+            with contextlib.suppress(Exception):
+                relay.tick(now)
         if pending:
-            relay.feed(pending.decode(errors="replace"), time.monotonic())
+            feed(pending.decode(errors="replace"), time.monotonic())
 
     thread = threading.Thread(target=pump, name="meshmorph-stderr", daemon=True)
     thread.start()

@@ -1,6 +1,7 @@
 """``meshmorph run --elastic`` under torchrun's elastic agent: a rank SIGKILLed mid-step, the
 worker group restarted by torchrun, the state rebuilt from the node-local store, and the run
-ending exactly where an uninterrupted run of the same plan ends.
+ending exactly where an uninterrupted run of the same plan ends; the console says so in one line
+per event, torch's output of the restart kept in a log under the run folder.
 
 Both runs (the uninterrupted one and the one with the failure) are a background job of the
 session (``BACKGROUND_JOBS``, tests/conftest.py); the test reads their folders."""
@@ -8,7 +9,7 @@ session (``BACKGROUND_JOBS``, tests/conftest.py); the test reads their folders."
 from __future__ import annotations
 
 import json
-import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -93,6 +94,19 @@ def test_rank_killed_at_step_3_restarts_under_torchrun_and_ends_with_the_uninter
     assert 0 < reshape["measured_time_s"] < 120
     assert list(reshape["sources"]) == ["own"]
     assert "meshmorph: reshape at step 2:" in output
+
+    # the console: one line per event, none of torch's output of the restart
+    assert re.search(r"^meshmorph: rank 3 lost at step 3 \(SIGKILL\); restarting the workers "
+                     r"\(restart 1 of 3\)$", output, re.M), output
+    assert ("meshmorph: recovered at step 2 from memory (node-local store), continuing on 4 "
+            "ranks\n") in output, output
+    log = run_dir / "logs" / "restart-1.log"
+    assert f"meshmorph: torch's log of the restart: {log}\n" in output, output
+    for noise in ("pair.cc", "--resume", "Traceback", "a collective failed", "meshmorph-event"):
+        assert noise not in output, output
+    assert not re.search(r"^[IWEF]\d{4} ", output, re.M), output  # torch's log lines
+    kept = log.read_text()
+    assert "a collective failed" in kept and re.search(r"^E\d{4} .*failed \(exitcode", kept, re.M)
     assert not any(line.get("event") == "reshape" for line in
                    map(json.loads, (ref_dir / "metrics.jsonl").read_text().splitlines()))
 

@@ -22,3 +22,8 @@ def test_summary_names_the_rank_and_figure_with_the_largest_gap() -> None:
 def test_summary_of_an_exact_prediction_reports_no_gap() -> None:
     line = state_summary([_record(0, 4096, 64, 64)])
     assert line.endswith('largest gap 0.00% (metrics.jsonl "state" line)')
+
+
+def test_a_restored_engine_names_the_step_it_measured_after() -> None:
+    assert state_summary([_record(0, 4096, 64, 64)]).startswith("state after step 1: 1 ranks")
+    assert state_summary([_record(0, 4096, 64, 64)], 4).startswith("state after step 4: ")

@@ -172,7 +172,7 @@ class RankRun:
         self.consumed += self.plan.global_batch
         self.metrics.log(step=self.step, loss=loss, lr=lr, grad_norm=self.engine.grad_norm_last(),
                          step_time_s=step_time_s, consumed_samples=self.consumed)
-        write_state_line(self.engine, self.metrics)  # once, after the first step
+        write_state_line(self.engine, self.metrics, self.step)  # once, after its first step
         if elastic is not None:  # the step boundary, in the node-local store
             elastic.after_step(self.engine, self.plan, self.step, self.consumed)
         every = self.job.checkpoint.every

@@ -12,8 +12,9 @@
 - ``restore``: a worker that finds state in the store (torchrun restarted the workers after a
   failure, or the membership changed) takes the newest step every old rank completed, re-plans
   when the world size changed (the planner; the global batch is kept, gradient accumulation
-  absorbs a smaller dp), fills a new engine from the store and logs one reshape line and a
-  ``{"event": "reshape"}`` record (``at_step``, not ``step``: metrics.jsonl's step lines are
+  absorbs a smaller dp), fills a new engine from the store, says so on stderr (one
+  ``recovered at step ...`` line per node, the launcher's cue that the restart worked, and one
+  reshape line) and logs a ``{"event": "reshape"}`` record (``at_step``, not ``step``: metrics.jsonl's step lines are
   the ones with a ``step`` key);
 - ``arm_failure``: ``--inject-failure RANK@STEP`` SIGKILLs that rank's worker in the forward of
   the step's second micro-batch (its first when there is one), once per run (a marker file in the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +52,7 @@ from meshmorph.elastic.moves.layout import layout_of
 from meshmorph.elastic.moves.move_plan import plan_move
 from meshmorph.elastic.moves.move_time import predict_move_time_s
 from meshmorph.run.engine.train_engine import build_engine
+from meshmorph.run.launch.console import recovered_line
 from meshmorph.run.model.materialize import state_installed_after
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.plan import Plan
@@ -221,13 +224,16 @@ class ElasticSession:
                   "survivors": survivors, "lost": sorted(set(range(plan_a.world_size))
                                                          - set(survivors)),
                   "consumed_samples": report.consumed_samples}
-        if rank == 0:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one per agent: its launcher's cue
+            print(recovered_line(step, world, plan_a.world_size, sorted(by_source)),
+                  file=sys.stderr, flush=True)
+        if rank == 0:  # on stderr too, so that it follows the line above on the console
             print(f"meshmorph: reshape at step {step}: {_plan_line(plan_a)} -> {_plan_line(plan_b)}"
                   f"; {move.bytes_moved / 1e6:.2f} MB between devices (lower bound "
                   f"{move.lower_bound_bytes / 1e6:.2f}, rank order {move.naive_bytes / 1e6:.2f})"
                   f", {record['measured_time_s']:.2f} s; pieces from "
                   + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sorted(by_source.items())),
-                  flush=True)
+                  file=sys.stderr, flush=True)
         return engine, plan_b, step, report.consumed_samples, record
 
     def _agree_step(self, inventories: list[Inventory]) -> tuple[Plan, int]:

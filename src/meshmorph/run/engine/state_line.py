@@ -131,9 +131,9 @@ def state_records(model: ModelSpec, plan: Plan, measured: list[dict[str, object]
     return records
 
 
-def state_summary(records: list[dict[str, Any]]) -> str:
+def state_summary(records: list[dict[str, Any]], step: int = 1) -> str:
     """One line for the console: the largest gap between measured and predicted, over every
-    rank and every figure (held bytes and each kind of bytes sent)."""
+    rank and every figure (held bytes and each kind of bytes sent), measured after ``step``."""
     worst, where = 0.0, ""
     for record in records:
         measured, predicted = record["measured"], record["predicted"]
@@ -147,13 +147,14 @@ def state_summary(records: list[dict[str, Any]]) -> str:
                 worst, where = gap, f" (rank {record['rank']}, {key}: measured {got:,} vs {want:,.0f})"
     held = sum(r["measured"]["params_bytes"] + r["measured"]["grads_bytes"]
                + r["measured"]["optimizer_bytes"] for r in records)
-    return (f"state after step 1: {len(records)} ranks hold {held / 2**20:,.1f} MiB of parameters, "
+    return (f"state after step {step}: {len(records)} ranks hold {held / 2**20:,.1f} MiB of parameters, "
             f"gradients and optimizer state; measured vs predicted: largest gap "
             f"{worst:.2%}{where} (metrics.jsonl \"state\" line)")
 
 
-def write_state_line(engine: TrainEngine, metrics: MetricsLogger) -> None:
-    """Gather every rank's measured state on rank 0 and write the ``state`` line, once
+def write_state_line(engine: TrainEngine, metrics: MetricsLogger, step: int = 1) -> None:
+    """Gather every rank's measured state on rank 0 and write the ``state`` line, once per
+    engine, after its first step (``step``: a restored engine's first is a later one of the run)
     (collective: every rank calls it after the same step; later calls do nothing)."""
     if engine.state_written or engine.captured_state is None:
         return
@@ -163,4 +164,4 @@ def write_state_line(engine: TrainEngine, metrics: MetricsLogger) -> None:
     if dist.get_rank() == 0:
         records = state_records(engine.spec, engine.plan, gathered, gpu=catalog_gpu(engine.device))
         metrics.log_event({"event": "state", "ranks": records})
-        print(state_summary(records), flush=True)
+        print(state_summary(records, step), flush=True)

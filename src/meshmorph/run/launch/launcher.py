@@ -7,18 +7,23 @@ files, and its model, data and plan fingerprint; another plan only with ``--resh
 run folder is locked for the run's lifetime, the plan is written into it, and torchrun
 (``run/launch/agent.py``) starts the ranks in a session of its own. The first Ctrl-C (or SIGTERM) asks
 the ranks to stop after the current step and save; the second kills them, leaving the previous
-checkpoint as it was. Afterwards the exact command to resume is printed.
+checkpoint as it was. Afterwards the exact command to resume is printed. An ``--elastic`` run's
+stderr passes through the launcher (``run/launch/console.py``): a failure torchrun's agent
+restarts and the workers recover from shows as one line per event, torch's output of it kept in
+a log under the run folder.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,6 +32,7 @@ from pathlib import Path
 from meshmorph.plan.runnable_plans import runnable_plans
 from meshmorph.run.checkpoint import CheckpointInfo
 from meshmorph.run.job import JobConfig, load_job
+from meshmorph.run.launch.console import Relay, last_step
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan, PlanError
@@ -270,6 +276,8 @@ def resume_command(run: PreparedRun) -> str:
                        "--resume"])
 
 
+RELAY_DRAIN_S = 5.0
+"""Seconds the launcher waits, once torchrun exited, for the rest of its stderr."""
 ELASTIC_MAX_RESTARTS = 3
 """Worker-group restarts torchrun's elastic agent allows an ``--elastic`` run."""
 
@@ -379,7 +387,50 @@ def _start(run: PreparedRun, plan_path: Path, rendezvous: list[str], lock_fd: in
     # torchrun inherits the lock (so it stays held while torchrun lives) and runs in a session
     # of its own, so that a terminal's Ctrl-C reaches only this process, which asks the ranks
     return subprocess.Popen(torchrun_command(run, plan_path, rendezvous), env=env,
-                            start_new_session=True, pass_fds=(lock_fd,))
+                            start_new_session=True, pass_fds=(lock_fd,),
+                            stderr=subprocess.PIPE if run.elastic else None)
+
+
+def _relay(run: PreparedRun, proc: subprocess.Popen[bytes]) -> tuple[Relay, threading.Thread]:
+    """Relay torchrun's stderr (its agent's and its workers') to ours through a ``Relay``, on a
+    thread of its own, until every writer has closed it."""
+    from meshmorph.run.metrics import METRICS_FILE
+
+    def step_now() -> int | None:
+        done = last_step(run.out_dir / METRICS_FILE)
+        return None if done is None else done + 1
+
+    relay = Relay(run.out_dir, sys.stderr, step_now)
+    assert proc.stderr is not None
+    fd = proc.stderr.fileno()
+
+    def feed(text: str, now: float) -> None:
+        try:
+            relay.feed(text, now)
+        except Exception:  # never stop draining: the ranks would block on a full pipe
+            with contextlib.suppress(Exception):
+                sys.stderr.write(text + "\n")
+
+    def pump() -> None:
+        pending = b""
+        while True:
+            ready, _, _ = select.select([fd], [], [], 1.0)
+            now = time.monotonic()
+            chunk = os.read(fd, 1 << 16) if ready else None
+            if chunk == b"":
+                break
+            pending += chunk or b""
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                feed(line.decode(errors="replace").rstrip("\r"), now)
+            with contextlib.suppress(Exception):
+                relay.tick(now)
+        if pending:
+            feed(pending.decode(errors="replace"), time.monotonic())
+
+    thread = threading.Thread(target=pump, name="meshmorph-stderr", daemon=True)
+    thread.start()
+    return relay, thread
 
 
 def _watch(run: PreparedRun, proc: subprocess.Popen[bytes]) -> tuple[int, str, float]:
@@ -436,8 +487,10 @@ def launch(run: PreparedRun, *, quiet: bool = False) -> int:
         previous = {sig: signal.signal(sig, _raise_interrupt) for sig in handled}
         signal.pthread_sigmask(signal.SIG_BLOCK, handled)  # no Ctrl-C between start and watch
         proc: subprocess.Popen[bytes] | None = None
+        relay: tuple[Relay, threading.Thread] | None = None
         try:
             proc = _start(run, plan_path, rendezvous, lock.fd or -1)
+            relay = _relay(run, proc) if proc.stderr is not None else None
             signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
             code, how, asked = _watch(run, proc)
         finally:
@@ -445,6 +498,9 @@ def launch(run: PreparedRun, *, quiet: bool = False) -> int:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             clear_stop(run.out_dir)
+            if relay is not None:  # what is still held did not recover: the console's
+                relay[1].join(RELAY_DRAIN_S)
+                relay[0].close()
     newest = _newest(run)
     resume = (f"; resume with:\n  {resume_command(run)}" if newest else
               "; no checkpoint was saved, so a new run starts from step 0")

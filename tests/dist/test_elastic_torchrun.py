@@ -96,7 +96,9 @@ def test_rank_killed_at_step_3_restarts_under_torchrun_and_ends_with_the_uninter
     assert "meshmorph: reshape at step 2:" in output
 
     # the console: one line per event, none of torch's output of the restart
-    assert re.search(r"^meshmorph: rank 3 lost at step 3 \(SIGKILL\); restarting the workers "
+    # the step is the one after the newest in metrics.jsonl: rank 0 may not have logged step 2
+    # yet when rank 3 dies in step 3
+    assert re.search(r"^meshmorph: rank 3 lost at step [23] \(SIGKILL\); restarting the workers "
                      r"\(restart 1 of 3\)$", output, re.M), output
     assert ("meshmorph: recovered at step 2 from memory (node-local store), continuing on 4 "
             "ranks\n") in output, output

@@ -26,7 +26,7 @@ def test_plan_dtypes_are_enums_equal_to_their_strings_and_round_trip_through_jso
     assert [DType(d).bytes for d in ("bf16", "fp16", "fp32")] == [2, 2, 4]
 
 
-@pytest.mark.parametrize("field,value", [("dtype", "fp8"), ("reduce_dtype", "float32"),
+@pytest.mark.parametrize("field,value", [("dtype", "fp4"), ("reduce_dtype", "float32"),
                                          ("schedule", "1F1B"), ("dtype", 16)])
 def test_plan_refuses_an_unknown_kind_naming_the_field_and_the_choices(field: str,
                                                                        value: object) -> None:
@@ -36,7 +36,7 @@ def test_plan_refuses_an_unknown_kind_naming_the_field_and_the_choices(field: st
 
 def test_search_options_convert_the_dtype_and_refuse_unknown_ones() -> None:
     assert SearchOptions(dtype="fp32").dtype is DType.FP32
-    with pytest.raises(ValueError, match="dtype must be one of bf16, fp16, fp32, got 'int8'"):
+    with pytest.raises(ValueError, match="dtype must be one of bf16, fp16, fp32, fp8, got 'int8'"):
         SearchOptions(dtype="int8")
 
 

@@ -81,7 +81,11 @@ class RunLock:
         return self
 
     def release(self) -> None:
+        """Remove the lock file (a finished run leaves none) while still holding it, so a run
+        that opened it meanwhile is refused rather than locking a removed file; then unlock."""
         if self.fd is not None:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
             with contextlib.suppress(OSError):
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)

@@ -43,9 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
+    try:  # Ctrl-C while the subcommands import (torch, in the first second) says so in one line
+        args = build_parser().parse_args(argv)
         check_outputs(args)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

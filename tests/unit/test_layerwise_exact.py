@@ -241,7 +241,9 @@ def _search_brute(cost: CostModel, global_batch: int, zero: int) -> float | None
     return best
 
 
-FREE_STEP_S = {"gpt-tiny": 1.901280592334625e-04, "llama-tiny": 1.9026734648847006e-04}
+# brute force's optimum without a memory cap (moved 7e-7 relative when a flash attention core got
+# its own share of the GEMM ceiling)
+FREE_STEP_S = {"gpt-tiny": 1.901267296780948e-04, "llama-tiny": 1.9026601693310235e-04}
 
 
 @pytest.mark.parametrize(("name", "memory_gib"), [

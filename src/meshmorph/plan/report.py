@@ -86,7 +86,7 @@ def _schedule_short(label: str) -> str:
 
 
 def _overlap_short(label: str) -> str:
-    return label.replace("grad", "g").replace("no-", "!")
+    return label.replace("grad", "g").replace("no-", "-")
 
 
 def _recompute_short(label: str) -> str:

@@ -12,7 +12,7 @@ import networkx as nx
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "meshmorph"
-LAYERS = (("files", "schedule"), ("spec",), ("cost",), ("plan",),
+LAYERS = (("files", "schedule", "tables"), ("spec",), ("cost",), ("plan",),
           ("run", "elastic", "predict", "profile", "streams", "demos"), ("viz",), ("cli",),
           ("__main__",))
 """Packages from the bottom up: a package imports only from its own layer or below; within the

@@ -6,15 +6,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rich.table import Table
-
 from meshmorph.cli.args import positive_float, positive_int
-from meshmorph.cli.output import add_output, write_json
-from meshmorph.plan.report import report_console
+from meshmorph.cli.output import add_output, add_wide, write_json
 from meshmorph.predict.advise import AdviceOptions, advise, pareto, recommend
 from meshmorph.predict.cloud_catalog import load_catalog
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.gpus import load_gpus_toml
+from meshmorph.tables import Column, print_table, report_console
+
+ADVISE_COLUMNS = (Column(""), Column("instance", justify="left", wrap=20), Column("GPUs"),
+                  Column("policy", justify="left"), Column("zones", justify="left", wrap=24),
+                  Column("tp/pp/dp"), Column("time h (P90)", "time h"),
+                  Column("cost $ (P90)", "cost $"))
+"""Columns of ``meshmorph advise`` (``*`` marks the recommended option)."""
 
 
 def _zones(shares: dict[str, float]) -> str:
@@ -46,20 +50,14 @@ def _advise(args: argparse.Namespace) -> int:
         raise ValueError(_nothing(model.name, args.tokens, options))
     pick = recommend(front, args.deadline)
     assert pick is not None
-    console = report_console()
-    table = Table(title=f"{model.name}, {args.tokens:.3g} tokens: Pareto options (P50 over "
-                        f"{args.runs} runs, P90 in brackets)", title_justify="left")
-    for name in ("", "instance", "GPUs", "policy", "zones", "tp/pp/dp", "time h (P90)",
-                 "cost $ (P90)"):
-        table.add_column(name, justify="left" if name in ("instance", "policy", "zones")
-                         else "right")
-    for o in front:
-        plan = o["plan"]
-        table.add_row("*" if o is pick else "", o["instance"], str(o["gpus"]), o["policy"],
-                      _zones(o["zones"]), f"{plan['tp']}/{plan['pp']}/{plan['dp']}",
-                      f"{o['time_h']:.1f} ({o['time_h_p90']:.1f})",
-                      f"{o['cost_usd']:,.0f} ({o['cost_usd_p90']:,.0f})")
-    console.print(table)
+    console = report_console(args.wide)
+    rows = [["*" if o is pick else "", o["instance"], str(o["gpus"]), o["policy"],
+             _zones(o["zones"]), f"{o['plan']['tp']}/{o['plan']['pp']}/{o['plan']['dp']}",
+             f"{o['time_h']:.1f} ({o['time_h_p90']:.1f})",
+             f"{o['cost_usd']:,.0f} ({o['cost_usd_p90']:,.0f})"] for o in front]
+    print_table(console, ADVISE_COLUMNS, rows,
+                title=f"{model.name}, {args.tokens:.3g} tokens: Pareto options (P50 over "
+                      f"{args.runs} runs, P90 in brackets)")
     console.print(f"recommended (*): {pick['gpus']} x {pick['gpu']} ({pick['instance']}, "
                   f"{pick['policy']}, {_zones(pick['zones'])}): {pick['time_h']:.1f} h, "
                   f"${pick['cost_usd']:,.0f} (prices read {pick['price_date']})")
@@ -91,4 +89,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="your providers, zones and prices (TOML)")
     adv.add_argument("--gpus", type=Path, default=None, help="your GPU TOML ([gpus.NAME])")
     add_output(adv, "--json", help="write the options as JSON")
+    add_wide(adv)
     adv.set_defaults(func=_advise)

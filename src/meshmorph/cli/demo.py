@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from meshmorph.cli.output import add_wide
 from meshmorph.cli.run import draw_loss_chart
-from meshmorph.plan.report import print_plans, report_console
+from meshmorph.plan.report import print_plans
 from meshmorph.run.job import load_job
 from meshmorph.run.launch.launcher import PreparedRun, check_plan_for_job, launch, searched_plans
 from meshmorph.run.metrics import METRICS_FILE, read_metrics
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.plan import Plan, PlanError
+from meshmorph.tables import report_console
 
 DEMO_MODEL = "gpt-small"
 DEMO_SEQ_LEN = 64
@@ -54,14 +56,15 @@ out_dir = "{out_dir}"
 """
 
 
-def run_demo(*, nproc: int = 4, steps: int | None = None, out: Path | None = None) -> int:
+def run_demo(*, nproc: int = 4, steps: int | None = None, out: Path | None = None,
+             wide: bool = False) -> int:
     """Plan, show, train; returns the launcher's exit code."""
     from meshmorph.run.launch.run_folder import RunLock, check_fresh, make_folder
 
     if nproc < 1 or (steps is not None and steps < 1):
         raise ValueError(f"meshmorph demo needs --nproc >= 1 and --steps >= 1, got --nproc {nproc}"
                          + (f", --steps {steps}" if steps is not None else ""))
-    console = report_console()
+    console = report_console(wide)
     out_dir = out or Path("runs") / "demo"
     make_folder(out_dir)
     check_fresh(out_dir, out_dir / "checkpoints")  # before job.toml is written over
@@ -110,7 +113,7 @@ def _fits(plan: Plan, job: object, model: object, nproc: int) -> bool:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    return run_demo(nproc=args.nproc, steps=args.steps, out=args.out)
+    return run_demo(nproc=args.nproc, steps=args.steps, out=args.out, wide=args.wide)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -123,4 +126,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--steps", type=int, default=None,
                       help="training steps (default: about a minute of training)")
     demo.add_argument("--out", type=Path, default=None, help="run folder (default runs/demo)")
+    add_wide(demo)
     demo.set_defaults(func=_demo)

@@ -6,9 +6,18 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from meshmorph.cli.output import add_output, write_json
-from meshmorph.plan.report import report_console
+from meshmorph.cli.output import add_output, add_wide, write_json
 from meshmorph.spec.gpus import GPU_CATALOG, LINKS, load_gpus_toml
+from meshmorph.tables import Column, print_table, report_console
+
+GPU_COLUMNS = (Column("name", justify="left"), Column("memory GiB", "GiB"),
+               Column("HBM GB/s", "HBM"), Column("fp32", drop=2), Column("tf32", drop=3),
+               Column("bf16"), Column("fp8", drop=1),
+               Column("links (node / net)", "links", "left", wrap=16),
+               Column("$/GPU-h", "$/h"), Column("spot $/h", "spot"),
+               Column("read", justify="left", drop=4))
+"""Columns of ``meshmorph gpus``: dense TFLOP/s per dtype, links, prices; when 100 columns
+do not hold them, the headers shorten and the links wrap."""
 
 
 def gpu_rows() -> list[dict[str, Any]]:
@@ -28,39 +37,32 @@ def gpu_rows() -> list[dict[str, Any]]:
 
 
 def _gpus(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
     if args.gpus is not None:
         load_gpus_toml(args.gpus)
     rows = gpu_rows()
-    table = Table(title="GPU catalog (dense peaks, no sparsity)", title_justify="left")
-    for name in ("name", "memory GiB", "HBM GB/s", "fp32", "tf32", "bf16", "fp8",
-                 "links (node / net)", "$/GPU-h", "spot $/h", "read"):
-        table.add_column(name, justify="left" if name in ("name", "links (node / net)", "read")
-                         else "right")
-
     def price(value: float | None) -> str:
         return f"{value:.2f}" if value is not None else "-"
 
+    cells = []
     for r in rows:
         peaks = [f"{r['peak_tflops'][d]:g}" if d in r["peak_tflops"] else "-"
                  for d in ("fp32", "tf32", "bf16", "fp8")]
-        table.add_row(r["name"], f"{r['memory_gib']:g}", f"{r['hbm_gbps']:g}", *peaks,
+        cells.append([r["name"], f"{r['memory_gib']:g}", f"{r['hbm_gbps']:g}", *peaks,
                       f"{r['intra_node_link']} / {r['inter_node_link']}",
                       price(r["price_per_hour"]), price(r["spot_price_per_hour"]),
-                      r["price_date"] or "-")
+                      r["price_date"] or "-"])
     used = sorted({r[k] for r in rows for k in ("intra_node_link", "inter_node_link")})
-    links = Table(title="links (per GPU, per direction)", title_justify="left")
-    for name in ("link", "GB/s", "latency us"):
-        links.add_column(name, justify="left" if name == "link" else "right")
+    links = []
     for r in rows:
         for row in (r["intra_node"], r["inter_node"]):
             if row["name"] in used:
                 used.remove(row["name"])
-                links.add_row(row["name"], f"{row['bandwidth_gbps']:.3g}", f"{row['latency_us']:g}")
-    console = report_console()
-    console.print(table)
-    console.print(links)
+                links.append([row["name"], f"{row['bandwidth_gbps']:.3g}",
+                              f"{row['latency_us']:g}"])
+    console = report_console(args.wide)
+    print_table(console, GPU_COLUMNS, cells, title="GPU catalog (dense peaks, no sparsity)")
+    print_table(console, (Column("link", justify="left"), Column("GB/s"), Column("latency us")),
+                links, title="links (per GPU, per direction)")
     console.print("peak columns are dense TFLOP/s; link GB/s per GPU per direction; prices USD per "
                   "GPU-hour, 'read' = when the price was read (- : undated typical list price); "
                   "add or override entries with --gpus FILE")
@@ -75,4 +77,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gpus.add_argument("--gpus", type=Path, default=None,
                       help="TOML file of [gpus.NAME] (and [links.NAME]) tables that add GPUs or "
                            "override catalog figures and prices")
+    add_wide(gpus)
     gpus.set_defaults(func=_gpus)

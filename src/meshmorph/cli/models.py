@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from meshmorph.cli.output import add_output, write_json
-from meshmorph.plan.report import report_console
+from meshmorph.cli.output import add_output, add_wide, write_json
 from meshmorph.spec.catalog import MODEL_CATALOG
 from meshmorph.spec.transformer import build_transformer
+from meshmorph.tables import Column, print_table, report_console
+
+MODEL_COLUMNS = (Column("name", justify="left"), Column("arch", justify="left"), Column("layers"),
+                 Column("hidden"), Column("heads/kv"), Column("ffn"), Column("vocab"),
+                 Column("seq"), Column("params (B)"))
+"""Columns of ``meshmorph models`` (they fit 100 columns as they are)."""
 
 
 def model_rows() -> list[dict[str, Any]]:
@@ -26,20 +31,13 @@ def model_rows() -> list[dict[str, Any]]:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
     rows = model_rows()
-    table = Table(title="model catalog", title_justify="left")
-    for name in ("name", "arch", "layers", "hidden", "heads/kv", "ffn", "vocab", "seq",
-                 "params (B)"):
-        table.add_column(name, justify="left" if name in ("name", "arch") else "right")
-    for r in rows:
-        params = f"{r['params_b']:.2f}" if r["params_b"] >= 0.01 else f"{r['params_b']:.5f}"
-        table.add_row(r["name"], r["arch"], str(r["layers"]), str(r["hidden"]),
-                      f"{r['heads']}/{r['kv_heads']}", str(r["ffn"]), str(r["vocab"]),
-                      str(r["seq_len"]), params)
-    console = report_console()
-    console.print(table)
+    cells = [[r["name"], r["arch"], str(r["layers"]), str(r["hidden"]),
+              f"{r['heads']}/{r['kv_heads']}", str(r["ffn"]), str(r["vocab"]), str(r["seq_len"]),
+              f"{r['params_b']:.2f}" if r["params_b"] >= 0.01 else f"{r['params_b']:.5f}"]
+             for r in rows]
+    console = report_console(args.wide)
+    print_table(console, MODEL_COLUMNS, cells, title="model catalog")
     if args.json:
         write_json(args.json, {"models": rows})
     return 0
@@ -48,4 +46,5 @@ def _models(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     models = subparsers.add_parser("models", help="list the model catalog")
     add_output(models, "--json", help="also write the list as JSON")
+    add_wide(models)
     models.set_defaults(func=_models)

@@ -51,3 +51,11 @@ def check_outputs(args: argparse.Namespace) -> None:
     """Refuse any output flag of the parsed subcommand whose path cannot be written."""
     for flag in getattr(args, "output_flags", ()):
         check_writable(getattr(args, flag.lstrip("-").replace("-", "_")), flag)
+
+
+def add_wide(parser: argparse.ArgumentParser) -> None:
+    """``--wide``: print every table column with its full header, at any width (the tables
+    otherwise fit 100 columns; meshmorph.tables)."""
+    parser.add_argument("--wide", action="store_true",
+                        help="print every table column unabbreviated, however wide (default: "
+                             "tables fit 100 columns, on a terminal and piped alike)")

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshmorph.cli.args import bounded_int, positive_int
-from meshmorph.cli.output import check_writable, unwritable, write_json
+from meshmorph.cli.output import add_wide, check_writable, unwritable, write_json
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.profile import Profile
 from meshmorph.cost.rank_state import predict_ranks
@@ -23,7 +23,6 @@ from meshmorph.plan.report import (
     layer_strategy_summary,
     print_estimate,
     print_plans,
-    report_console,
 )
 from meshmorph.plan.search import LAYERWISE, SearchResult, search
 from meshmorph.plan.space import SearchOptions
@@ -33,6 +32,7 @@ from meshmorph.spec.cluster import Cluster, parse_cluster
 from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.plan import WEIGHT_PREDICTIONS, Fp8Scaling, Plan, PlanError
 from meshmorph.spec.plan_file import load_plan
+from meshmorph.tables import report_console
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
 MAX_GLOBAL_BATCH = 2**24
@@ -86,7 +86,7 @@ def _plan(args: argparse.Namespace) -> int:
     result = search(model, cluster, global_batch=args.global_batch, options=options, cost=cost)
     if layerwise:
         return _report_layerwise(args, model, cluster, options, cost, result)
-    console = report_console()
+    console = report_console(args.wide)
     params = (f"{model.num_params / 1e9:.2f} B" if model.num_params >= 1e9
               else f"{model.num_params / 1e6:.2f} M")
     console.print(f"[bold]{model.name}[/] ({params} parameters, "
@@ -130,7 +130,7 @@ def _report_layerwise(args: argparse.Namespace, model: ModelSpec, cluster: Clust
     its best with one strategy per stage and the regular planner's; ``--json``."""
     result, regular = choice.layerwise, choice.regular
     runnable = options.runnable_only
-    console = report_console()
+    console = report_console(args.wide)
     console.print(f"[bold]{model.name}[/] (seq {model.seq_len}) on {cluster.describe()} "
                   f"({cluster.world_size} GPUs), global batch {args.global_batch}, "
                   f"{'one strategy per stage' if args.uniform else 'a strategy per layer'}, "
@@ -235,7 +235,7 @@ def _estimate(args: argparse.Namespace) -> int:
     plan.check_against(model, cluster.world_size)
     cost = CostModel(model, cluster, profile=Profile.load(args.profile) if args.profile else None)
     estimate = cost.estimate(plan)  # each stage's segments, layer strategies or not
-    console = report_console()
+    console = report_console(args.wide)
     console.print(f"[bold]{model.name}[/] on {cluster.describe()} ({cluster.world_size} GPUs)")
     print_estimate(plan, estimate, console, model=model)
     if args.json:
@@ -320,6 +320,7 @@ def _register_plan(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--chart", type=Path, default=None,
                       help="write the best plan's pipeline timeline to this PNG (and its memory "
                            "per stage to NAME-memory.png)")
+    add_wide(plan)
     plan.set_defaults(func=_plan)
 
 
@@ -373,4 +374,5 @@ def _register_estimate(subparsers: argparse._SubParsersAction) -> None:
                      help="write the plan and its prediction to this JSON file")
     est.add_argument("--chart", type=Path, default=None,
                      help="write the pipeline timeline to this PNG (and NAME-memory.png)")
+    add_wide(est)
     est.set_defaults(func=_estimate)

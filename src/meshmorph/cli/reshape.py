@@ -13,17 +13,18 @@ from pathlib import Path
 from typing import Any
 
 from meshmorph.cli.args import positive_float
-from meshmorph.cli.output import add_output, write_json
+from meshmorph.cli.output import add_output, add_wide, write_json
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.profile import Profile
 from meshmorph.elastic.moves.layout import layout_of
 from meshmorph.elastic.moves.move_plan import DEFAULT_STAGING_BYTES, MovePlan, plan_move
 from meshmorph.elastic.moves.move_time import MoveTimeModel, predict_move_time_s
 from meshmorph.elastic.moves.placement import ReshapeError
-from meshmorph.plan.report import does_not_fit_line, plan_headline, report_console
+from meshmorph.plan.report import does_not_fit_line, plan_headline
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.plan_file import load_plan
+from meshmorph.tables import Column, print_table, report_console
 
 
 def _ids(text: str) -> list[int]:
@@ -75,42 +76,43 @@ def report(best: MovePlan, naive: MovePlan, best_s: float, naive_s: float) -> di
     }
 
 
-def _print(best: MovePlan, naive: MovePlan, best_s: float, naive_s: float, headline: str) -> None:
-    from rich.table import Table
+DEVICE_COLUMNS = (Column("device"), Column("new rank", "rank"), Column("sends"),
+                  Column("receives"), Column("from checkpoint", "checkpoint"),
+                  Column("rank order: new rank", "naive rank"), Column("sends", "naive sends"),
+                  Column("receives", "naive recv"))
+"""Columns of the bytes-per-device table: the best placement, then the rank-order one."""
+
+PLACEMENT_COLUMNS = (Column("placement"), Column("new rank -> device", "rank->device", wrap=20),
+                     Column("bytes moved", "moved"), Column("lower bound", "bound"),
+                     Column("busiest device", "busiest"), Column("messages", "msgs"),
+                     Column("predicted time", "time"))
+"""Columns of the placements table (best and rank order)."""
 
 
-    console = report_console()
+def _print(best: MovePlan, naive: MovePlan, best_s: float, naive_s: float, headline: str,
+           wide: bool = False) -> None:
+    console = report_console(wide)
     console.print(headline)
     owner = {d: r for r, d in best.placement.items()}
-    devices = Table(title="bytes per device, best placement and rank order", title_justify="left")
-    for column in ("device", "new rank", "sends", "receives", "from checkpoint",
-                   "rank order: new rank", "sends", "receives"):
-        devices.add_column(column, justify="right")
     sent, received = best.sent_bytes(), best.received_bytes()
     naive_owner = {d: r for r, d in naive.placement.items()}
     naive_sent, naive_received = naive.sent_bytes(), naive.received_bytes()
     reads = {d: sum(t.nbytes for t in best.from_checkpoint if t.dst_device == d) for d in best.devices}
-    for d in best.devices:
-        devices.add_row(str(d), str(owner.get(d, "-")), _mib(sent[d]), _mib(received[d]),
-                        _mib(reads[d]), str(naive_owner.get(d, "-")), _mib(naive_sent[d]),
-                        _mib(naive_received[d]))
-    console.print(devices)
-    links = Table(title="bytes per link (best placement)", title_justify="left")
-    for column in ("source", "destination", "bytes", "messages"):
-        links.add_column(column, justify="right")
-    for (s, d), n in best.link_bytes().items():
-        links.add_row(str(s), str(d), _mib(n),
-                      str(sum(1 for b in best.batches if (b.src_device, b.dst_device) == (s, d))))
-    console.print(links)
-    both = Table(title="placements", title_justify="left")
-    for column in ("placement", "new rank -> device", "bytes moved", "lower bound",
-                   "busiest device", "messages", "predicted time"):
-        both.add_column(column, justify="right")
-    for name, move, seconds in (("best", best, best_s), ("rank order", naive, naive_s)):
-        both.add_row(name, " ".join(f"{r}->{d}" for r, d in sorted(move.placement.items())),
-                     _mib(move.bytes_moved), _mib(best.lower_bound_bytes),
-                     _mib(move.busiest_device_bytes), str(move.messages), f"{seconds:.4f} s")
-    console.print(both)
+    devices = [[str(d), str(owner.get(d, "-")), _mib(sent[d]), _mib(received[d]),
+                _mib(reads[d]), str(naive_owner.get(d, "-")), _mib(naive_sent[d]),
+                _mib(naive_received[d])] for d in best.devices]
+    print_table(console, DEVICE_COLUMNS, devices,
+                title="bytes per device, best placement and rank order")
+    links = [[str(s), str(d), _mib(n),
+              str(sum(1 for b in best.batches if (b.src_device, b.dst_device) == (s, d)))]
+             for (s, d), n in best.link_bytes().items()]
+    print_table(console, (Column("source"), Column("destination"), Column("bytes"),
+                          Column("messages")), links, title="bytes per link (best placement)")
+    both = [[name, " ".join(f"{r}->{d}" for r, d in sorted(move.placement.items())),
+             _mib(move.bytes_moved), _mib(best.lower_bound_bytes),
+             _mib(move.busiest_device_bytes), str(move.messages), f"{seconds:.4f} s"]
+            for name, move, seconds in (("best", best, best_s), ("rank order", naive, naive_s))]
+    print_table(console, PLACEMENT_COLUMNS, both, title="placements")
     if best.from_checkpoint:
         console.print(f"{len(best.from_checkpoint)} pieces ({_mib(best.checkpoint_bytes)}) have "
                       "no live holder: read from the newest committed checkpoint")
@@ -178,7 +180,7 @@ def _reshape(args: argparse.Namespace) -> int:
     naive_s = predict_move_time_s(naive, cluster, model=time_model)
     headline = (f"reshape on {cluster.describe()}, survivors {','.join(map(str, best.survivors))}"
                 f"\n  from: {plan_headline(plan_a, model)}\n  to:   {plan_headline(plan_b, model)}")
-    _print(best, naive, best_s, naive_s, headline)
+    _print(best, naive, best_s, naive_s, headline, args.wide)
     if args.json:
         data = report(best, naive, best_s, naive_s)
         data.update(cluster=cluster.describe(), from_plan=plan_a.to_dict(), to_plan=plan_b.to_dict())
@@ -217,4 +219,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "(meshmorph profile --out FILE) instead of the catalog's links")
     add_output(parser, "--json", help="write the move's figures as JSON")
     add_output(parser, "--png", help="draw bytes per link for both placements")
+    add_wide(parser)
     parser.set_defaults(func=_reshape)

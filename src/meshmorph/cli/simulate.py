@@ -8,11 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from meshmorph.cli.args import non_negative_int, positive_float, positive_int
-from meshmorph.cli.output import add_output, write_json
-from meshmorph.plan.report import report_console
+from meshmorph.cli.output import add_output, add_wide, write_json
 from meshmorph.predict.cloud_catalog import load_catalog
 from meshmorph.predict.market import Market, MarketRequest, build_market
 from meshmorph.predict.overheads import Overheads
@@ -24,10 +22,16 @@ from meshmorph.predict.training_job import TrainingJob, default_global_batch, st
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import Cluster, parse_cluster
 from meshmorph.spec.gpus import load_gpus_toml
+from meshmorph.tables import Column, print_table, report_console
 from meshmorph.viz.predict_charts import write_timeline_chart
 
 DEFAULT_PROVIDER = "gcp-spot"
 """Provider when neither --provider nor the cluster file names one."""
+
+ZONE_COLUMNS = (Column("zone", justify="left"), Column("capacity share (95%)", "capacity (95%)"),
+                Column("up h"), Column("wait h"), Column("spot $/node-h", "spot $/h"),
+                Column("on-demand $/node-h", "on-demand $/h"))
+"""Columns of the zones table of ``meshmorph simulate``."""
 
 
 def zones_arg(text: str) -> tuple[str, ...]:
@@ -66,46 +70,47 @@ def _zones_used(summary: dict[str, Any], limit: int = 3) -> str:
     return text + (f" +{len(shares) - limit}" if len(shares) > limit else "")
 
 
-def _row(table: Table, name: str, source: str, s: dict[str, Any], deadline: float | None) -> None:
-    cells = [name, source, _zones_used(s),
+def _row(name: str, source: str | None, s: dict[str, Any], deadline: float | None) -> list[str]:
+    cells = [name, *((source,) if source is not None else ()), _zones_used(s),
              " / ".join(f"{s[f'time_h_p{p}']:.1f}" for p in (10, 50, 90)),
              " / ".join(f"{s[f'cost_usd_p{p}']:,.0f}" for p in (10, 50, 90)),
              f"{s['preemptions_mean']:.1f}"]
     if deadline is not None:
         cells.append(f"{s['met_deadline']:.0%}")
-    table.add_row(*cells)
+    return cells
 
 
 def print_results(console: Console, results: list[PolicyResult], runs: int,
                   deadline: float | None) -> None:
     """One row per policy (and per source with a trace): P10/P50/P90 time and cost, zones used."""
-    table = Table(title=f"{runs} runs per policy: P10 / P50 / P90", title_justify="left")
-    for name in ("policy", "from", "zones used (share of training)", "time h", "cost $",
-                 "nodes lost") + (("met deadline",) if deadline is not None else ()):
-        table.add_column(name, justify="right" if name in ("time h", "cost $", "nodes lost",
-                                                           "met deadline") else "left")
+    traced = any(r.replay is not None for r in results)  # a "from" column only with a trace
+    columns = [Column("policy", justify="left"), *((Column("from", justify="left"),) if traced
+                                                   else ()),
+               Column("zones used (share of training)", "zones used", "left", wrap=20),
+               Column("time h"), Column("cost $"), Column("nodes lost", "lost")]
+    if deadline is not None:
+        columns.append(Column("met deadline", "met"))
+    rows = []
     for r in results:
-        _row(table, str(r.policy), "fit", r.model, deadline)
+        rows.append(_row(str(r.policy), "fit" if traced else None, r.model, deadline))
         if r.replay is not None:
-            _row(table, "", "trace", r.replay, deadline)
-    console.print(table)
+            rows.append(_row("", "trace", r.replay, deadline))
+    print_table(console, columns, rows, title=f"{runs} runs per policy: P10 / P50 / P90")
 
 
 def print_market(console: Console, market: Market, limit: int = 13) -> None:
     """The zones: capacity share (95% interval), mean periods, prices."""
-    table = Table(title=f"zones ({market.availability_source}; preemption: {market.mode}, "
-                        f"lifetimes: {market.lifetime_source})", title_justify="left")
-    for name in ("zone", "capacity share (95%)", "up h", "wait h", "spot $/node-h",
-                 "on-demand $/node-h"):
-        table.add_column(name, justify="left" if name == "zone" else "right")
+    rows = []
     for zone in market.zones[:limit]:
         a = zone.availability
         share = "always (no data)" if a is None else \
             f"{a.share:.2f} ({a.share_ci95[0]:.2f}-{a.share_ci95[1]:.2f})"
-        table.add_row(zone.name, share, "-" if a is None else f"{a.up.mean_h:.1f}",
-                      "-" if a is None else f"{a.down.mean_h:.2f}",
-                      f"{zone.spot_node_usd_per_h:.2f}", f"{zone.on_demand_node_usd_per_h:.2f}")
-    console.print(table)
+        rows.append([zone.name, share, "-" if a is None else f"{a.up.mean_h:.1f}",
+                     "-" if a is None else f"{a.down.mean_h:.2f}",
+                     f"{zone.spot_node_usd_per_h:.2f}", f"{zone.on_demand_node_usd_per_h:.2f}"])
+    print_table(console, ZONE_COLUMNS, rows,
+                title=f"zones ({market.availability_source}; preemption: {market.mode}, "
+                      f"lifetimes: {market.lifetime_source})")
     for note in market.notes:
         console.print(f"[dim]note:[/] {note}")
 
@@ -137,7 +142,7 @@ def _simulate(args: argparse.Namespace) -> int:
                                     policies=policies_for(args, market.mode), runs=args.runs, seed=args.seed,
                                     deadline_h=args.deadline, replay=args.trace is not None))
     plan = job.plan(job.nodes)
-    console = report_console()
+    console = report_console(args.wide)
     console.print(f"[bold]{model.name}[/], {args.tokens:.3g} tokens = {steps} steps of {batch} "
                   f"sequences on {cluster.describe()} ({cluster.world_size} GPUs), plan tp "
                   f"{plan.tp} pp {plan.pp} dp {plan.dp}, step {job.step_time_s(job.nodes):.2f} s; "
@@ -203,4 +208,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--gpus", type=Path, default=None, help="your GPU TOML ([gpus.NAME])")
     add_output(sim, "--json", help="write the results as JSON")
     add_output(sim, "--png", help="write a timeline chart (PNG)")
+    add_wide(sim)
     sim.set_defaults(func=_simulate)

@@ -10,7 +10,17 @@ import argparse
 import json
 from typing import Any
 
-from meshmorph.cli.output import add_output
+from meshmorph.cli.output import add_output, add_wide
+from meshmorph.tables import Column, print_table, report_console
+
+STREAM_COLUMNS = (Column("stream"), Column("ops"), Column("est. time (us)", "est. us"),
+                  Column("first op", justify="left", wrap=24),
+                  Column("last op", justify="left", wrap=24))
+"""Columns of the streams table of ``meshmorph streams``."""
+
+SYNC_COLUMNS = (Column("after op", justify="left", wrap=30), Column("stream", justify="left"),
+                Column("before op", justify="left", wrap=30), Column("stream ", justify="left"))
+"""Columns of the syncs table of ``meshmorph streams``."""
 
 CATALOG_NETS = ("inception-stack", "nasnet-stack", "resnet-stack")
 """Names in streams.nets.NETS, listed here so that the console script starts without torch."""
@@ -41,6 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "the forward")
     add_output(parser, "--json", help="write the result")
     add_output(parser, "--png", help="draw the streams")
+    add_wide(parser)
     parser.set_defaults(func=_streams)
 
 
@@ -98,11 +109,8 @@ def streams_report(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _print(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
+def _print(report: dict[str, Any], wide: bool = False) -> None:
+    console = report_console(wide)
     console.print(f"[bold]{report['model']}[/] batch {report['batch']}, {report['graph']}: "
                   f"{len(report['nodes'])} ops, "
                   f"{report['dag_edges']} edges ({len(report['edges'])} in the transitive "
@@ -110,18 +118,13 @@ def _print(report: dict[str, Any]) -> None:
     console.print(f"width {report['width']}; {report['num_streams']} streams ({report['method']}); "
                   f"{len(report['syncs'])} syncs", soft_wrap=True)
     times = report["time_s"]
-    table = Table(title="streams")
-    for col in ("stream", "ops", "est. time (us)", "first op", "last op"):
-        table.add_column(col, justify="right" if col in ("stream", "ops", "est. time (us)") else "left")
-    for s, ops in enumerate(report["streams"]):
-        table.add_row(str(s), str(len(ops)), f"{sum(times[o] for o in ops) * 1e6:.1f}", ops[0], ops[-1])
-    console.print(table)
-    syncs = Table(title="syncs (event recorded after, waited on before)")
-    for col in ("after op", "stream", "before op", "stream "):
-        syncs.add_column(col)
-    for u, v in report["syncs"]:
-        syncs.add_row(u, str(report["assignment"][u]), v, str(report["assignment"][v]))
-    console.print(syncs)
+    print_table(console, STREAM_COLUMNS,
+                [[str(s), str(len(ops)), f"{sum(times[o] for o in ops) * 1e6:.1f}", ops[0], ops[-1]]
+                 for s, ops in enumerate(report["streams"])], title="streams")
+    print_table(console, SYNC_COLUMNS,
+                [[u, str(report["assignment"][u]), v, str(report["assignment"][v])]
+                 for u, v in report["syncs"]],
+                title="syncs (event recorded after, waited on before)")
     console.print(f"estimated time: {report['serial_time_s'] * 1e6:.1f} us on one stream, "
                   f"{report['makespan_s'] * 1e6:.1f} us on {report['num_streams']} streams", soft_wrap=True)
     what = "the graph run in program order" if report["graph"].startswith("training") else "eager"
@@ -131,7 +134,7 @@ def _print(report: dict[str, Any]) -> None:
 
 def _streams(args: argparse.Namespace) -> int:
     report = streams_report(args)
-    _print(report)
+    _print(report, args.wide)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -7,31 +7,35 @@ import argparse
 import json
 from pathlib import Path
 
-from rich.table import Table
-
 from meshmorph.cli.flags import add_field, add_fields, config_from
-from meshmorph.cli.output import add_output
-from meshmorph.plan.report import report_console
+from meshmorph.cli.output import add_output, add_wide
 from meshmorph.profile.validate import ValidateConfig
+from meshmorph.tables import Column, print_table, report_console
 from meshmorph.viz.validate_chart import chart
 
+VALIDATE_COLUMNS = (Column("plan", justify="left", wrap=30), Column("measured s", "meas s"),
+                    Column("predicted s", "pred s"), Column("range s", "range s", drop=1),
+                    Column("error"), Column("state MiB meas/pred", "state MiB m/p", wrap=13),
+                    Column("note", justify="left", wrap=20))
+"""Columns of ``meshmorph validate``: the plan's name wraps rather than being cut."""
 
-def report(result: dict[str, object], *, json_path: Path | None, png_path: Path | None) -> None:
+
+def report(result: dict[str, object], *, json_path: Path | None, png_path: Path | None,
+           wide: bool = False) -> None:
     """Print the prediction-vs-measurement table; write the JSON and the chart if asked."""
     rows: list[dict[str, object]] = result["plans"]  # type: ignore[assignment]
-    table = Table(title=f"{result['model']} seq {result['seq_len']} on {result['nproc']} processes")
-    for col in ("plan", "measured s", "predicted s", "range s", "error", "state MiB meas/pred", "note"):
-        table.add_column(col, overflow="fold")  # wrapped, never cut
+    cells = []
     for r in rows:
         meas, pred = float(r["measured_step_s"]), float(r["predicted_step_s"])  # type: ignore[arg-type]
-        table.add_row(str(r["name"]), f"{meas:.4f}", f"{pred:.4f}",
+        cells.append([str(r["name"]), f"{meas:.4f}", f"{pred:.4f}",
                       f"{float(r['predicted_low_s']):.4f}-{float(r['predicted_high_s']):.4f}",  # type: ignore[arg-type]
                       f"{100 * (pred - meas) / meas:+.1f}%",
                       f"{float(r['state_bytes_rank0']) / 2**20:.1f}/"  # type: ignore[arg-type]
                       f"{float(r['predicted_state_bytes_rank0']) / 2**20:.1f}",  # type: ignore[arg-type]
-                      "; ".join(r["outside_profile"]) or "")  # type: ignore[arg-type]
-    console = report_console()
-    console.print(table)
+                      "; ".join(r["outside_profile"]) or ""])  # type: ignore[arg-type]
+    console = report_console(wide)
+    print_table(console, VALIDATE_COLUMNS, cells,
+                title=f"{result['model']} seq {result['seq_len']} on {result['nproc']} processes")
     console.print(f"MAPE {float(result['mape']):.1f}%  Kendall tau {float(result['kendall_tau']):.3f}  "  # type: ignore[arg-type]
                   f"measured inside the predicted range: {result['in_range']}/{len(rows)}  "
                   f"load average at profile {float(result['load_avg_profile']):.2f} "  # type: ignore[arg-type]
@@ -55,7 +59,7 @@ def _validate(args: argparse.Namespace) -> int:
     from meshmorph.profile.validate import run_validate
 
     result = run_validate(config_from(args, ValidateConfig))
-    report(result, json_path=args.json, png_path=args.png)
+    report(result, json_path=args.json, png_path=args.png, wide=args.wide)
     return 0
 
 
@@ -70,4 +74,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "profile pieces measured between each plan's own steps)")
     add_output(val, "--json", help="write the table as JSON")
     add_output(val, "--png", help="write the predicted-vs-measured chart")
+    add_wide(val)
     val.set_defaults(func=_validate)

@@ -7,15 +7,22 @@ from typing import Any
 
 from rich import box
 from rich.console import Console
-from rich.table import Table
 
 from meshmorph.cost.estimate import GIB, Estimate
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
 from meshmorph.spec.plan import Plan
+from meshmorph.tables import Column, print_table
 
 # the parts of a rank's memory, in the order the reports and charts stack them
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers", "reserved")
+
+MEMORY_COLUMNS = (Column("stage"), Column("params"), Column("grads"), Column("optimizer", "optim"),
+                  Column("activations", "activ"), Column("buffers"), Column("reserved", "resv"),
+                  Column("in flight", "in-fl"), Column("total"), Column("budget"),
+                  Column("headroom", "free"))
+"""Columns of the memory table of ``estimate``: stage, ``MEMORY_PARTS``, micro-batches in
+flight, total, budget, headroom (short headers where 100 columns need them)."""
 
 
 def schedule_label(plan: Plan) -> str:
@@ -74,21 +81,42 @@ def _seconds(value: Any) -> str:
     return f"{value:.3f} s" if value >= 1 else f"{value * 1e3:.1f} ms"
 
 
+def _schedule_short(label: str) -> str:
+    return label.replace("interleaved", "intl")
+
+
+def _overlap_short(label: str) -> str:
+    return label.replace("grad", "g").replace("no-", "-")
+
+
+def _recompute_short(label: str) -> str:
+    return label.replace(", ", ",")
+
+
+def plan_columns(context: bool) -> list[Column]:
+    """The columns of the plans table (``cp`` only with ``context``): the degrees, step time,
+    MFU and memory always; the rest left out to fit, the throughput figures MFU restates first."""
+    return [
+        Column("#"), Column("tp pp dp"), *((Column("cp"),) if context else ()),
+        Column("ZeRO"), Column("SP", justify="center", drop=3),
+        Column("overlap", "ovl", "left", drop=6, abbreviate=_overlap_short),
+        Column("schedule", "sched", "left", drop=2, abbreviate=_schedule_short),
+        Column("mb x m", drop=1), Column("recompute", "recomp", "left", drop=2,
+                                         abbreviate=_recompute_short, wrap=12),
+        Column("step"), Column("tokens/s", "tok/s", drop=5), Column("TFLOP/s/GPU", "TF/s", drop=7),
+        Column("MFU"), Column("peak GiB", "GiB"), Column("bubble", drop=4),
+    ]
+
+
 def print_plans(plans: list[Plan], console: Console, *, title: str | None = None,
                 search_time_s: float | None = None, model: ModelSpec | None = None) -> None:
-    """A table of plans, best first, with their predicted figures (``plan.predicted``)."""
-    table = Table(title=title or "best plans, fastest first", title_justify="left",
-                  box=box.SIMPLE_HEAD)
+    """A table of plans, best first, with their predicted figures (``plan.predicted``), fitted
+    to the console's width (meshmorph.tables)."""
     context = any(plan.cp > 1 for plan in plans)  # a cp column only where some plan has cp > 1
-    for name, justify in (("#", "right"), ("tp pp dp", "right"),
-                          *((("cp", "right"),) if context else ()), ("ZeRO", "right"), ("SP", "center"), ("overlap", "left"), ("schedule", "left"),
-                          ("mb x m", "right"), ("recompute", "left"), ("step", "right"),
-                          ("tokens/s", "right"), ("TFLOP/s/GPU", "right"), ("MFU", "right"),
-                          ("peak GiB", "right"), ("bubble", "right")):
-        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    rows = []
     for rank, plan in enumerate(plans, start=1):
         predicted = plan.predicted or {}
-        table.add_row(
+        rows.append([
             str(rank), f"{plan.tp} {plan.pp} {plan.dp}", *((str(plan.cp),) if context else ()),
             str(plan.zero),
             "yes" if plan.sequence_parallel else "-", overlap_summary(plan), schedule_label(plan),
@@ -97,11 +125,11 @@ def print_plans(plans: list[Plan], console: Console, *, title: str | None = None
             _tflops(predicted.get("tflops_per_gpu")), _figure(predicted, "mfu", ".1%"),
             memory_summary(list(predicted.get("peak_memory_gib", []))),
             _figure(predicted, "bubble_fraction", ".1%"),
-        )
-    if search_time_s is not None:
-        table.caption = f"search took {search_time_s:.2f} s"
-        table.caption_justify = "left"
-    console.print(table)
+        ])
+    caption = f"search took {search_time_s:.2f} s" if search_time_s is not None else None
+    print_table(console, plan_columns(context), rows,
+                title=title or "best plans, fastest first", caption=caption,
+                box=box.SIMPLE_HEAD, edges=False)
 
 
 def plan_headline(plan: Plan, model: ModelSpec | None = None) -> str:
@@ -185,28 +213,20 @@ def print_estimate(plan: Plan, estimate: Estimate, console: Console, *,
     for line in layer_strategy_summary(plan):
         console.print(f"layer strategies, {line}")
     step = estimate.step_time_s
-    times = Table(title="step time", title_justify="left")
-    times.add_column("term")
-    times.add_column("seconds", justify="right")
-    times.add_column("share", justify="right")
-    for term, seconds in estimate.breakdown_s.items():
-        times.add_row(term.replace("_", " "), f"{seconds:.4f}", f"{seconds / step:.1%}" if step else "-")
-    times.add_row("[bold]step[/]", f"[bold]{step:.4f}[/]", "100.0%", end_section=True)
-    console.print(times)
-
-    memory = Table(title="peak memory per GPU of each pipeline stage, GiB", title_justify="left")
-    memory.add_column("stage", justify="right")
-    for part in MEMORY_PARTS:
-        memory.add_column(part, justify="right")
-    for name in ("in flight", "total", "budget", "headroom"):
-        memory.add_column(name, justify="right")
+    times = [[term.replace("_", " "), f"{seconds:.4f}", f"{seconds / step:.1%}" if step else "-"]
+             for term, seconds in estimate.breakdown_s.items()]
+    times.append(["[bold]step[/]", f"[bold]{step:.4f}[/]", "100.0%"])
+    print_table(console, [Column("term", justify="left"), Column("seconds"), Column("share")],
+                times, title="step time")
+    rows = []
     for k, (stage, budget) in enumerate(zip(estimate.memory, estimate.memory_budget_bytes, strict=True)):
         headroom = (budget - stage.total) / GIB
         style = "red" if headroom < 0 else "green"
-        memory.add_row(str(k), *(f"{getattr(stage, part) / GIB:.2f}" for part in MEMORY_PARTS),
-                       f"{stage.in_flight_microbatches:g}", f"{stage.total / GIB:.2f}",
-                       f"{budget / GIB:.1f}", f"[{style}]{headroom:.2f}[/]")
-    console.print(memory)
+        rows.append([str(k), *(f"{getattr(stage, part) / GIB:.2f}" for part in MEMORY_PARTS),
+                     f"{stage.in_flight_microbatches:g}", f"{stage.total / GIB:.2f}",
+                     f"{budget / GIB:.1f}", f"[{style}]{headroom:.2f}[/]"])
+    print_table(console, MEMORY_COLUMNS, rows,
+                title="peak memory per GPU of each pipeline stage, GiB")
 
     console.print(
         f"step {_seconds(step)} · {_tokens(estimate.tokens_per_s)} tokens/s · "
@@ -221,11 +241,3 @@ def print_estimate(plan: Plan, estimate: Estimate, console: Console, *,
         peak = max(estimate.peak_memory_gib)
         console.print(f"[green]fits[/]: largest stage peak {peak:.1f} GiB of "
                       f"{min(estimate.memory_budget_bytes) / GIB:.1f} GiB")
-
-
-def report_console() -> Console:
-    """A console for the reports; wide enough for the plans table when writing to a file/pipe."""
-    console = Console(highlight=False)
-    if not console.is_terminal:
-        console.width = max(console.width, 140)
-    return console

@@ -19,6 +19,13 @@ def test_a_node_of_two_is_checked_against_the_full_world() -> None:
     assert parse_node(None, None, None, "1:2", 4, PLAN4) is None  # one node, as before
 
 
+def test_one_machine_cannot_wait_for_more_nodes_than_itself() -> None:
+    with pytest.raises(ValueError, match=r"--elastic 3:4 waits for at least 3 nodes, but without "
+                                         r"--node-rank and --rdzv-endpoint only this machine"):
+        parse_node(None, None, None, "3:4", 2, PLAN4)
+    assert parse_node(None, None, None, "1:4", 2, PLAN4) is None  # starts with what is here
+
+
 @pytest.mark.parametrize(("args", "says"), [
     ((0, "node0:29500", None, None, 2), "--elastic MIN:MAX"),
     ((0, None, None, "1:2", 2), "--rdzv-endpoint go together"),

@@ -113,8 +113,16 @@ def parse_elastic(text: str) -> tuple[int, int]:
 
 def parse_node(node_rank: int | None, endpoint: str | None, run_id: str | None,
                elastic: str | None, nproc: int, plan: Plan) -> ElasticNode | None:
-    """The node a ``--node-rank`` run is, checked (None without ``--node-rank``)."""
+    """The node a ``--node-rank`` run is, checked (None without ``--node-rank``: one machine,
+    which an ``--elastic`` minimum above one node would wait for forever)."""
     if node_rank is None and endpoint is None and run_id is None:
+        low = parse_elastic(elastic)[0] if elastic is not None else 1
+        if low > 1:
+            raise ValueError(
+                f"--elastic {elastic} waits for at least {low} nodes, but without --node-rank "
+                f"and --rdzv-endpoint only this machine joins (one node): use --elastic 1:1 "
+                f"here, or start every node with --elastic {elastic} --node-rank K "
+                f"--rdzv-endpoint HOST:PORT")
         return None
     if elastic is None or node_rank is None or endpoint is None:
         raise ValueError("--node-rank and --rdzv-endpoint go together, with --elastic MIN:MAX "
@@ -446,6 +454,10 @@ def _watch(run: PreparedRun, proc: subprocess.Popen[bytes]) -> tuple[int, str, f
             code = proc.wait(timeout)
             return code, "done" if deadline is None else "stopped", asked
         except KeyboardInterrupt:
+            if deadline is None and not descendants(proc.pid):
+                # torchrun still waits for its rendezvous: no rank to finish its step
+                kill_tree(proc)
+                return proc.returncode, "not started", time.monotonic()
             if deadline is None:
                 request_stop(run.out_dir)
                 asked = time.monotonic()
@@ -508,6 +520,10 @@ def launch(run: PreparedRun, *, quiet: bool = False) -> int:
         _say(f"aborted: every rank was killed {time.monotonic() - asked:.1f} s after the first Ctrl-C"
              + (f"; the newest complete checkpoint is {newest}" if newest else "")
              + " (a save cut short is left as a .tmp- folder and never loaded)" + resume)
+        return 130
+    if how == "not started":
+        _say("interrupted before any rank started (torchrun was still waiting for its "
+             "rendezvous); nothing was trained" + resume)
         return 130
     if how == "stopped":
         _say(f"interrupted; every rank stopped within {time.monotonic() - asked:.1f} s"

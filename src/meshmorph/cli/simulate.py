@@ -10,7 +10,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from meshmorph.cli.args import non_negative_int, positive_float, positive_int
+from meshmorph.cli.args import (
+    MAX_RUNS,
+    bounded_int,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    token_count,
+)
 from meshmorph.cli.output import add_output, write_json
 from meshmorph.plan.report import report_console
 from meshmorph.predict.cloud_catalog import load_catalog
@@ -173,7 +180,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "to get nodes) and preemption fitted by maximum likelihood to packaged "
                     "measurements, or replayed from a trace; dated prices per region.")
     sim.add_argument("--model", required=True, help="catalog model (see meshmorph models)")
-    sim.add_argument("--tokens", required=True, type=positive_float, help="tokens to train on")
+    sim.add_argument("--tokens", required=True, type=token_count, help="tokens to train on")
     sim.add_argument("--cluster", required=True, help="GPU:NODESxPER_NODE or a cluster .toml")
     sim.add_argument("--spot", action="store_true", help="spot nodes (else on-demand only)")
     sim.add_argument("--policy", "--strategy", type=Policy, choices=list(Policy), default=None,
@@ -190,7 +197,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--preemption", type=PreemptionMode, choices=list(PreemptionMode),
                      default=None, help="capacity: nodes go when the zone's capacity goes; "
                                         "lifetime: per-VM lifetimes (default: by the data)")
-    sim.add_argument("--runs", type=positive_int, default=20, help="simulated runs (default 20)")
+    sim.add_argument("--runs", type=bounded_int(MAX_RUNS, "runs"), default=20, help="simulated runs (default 20)")
     sim.add_argument("--seed", type=non_negative_int, default=0,
                      help="first random seed (default 0)")
     sim.add_argument("--global-batch", type=positive_int, default=None,

@@ -103,6 +103,12 @@ class CheckpointSection:
                 f"[checkpoint] needs every >= 0 and keep >= 1, got every {self.every}, "
                 f"keep {self.keep}"
             )
+        folder = Path(self.dir)
+        if not self.dir or folder.is_absolute() or ".." in folder.parts or folder == Path("."):
+            raise ValueError(
+                f"[checkpoint] dir must be a folder inside the run folder (a relative path "
+                f"without '..'), got {self.dir!r}; leave it out for 'checkpoints'"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -224,6 +230,9 @@ def parse_job(data: dict[str, Any], *, source: str = "job", base_dir: Path = Pat
 def load_job(path: str | Path) -> JobConfig:
     """Read and check a job file; every error names the file and the key."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"job file {path} is a folder; pass the path of a job TOML "
+                         "(examples/jobs/ holds some to start from)")
     if not path.is_file():
         raise FileNotFoundError(f"job file {path} does not exist; pass the path of a job TOML "
                                 "(examples/jobs/ holds some to start from)")

@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 
 from tests.helpers.bad_input import BINARY, forbid_processes, refused, write
-from tests.helpers.jobs import gpt_tiny_job
+from tests.helpers.jobs import EXAMPLES, gpt_tiny_job
 
 Content = str | bytes | dict[str, Any] | list[Any]
+PLANS = EXAMPLES / "plans"
 
 
 @pytest.fixture(autouse=True)
@@ -661,8 +662,8 @@ def test_a_profile_that_is_a_folder_is_named_as_one(tmp_path: Path, command: str
     args = {"plan": ["plan", "--model", "gpt3-125m", "--cluster", "h100:1x8", "--global-batch", "8"],
             "estimate": ["estimate", "--model", "gpt3-125m", "--cluster", "h100:1x8", "--tp", "1",
                          "--pp", "1", "--dp", "8"],
-            "reshape": ["reshape", "--from", "examples/plans/reshape-tp2-pp2.json", "--to",
-                        "examples/plans/reshape-zero3-dp4.json"]}[command]
+            "reshape": ["reshape", "--from", str(PLANS / "reshape-tp2-pp2.json"), "--to",
+                        str(PLANS / "reshape-zero3-dp4.json")]}[command]
     refused(capsys, [*args, "--profile", str(tmp_path)], f"profile file {tmp_path} is a folder",
             "meshmorph profile --out FILE")
 
@@ -750,3 +751,61 @@ def test_a_trace_that_is_missing_or_an_empty_folder_is_named(
     (tmp_path / "folder").mkdir()
     refused(capsys, ["simulate", "--model", "gpt3-125m", "--tokens", "1e9", "--cluster", "h100:1x8",
                      "--spot", "--trace", str(tmp_path / name)], needle)
+
+
+# --- measured pipeline traces (meshmorph timeline --compare RUN_DIR) ---------------------------
+ACTIONS = [{"ph": "X", "ts": t * 10, "dur": 10,
+            "args": {"rank": 0, "kind": kind, "stage": 0, "microbatch": 0}}
+           for t, kind in enumerate("FB")]
+RUN_TRACE = {"traceEvents": ACTIONS, "schedule": "1f1b", "pp": 1, "microbatches": 1, "vpp": 1,
+             "steps": 1}
+
+
+def _action(**args: Any) -> dict[str, Any]:
+    return {**RUN_TRACE, "traceEvents": [{**ACTIONS[0], "args": {**ACTIONS[0]["args"], **args}}]}
+
+
+RUN_TRACE_CASES: list[tuple[str, Content, tuple[str, ...]]] = [
+    ("empty", "", ("is empty", "meshmorph run --trace")),
+    ("binary", BINARY, ("is not text (binary data)", "meshmorph run --trace")),
+    ("a list", "[]", ("must hold a JSON object, got list",)),
+    ("no events", {"schedule": "1f1b"}, ("holds no 'traceEvents' list; it is not a Chrome trace",)),
+    ("events an object", {"traceEvents": {}}, ("holds no 'traceEvents' list",)),
+    ("no pipeline action", {"traceEvents": [{"ph": "M"}]}, ("holds no pipeline actions",)),
+    ("action without a kind", {**RUN_TRACE, "traceEvents": [
+        {"ph": "X", "ts": 0, "dur": 1, "args": {"rank": 0, "stage": 0, "microbatch": 0}}]},
+     ("holds a pipeline action without a whole rank", "KeyError")),
+    ("action rank a word", _action(rank="zero"), ("holds a pipeline action without a whole rank",)),
+    ("action without a start", {**RUN_TRACE, "traceEvents": [
+        {"ph": "X", "dur": 1, "args": ACTIONS[0]["args"]}]}, ("without a whole rank",)),
+    ("event a number", {**RUN_TRACE, "traceEvents": [3]}, ("without a whole rank",)),
+    ("no schedule", {**RUN_TRACE, "schedule": None}, ("does not name its schedule",)),
+    ("no pp", {k: v for k, v in RUN_TRACE.items() if k != "pp"},
+     ("pp must be a whole number >= 1, got None",)),
+    ("pp a string", {**RUN_TRACE, "pp": "1"}, ("pp must be a whole number >= 1, got '1'",)),
+    ("micro-batches zero", {**RUN_TRACE, "microbatches": 0},
+     ("microbatches must be a whole number >= 1, got 0",)),
+    ("vpp negative", {**RUN_TRACE, "vpp": -1}, ("vpp must be a whole number >= 1, got -1",)),
+    ("steps fractional", {**RUN_TRACE, "steps": 1.5}, ("steps must be a whole number >= 1, got 1.5",)),
+    ("absurd micro-batch count", {**RUN_TRACE, "microbatches": 10**12},
+     ("(stage, micro-batch) pairs is above the 65,536 a readable chart takes",)),
+]
+
+
+@_table(RUN_TRACE_CASES)
+def test_bad_measured_trace_is_refused_by_timeline_compare(
+        tmp_path: Path, capsys: pytest.CaptureFixture, content: Content,
+        needles: tuple[str, ...]) -> None:
+    write(tmp_path / "run" / "trace.json", content)
+    refused(capsys, ["timeline", "--compare", str(tmp_path / "run"), "--png",
+                     str(tmp_path / "out.png")], *needles)
+    assert not (tmp_path / "out.png").exists()
+
+
+def test_the_measured_trace_of_the_table_above_is_itself_accepted(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from meshmorph.cli import main as cli_main
+
+    write(tmp_path / "run" / "trace.json", RUN_TRACE)
+    assert cli_main(["timeline", "--compare", str(tmp_path / "run")]) == 0
+    assert "measured 0.020 ms per step" in capsys.readouterr().out

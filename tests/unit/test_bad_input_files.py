@@ -112,7 +112,7 @@ JOB_CASES: list[tuple[str, Content, tuple[str, ...]]] = [
     ("text without path", _job('kind = "synthetic"', 'kind = "text"'),
      ("[data] kind = 'text' needs a path to a text file",)),
     ("data path a folder", _job('kind = "synthetic"', 'kind = "text"\npath = "."'),
-     ("fix [data] path",)),
+     ("is a folder; fix [data] path",)),
     ("data file empty", _job('kind = "synthetic"', 'kind = "text"\npath = "empty.txt"'),
      ("holds 0 bytes, fewer than one sample of seq_len + 1 = 33", "use a longer file")),
     ("data file too short", _job('kind = "synthetic"', 'kind = "text"\npath = "short.txt"'),
@@ -403,10 +403,14 @@ def test_bad_hf_config_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture,
                      "--pp", "1", "--dp", "8"], *needles)
 
 
-def test_a_missing_hf_config_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    refused(capsys, ["estimate", "--model", str(tmp_path / "config.json"), "--cluster", "h100:1x8",
-                     "--tp", "1", "--pp", "1", "--dp", "8"],
-            f"model config {tmp_path / 'config.json'} does not exist", "catalog name")
+@pytest.mark.parametrize("kind", ["missing", "folder"])
+def test_a_hf_config_that_is_missing_or_a_folder_is_named(tmp_path: Path, kind: str,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "config.json" if kind == "missing" else tmp_path
+    refused(capsys, ["estimate", "--model", str(path), "--cluster", "h100:1x8", "--tp", "1", "--pp",
+                     "1", "--dp", "8"],
+            f"model config {path} " + ("does not exist" if kind == "missing" else "is a folder"),
+            "pass the path of a Hugging Face config.json")
 
 
 # --- GPU files (meshmorph gpus --gpus) ---------------------------------------------------------

@@ -98,6 +98,7 @@ JOB_CASES: list[tuple[str, Content, tuple[str, ...]]] = [
      ("[train] steps must be int, got datetime.date",)),
     ("seq_len float", _job("seq_len = 32", "seq_len = 32.5"),
      ("[model] seq_len must be int, got 32.5",)),
+    ("data seed negative", _job("seed = 1", "seed = -1"), ("[data] seed must be 0 or more, got -1",)),
     ("data seed float", _job("seed = 1", "seed = 1.5"), ("[data] seed must be int, got 1.5",)),
     ("train seed string", _job("micro_batch = 2", 'micro_batch = 2\nseed = "x"'),
      ("[train] seed must be int, got 'x'",)),

@@ -47,6 +47,8 @@ class DataSection:
             raise ValueError(f"[data] kind must be 'synthetic' or 'text', got {self.kind!r}")
         if self.kind == "text" and not self.path:
             raise ValueError("[data] kind = 'text' needs a path to a text file")
+        if self.seed < 0:  # numpy's generators, which order and make the samples, take no other
+            raise ValueError(f"[data] seed must be 0 or more, got {self.seed}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -39,13 +39,22 @@ DEFAULT_PROVIDER = "gcp-spot"
 
 def zones_arg(text: str) -> tuple[str, ...]:
     """``auto`` (every zone with data) or a comma-separated list of zones."""
-    return () if text.strip() == "auto" else tuple(z.strip() for z in text.split(",") if z.strip())
+    if text.strip() == "auto":
+        return ()
+    zones = tuple(z.strip() for z in text.split(",") if z.strip())
+    if not zones:
+        raise argparse.ArgumentTypeError(f"expected auto or comma-separated zones such as "
+                                         f"us-central1-a,us-east4-b, got {text!r}")
+    return zones
 
 
 def policies_for(args: argparse.Namespace, mode: PreemptionMode) -> tuple[Policy, ...]:
     """The policies to compare: the one asked, else all that apply (reshape only in lifetime
     mode: where a zone's capacity takes every node at once nobody survives to continue)."""
     if not args.spot:
+        if args.policy not in (None, Policy.ON_DEMAND):
+            raise ValueError(f"--policy {args.policy} handles preemptions of spot nodes, but "
+                             "without --spot every node is on-demand; add --spot, or drop --policy")
         return (Policy.ON_DEMAND,)
     if args.policy:
         if args.policy is Policy.DEADLINE and args.deadline is None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from meshmorph.cli import main as cli_main
 from tests.helpers.bad_input import BINARY, forbid_processes, refused, write
 from tests.helpers.jobs import EXAMPLES, gpt_tiny_job
 
@@ -809,8 +810,6 @@ def test_bad_measured_trace_is_refused_by_timeline_compare(
 
 def test_the_measured_trace_of_the_table_above_is_itself_accepted(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from meshmorph.cli import main as cli_main
-
     write(tmp_path / "run" / "trace.json", RUN_TRACE)
     assert cli_main(["timeline", "--compare", str(tmp_path / "run")]) == 0
     assert "measured 0.020 ms per step" in capsys.readouterr().out

@@ -40,8 +40,11 @@ def read_document(path: str | Path, *, what: str, way_out: str, fmt: str | None 
         raise error(f"{what} {path} is empty; {way_out}")
     try:
         data = parse(text)
-    except decode_error as exc:
+    except (decode_error, ValueError) as exc:  # ValueError: an integer of over 4,300 digits
         raise error(f"{what} {path} is not valid {name}: {exc}; {way_out}") from None
+    except RecursionError:
+        raise error(f"{what} {path} is not valid {name}: it nests deeper than Python can read; "
+                    f"{way_out}") from None
     if not isinstance(data, dict):
         raise error(f"{what} {path} must hold {table}, got {type(data).__name__}; {way_out}")
     return data

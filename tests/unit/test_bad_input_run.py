@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -238,3 +239,35 @@ def test_an_absurd_sequence_length_is_refused_before_any_process_starts(
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert "seq_len 1,000,000,000 is above meshmorph's limit" in err
+
+
+def _manifest_with(**changes: object) -> Callable[[Path, dict], None]:
+    def damage(manifest: Path, data: dict) -> None:
+        manifest.write_text(json.dumps({**data, **changes}))
+    return damage
+
+
+@pytest.mark.parametrize(("damage", "needle"), [
+    (lambda m, d: m.write_text(""), "has an unreadable manifest.json (Expecting value"),
+    (lambda m, d: m.write_bytes(bytes(range(256))), "has an unreadable manifest.json ('utf-8'"),
+    (lambda m, d: m.write_text("[]"), "has an unreadable manifest.json (list indices"),
+    (lambda m, d: (m.unlink(), m.mkdir()), "is incomplete: manifest.json is missing"),
+    (_manifest_with(consumed_samples=float("nan")), "cannot convert float NaN to integer"),
+    (_manifest_with(step=-4), "inconsistent manifest.json: it says step -4, but its folder is step 4"),
+    (_manifest_with(step=7), "it says step 7, but its folder is step 4"),
+    (_manifest_with(consumed_samples=-8), "it says consumed_samples -8 (< 0)"),
+    (_manifest_with(files={}), "inconsistent manifest.json: it lists no files"),
+    (lambda m, d: m.write_text(json.dumps({**d, "files": {"../../x": next(iter(d["files"].values()))}})),
+     "it names ../../x, a file outside its folder"),
+    (_manifest_with(files={"__0_0.distcp": {"bytes": "many", "sha256": "x"}}),
+     "has an unreadable manifest.json"),
+], ids=["empty", "binary", "a list", "a folder", "NaN count", "negative step", "another step",
+        "negative samples", "no files", "file outside", "size a string"])
+def test_a_bad_manifest_of_the_newest_checkpoint_is_refused_naming_the_previous_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture, damage: Callable[[Path, dict], None],
+        needle: str) -> None:
+    job, run_dir = fake_run(tmp_path)
+    manifest = run_dir / "checkpoints" / "step-4" / MANIFEST
+    damage(manifest, json.loads(manifest.read_text()))
+    refused(capsys, run_dir, resume(job, run_dir), f"checkpoint {manifest.parent}", needle,
+            f"the previous checkpoint is {run_dir / 'checkpoints' / 'step-2'}")

@@ -41,6 +41,23 @@ def positive_float(text: str) -> float:
     return value
 
 
+MAX_RUNS = 2**12
+"""The most simulated runs one command takes (a thousand already pin the percentiles down)."""
+MAX_TOKENS = 1e15
+"""The most tokens a simulated run may train: 25 times the largest published training run
+(about 4e13 tokens); more is a typo, and would keep the simulation going for hours."""
+
+
+def token_count(text: str) -> float:
+    """A finite number of tokens > 0, no more than ``MAX_TOKENS``."""
+    value = positive_float(text)
+    if value > MAX_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"{text} is above the limit of {MAX_TOKENS:.0e} tokens (25 times the largest "
+            "published training run); pass a realistic value")
+    return value
+
+
 def bounded_int(limit: int, unit: str) -> Callable[[str], int]:
     """A positive whole number no larger than ``limit`` (a larger one is a typo)."""
     def parse(text: str) -> int:

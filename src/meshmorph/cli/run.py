@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from meshmorph.cli.args import non_negative_int
 from meshmorph.run.engine.pipeline import TRACE_ENV
 from meshmorph.run.launch.launcher import launch, prepare_run
 from meshmorph.run.metrics import LOSS_CHART, METRICS_FILE, read_metrics
@@ -58,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "one (DCP reshards on load)")
     run.add_argument("--out", type=Path, default=None,
                      help="run folder (default: [run] out_dir of the job file)")
-    run.add_argument("--trace", type=int, nargs="?", const=3, default=0, metavar="STEPS",
+    run.add_argument("--trace", type=non_negative_int, nargs="?", const=3, default=0, metavar="STEPS",
                      help="time every pipeline action of STEPS steps (default 3, after a warm-up "
                           "step) and write RUN_DIR/trace.json (Chrome/Perfetto); compare it with "
                           "'meshmorph timeline --compare RUN_DIR'")

@@ -9,7 +9,14 @@ from typing import Any
 
 from rich.console import Console
 
-from meshmorph.cli.args import non_negative_int, positive_float, positive_int
+from meshmorph.cli.args import (
+    MAX_RUNS,
+    bounded_int,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    token_count,
+)
 from meshmorph.cli.output import add_output, add_wide, write_json
 from meshmorph.predict.cloud_catalog import load_catalog
 from meshmorph.predict.market import Market, MarketRequest, build_market
@@ -36,13 +43,22 @@ ZONE_COLUMNS = (Column("zone", justify="left"), Column("capacity share (95%)", "
 
 def zones_arg(text: str) -> tuple[str, ...]:
     """``auto`` (every zone with data) or a comma-separated list of zones."""
-    return () if text.strip() == "auto" else tuple(z.strip() for z in text.split(",") if z.strip())
+    if text.strip() == "auto":
+        return ()
+    zones = tuple(z.strip() for z in text.split(",") if z.strip())
+    if not zones:
+        raise argparse.ArgumentTypeError(f"expected auto or comma-separated zones such as "
+                                         f"us-central1-a,us-east4-b, got {text!r}")
+    return zones
 
 
 def policies_for(args: argparse.Namespace, mode: PreemptionMode) -> tuple[Policy, ...]:
     """The policies to compare: the one asked, else all that apply (reshape only in lifetime
     mode: where a zone's capacity takes every node at once nobody survives to continue)."""
     if not args.spot:
+        if args.policy not in (None, Policy.ON_DEMAND):
+            raise ValueError(f"--policy {args.policy} handles preemptions of spot nodes, but "
+                             "without --spot every node is on-demand; add --spot, or drop --policy")
         return (Policy.ON_DEMAND,)
     if args.policy:
         if args.policy is Policy.DEADLINE and args.deadline is None:
@@ -178,7 +194,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "to get nodes) and preemption fitted by maximum likelihood to packaged "
                     "measurements, or replayed from a trace; dated prices per region.")
     sim.add_argument("--model", required=True, help="catalog model (see meshmorph models)")
-    sim.add_argument("--tokens", required=True, type=positive_float, help="tokens to train on")
+    sim.add_argument("--tokens", required=True, type=token_count, help="tokens to train on")
     sim.add_argument("--cluster", required=True, help="GPU:NODESxPER_NODE or a cluster .toml")
     sim.add_argument("--spot", action="store_true", help="spot nodes (else on-demand only)")
     sim.add_argument("--policy", "--strategy", type=Policy, choices=list(Policy), default=None,
@@ -195,7 +211,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--preemption", type=PreemptionMode, choices=list(PreemptionMode),
                      default=None, help="capacity: nodes go when the zone's capacity goes; "
                                         "lifetime: per-VM lifetimes (default: by the data)")
-    sim.add_argument("--runs", type=positive_int, default=20, help="simulated runs (default 20)")
+    sim.add_argument("--runs", type=bounded_int(MAX_RUNS, "runs"), default=20, help="simulated runs (default 20)")
     sim.add_argument("--seed", type=non_negative_int, default=0,
                      help="first random seed (default 0)")
     sim.add_argument("--global-batch", type=positive_int, default=None,

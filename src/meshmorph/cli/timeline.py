@@ -67,13 +67,20 @@ def measured_times(ops: list[OpRecord], stages: int) -> StageTimes:
 
 def _compare(run_dir: Path) -> tuple[list[tuple[str, list[OpRecord]]], str]:
     meta_path = run_dir / TRACE_FILE
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    measured = read_trace_ops(meta_path)
+    measured = read_trace_ops(meta_path)  # a missing, unreadable or malformed trace stops here
+    meta = json.loads(meta_path.read_text())
     schedule = meta.get("schedule")
     if schedule not in SCHEDULE_NAMES:
         raise ValueError(f"{meta_path} does not name its schedule; write it with "
                          f"'meshmorph run --trace'")
-    p, m, v = int(meta["pp"]), int(meta["microbatches"]), int(meta.get("vpp", 1))
+    counts = {key: meta.get(key, default) for key, default in
+              (("pp", None), ("microbatches", None), ("vpp", 1), ("steps", 1))}
+    for key, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{meta_path}: {key} must be a whole number >= 1, got {value!r}; "
+                             "write it with 'meshmorph run --trace'")
+    p, m, v = counts["pp"], counts["microbatches"], counts["vpp"]
+    check_size(p, m, chunks_per_rank(schedule, v), MAX_DRAWN_PAIRS, "a readable chart")
     first_step = [op for op in measured if op[1] != "STEP"]
     stages = p * chunks_per_rank(schedule, v)
     times = measured_times(first_step, stages)

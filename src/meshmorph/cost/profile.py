@@ -10,6 +10,7 @@ beyond the core count share cores in the figures themselves (contention is measu
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -103,11 +104,16 @@ class Profile:
         if unknown:
             raise ValueError(f"{where} has unknown keys {sorted(unknown)}; known: {sorted(known)} "
                              "(re-run meshmorph profile with this version)")
+        for key, value in data.items():
+            _check_field(key, value, where)
         return cls(**data)  # type: ignore[arg-type]
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"profile file {path} is a folder; pass a Profile JSON made with "
+                             "meshmorph profile --out FILE")
         if not path.is_file():
             raise FileNotFoundError(f"profile file {path} does not exist; make one with "
                                     "meshmorph profile --out FILE")
@@ -120,3 +126,52 @@ class Profile:
             raise ValueError(f"profile file {path} holds {type(data).__name__}, not a JSON "
                              "object; make a new one with meshmorph profile --out FILE")
         return cls.from_dict(data, f"profile {path}")
+
+
+_FIGURES = {"matmul_efficiency": False, "link_bandwidth_gbps": False, "link_latency_us": True,
+            "gemm_flops_per_s": False}
+"""The name -> figure tables of a Profile, with whether a figure may be 0 (else it must be > 0)."""
+_ROWS = {"collectives": {"alpha_s": True, "beta_s_per_byte": False},
+         "layer_times": {"fwd_s": True, "bwd_s": True}}
+"""The name -> row tables, with the figures each row needs (and whether each may be 0)."""
+_SCALARS = {"optimizer_s_per_param": True, "optimizer_fixed_s": True, "load_avg": True}
+
+
+def _is_number(value: object, zero_ok: bool) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) \
+        and math.isfinite(value) and (value >= 0 if zero_ok else value > 0)
+
+
+def _check_field(key: str, value: object, where: str) -> None:
+    """Refuse a Profile field of the wrong type, or a figure that is not finite or is negative
+    (a zero bandwidth or efficiency would divide by zero in the cost model)."""
+    fix = "re-run meshmorph profile or fix the file"
+
+    def figure(name: str, number: object, zero_ok: bool) -> None:
+        if not _is_number(number, zero_ok):
+            bound = ">= 0" if zero_ok else "> 0"
+            raise ValueError(f"{where}: {name} must be a finite number {bound}, got {number!r}; "
+                             f"{fix}")
+
+    if key == "source":
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: source must be a string, got {value!r}; {fix}")
+    elif key in ("processes", "cores"):
+        lowest = 1 if key == "processes" else 0
+        if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+            raise ValueError(f"{where}: {key} must be a whole number >= {lowest}, got {value!r}; "
+                             f"{fix}")
+    elif key in _SCALARS:
+        figure(key, value, _SCALARS[key])
+    elif not isinstance(value, dict):
+        raise ValueError(f"{where}: {key} must be a JSON object, got {value!r}; {fix}")
+    elif key in _FIGURES:
+        for name, number in value.items():
+            figure(f"{key}[{name!r}]", number, _FIGURES[key])
+    else:
+        for name, row in value.items():
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: {key}[{name!r}] must be a JSON object, got {row!r}; "
+                                 f"{fix}")
+            for column, zero_ok in _ROWS[key].items():
+                figure(f"{key}[{name!r}].{column}", row.get(column), zero_ok)

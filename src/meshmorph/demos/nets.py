@@ -10,11 +10,15 @@ a user factory ``package.module:function`` may set the same attribute or the CLI
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+MAX_INPUT_VALUES = 2**24
+"""The most input values (batch x sample shape) a net is traced with on this CPU."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,5 +210,10 @@ def example_input(model: nn.Module, batch: int,
                          "pass --input-shape C,H,W (one sample, no batch dimension)")
     if batch <= 0:
         raise ValueError(f"batch must be positive, got {batch}")
+    values = batch * math.prod(shape)
+    if values > MAX_INPUT_VALUES:
+        raise ValueError(f"a batch of {batch} x {tuple(shape)} is {values:,} input values, above "
+                         f"meshmorph's limit of {MAX_INPUT_VALUES:,} (2**24, 64 MiB of fp32) for "
+                         "a net traced on this CPU; pass a smaller --batch or --input-shape")
     generator = torch.Generator().manual_seed(0)
     return torch.randn((batch, *shape), generator=generator)

@@ -11,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from meshmorph.files import read_document
 from meshmorph.predict.revocation import Hazard
 from meshmorph.predict.spot_data import Cloud
 from meshmorph.spec.gpus import GPU_CATALOG, LINKS
@@ -39,6 +40,9 @@ class Provider:
     """Where the rules come from."""
 
     def __post_init__(self) -> None:
+        if self.max_runtime_h is not None and not self.max_runtime_h > 0:
+            raise ValueError(f"provider {self.name}: max_runtime_h must be > 0 hours, got "
+                             f"{self.max_runtime_h}; leave it out for no cap")
         if self.hazard not in HAZARDS:
             raise ValueError(f"provider {self.name}: unknown hazard {self.hazard!r}; use 'fitted' "
                              "or leave it out and give rate_per_h")
@@ -128,6 +132,9 @@ class UserZone:
         if not 0 < self.share_available <= 1:
             raise ValueError(f"zone {self.name}: share_available must be in (0, 1], got "
                              f"{self.share_available}")
+        if not self.mean_up_h > 0:
+            raise ValueError(f"zone {self.name}: mean_up_h must be > 0 hours, got "
+                             f"{self.mean_up_h}; leave it out if capacity never goes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,13 +184,34 @@ def zone_region(zone: str) -> str:
     return head if head and len(tail) == 1 else zone
 
 
+_TABLES = {"providers": dict, "instances": list, "prices": list, "zones": list}
+"""The top-level tables of a catalog file and their TOML form ([providers.NAME], [[instances]]...)."""
+
+
+def _accepts(annotation: str, value: Any) -> bool:
+    """Whether a TOML value fits a field annotation (``float`` also takes an int; a ``Cloud``
+    is written as its name)."""
+    options = annotation.split(" | ")
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return (value is None and "None" in options) \
+        or (isinstance(value, str) and bool({"str", "Cloud"} & set(options))) \
+        or (number and "float" in options) or (number and isinstance(value, int) and "int" in options)
+
+
 def _check(entry: dict[str, Any], cls: type, where: str) -> dict[str, Any]:
     names = [f.name for f in fields(cls)]
     unknown = [k for k in entry if k not in names]
     if unknown:
         raise ValueError(f"{where}: unknown key {', '.join(map(repr, unknown))}; valid keys: "
                          f"{', '.join(names)}")
+    missing = [f.name for f in fields(cls) if f.name not in entry and f.name != "name"
+               and f.default is MISSING and f.default_factory is MISSING]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)}")
+    types = {f.name: str(f.type) for f in fields(cls)}
     for key, value in entry.items():
+        if not _accepts(types[key], value):
+            raise ValueError(f"{where}: {key} must be {types[key]}, got {value!r}")
         if isinstance(value, float | int) and not isinstance(value, bool) and (
                 not math.isfinite(value) or value < 0):
             raise ValueError(f"{where}: {key} must be a finite number >= 0, got {value!r}")
@@ -196,6 +224,8 @@ def _instance(entry: dict[str, Any], label: str, providers: dict[str, Provider])
     if missing:
         raise ValueError(f"{label}: missing {', '.join(missing)}")
     instance = InstanceType(**_check(entry, InstanceType, label))
+    if instance.gpus < 1:
+        raise ValueError(f"{label}: gpus must be at least 1 GPU per instance, got {instance.gpus}")
     if instance.gpu not in GPU_CATALOG:
         raise ValueError(f"{label}: unknown gpu {instance.gpu!r}; valid: {', '.join(GPU_CATALOG)} "
                          "(add it with meshmorph gpus --gpus FILE)")
@@ -236,6 +266,17 @@ def _entries(data: dict[str, Any], key: str, cls: type, where: str) -> list[Any]
 
 
 def _parse(data: dict[str, Any], where: str, catalog: CloudCatalog | None) -> CloudCatalog:
+    unknown = [key for key in data if key not in _TABLES]
+    if unknown:
+        raise ValueError(f"{where}: unknown table {', '.join(map(repr, unknown))}; a catalog holds "
+                         "[providers.NAME], [[instances]], [[prices]] and [[zones]] (see "
+                         "examples/my_zones.toml)")
+    for key, kind in _TABLES.items():
+        value = data.get(key, kind())
+        entries = value.values() if isinstance(value, dict) else value
+        if not isinstance(value, kind) or not all(isinstance(e, dict) for e in entries):
+            form = f"[{key}.NAME] tables" if kind is dict else f"[[{key}]] tables"
+            raise ValueError(f"{where}: {key} must be {form}, got {value!r}")
     providers = dict(catalog.providers) if catalog else {}
     instances = dict(catalog.instances) if catalog else {}
     prices = dict(catalog.prices) if catalog else {}
@@ -265,10 +306,7 @@ def load_catalog(user: Path | str | None = None) -> CloudCatalog:
     if user is None:
         return catalog
     path = Path(user)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"catalog file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path} is not valid TOML: {exc}") from None
+    data = read_document(path, what="catalog file", fmt="toml", way_out=(
+        "pass a TOML of [providers.NAME], [[instances]], [[prices]] and [[zones]] tables "
+        "(examples/my_zones.toml)"))
     return _parse(data, str(path), catalog)

@@ -123,6 +123,9 @@ def _plain_zone(data: dict[str, Any], path: str, default_zone: str) -> tuple[flo
     if not isinstance(zone, str) or not zone:
         raise _fail(path, "metadata.zone", f"must be a non-empty string, got {zone!r}")
     info = meta.get("price_info") or {}
+    if not isinstance(info, dict):
+        raise _fail(path, "metadata.price_info", f"must be an object with price and "
+                                                 f"on_demand_price, got {info!r}")
     spot = info.get("price")
     prices = data.get("prices")
     if isinstance(prices, list) and prices:
@@ -130,7 +133,13 @@ def _plain_zone(data: dict[str, Any], path: str, default_zone: str) -> tuple[flo
     gaps = ()
     filled = meta.get("gap_filled")
     if isinstance(filled, dict) and {"gap_start_index", "gap_end_index"} <= set(filled):
-        gaps = ((int(filled["gap_start_index"]), int(filled["gap_end_index"]) + 1),)
+        start, end = filled["gap_start_index"], filled["gap_end_index"]
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in (start, end)) \
+                or not 0 <= start <= end < len(ticks):
+            raise _fail(path, "metadata.gap_filled", f"needs whole tick indices 0 <= "
+                                                     f"gap_start_index <= gap_end_index < "
+                                                     f"{len(ticks)}, got {start!r} and {end!r}")
+        gaps = ((start, end + 1),)
     return tick_s, ZoneTrace(
         zone=zone, states=tuple(v == 0 for v in ticks), gaps=gaps,
         spot_usd_per_h=None if spot is None else _number(spot, path, "metadata.price_info.price"),
@@ -183,7 +192,8 @@ def _count_trace(name: str, entry: dict[str, Any]) -> SpotTrace:
                                 spot_usd_per_h=price.get("spot_usd_per_h"),
                                 on_demand_usd_per_h=price.get("on_demand_usd_per_h"),
                                 price_date=price.get("date", ""))
-    return SpotTrace(name=name, tick_s=float(entry["tick_s"]), zones=zones, gpu=entry["gpu"],
+    return SpotTrace(name=name, tick_s=_number(entry["tick_s"], name, "tick_s"), zones=zones,
+                     gpu=entry["gpu"],
                      provider=entry["provider"], instance_gpus=8, source=entry["source"],
                      meta={"about": entry["about"], "requested_gpus": entry["requested_gpus"]})
 
@@ -192,6 +202,8 @@ def _probe_trace(name: str, entry: dict[str, Any]) -> SpotTrace:
     """A probe trace (one character per tick: 1, 0, - not probed yet) on irregular ticks, read on
     their mean tick."""
     times = entry["tick_times_s"]
+    if len(times) < 2 or not times[-1] > times[0]:
+        raise _fail(name, "tick_times_s", f"needs at least two increasing times, got {times!r}")
     tick_s = (times[-1] - times[0]) / (len(times) - 1)
     prices = entry.get("g6_12xlarge_prices", {})
     zones = {}
@@ -217,6 +229,8 @@ def trace_from_entry(name: str, entry: dict[str, Any]) -> SpotTrace:
                                   f"{', '.join(kinds)}")
     try:
         return kinds[kind](name, entry)
+    except TraceError:
+        raise
     except (KeyError, ValueError, TypeError, IndexError) as exc:
         raise _fail(name, str(exc).strip("'"), "missing or malformed") from None
 

@@ -114,6 +114,17 @@ def verify_checkpoint(path: Path, *, checksums: bool = True) -> CheckpointInfo:
         records = [(str(name), int(rec["bytes"]), str(rec["sha256"])) for name, rec in files.items()]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"checkpoint {path} has an unreadable {MANIFEST} ({exc})") from None
+    folder_step = _step_of(path)
+    wrong = (f"says step {info.step}, but its folder is step {folder_step}"
+             if folder_step is not None and info.step != folder_step else
+             f"says consumed_samples {info.consumed_samples} (< 0)" if info.consumed_samples < 0
+             else "lists no files" if not records else None)
+    outside = [name for name, _, _ in records if Path(name).is_absolute() or ".." in Path(name).parts]
+    if outside and not wrong:
+        wrong = f"names {outside[0]}, a file outside its folder"
+
+    if wrong:
+        raise CheckpointError(f"checkpoint {path} has an inconsistent {MANIFEST}: it {wrong}")
     for name, size_bytes, sha in records:
         file = path / name
         if not file.is_file():

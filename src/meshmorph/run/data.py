@@ -129,6 +129,9 @@ class ByteTextFile:
     def __init__(self, path: str | Path, seq_len: int) -> None:
         self.path = Path(path)
         self.seq_len = seq_len
+        if self.path.is_dir():
+            raise ValueError(f"data file {self.path} is a folder; fix [data] path in the job file "
+                             "to name a text file")
         if not self.path.is_file():
             raise FileNotFoundError(
                 f"data file {self.path} does not exist; fix [data] path in the job file"

@@ -48,6 +48,8 @@ class DataSection:
             raise ValueError(f"[data] kind must be 'synthetic' or 'text', got {self.kind!r}")
         if self.kind == "text" and not self.path:
             raise ValueError("[data] kind = 'text' needs a path to a text file")
+        if self.seed < 0:  # numpy's generators, which order and make the samples, take no other
+            raise ValueError(f"[data] seed must be 0 or more, got {self.seed}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,6 +107,12 @@ class CheckpointSection:
             raise ValueError(
                 f"[checkpoint] needs every >= 0 and keep >= 1, got every {self.every}, "
                 f"keep {self.keep}"
+            )
+        folder = Path(self.dir)
+        if not self.dir or folder.is_absolute() or ".." in folder.parts or folder == Path("."):
+            raise ValueError(
+                f"[checkpoint] dir must be a folder inside the run folder (a relative path "
+                f"without '..'), got {self.dir!r}; leave it out for 'checkpoints'"
             )
 
 
@@ -227,6 +235,9 @@ def parse_job(data: dict[str, Any], *, source: str = "job", base_dir: Path = Pat
 def load_job(path: str | Path) -> JobConfig:
     """Read and check a job file; every error names the file and the key."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"job file {path} is a folder; pass the path of a job TOML "
+                         "(examples/jobs/ holds some to start from)")
     if not path.is_file():
         raise FileNotFoundError(f"job file {path} does not exist; pass the path of a job TOML "
                                 "(examples/jobs/ holds some to start from)")

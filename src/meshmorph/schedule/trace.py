@@ -55,9 +55,14 @@ def read_trace_ops(path: Path) -> list[OpRecord]:
     events = data.get("traceEvents")
     if not isinstance(events, list):
         raise TraceError(f"{path} holds no 'traceEvents' list; it is not a Chrome trace")
-    ops = [(int(e["args"]["rank"]), str(e["args"]["kind"]), int(e["args"]["stage"]),
-            int(e["args"]["microbatch"]), e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
-           for e in events if e.get("ph") == "X" and "rank" in e.get("args", {})]
+    try:
+        ops = [(int(e["args"]["rank"]), str(e["args"]["kind"]), int(e["args"]["stage"]),
+                int(e["args"]["microbatch"]), e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+               for e in events if e.get("ph") == "X" and "rank" in e.get("args", {})]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise TraceError(f"{path} holds a pipeline action without a whole rank, kind, stage, "
+                         f"microbatch, ts and dur ({type(exc).__name__}: {exc}); write it with "
+                         "'meshmorph run --trace'") from None
     if not ops:
         raise TraceError(f"{path} holds no pipeline actions (complete events with a rank)")
     t0 = min(op[4] for op in ops)

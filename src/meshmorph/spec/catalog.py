@@ -76,7 +76,7 @@ def load_model(source: str, seq_len: int | None = None) -> ModelSpec:
     ``package.module:function`` that returns an ``nn.Module`` (traced on the meta device)."""
     if source in MODEL_CATALOG:
         return catalog_model(source, seq_len)
-    if source.endswith(".json") or Path(source).is_file():
+    if source.endswith(".json") or Path(source).is_file() or (source and Path(source).is_dir()):
         from meshmorph.spec.hf_config import from_hf_config
 
         return from_hf_config(Path(source), seq_len=seq_len)

@@ -251,6 +251,10 @@ def _toml_gpu(name: str, entry: Any, base: GPUSpec | None, links: dict[str, Link
 def gpus_from_toml(data: dict[str, Any], where: str) -> tuple[dict[str, GPUSpec], dict[str, LinkSpec]]:
     """The GPUs and links a TOML document's ``[gpus.*]`` and ``[links.*]`` tables define, each
     merged over the catalog entry of the same name (format in the comment above)."""
+    for table in ("gpus", "links"):
+        if not isinstance(data.get(table, {}), dict):
+            raise ValueError(f"{where}: {table} must be a table of [{table}.NAME] tables, got "
+                             f"{data[table]!r}")
     links = dict(LINKS)
     for name, entry in (data.get("links") or {}).items():
         if not isinstance(entry, dict) or set(entry) - {"bandwidth_gbps", "latency_us"}:
@@ -277,6 +281,9 @@ def load_gpus_toml(path: Path | str) -> dict[str, GPUSpec]:
     if unknown:
         raise ValueError(f"{path}: unknown table {', '.join(map(repr, unknown))}; a GPU file holds "
                          "[gpus.NAME] and [links.NAME] tables")
+    if not data:
+        raise ValueError(f"GPU file {path} defines no GPU or link; add [gpus.NAME] or "
+                         "[links.NAME] tables, or leave out --gpus")
     gpus, links = gpus_from_toml(data, str(path))
     LINKS.update(links)
     GPU_CATALOG.update(gpus)

@@ -170,7 +170,8 @@ def _llama_shape(config: dict[str, Any], path: Path, seq_len: int | None) -> Tra
             "config, or trace the model with package.module:function)"
         )
     heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads  # absent or null: no GQA
+    kv_heads = config.get("num_key_value_heads")
+    kv_heads = heads if kv_heads is None else kv_heads  # absent or null: no GQA
     if not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads <= 0 \
             or heads % kv_heads:
         raise ValueError(

@@ -243,6 +243,9 @@ class Plan:
     """Predicted figures (step_time_s, tokens_per_s, ...) from the cost model, if any."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise PlanError(f"model must name a model (a catalog name such as 'gpt-tiny', a "
+                            f"config.json path or a package.module:function), got {self.model!r}")
         object.__setattr__(self, "schedule", _member("schedule", Schedule, self.schedule))
         for name in BOOL_FIELDS:  # a JSON "yes" or 1 would read as true everywhere it is tested
             if not isinstance(getattr(self, name), bool):

@@ -49,7 +49,9 @@ def _job(old: str, new: str) -> str:
 
 JOB_CASES: list[tuple[str, Content, tuple[str, ...]]] = [
     ("dtype fp8", _job("micro_batch = 2", 'micro_batch = 2\ndtype = "fp8"'),
-     ("[train] dtype must be fp32, bf16 or fp16, got 'fp8'",)),
+     ("[train] dtype fp8: meshmorph run does not run dtype fp8", "run dtype bf16")),
+    ("dtype fp4", _job("micro_batch = 2", 'micro_batch = 2\ndtype = "fp4"'),
+     ("[train] dtype must be fp32, bf16 or fp16, got 'fp4'",)),
     ("checkpoint every -1", JOB + "[checkpoint]\nevery = -1\n",
      ("[checkpoint] needs every >= 0 and keep >= 1, got every -1",)),
     ("checkpoint keep 0", JOB + "[checkpoint]\nkeep = 0\n", ("keep >= 1", "keep 0")),
@@ -212,7 +214,9 @@ PLAN_CASES: list[tuple[str, Content, tuple[str, ...]]] = [
     ("weight prediction without async", {**PLAN, "weight_prediction": "adam"},
      ("weight_prediction 'adam' applies only to schedule 'async'",)),
     ("reduce_dtype unknown", {**PLAN, "reduce_dtype": "int8"},
-     ("reduce_dtype must be one of bf16, fp16, fp32, got 'int8'",)),
+     ("reduce_dtype must be one of bf16, fp16, fp32, fp8, got 'int8'",)),
+    ("reduce_dtype fp8", {**PLAN, "reduce_dtype": "fp8"},
+     ("reduce_dtype fp8: gradients are reduced in fp32 or a 16-bit dtype",)),
     ("world_size disagrees", {**PLAN, "world_size": 7},
      ("plan says world_size 7 but tp x pp x dp = 2",)),
     ("stages not a list", {**PLAN, "stages": 3}, ("'stages' must be a list of objects",)),

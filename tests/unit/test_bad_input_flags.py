@@ -54,7 +54,7 @@ ARG_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
     ("plan --max-cp 0", _with(PLAN, "--max-cp", "0"), ("--max-cp: must be at least 1, got 0",)),
     ("plan --max-nodes a word", _with(PLAN, "--max-nodes", "many"), ("--max-nodes", "'many'")),
     ("plan --tolerance a word", _with(PLAN, "--tolerance", "tight"), ("--tolerance", "'tight'")),
-    ("plan --dtype fp8", _with(PLAN, "--dtype", "fp8"), ("--dtype: invalid choice: 'fp8'",)),
+    ("plan --dtype fp4", _with(PLAN, "--dtype", "fp4"), ("--dtype: invalid choice: 'fp4'",)),
     ("plan --layerwise-schedules unknown", _with(PLAN, "--layerwise-schedules", "some"),
      ("--layerwise-schedules: invalid choice: 'some'",)),
     ("plan --weight-prediction unknown", _with(PLAN, "--weight-prediction", "guess"),

@@ -33,6 +33,7 @@ from meshmorph.plan.runnable_plans import runnable_plans
 from meshmorph.run.checkpoint import CheckpointInfo
 from meshmorph.run.job import JobConfig, load_job
 from meshmorph.run.launch.console import Relay, last_step
+from meshmorph.run.launch.host_memory import check_host_memory
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan, PlanError
@@ -188,6 +189,7 @@ def check_plan_for_job(plan: Plan, job: JobConfig, model: ModelSpec, nproc: int)
     from meshmorph.run.engine.train_engine import validate_plan
 
     validate_plan(model, plan, nproc)  # check_against, plus what the runtime itself needs
+    check_host_memory(model, plan, nproc)  # the steps' batches and activations fit this machine
 
 
 def check_resume_point(job: JobConfig, model: ModelSpec, plan: Plan, out_dir: Path, *,

@@ -78,7 +78,10 @@ def test_ctrl_c_in_the_first_second_stops_torchrun_and_every_rank(tmp_path: Path
     output = log.read_text()
     assert code == 130, output
     gone_within([*started, *descendants(proc.pid)], 5)
-    assert steps_done(run_dir) == 0 and "before step 1" in output, output
+    # torchrun may still wait for its rendezvous (no rank yet: stopped at once) or the ranks may
+    # be importing torch (each stops before its first step)
+    assert steps_done(run_dir) == 0 and ("before step 1" in output
+                                         or "interrupted before any rank started" in output), output
     assert "no checkpoint was saved" in output and "Traceback" not in output, output
     assert scan_checkpoints(run_dir / "checkpoints") == ([], [])
 

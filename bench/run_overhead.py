@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "dist"))  # the spawn harness and the layout matrix
+sys.path.insert(0, str(ROOT))  # tests.helpers: the spawn harness and the layout matrix
 sys.path.insert(0, str(ROOT / "bench"))
 
-from spawn import spawn  # noqa: E402
+from tests.helpers.spawn import spawn  # noqa: E402
 
 from results_path import Outputs, shown  # noqa: E402
 
@@ -115,7 +115,8 @@ def matrix_job(rank: int, world_size: int, steps: int, out: str) -> None:
 
     import torch
     import torch.distributed as dist
-    from test_equivalence import OPTIM, SEED, layouts
+    from tests.helpers.matrix import layouts
+    from tests.helpers.oracle import OPTIM, SEED
 
     from meshmorph.run.engine.train_engine import build_engine
 

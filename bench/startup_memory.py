@@ -27,9 +27,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "dist"))  # the spawn harness
+sys.path.insert(0, str(ROOT))  # tests.helpers: the spawn harness
 
-from spawn import spawn  # noqa: E402
+from tests.helpers.spawn import spawn  # noqa: E402
 
 from results_path import Outputs, wrote  # noqa: E402
 

@@ -11,9 +11,10 @@ what the cost model predicts for the block run that way (``Plan.compile``, ``Lay
 On the CPU, ``F.rms_norm`` runs decomposed and also keeps each normalized fp32 output (a llama
 block 8h bytes per token above the prediction, which follows the fused CUDA kernel).
 
-    PYTHONPATH=src python bench/activation_probe.py [--device cpu] [--out PATH]
+    PYTHONPATH=src python bench/activation_probe.py [--device cpu] [--out PATH | --update]
 
-Writes ``bench/results/activation_probe.json`` only with ``--out``.
+Writes bench/results/latest/activation_probe.json (``--out PATH`` to choose, ``--update`` for the
+committed bench/results/activation_probe.json).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from meshmorph.run.model.saved import saved_tensors  # noqa: E402
 from meshmorph.spec import load_model, parse_cluster  # noqa: E402
 from meshmorph.spec.model import Recompute  # noqa: E402
 from meshmorph.spec.plan import Plan  # noqa: E402
+from results_path import Outputs, wrote  # noqa: E402
+
+OUTPUTS = Outputs("bench/results/activation_probe.json")
 
 
 def probe(name: str, device: torch.device, dtype: torch.dtype, b: int, seq: int,
@@ -80,17 +84,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", nargs="+", default=None)
-    parser.add_argument("--out", type=Path, default=None)
+    OUTPUTS.add_args(parser)
     args = parser.parse_args(argv)
+    out = OUTPUTS.path(args)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     models = args.models or (["gpt3-1.3b", "llama3.2-1b"] if cuda else ["gpt-tiny", "llama-tiny"])
     rows = [probe(m, device, torch.bfloat16, 4 if cuda else 2, 2048 if cuda else 64, cuda)
             for m in models]
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"device": str(device), "torch": torch.__version__,
-                                        "rows": rows}, indent=1))
+    out.write_text(json.dumps({"device": str(device), "torch": torch.__version__, "rows": rows},
+                              indent=1))
+    wrote(out)
     return 0
 
 

@@ -3,7 +3,8 @@ PipeDream-2BW, momentum-SGD prediction (SpecTrain) and Adam prediction, 4 stages
 processes, the same seeds and steps for every mode.
 
 One torchrun job (4 processes, one MLP layer per stage) trains every mode for every seed and
-measures test accuracy and steps/s; this script writes bench/results/async_pipeline.json with
+measures test accuracy and steps/s; this script writes bench/results/latest/async_pipeline.json
+(``--out PATH`` to choose, ``--update`` for the committed bench/results/async_pipeline.json) with
 keys ``sync``, ``stale``, ``stash``, ``predict_sgd``, ``predict_adam`` (each
 ``{"accuracy": mean over seeds, "steps_per_s": median}``; also ``2bw``, ``sync_adam``,
 ``stale_adam`` and every run's figures) and prints a table.
@@ -30,7 +31,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results" / "async_pipeline.json"
+from results_path import Outputs, wrote
+
+OUTPUTS = Outputs("bench/results/async_pipeline.json")
 MODES = ["sync", "stale", "stash", "2bw", "predict_sgd", "sync_adam", "stale_adam", "predict_adam"]
 
 
@@ -41,8 +44,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.015)
     parser.add_argument("--adam-lr", type=float, default=0.003)
     parser.add_argument("--adam-steps", type=int, default=200)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    OUTPUTS.add_args(parser)
     args = parser.parse_args()
+    out = OUTPUTS.path(args)
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "rows.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
@@ -69,8 +73,7 @@ def main() -> None:
                                     "steps": args.adam_steps},
                            "model": "MLP 64-128-128-128-10, one Linear per stage",
                            "data": "sklearn load_digits, stratified 80/20 split (360 test)"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    out.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\n{'mode':14s} {'optimizer':10s} {'accuracy':>9s} {'by seed':>24s} {'steps/s':>8s}")
     for mode in MODES:
         row = summary[mode]
@@ -86,7 +89,7 @@ def main() -> None:
         print(f"{mode}: prediction error ratio ||W_pred - W_now|| / ||W_fwd - W_now|| at the "
               f"guard checks, median by seed {medians}, worst {worst} (threshold 1.0; flushed "
               f"from batch {row['guard_switched']})")
-    print(f"wrote {args.out}")
+    wrote(out)
 
 
 if __name__ == "__main__":

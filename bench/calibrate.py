@@ -6,7 +6,8 @@ of coefficients fitted on all runs (in sample), and of coefficients fitted on al
 (leave-one-out: the error to expect on a run the model has not seen). Fits choose FIT_SPACE's
 coefficients by least squares on log(predicted / published).
 
-Run: ``python bench/calibrate.py``; writes bench/results/calibration.json.
+Run: ``python bench/calibrate.py``; writes bench/results/latest/calibration.json (``--out PATH``
+to choose, ``--update`` to rewrite the committed bench/results/calibration.json).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import platform
 import statistics
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 from meshmorph.cost.calibration import (
     FIT_SPACE,
@@ -30,8 +30,9 @@ from meshmorph.cost.calibration import (
 )
 from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.model import CostModel
+from results_path import Outputs, shown
 
-RESULTS = Path(__file__).resolve().parent / "results"
+OUTPUTS = Outputs("bench/results/calibration.json")
 
 
 def summary(errs: list[float]) -> dict[str, float]:
@@ -59,8 +60,9 @@ def by_source(runs, errs: list[float]) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=RESULTS / "calibration.json")
+    OUTPUTS.add_args(parser)
     args = parser.parse_args()
+    out = OUTPUTS.path(args)
     started = time.perf_counter()
     runs = published_runs()
     default = CostCoefficients()
@@ -97,9 +99,8 @@ def main() -> None:
         s = result[key]
         print(f"{key:14s} MAPE {s['mape']:.1%}  max {s['max_abs']:.1%}  mean {s['mean_signed']:+.1%}")
     print("fitted:", result["fitted_coefficients"])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out} in {result['seconds']:.0f} s")
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {shown(out)} in {result['seconds']:.0f} s")
 
 
 if __name__ == "__main__":

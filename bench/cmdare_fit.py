@@ -20,12 +20,15 @@ published CDF and, held out, each region against a fit to the other three (``rev
 Section 3: every packaged spot fit with its 95% intervals (``spot_data.fit_report``) and the
 chart of the fits beside their data (docs/img/spot_fits.png).
 
-Run: ``python bench/cmdare_fit.py``; writes bench/results/cmdare_fit.json, cmdare_fit.png,
-revocation_fit.json, revocation_hazard.png, revocation_spot_fits.json and docs/img/spot_fits.png.
+Run: ``python bench/cmdare_fit.py``; writes cmdare_fit.json, cmdare_fit.png, revocation_fit.json,
+revocation_hazard.png, revocation_spot_fits.json and spot_fits.png to bench/results/latest/
+(``--out DIR`` to choose the folder); ``--update`` rewrites the committed ones (bench/results/,
+docs/img/spot_fits.png).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import dataclass
@@ -40,9 +43,11 @@ from meshmorph.predict.revocation import revocation_report
 from meshmorph.predict.spot_data import fit_report, preemption_rates
 from meshmorph.spec.gpus import gpu
 from meshmorph.viz.predict_charts import write_hazard_chart, write_spot_fit_chart
+from results_path import Outputs, wrote
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+OUTPUTS = Outputs("bench/results/cmdare_fit.json", "bench/results/cmdare_fit.png",
+                  "bench/results/revocation_fit.json", "bench/results/revocation_hazard.png",
+                  "bench/results/revocation_spot_fits.json", "docs/img/spot_fits.png")
 NETWORK_BYTES_PER_S = 10e9 / 8
 """GCE VM NIC bandwidth assumed in the features (10 Gb/s; the coefficients absorb the real one)."""
 FEATURES = ("fixed", "flops_over_peak", "tensors_over_peak", "param_bytes_over_network",
@@ -212,31 +217,33 @@ def speed_chart(report: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    RESULTS.mkdir(exist_ok=True)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    OUTPUTS.add_args(parser)
+    args = parser.parse_args()
+    paths = OUTPUTS.paths(args)
     started = time.perf_counter()
     speed = speed_report()
     speed["fit_and_held_out_time_s"] = time.perf_counter() - started
-    (RESULTS / "cmdare_fit.json").write_text(json.dumps(speed, indent=1) + "\n")
-    speed_chart(speed, RESULTS / "cmdare_fit.png")
+    paths["cmdare_fit.json"].write_text(json.dumps(speed, indent=1) + "\n")
+    speed_chart(speed, paths["cmdare_fit.png"])
     for name in ("single_worker", "cluster"):
         s = speed[name]
         print(f"speed {name} ({s['points']} points): in-sample {s['mape_in_sample']:.1%}, "
               f"leave-one-out {s['mape_leave_one_out']:.1%}, leave-one-model-out "
               f"{s['mape_leave_one_model_out']:.1%}")
     revocation = revocation_report()
-    (RESULTS / "revocation_fit.json").write_text(json.dumps(revocation, indent=1) + "\n")
-    write_hazard_chart(RESULTS / "revocation_hazard.png")
+    paths["revocation_fit.json"].write_text(json.dumps(revocation, indent=1) + "\n")
+    write_hazard_chart(paths["revocation_hazard.png"])
     for name, gaps in revocation["leave_one_region_out_max_cdf_gap"].items():
         print(f"revocation {name} 2019: largest CDF gap, each region vs the other three: "
               + ", ".join(f"{r} {g:.2f}" for r, g in gaps.items()))
     spot = fit_report()
-    (RESULTS / "revocation_spot_fits.json").write_text(json.dumps(spot, indent=1) + "\n")
-    write_spot_fit_chart(preemption_rates(), ROOT / "docs" / "img" / "spot_fits.png")
+    paths["revocation_spot_fits.json"].write_text(json.dumps(spot, indent=1) + "\n")
+    write_spot_fit_chart(preemption_rates(), paths["spot_fits.png"])
     for row in spot["preemption_rates_per_vm_h"]:
         print(f"preemptions per VM-hour {row['set']}: {row['rate']:.3f} "
               f"({row['ci95'][0]:.3f}-{row['ci95'][1]:.3f})")
-    print("wrote bench/results/cmdare_fit.json, cmdare_fit.png, revocation_fit.json, "
-          "revocation_hazard.png, revocation_spot_fits.json and docs/img/spot_fits.png")
+    wrote(*paths.values())
 
 
 if __name__ == "__main__":

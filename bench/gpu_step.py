@@ -24,7 +24,8 @@ Smoke test without a GPU (fp32, gloo, the ``cpu`` catalog entry as the "GPU"):
     python bench/gpu_step.py --device cpu --models gpt-tiny --seq-len 128 --steps 2 --warmup 1 \\
         --out /tmp/gpu_step_cpu.json
 
-Writes bench/results/gpu_step.json (or --out): device, torch version, one record per case.
+Writes bench/results/latest/gpu_step.json (``--out PATH`` to choose, ``--update`` for the committed
+bench/results/gpu_step.json): device, torch version, one record per case.
 """
 
 from __future__ import annotations
@@ -34,13 +35,11 @@ import contextlib
 import json
 import platform
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from gpu_suite import (
-    ROOT,
     StepSection,
     device_name,
     init_single_rank,
@@ -48,6 +47,9 @@ from gpu_suite import (
     summarise,
     summary_lines,
 )
+from results_path import Outputs, wrote
+
+OUTPUTS = Outputs("bench/results/gpu_step.json")
 
 GPU_MODELS = ("gpt3-125m", "gpt3-350m", "gpt3-760m", "gpt3-1.3b")
 """Default cases on CUDA."""
@@ -73,8 +75,7 @@ def parse_args() -> argparse.Namespace:
                         help="sequence length (default: the catalog's, 2048 for gpt3-*)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per case")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per case")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_step.json",
-                        help="JSON output (default bench/results/gpu_step.json)")
+    OUTPUTS.add_args(parser)
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0 or args.num_microbatches < 1:
         parser.error("need --steps >= 1, --warmup >= 0 and --num-microbatches >= 1")
@@ -114,9 +115,9 @@ def main() -> None:
               "python": platform.python_version(), "dtype": dtype,
               "warmup_steps": args.warmup, "timed_steps": args.steps,
               "cases": cases, "summary": summary, "wall_s": time.perf_counter() - started}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, default=repr) + "\n")
-    print(f"wrote {args.out}")
+    out = OUTPUTS.path(args)
+    out.write_text(json.dumps(result, indent=2, default=repr) + "\n")
+    wrote(out)
 
 
 if __name__ == "__main__":

@@ -60,8 +60,9 @@ the summary.
 ``--quick`` keeps b 8 only, 4 timed steps, forward GEMMs only, no forward/backward split and one
 streams net (~2 minutes).
 
-Command line: ``--quick``, ``--out PATH`` (default bench/results/gpu_suite.json, rewritten after
-every case), ``--sections step,ceilings,streams`` (any subset; they run in the order above),
+Command line: ``--quick``, ``--out PATH`` (default bench/results/latest/gpu_suite.json, rewritten
+after every case; ``--update`` for the committed bench/results/gpu_suite.json),
+``--sections step,ceilings,streams`` (any subset; they run in the order above),
 ``--models`` (default gpt3-1.3b llama3.2-1b), ``--micro-batches`` (default 8 4),
 ``--compile-micro-batches`` (default: every b that ran eagerly), ``--modes eager,compile``,
 ``--device cpu`` (automatic without CUDA): a smoke test in well under a minute (fp32, gloo,
@@ -110,8 +111,9 @@ from meshmorph.run.config import OptimConfig  # noqa: E402
 from meshmorph.run.engine.train_engine import TrainEngine, build_engine, validate_plan  # noqa: E402
 from meshmorph.spec import ModelSpec, gpu, load_model, parse_cluster  # noqa: E402
 from meshmorph.spec.plan import Plan  # noqa: E402
+from results_path import Outputs, shown  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results" / "gpu_suite.json"
+OUTPUTS = Outputs("bench/results/gpu_suite.json")
 GPU_MODELS = ("gpt3-1.3b", "llama3.2-1b")
 """Default step cases on CUDA."""
 CPU_MODELS = ("gpt-tiny", "llama-tiny")
@@ -1136,8 +1138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "when available")
     parser.add_argument("--quick", action="store_true",
                         help="b 8 only, 4 timed steps, no fwd/bwd split, one streams net")
-    parser.add_argument("--out", type=Path, default=RESULTS,
-                        help="JSON output (default bench/results/gpu_suite.json)")
+    OUTPUTS.add_args(parser)
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--models", nargs="+", default=None,
@@ -1212,7 +1213,7 @@ def start_watchdog(rec: Recorder, limit_s: float) -> threading.Timer:
             emit(f"!! wall-clock guard: {limit_s:.0f} s reached; the case in flight is lost")
             for line in summary_table(rec.data):
                 emit(line)
-            emit(f"wrote {rec.out} (partial)")
+            emit(f"wrote {shown(rec.out)} (partial)")
         finally:
             sys.stdout.flush()
             os._exit(3)
@@ -1241,7 +1242,7 @@ def main(argv: list[str] | None = None) -> int:
     emit(f"sections {','.join(args.sections)}; models {' '.join(args.models)}; b "
          f"{args.micro_batches}; modes {','.join(args.modes)}; {args.steps} timed steps; "
          f"budget {args.budget_s:.0f} s")
-    rec = Recorder(args.out, meta)
+    rec = Recorder(OUTPUTS.path(args), meta)
     rec.save()
     watchdog = start_watchdog(rec, args.budget_s)
     run_end = STARTED + args.budget_s - 5.0
@@ -1276,7 +1277,7 @@ def main(argv: list[str] | None = None) -> int:
     rec.save()
     for line in summary_table(rec.data):
         emit(line)
-    emit(f"wrote {args.out}")
+    emit(f"wrote {shown(rec.out)}")
     return 0
 
 

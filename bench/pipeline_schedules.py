@@ -14,8 +14,9 @@ fed with the per-stage median F, B, I and W times of the same run (transfers as 
 between the two columns is what the simulator leaves out: send/receive waits, Python overhead
 between actions, and (on a 2-core machine) 4 single-threaded ranks sharing 2 cores.
 
-Run: ``python bench/pipeline_schedules.py [--steps N]``;
-writes bench/results/pipeline_schedules.json.
+Run: ``python bench/pipeline_schedules.py [--steps N]``; writes
+bench/results/latest/pipeline_schedules.json (``--out PATH`` to choose, ``--update`` for the
+committed bench/results/pipeline_schedules.json).
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "dist"))  # the spawn harness
+sys.path.insert(0, str(ROOT))  # tests.helpers: the spawn harness
 
-from spawn import spawn  # noqa: E402
+from tests.helpers.spawn import spawn  # noqa: E402
+
+from results_path import Outputs, wrote  # noqa: E402
+
+OUTPUTS = Outputs("bench/results/pipeline_schedules.json")
 
 SCHEDULES = ("gpipe", "1f1b", "zb", "interleaved", "async")
 LAYOUTS = {"equal": (2, 2, 2, 2), "unequal": (2, 2, 2, 4)}
@@ -204,7 +209,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=128, help="rows per micro-batch")
     parser.add_argument("--microbatches", type=int, default=8)
+    OUTPUTS.add_args(parser)
     args = parser.parse_args()
+    path = OUTPUTS.path(args)
     config = {"steps": args.steps, "warmup": args.warmup, "hidden": args.hidden,
               "micro_batch": args.micro_batch, "microbatches": args.microbatches}
     with tempfile.TemporaryDirectory() as tmp:
@@ -223,9 +230,8 @@ def main() -> None:
               "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version(),
                           "torch": torch.__version__},
               "rows": rows}
-    path = ROOT / "bench" / "results" / "pipeline_schedules.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path.relative_to(ROOT)}")
+    wrote(path)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ search's wall-clock and CPU seconds (the median of ``--repeats`` runs, 3 by defa
 from a fresh cost model) beside Galvatron's measured search times on its own
 llama2-7b profiles (40 s on 4 GPUs, 105-300 s on 8-16 GPUs, 25 min with the batch size searched
 too).
-Writes bench/results/plan_layerwise.json.
+Writes bench/results/latest/plan_layerwise.json (``--out PATH`` to choose, ``--update`` for the
+committed bench/results/plan_layerwise.json).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import platform
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.segments import as_layerwise
@@ -38,6 +38,9 @@ from meshmorph.schedule.table import Schedule
 from meshmorph.spec import catalog_model, parse_cluster
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.plan import PlanError
+from results_path import Outputs, wrote
+
+OUTPUTS = Outputs("bench/results/plan_layerwise.json")
 
 GALVATRON_SEARCH_S = {4: 40.0, 8: 105.0, 16: 300.0}
 """Galvatron's measured search times on its llama2-7b profiles (8-16 GPUs: 105-300 s)."""
@@ -131,7 +134,9 @@ def main() -> None:
                         help="runs of the runnable search per case; its times are their median")
     parser.add_argument("--no-regular", action="store_true",
                         help="skip the regular planner's figure (its own cost model)")
+    OUTPUTS.add_args(parser)
     args = parser.parse_args()
+    out = OUTPUTS.path(args)
     rows = [run_case(*case, regular=not args.no_regular, repeats=args.repeats)
             for case in (CASES[:4] if args.quick else CASES)]
     print(f"{'cluster':<14}{'GiB':>5}{'B':>4}  {'returned':>10} {'from':>9} {'wide':>10} "
@@ -153,8 +158,6 @@ def main() -> None:
               f"{r.get('regular_plan_layerwise_tokens_per_s') or 0:>10,.0f} "
               f"{r['optimality_gap']:>6.2%}  {r['search_wall_s']:>8.2f} "
               f"{r['search_cpu_s']:>6.2f} {galv if galv else '-':>11}  {r['layerwise_plan']}")
-    out = Path(__file__).parent / "results" / "plan_layerwise.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"python": platform.python_version(), "machine": platform.machine(),
                                "model": "llama2-7b", "seq_len": 2048, "cases": rows},
                               indent=2) + "\n")
@@ -165,7 +168,7 @@ def main() -> None:
         if r.get("regular_plan"):
             print(f"regular planner, {r['cluster']} {r['memory_gib']:g} GiB B={r['global_batch']}: "
                   f"{r['regular_plan']}")
-    print(f"wrote {out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out.name}")
+    wrote(out)
 
 
 if __name__ == "__main__":

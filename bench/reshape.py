@@ -19,7 +19,8 @@ paths take turns going first in a scenario (the load drifts). Every path's per-t
 after the move are checked against those before it.
 
 Run: ``python bench/reshape.py --repeats 3`` (about 15 minutes on 2 shared cores); writes
-bench/results/reshape.json.
+bench/results/latest/reshape.json (``--out PATH`` to choose, ``--update`` for the committed
+bench/results/reshape.json).
 """
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "dist"))  # the spawn harness
+sys.path.insert(0, str(ROOT))  # tests.helpers: the spawn harness
 
-from spawn import spawn  # noqa: E402
+from tests.helpers.spawn import spawn  # noqa: E402
+
+from results_path import Outputs, wrote  # noqa: E402
+
+OUTPUTS = Outputs("bench/results/reshape.json")
 
 SHAPE = dict(name="gpt-reshape-bench", arch="gpt", num_layers=4, hidden_size=512, num_heads=8,
              vocab_size=2048, seq_len=16)
@@ -320,8 +325,9 @@ def print_parts(results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=1, help="runs of every path (median)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "reshape.json")
+    OUTPUTS.add_args(parser)
     args = parser.parse_args()
+    out = OUTPUTS.path(args)
     model = _model()
     state_bytes = 3 * 4 * sum(layer.params for layer in model.layers)
     load_before = os.getloadavg()
@@ -337,13 +343,13 @@ def main() -> None:
     for name, terms in time_model.items():
         print(f"{name}: coefficients measured before its first repeat:",
               {k: f"{v:.3g}" for k, v in terms.items() if isinstance(v, float) and v})
-    args.out.write_text(json.dumps({"model": SHAPE, "state_bytes": state_bytes,
-                                    "time_model_first_repeat": time_model,
-                                    "global_batch": GLOBAL_BATCH, "processes": 4,
-                                    "repeats": args.repeats,
-                                    "load_average_before": load_before,
-                                    "load_average_after": load_after, "scenarios": results}, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    out.write_text(json.dumps({"model": SHAPE, "state_bytes": state_bytes,
+                               "time_model_first_repeat": time_model,
+                               "global_batch": GLOBAL_BATCH, "processes": 4,
+                               "repeats": args.repeats,
+                               "load_average_before": load_before,
+                               "load_average_after": load_after, "scenarios": results}, indent=1) + "\n")
+    wrote(out)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ largest loss difference (same numbers expected up to reassociation).
 Section 2 (4 gloo processes): steps/s and tokens/s of each layout of tests/dist/test_equivalence.
 
 Run: ``python bench/run_overhead.py [--steps N] [--skip-matrix]``; writes
-bench/results/run_overhead.json.
+bench/results/latest/run_overhead.json (``--out PATH`` to choose, ``--update`` for the committed
+bench/results/run_overhead.json; ``--skip-matrix`` keeps the committed file's section 2).
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "dist"))  # the spawn harness and the layout matrix
+sys.path.insert(0, str(ROOT))  # tests.helpers: the spawn harness and the layout matrix
 sys.path.insert(0, str(ROOT / "bench"))
 
-from spawn import spawn  # noqa: E402
+from tests.helpers.spawn import spawn  # noqa: E402
+
+from results_path import Outputs, shown  # noqa: E402
+
+OUTPUTS = Outputs("bench/results/run_overhead.json")
 
 OVERHEAD_SHAPE = dict(name="gpt-bench", arch="gpt", num_layers=4, hidden_size=128, num_heads=4,
                       vocab_size=256, seq_len=64)
@@ -110,7 +115,8 @@ def matrix_job(rank: int, world_size: int, steps: int, out: str) -> None:
 
     import torch
     import torch.distributed as dist
-    from test_equivalence import OPTIM, SEED, layouts
+    from tests.helpers.matrix import layouts
+    from tests.helpers.oracle import OPTIM, SEED
 
     from meshmorph.run.engine.train_engine import build_engine
 
@@ -145,14 +151,16 @@ def main() -> None:
     parser.add_argument("--matrix-steps", type=int, default=6, help="timed steps (section 2)")
     parser.add_argument("--skip-matrix", action="store_true",
                         help="section 1 only (the JSON keeps the last recorded section 2)")
+    OUTPUTS.add_args(parser)
     args = parser.parse_args()
+    out = OUTPUTS.path(args)
     with tempfile.TemporaryDirectory() as tmp:
         overhead_file, matrix_file = f"{tmp}/overhead.json", f"{tmp}/matrix.json"
         start = time.perf_counter()
         spawn(overhead_job, 2, (args.steps, overhead_file), timeout_s=900)
         overhead = json.loads(Path(overhead_file).read_text())
         matrix = {}
-        previous = ROOT / "bench" / "results" / "run_overhead.json"
+        previous = OUTPUTS.committed_path()
         if args.skip_matrix and previous.exists():  # keep the last recorded section 2
             matrix = json.loads(previous.read_text()).get("matrix", {})
         if not args.skip_matrix:
@@ -179,9 +187,8 @@ def main() -> None:
                            "microbatches": MICROBATCHES, "timed_steps": args.steps,
                            "warmup_steps": WARMUP, "families": families},
               "matrix": matrix, "wall_s": wall, "torch_threads_per_rank": 1}
-    out = ROOT / "bench" / "results" / "run_overhead.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out.relative_to(ROOT)} ({wall:.0f} s)")
+    print(f"wrote {shown(out)} ({wall:.0f} s)")
 
 
 if __name__ == "__main__":

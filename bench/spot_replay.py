@@ -13,16 +13,17 @@ the target is 15%. Then ``multi-zone`` over all 13 zones, the same way. Then the
 comparison held out: the fit from the first 124 h (before the gap in the probes), the replay on
 the other 226 h. Nothing here is tuned to the replay: the fits are the package's own.
 
-Run: ``python bench/spot_replay.py`` (about a minute); writes bench/results/spot_replay.json and
-docs/img/spot_replay.png.
+Run: ``python bench/spot_replay.py`` (about a minute); writes spot_replay.json and spot_replay.png
+to bench/results/latest/ (``--out DIR`` to choose the folder); ``--update`` rewrites the committed
+bench/results/spot_replay.json and docs/img/spot_replay.png.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from meshmorph.predict.cloud_catalog import load_catalog
@@ -35,9 +36,9 @@ from meshmorph.predict.training_job import TrainingJob, default_global_batch, st
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.viz.predict_charts import write_replay_chart
+from results_path import Outputs, wrote
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+OUTPUTS = Outputs("bench/results/spot_replay.json", "docs/img/spot_replay.png")
 RUNS = 40
 """Runs per side (fit, replay) and zone."""
 TARGET = 0.15
@@ -122,6 +123,10 @@ def section(j: TrainingJob, fit_trace: SpotTrace, replay_trace: SpotTrace) -> di
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    OUTPUTS.add_args(parser)
+    args = parser.parse_args()
+    paths = OUTPUTS.paths(args)
     started = time.perf_counter()
     j = job()
     trace = load_trace(TRACE)
@@ -138,13 +143,12 @@ def main() -> None:
               "policy_per_zone": "restart", "preemption": "capacity",
               "in_sample": in_sample, "held_out": held_out,
               "wall_s": time.perf_counter() - started}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "spot_replay.json").write_text(json.dumps(report, indent=1) + "\n")
-    write_replay_chart(report, ROOT / "docs" / "img" / "spot_replay.png")
+    paths["spot_replay.json"].write_text(json.dumps(report, indent=1) + "\n")
+    write_replay_chart(report, paths["spot_replay.png"])
     print(f"within {TARGET:.0%} (time and cost P50): {in_sample['zones_within_target']} of "
           f"{in_sample['zones_total']} zones in sample, {held_out['zones_within_target']} of "
-          f"{held_out['zones_total']} held out; wrote bench/results/spot_replay.json and "
-          "docs/img/spot_replay.png")
+          f"{held_out['zones_total']} held out")
+    wrote(*paths.values())
 
 
 if __name__ == "__main__":

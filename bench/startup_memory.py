@@ -13,7 +13,8 @@ its peak resident set (``VmHWM`` from /proc/self/status) once ``build_engine`` h
 - ``host``: the old way, the whole chunk built in fp32 on the host and then sharded, for contrast.
 
 Target: net peak <= 1.5x the rank's share of fp32 state for ``meta``.
-Run: ``python bench/startup_memory.py [--world 8]``; writes bench/results/startup_memory.json.
+Run: ``python bench/startup_memory.py [--world 8]``; writes bench/results/latest/startup_memory.json
+(``--out PATH`` to choose, ``--update`` for the committed bench/results/startup_memory.json).
 """
 
 from __future__ import annotations
@@ -26,9 +27,13 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "dist"))  # the spawn harness
+sys.path.insert(0, str(ROOT))  # tests.helpers: the spawn harness
 
-from spawn import spawn  # noqa: E402
+from tests.helpers.spawn import spawn  # noqa: E402
+
+from results_path import Outputs, wrote  # noqa: E402
+
+OUTPUTS = Outputs("bench/results/startup_memory.json")
 
 SHAPE = dict(name="gpt-startup", arch="gpt", num_layers=8, hidden_size=1024, num_heads=16,
              vocab_size=256, seq_len=128)
@@ -86,7 +91,9 @@ def job(rank: int, world_size: int, mode: str, out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=8, help="ranks (dp degree, ZeRO-3)")
+    OUTPUTS.add_args(parser)
     args = parser.parse_args()
+    path = OUTPUTS.path(args)
     results: dict[str, object] = {"model": SHAPE, "world": args.world, "zero": 3}
     with tempfile.TemporaryDirectory() as out:
         runs: dict[str, list[dict[str, int]]] = {}
@@ -119,9 +126,8 @@ def main() -> None:
     target = results["meta"]["net_ratio"] <= 1.5  # type: ignore[index]
     results["meets_target_net_1_5x"] = target
     print(f"target net <= 1.5x share: {'met' if target else 'NOT met'}")
-    path = ROOT / "bench" / "results" / "startup_memory.json"
     path.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {path.relative_to(ROOT)}")
+    wrote(path)
 
 
 if __name__ == "__main__":

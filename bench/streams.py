@@ -13,7 +13,8 @@ GPU figures need CUDA; it measures none of them.
     python bench/streams.py                      # all three nets, batch 1 and 32
     python bench/streams.py --nets resnet-stack --batches 1 --repeats 5 --out /tmp/s.json
 
-Writes bench/results/streams.json (or --out).
+Writes bench/results/latest/streams.json (``--out PATH`` to choose, ``--update`` for the committed
+bench/results/streams.json).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from meshmorph.demos.nets import NETS, build_net, example_input
 from meshmorph.streams.assign import assign_streams
 from meshmorph.streams.executor import StreamExecutor
 from meshmorph.streams.op_graph import build_op_graph
+from results_path import Outputs, wrote
 
-RESULTS = Path(__file__).parent / "results" / "streams.json"
+OUTPUTS = Outputs("bench/results/streams.json")
 
 
 def median_s(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int,
@@ -123,8 +125,9 @@ def main() -> None:
                         help="where profiler traces go on CUDA (default: a temporary folder)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: the nets' tiny ops only wait on more)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    OUTPUTS.add_args(parser)
     args = parser.parse_args()
+    out = OUTPUTS.path(args)
     torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
     trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="streams-trace-"))
@@ -148,12 +151,11 @@ def main() -> None:
                  "single- and multi-stream CUDA graph latencies need a CUDA device and were "
                  "not measured") if not cuda else "medians over repeats, device synchronised",
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    out.write_text(json.dumps(result, indent=2) + "\n")
     if not cuda:
         print("no CUDA device: GPU figures (reduce-overhead, CUDA graphs, overlap) need CUDA; "
               "none were measured")
-    print(f"wrote {args.out}")
+    wrote(out)
 
 
 if __name__ == "__main__":

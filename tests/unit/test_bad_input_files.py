@@ -187,6 +187,8 @@ PLAN_CASES: list[tuple[str, Content, tuple[str, ...]]] = [
     ("pp 0", {**PLAN, "pp": 0}, ("pp must be at least 1, got 0",)),
     ("cp 0", {**PLAN, "cp": 0}, ("cp must be at least 1, got 0",)),
     ("vpp 0", {**PLAN, "vpp": 0}, ("vpp must be at least 1, got 0",)),
+    ("predicted not an object", {**PLAN, "predicted": "fast"},
+     ("predicted must be an object of figures", "leave it out")),
     ("zero 5", {**PLAN, "zero": 5}, ("zero must be 0, 1, 2 or 3, got 5",)),
     ("zero -1", {**PLAN, "zero": -1}, ("zero must be 0, 1, 2 or 3, got -1",)),
     ("micro_batch 0", {**PLAN, "micro_batch": 0}, ("micro_batch must be at least 1, got 0",)),

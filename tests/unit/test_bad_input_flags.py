@@ -266,6 +266,8 @@ CLI_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
     ("timeline without a schedule", ["timeline"],
      ("timeline needs --plan FILE, or --schedule NAME --pp P --microbatches M",)),
     ("timeline pp alone", ["timeline", "--pp", "4"], ("timeline needs --plan FILE",)),
+    ("timeline interleaved with one chunk", _with(TIMELINE, "--schedule", "interleaved"),
+     ("--schedule interleaved places --vpp chunks on each rank: give --vpp 2 or more",)),
     ("timeline absurd micro-batches", _with(TIMELINE, "--microbatches", "1000000000"),
      ("4,000,000,000 (stage, micro-batch) pairs is above the 65,536 a readable chart takes",)),
     ("timeline absurd pp", _with(TIMELINE, "--pp", "100000000"),

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "cmdare_fit.py"
+sys.path.insert(0, str(BENCH.parent))  # its sibling results_path, as when run as a script
 spec = importlib.util.spec_from_file_location("cmdare_fit", BENCH)
 assert spec is not None and spec.loader is not None
 cmdare_fit = importlib.util.module_from_spec(spec)

@@ -134,6 +134,9 @@ def _simulated(args: argparse.Namespace) -> tuple[str, Timeline]:
     if args.schedule is None or args.pp is None or args.microbatches is None:
         raise ValueError("timeline needs --plan FILE, or --schedule NAME --pp P --microbatches M "
                          "(or --compare RUN_DIR)")
+    if Schedule(args.schedule) == Schedule.INTERLEAVED and args.vpp < 2:
+        raise ValueError("--schedule interleaved places --vpp chunks on each rank: give --vpp 2 "
+                         "or more (with one chunk per rank it is 1f1b)")
     v = chunks_per_rank(args.schedule, 1 if Schedule(args.schedule).v_shape else args.vpp)
     check_size(args.pp, args.microbatches, v, MAX_DRAWN_PAIRS, "a readable chart")
     timeline = simulate_schedule(args.schedule, args.pp, args.microbatches,

@@ -51,9 +51,10 @@ class CostCoefficients:
     flash_attention_efficiency: float = 0.44
     """Share of the GEMM ceiling a causal flash-attention kernel reaches, the FLOPs of the causal
     half counted and its backward priced at twice its forward (as every layer's): on an H200
-    (torch 2.11, cuDNN's sm90 flash kernels) 348 TFLOP/s of attention beside 790 of GEMMs
-    (bench/results/gpu_suite.json, kernel time by kind, gpt3-1.3b). Hopper's flash kernels
-    reach about half their GEMMs' rate; ``gpu_flash_attention_efficiency`` holds other parts."""
+    (torch 2.11, cuDNN's sm90 flash kernels) 348 TFLOP/s of attention beside about 780 of GEMMs
+    (bench/results/gpu_suite.json, kernel time by kind, gpt3-1.3b: heads of 128). Heads of 64
+    ran at 0.33 (llama3.2-1b); the share is one figure per GPU, not by shape.
+    ``gpu_flash_attention_efficiency`` holds other parts."""
     gpu_flash_attention_efficiency: tuple[tuple[str, float], ...] = (
         ("a100-40g", 0.65), ("a100-80g", 0.65))
     """(GPU name, share) pairs that replace ``flash_attention_efficiency``: on the A100,

@@ -247,6 +247,9 @@ class Plan:
             raise PlanError(f"model must name a model (a catalog name such as 'gpt-tiny', a "
                             f"config.json path or a package.module:function), got {self.model!r}")
         object.__setattr__(self, "schedule", _member("schedule", Schedule, self.schedule))
+        if self.predicted is not None and not isinstance(self.predicted, dict):
+            raise PlanError(f"predicted must be an object of figures (the planner writes it), "
+                            f"got {self.predicted!r}; leave it out")
         for name in BOOL_FIELDS:  # a JSON "yes" or 1 would read as true everywhere it is tested
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -117,3 +117,22 @@ def test_the_schedule_overhead_is_measured_for_one_stage_per_rank_gpipe_and_1f1b
     assert {p.schedule for p in plans if measures(p, 2)} == {Schedule.GPIPE, Schedule.ONE_F_ONE_B}
     assert not any(measures(p, 2) for p in plans if p.pp == 1)
     assert not any(measures(p, 4) for p in plans)  # pp 2 of 4 ranks: dp > 1 beside it
+
+
+def test_a_busy_machine_is_named_instead_of_a_figure(capsys: pytest.CaptureFixture[str]) -> None:
+    from meshmorph.cli.validate import report
+    from meshmorph.profile.validate import too_busy
+
+    assert too_busy([2.1, 3.3], cores=2, nproc=2) is None  # validate's own load and a little
+    reason = too_busy([2.0, 9.0], cores=2, nproc=2)
+    assert reason is not None and "load average up to 9.0 on 2 cores" in reason
+    row = {"name": "tp1pp1dp2", "measured_step_s": 0.5, "predicted_step_s": 0.55,
+           "predicted_low_s": 0.5, "predicted_high_s": 0.6, "state_bytes_rank0": 2**22,
+           "predicted_state_bytes_rank0": 2**22, "outside_profile": []}
+    result = {"model": "gpt-tiny", "seq_len": 64, "nproc": 2, "plans": [row] * 3, "mape": 10.0,
+              "kendall_tau": 1.0, "in_range": 3, "load_avg_profile": 0.5, "cores": 2}
+    report({**result, "too_busy": reason}, json_path=None, png_path=None)
+    busy = capsys.readouterr().out
+    assert "too busy to measure" in busy and "MAPE 10.0%" not in busy
+    report(result, json_path=None, png_path=None)
+    assert "MAPE 10.0%  Kendall tau 1.000" in capsys.readouterr().out

@@ -36,8 +36,25 @@ def report(result: dict[str, object], *, json_path: Path | None, png_path: Path 
     console = report_console(wide)
     print_table(console, VALIDATE_COLUMNS, cells,
                 title=f"{result['model']} seq {result['seq_len']} on {result['nproc']} processes")
+    if result.get("too_busy"):
+        console.print(f"[bold]{result['too_busy']}[/]")
+    else:
+        _figures(console, result, len(rows))
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=1) + "\n")
+        console.print(f"wrote {json_path}")
+    if png_path is not None:
+        title = ("validate: the machine was too busy to measure" if result.get("too_busy") else
+                 f"validate: MAPE {float(result['mape']):.1f}%, "  # type: ignore[arg-type]
+                 f"tau {float(result['kendall_tau']):.2f}")  # type: ignore[arg-type]
+        chart(rows, png_path, title)
+        console.print(f"wrote {png_path}")
+
+
+def _figures(console, result: dict[str, object], plans: int) -> None:  # type: ignore[no-untyped-def]
+    """The MAPE and Kendall tau lines of a measurement taken on a quiet enough machine."""
     console.print(f"MAPE {float(result['mape']):.1f}%  Kendall tau {float(result['kendall_tau']):.3f}  "  # type: ignore[arg-type]
-                  f"measured inside the predicted range: {result['in_range']}/{len(rows)}  "
+                  f"measured inside the predicted range: {result['in_range']}/{plans}  "
                   f"load average at profile {float(result['load_avg_profile']):.2f} "  # type: ignore[arg-type]
                   f"on {result['cores']} cores")
     if "mape_profile_before" in result:
@@ -46,13 +63,6 @@ def report(result: dict[str, object], *, json_path: Path | None, png_path: Path 
                       f"taken before the plans alone: MAPE {float(result['mape_profile_before']):.1f}%  "  # type: ignore[arg-type]
                       f"Kendall tau {float(result['kendall_tau_profile_before']):.3f}; load average "  # type: ignore[arg-type]
                       f"{low:.2f}-{high:.2f} while the plans ran")
-    if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=1) + "\n")
-        console.print(f"wrote {json_path}")
-    if png_path is not None:
-        chart(rows, png_path, f"validate: MAPE {float(result['mape']):.1f}%, "  # type: ignore[arg-type]
-              f"tau {float(result['kendall_tau']):.2f}")  # type: ignore[arg-type]
-        console.print(f"wrote {png_path}")
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -309,6 +309,25 @@ def phase_medians(every_rank: list[list[dict[str, float]]] | None) -> list[dict[
             for records in every_rank or [] if records]
 
 
+BUSY_EXTRA_LOAD = 2.0
+"""Runnable work beyond the larger of the cores and validate's own processes (1-minute load
+average) past which a measurement says more of the other jobs than of the plans: on 2 cores,
+2 processes measured MAPE 3-6% at load averages 2.1-3.3 and 11-20% at 9."""
+
+
+def too_busy(loads: list[float], cores: int, nproc: int) -> str | None:
+    """Why the machine was too busy to measure (its highest load average beyond what
+    validate itself runs), or None."""
+    limit = max(cores, nproc) + BUSY_EXTRA_LOAD
+    worst = max(loads, default=0.0)
+    if worst <= limit:
+        return None
+    return (f"the machine was too busy to measure: load average up to {worst:.1f} on {cores} "
+            f"cores while validate ran {nproc} processes (above {limit:.1f}); the step times "
+            f"say more of the other work than of the plans, so no MAPE or Kendall tau is "
+            f"reported; rerun when the machine is idle")
+
+
 def run_validate(config: ValidateConfig) -> dict[str, object]:
     """Profile (unless given), run the plans, predict them; the result dict ``report`` writes."""
     from rich.console import Console
@@ -377,5 +396,7 @@ def run_validate(config: ValidateConfig) -> dict[str, object]:
             "in_range": sum(r["predicted_low_s"] <= r["measured_step_s"] <= r["predicted_high_s"]
                             for r in rows),
             "load_avg_profile": profile.load_avg, "cores": os.cpu_count(),
+            "too_busy": too_busy([profile.load_avg, *(float(r["load_avg"]) for r in rows)],
+                                 os.cpu_count() or 1, config.nproc),
             "profile": profile.to_dict(), "plans": rows,
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

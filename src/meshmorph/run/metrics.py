@@ -52,12 +52,30 @@ def peak_memory_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def record_step(record: dict) -> int | None:  # type: ignore[type-arg]
+    """The step a metrics.jsonl line belongs to: a step line's ``step``, a reshape event's
+    ``at_step``, a state event's ``after_step``; None for a line that names none."""
+    for key in ("step", "at_step", "after_step"):
+        if isinstance(record.get(key), int):
+            return int(record[key])
+    return None
+
+
 def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop lines of steps after ``last_step`` (a resumed run writes them again)."""
+    """Keep the lines of steps up to ``last_step`` and the events that happened by then; drop
+    the rest (a resumed run writes its steps again; events of a run that went on past its
+    newest checkpoint, or that name no step, are not this run's history)."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short when its run was killed
+            continue
+        step = record_step(record) if isinstance(record, dict) else None
+        if step is not None and step <= last_step:
+            kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
 
 

@@ -163,5 +163,5 @@ def write_state_line(engine: TrainEngine, metrics: MetricsLogger, step: int = 1)
     engine.state_written = True
     if dist.get_rank() == 0:
         records = state_records(engine.spec, engine.plan, gathered, gpu=catalog_gpu(engine.device))
-        metrics.log_event({"event": "state", "ranks": records})
+        metrics.log_event({"event": "state", "after_step": step, "ranks": records})
         print(state_summary(records, step), flush=True)

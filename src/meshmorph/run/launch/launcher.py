@@ -479,13 +479,23 @@ def _watch(run: PreparedRun, proc: subprocess.Popen[bytes]) -> tuple[int, str, f
 def launch(run: PreparedRun, *, quiet: bool = False) -> int:
     """Lock the run folder, write the plan into it, run torchrun, and return its exit code
     (130 after Ctrl-C or SIGTERM, once every rank has stopped)."""
-    from meshmorph.run.launch.run_folder import RunLock, check_fresh, clear_stop, make_folder
+    from meshmorph.run.launch.run_folder import (
+        RunLock,
+        check_fresh,
+        clear_stop,
+        make_folder,
+        set_aside_earlier_run,
+    )
 
     rendezvous = master_port_args(dict(os.environ))
     make_folder(run.out_dir)
     with RunLock(run.out_dir) as lock:
         if not run.resume:  # checked again under the lock: another run may have saved meanwhile
             check_fresh(run.out_dir, run.job.checkpoint_dir(run.out_dir))
+            aside = set_aside_earlier_run(run.out_dir)
+            if aside is not None and not quiet:
+                print(f"meshmorph: run folder {run.out_dir} held an earlier run's records and no "
+                      f"checkpoint; they were moved to {aside}", flush=True)
         clear_stop(run.out_dir)
         plan_path = run.out_dir / "plan.json"
         staging = plan_path.with_name("plan.json.partial")

@@ -38,6 +38,28 @@ def check_fresh(out_dir: Path, ckpt_dir: Path) -> None:
         )
 
 
+EARLIER_RECORDS = ("metrics.jsonl", "plan.json", "loss.png", "trace.json", "logs")
+"""What a run writes into its folder besides checkpoints: a new run (no ``--resume``) in a folder
+that holds them but no checkpoint moves them aside (``set_aside_earlier_run``)."""
+
+
+def set_aside_earlier_run(out_dir: Path) -> Path | None:
+    """Move an earlier run's records (``EARLIER_RECORDS``) into ``out_dir/earlier-N/`` (N the
+    first number free) so that a new run neither mixes with them nor wipes them; the folder
+    they went to, or None when there were none."""
+    found = [out_dir / name for name in EARLIER_RECORDS if (out_dir / name).exists()]
+    if not found:
+        return None
+    number = 1
+    while (out_dir / f"earlier-{number}").exists():
+        number += 1
+    aside = out_dir / f"earlier-{number}"
+    aside.mkdir()
+    for path in found:
+        path.rename(aside / path.name)
+    return aside
+
+
 def make_folder(out_dir: Path) -> None:
     """Create the run folder, or say why it cannot be."""
     try:

@@ -85,9 +85,14 @@ class CostModel:
                                                                       self.coef.matmul_efficiency))
             for g in cluster.groups
         }
-        self._costers: dict[str, LayerCoster] = {}
+        self._costers: dict[tuple, LayerCoster] = {}
+        self._plan_costers: dict[int, tuple[Plan, LayerCoster]] = {}
         self._timelines: dict[tuple, Timeline] = {}
         self._layer_params: dict[int, list[float]] = {}
+        self._chunk_params: dict[tuple[int, int, int], float] = {}
+        self._rank_tails: dict[tuple, tuple[float, float]] = {}
+        self.least_tails: dict[tuple, float] = {}
+        """``cost.rank_terms.least_rank_tail_s`` by the plan fields it reads."""
 
     def _link(self, name: str, spec: LinkSpec, efficiency: float) -> comm.Link:
         link = comm.Link.from_spec(spec, efficiency)
@@ -100,11 +105,19 @@ class CostModel:
         """Per-layer costs of ``plan``'s layers (a segment's plan for its own layers): in its
         dtype, each sequence split over its ``cp`` ranks, tensor-parallel communication beside
         the GEMMs where ``tp_comm_overlap``, eager or compiled (``Plan.compile``), over an fp32
-        residual stream where autocast runs without FSDP2's cast (``autocast_stream``)."""
-        return self.layer_coster(str(plan.dtype), cp=plan.cp,
-                                 tp_comm_overlap=plan.tp_comm_overlap, compiled=plan.compile,
-                                 stream32=autocast_stream(plan),
-                                 fp8_scaling=str(plan.fp8_scaling))
+        residual stream where autocast runs without FSDP2's cast (``autocast_stream``).
+        Memoised per plan object (held, so its id is not reused while cached)."""
+        found = self._plan_costers.get(id(plan))
+        if found is not None and found[0] is plan:
+            return found[1]
+        if len(self._plan_costers) > 20_000:
+            self._plan_costers.clear()
+        coster = self.layer_coster(str(plan.dtype), cp=plan.cp,
+                                   tp_comm_overlap=plan.tp_comm_overlap, compiled=plan.compile,
+                                   stream32=autocast_stream(plan),
+                                   fp8_scaling=str(plan.fp8_scaling))
+        self._plan_costers[id(plan)] = (plan, coster)
+        return coster
 
     def layer_coster(self, dtype: str, *, cp: int = 1, tp_comm_overlap: bool = False,
                      compiled: bool = True, stream32: bool = False,
@@ -160,7 +173,15 @@ class CostModel:
 
     # --- pieces the planner reuses ------------------------------------------------------------
     def chunk_params(self, start: int, stop: int, tp: int) -> float:
-        """Parameters of layers [start, stop) on one tensor-parallel rank."""
+        """Parameters of layers [start, stop) on one tensor-parallel rank (memoised)."""
+        key = (start, stop, tp)
+        found = self._chunk_params.get(key)
+        if found is None:
+            found = self._chunk_params[key] = self._sum_params(start, stop, tp)
+        return found
+
+    def _sum_params(self, start: int, stop: int, tp: int) -> float:
+        """``chunk_params``, added up."""
         total = 0.0
         for layer in self.model.layers[start:stop]:
             total += layer.tp_split_params / tp + (layer.params - layer.tp_split_params)
@@ -441,7 +462,21 @@ class CostModel:
         window is the first forward: half the backward ``last_bwd_s``); ``units``: the rank's
         FSDP2 units (priced per unit where the Profile measured them); ``least``: without the
         first and last buckets' floors, for the planner's bounds. Gradients are reduced over
-        dp x cp (``Plan.grad_replicas``)."""
+        dp x cp (``Plan.grad_replicas``). Memoised by the plan fields it reads."""
+        key = (type(plan), plan.tp, plan.dp, plan.cp, plan.pp, plan.zero, plan.dtype,
+               plan.reduce_dtype, plan.overlap_grad_reduce, plan.overlap_param_gather, params,
+               last_bwd_s, gpu.name, gpu.hbm_gbps, units, least)
+        found = self._rank_tails.get(key)
+        if found is None:
+            if len(self._rank_tails) > 200_000:
+                self._rank_tails.clear()
+            found = self._rank_tails[key] = self._rank_tail(plan, params, last_bwd_s, gpu,
+                                                            units, least)
+        return found
+
+    def _rank_tail(self, plan: Plan, params: float, last_bwd_s: float, gpu: GPUSpec,
+                   units: int, least: bool) -> tuple[float, float]:
+        """``rank_tail``, computed."""
         d = plan.grad_replicas
         traffic = self.dp_traffic(plan)
         link = self.group_link(gpu, plan.tp * d)
@@ -594,10 +629,8 @@ class CostModel:
         if parts is None:
             parts = [[(Segment(s.start, s.stop, plan, s.recompute), times[c])]
                      for c, s in enumerate(plan.stages)]
-        timeline, steps = self._timeline(plan, gpus, times)
-        ends, tails = [], []
         # every pipeline rank's tp x dp GPUs share the GPU type of its first chunk
-        rank_gpus, ranks = [], []
+        rank_gpus, ranks, tails = [], [], []
         for k in range(p):
             chunk_ids = plan.chunks_of(k)
             gpu = gpus[chunk_ids[0]]
@@ -605,12 +638,17 @@ class CostModel:
             rank = parts[chunk_ids[0]] if len(chunk_ids) == 1 else \
                 [part for c in chunk_ids for part in parts[c]]
             ranks.append(rank)
-            sync, opt, tied = self.rank_tails(plan, k, rank, gpu)
+            tails.append(self.rank_tails(plan, k, rank, gpu))
+        if plan.schedule != Schedule.ASYNC and bound < math.inf and \
+                self._busy_reaches(plan, times, tails, bound):
+            return None  # some rank's own work and tail already reach the bound: no simulation
+        timeline, steps = self._timeline(plan, gpus, times)
+        ends = []
+        for k, (sync, opt, tied) in enumerate(tails):
             if steps is not None:  # m optimizer steps, already inside the simulated window
-                tails.append((sync, m * steps[k], tied))
+                tails[k] = (sync, m * steps[k], tied)
                 ends.append(timeline.rank_end_s[k] + sync)
                 continue
-            tails.append((sync, opt, tied))
             ends.append(timeline.rank_end_s[k] + sync + opt)
         step = max(ends)
         if step >= bound:
@@ -638,6 +676,24 @@ class CostModel:
             breakdown_s=self._breakdown(plan, times, timeline, crit, tails[crit], layerwise),
             stage_times_s=tuple((t.fwd_s, t.bwd_s) for t in times),
         )
+
+    @staticmethod
+    def _busy_reaches(plan: Plan, times: Sequence[PieceCost],
+                      tails: Sequence[tuple[float, float, float]], bound: float) -> bool:
+        """Whether some rank's compute alone (its m forwards and backwards: a simulated rank
+        ends no sooner than its busy time) plus its tail reaches ``bound``, with a margin for
+        the simulation's rounding, so that a step it proves not below ``bound`` never is."""
+        m = plan.num_microbatches
+        split = plan.schedule.split_backward
+        for k, (sync, opt, _) in enumerate(tails):
+            busy = 0.0
+            for c in plan.chunks_of(k):
+                t = times[c]
+                # a split backward runs as I + W, or (DualPipeV) some as one full B
+                busy += t.fwd_s + (min(t.bwd_s, t.bgrad_s + t.wgrad_s) if split else t.bwd_s)
+            if m * busy * (1.0 - 1e-9) + sync + opt >= bound:
+                return True
+        return False
 
     @staticmethod
     def _breakdown(plan: Plan, times: Sequence[PieceCost], timeline: Timeline, crit: int,

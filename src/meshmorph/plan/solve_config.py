@@ -102,18 +102,38 @@ def dominated(times: Sequence[PieceCost], seen: Sequence[Sequence[PieceCost]]) -
                for other in seen)
 
 
-def counts_times(cost: CostModel, config: Config, counts: tuple[int, ...], mode: Recompute
-                 ) -> tuple[Plan, list[GPUSpec], list[PieceCost]]:
+def counts_times(cost: CostModel, config: Config, counts: tuple[int, ...], mode: Recompute,
+                 chunks: dict[tuple, PieceCost] | None = None
+                 ) -> tuple[list[GPUSpec], list[PieceCost]]:
     """An interleaved configuration with chunks of ``counts`` blocks and ``mode`` recompute:
-    its plan, chunk GPUs and chunk times, not yet simulated."""
+    its chunk GPUs and chunk times, not yet simulated (``counts_plan`` is its plan).
+    ``chunks``: the configuration's chunk times by (start, stop, mode, GPU), filled as they are
+    priced (a chunk's time reads the plan's strategy, not the stages of the others)."""
     plan = config.plan
     gpus = [cluster_gpu(cost, config.rank_gpus[plan.pp_rank_of_chunk(c)])
             for c in range(plan.num_chunks)]
+    chunks = {} if chunks is None else chunks
+    model = cost.model
+    times = []
+    start, last = 0, len(counts) - 1
+    for index, (count, g) in enumerate(zip(counts, gpus, strict=True)):
+        stop = start + count + (index == 0) + (index == last)
+        key = (start, stop, mode, g.name)
+        time = chunks.get(key)
+        if time is None:
+            modes = tuple(mode if mode in model.layers[i].activation else Recompute.NONE
+                          for i in range(start, stop))  # as stages_of_counts sets them
+            time = chunks[key] = cost.chunk_time(plan, start, stop, modes, g)
+        times.append(time)
+        start = stop
+    return gpus, times
+
+
+def counts_plan(cost: CostModel, config: Config, counts: tuple[int, ...], mode: Recompute,
+                gpus: Sequence[GPUSpec]) -> Plan:
+    """The plan of ``counts_times``'s chunks."""
     names = [g.name for g in gpus] if len(set(config.rank_gpus)) > 1 else None
-    candidate = replace(plan, stages=stages_of_counts(cost.model, counts, mode, names))
-    times = [cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
-             for s, g in zip(candidate.stages, gpus, strict=True)]
-    return candidate, gpus, times
+    return replace(config.plan, stages=stages_of_counts(cost.model, counts, mode, names))
 
 
 def busiest_rank_s(plan: Plan, times: Sequence[PieceCost]) -> float:
@@ -174,14 +194,16 @@ def solve_config(cost: CostModel, config: Config, options: SearchOptions,
     if plan.schedule == Schedule.INTERLEAVED:  # every chunk split interleaved_block_counts lists
         best = None
         work = _LayerWork(cost, config)
+        chunks: dict[tuple, PieceCost] = {}
         for counts in interleaved_block_counts(cost.model.num_blocks, plan.num_chunks):
             fitted: list[list[PieceCost]] = []  # times of this split's modes that fit memory
             for mode in options.recompute:
                 if work.busiest_rank_s(counts, mode) >= bound:
                     continue  # its busiest rank alone takes longer than the best found
-                candidate, gpus, times = counts_times(cost, config, counts, mode)
+                gpus, times = counts_times(cost, config, counts, mode, chunks)
                 if busiest_rank_s(plan, times) >= bound or dominated(times, fitted):
                     continue  # no faster than the best found or than a mode that fits
+                candidate = counts_plan(cost, config, counts, mode, gpus)
                 estimate = cost.assemble_below(candidate, gpus, times, bound)
                 if estimate is not None and estimate.fits:  # below the bound, and fits
                     fitted.append(times)

@@ -621,27 +621,25 @@ class CostModel:
         return estimate
 
     def assemble_below(self, plan: Plan, gpus: Sequence[GPUSpec], times: Sequence[PieceCost],
-                       bound: float, parts: Parts | None = None) -> Estimate | None:
+                       bound: float, parts: Parts | None = None, *,
+                       fitting: bool = False) -> Estimate | None:
         """``assemble``, or None when the step is not below ``bound`` (then its memory is not
-        added up: the planner prices many plans only to compare their steps)."""
+        added up: the planner prices many plans only to compare their steps); with ``fitting``
+        also None when the plan does not fit memory (then its schedule is not simulated)."""
         p, m = plan.pp, plan.num_microbatches
         layerwise = parts is not None and is_layerwise(plan)
         if parts is None:
             parts = [[(Segment(s.start, s.stop, plan, s.recompute), times[c])]
                      for c, s in enumerate(plan.stages)]
-        # every pipeline rank's tp x dp GPUs share the GPU type of its first chunk
-        rank_gpus, ranks, tails = [], [], []
-        for k in range(p):
-            chunk_ids = plan.chunks_of(k)
-            gpu = gpus[chunk_ids[0]]
-            rank_gpus.append(gpu)
-            rank = parts[chunk_ids[0]] if len(chunk_ids) == 1 else \
-                [part for c in chunk_ids for part in parts[c]]
-            ranks.append(rank)
-            tails.append(self.rank_tails(plan, k, rank, gpu))
+        rank_gpus, ranks, tails = self._rank_tails_of(plan, gpus, parts)
         if plan.schedule != Schedule.ASYNC and bound < math.inf and \
                 self._busy_reaches(plan, times, tails, bound):
             return None  # some rank's own work and tail already reach the bound: no simulation
+        memory = None
+        if fitting:
+            memory = self._memory(plan, ranks, rank_gpus)
+            if memory is None:
+                return None
         timeline, steps = self._timeline(plan, gpus, times)
         ends = []
         for k, (sync, opt, tied) in enumerate(tails):
@@ -653,8 +651,9 @@ class CostModel:
         step = max(ends)
         if step >= bound:
             return None
-        memory = [self.segments_memory(plan, k, [s for s, _ in rank], gpu)
-                  for k, (rank, gpu) in enumerate(zip(ranks, rank_gpus, strict=True))]
+        if memory is None:
+            memory = [self.segments_memory(plan, k, [s for s, _ in rank], gpu)
+                      for k, (rank, gpu) in enumerate(zip(ranks, rank_gpus, strict=True))]
         crit = ends.index(step)
         tokens = plan.global_batch * plan.seq_len
         model_flops = tokens * self.model.model_flops_per_token()
@@ -676,6 +675,44 @@ class CostModel:
             breakdown_s=self._breakdown(plan, times, timeline, crit, tails[crit], layerwise),
             stage_times_s=tuple((t.fwd_s, t.bwd_s) for t in times),
         )
+
+    def _rank_tails_of(self, plan: Plan, gpus: Sequence[GPUSpec], parts: Parts
+                       ) -> tuple[list[GPUSpec], list[list[tuple[Segment, PieceCost]]],
+                                  list[tuple[float, float, float]]]:
+        """Per pipeline rank: its GPU (every rank's tp x dp GPUs share the GPU type of its first
+        chunk), its segments with their figures, and ``rank_tails``."""
+        rank_gpus, ranks, tails = [], [], []
+        for k in range(plan.pp):
+            chunk_ids = plan.chunks_of(k)
+            gpu = gpus[chunk_ids[0]]
+            rank_gpus.append(gpu)
+            rank = parts[chunk_ids[0]] if len(chunk_ids) == 1 else \
+                [part for c in chunk_ids for part in parts[c]]
+            ranks.append(rank)
+            tails.append(self.rank_tails(plan, k, rank, gpu))
+        return rank_gpus, ranks, tails
+
+    def _memory(self, plan: Plan, ranks: Sequence[Sequence[tuple[Segment, PieceCost]]],
+                rank_gpus: Sequence[GPUSpec]) -> list[StageMemory] | None:
+        """Each rank's memory, or None as soon as one rank's exceeds its GPU's."""
+        memory = []
+        for k, (rank, gpu) in enumerate(zip(ranks, rank_gpus, strict=True)):
+            held = self.segments_memory(plan, k, [s for s, _ in rank], gpu)
+            if held.total > gpu.memory_bytes:
+                return None
+            memory.append(held)
+        return memory
+
+    def reaches_bound(self, plan: Plan, gpus: Sequence[GPUSpec], times: Sequence[PieceCost],
+                      spans: Sequence[tuple[int, int]], bound: float) -> bool:
+        """Whether some rank's own work and tail prove the step of ``plan`` with uniform chunks
+        over ``spans`` (start, stop) costing ``times`` not below ``bound`` (``assemble_below``
+        then returns None), without building the plan's stages (the tails read only its
+        strategy)."""
+        if plan.schedule == Schedule.ASYNC:
+            return False
+        parts = [[(Segment(a, b, plan, ()), t)] for (a, b), t in zip(spans, times, strict=True)]
+        return self._busy_reaches(plan, times, self._rank_tails_of(plan, gpus, parts)[2], bound)
 
     @staticmethod
     def _busy_reaches(plan: Plan, times: Sequence[PieceCost],

@@ -717,20 +717,49 @@ class CostModel:
     @staticmethod
     def _busy_reaches(plan: Plan, times: Sequence[PieceCost],
                       tails: Sequence[tuple[float, float, float]], bound: float) -> bool:
-        """Whether some rank's compute alone (its m forwards and backwards: a simulated rank
-        ends no sooner than its busy time) plus its tail reaches ``bound``, with a margin for
-        the simulation's rounding, so that a step it proves not below ``bound`` never is."""
+        """Whether some rank's compute alone plus its tail reaches ``bound``: a simulated rank
+        starts no action before micro-batch 0's forwards through the chunks before its first
+        one, then runs its m forwards and backwards one after another, so it ends no sooner
+        than their sum after that; with a margin for the simulation's rounding, so that a step
+        it proves not below ``bound`` never is."""
         m = plan.num_microbatches
         split = plan.schedule.split_backward
-        for k, (sync, opt, _) in enumerate(tails):
+        chain = [0.0]  # micro-batch 0's forwards through chunks 0..c-1 (transfers left out)
+        for t in times:
+            chain.append(chain[-1] + t.fwd_s)
+        ends = []
+        for k in range(plan.pp):
             busy = 0.0
-            for c in plan.chunks_of(k):
+            chunks = plan.chunks_of(k)
+            for c in chunks:
                 t = times[c]
                 # a split backward runs as I + W, or (DualPipeV) some as one full B
                 busy += t.fwd_s + (min(t.bwd_s, t.bgrad_s + t.wgrad_s) if split else t.bwd_s)
-            if m * busy * (1.0 - 1e-9) + sync + opt >= bound:
-                return True
-        return False
+            ends.append(chain[min(chunks)] + m * busy)
+        if plan.num_chunks == plan.pp:
+            ends = CostModel._drained(plan, times, chain, ends)
+        return any(end * (1.0 - 1e-9) + sync + opt >= bound
+                   for end, (sync, opt, _) in zip(ends, tails, strict=True))
+
+    @staticmethod
+    def _drained(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
+                 ends: list[float]) -> list[float]:
+        """``_busy_reaches``'s rank ends of a one-chunk-per-rank pipeline with the drain: the
+        last backward (B, or I under a split backward) to end on rank j ends no sooner than
+        chain_j + m (f_j + b_j) (every F and B of rank j after the chain, each F before its B),
+        and that micro-batch's backward then passes ranks j - 1, ..., k in turn, so rank k ends
+        no sooner than that plus b_{j-1} + ... + b_k, for every j >= k."""
+        m = plan.num_microbatches
+        split = plan.schedule.split_backward
+        back = [t.bgrad_s if split else t.bwd_s for t in times]
+        drained = list(ends)
+        latest = -math.inf  # max over j > k of (rank j's last B's end + b_{k+1} + ... + b_{j-1})
+        for k in range(plan.pp - 1, -1, -1):
+            if k < plan.pp - 1:
+                latest += back[k + 1] if latest > -math.inf else 0.0
+                latest = max(latest, chain[k + 1] + m * (times[k + 1].fwd_s + back[k + 1]))
+                drained[k] = max(drained[k], latest + back[k])
+        return drained
 
     @staticmethod
     def _breakdown(plan: Plan, times: Sequence[PieceCost], timeline: Timeline, crit: int,

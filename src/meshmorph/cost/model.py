@@ -21,7 +21,12 @@ from meshmorph.cost import comm
 from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.estimate import Estimate, StageMemory
 from meshmorph.cost.layer_cost import LayerCoster, PieceCost
-from meshmorph.cost.pipeline import Timeline, async_steady_step, simulate
+from meshmorph.cost.pipeline import (
+    Timeline,
+    async_steady_step,
+    forwards_before_backward,
+    simulate,
+)
 from meshmorph.cost.profile import Profile
 from meshmorph.cost.rank_terms import (
     rank_memory_terms,
@@ -727,32 +732,42 @@ class CostModel:
         chain = [0.0]  # micro-batch 0's forwards through chunks 0..c-1 (transfers left out)
         for t in times:
             chain.append(chain[-1] + t.fwd_s)
-        ends = []
+        ends, busy = [], []
         for k in range(plan.pp):
-            busy = 0.0
+            work = 0.0
             chunks = plan.chunks_of(k)
             for c in chunks:
                 t = times[c]
                 # a split backward runs as I + W, or (DualPipeV) some as one full B
-                busy += t.fwd_s + (min(t.bwd_s, t.bgrad_s + t.wgrad_s) if split else t.bwd_s)
-            ends.append(chain[min(chunks)] + m * busy)
+                work += t.fwd_s + (min(t.bwd_s, t.bgrad_s + t.wgrad_s) if split else t.bwd_s)
+            busy.append(m * work)
+            ends.append(chain[min(chunks)] + busy[-1])
         if plan.num_chunks == plan.pp:
-            ends = CostModel._drained(plan, times, chain, ends)
+            ends = CostModel._drained(plan, times, chain, ends, busy)
         return any(end * (1.0 - 1e-9) + sync + opt >= bound
                    for end, (sync, opt, _) in zip(ends, tails, strict=True))
 
     @staticmethod
     def _drained(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
-                 ends: list[float]) -> list[float]:
-        """``_busy_reaches``'s rank ends of a one-chunk-per-rank pipeline with the drain: the
-        last backward (B, or I under a split backward) to end on rank j ends no sooner than
-        chain_j + m (f_j + b_j) (every F and B of rank j after the chain, each F before its B),
-        and that micro-batch's backward then passes ranks j - 1, ..., k in turn, so rank k ends
-        no sooner than that plus b_{j-1} + ... + b_k, for every j >= k."""
+                 ends: list[float], busy: Sequence[float]) -> list[float]:
+        """``_busy_reaches``'s rank ends of a one-chunk-per-rank pipeline with the fill and the
+        drain. Fill: rank k's first backward (B, or I under a split backward) waits for its
+        micro-batch's forwards through every rank and backwards through the later ones, and
+        only the warm-up forwards its action list runs before it
+        (``forwards_before_backward``) can run sooner. Drain: the last backward to end on
+        rank j ends no sooner than chain_j + m (f_j + b_j) (every F and B of rank j after the
+        chain, each F before its B), and that micro-batch's backward then passes ranks j - 1,
+        ..., k in turn, so rank k ends no sooner than that plus b_{j-1} + ... + b_k, for every
+        j >= k."""
         m = plan.num_microbatches
         split = plan.schedule.split_backward
         back = [t.bgrad_s if split else t.bwd_s for t in times]
+        warm = forwards_before_backward(plan.schedule, plan.pp, m)
         drained = list(ends)
+        later = 0.0  # backwards of the ranks after k
+        for k in range(plan.pp - 1, -1, -1):
+            drained[k] = max(drained[k], chain[-1] + later + busy[k] - warm[k] * times[k].fwd_s)
+            later += back[k]
         latest = -math.inf  # max over j > k of (rank j's last B's end + b_{k+1} + ... + b_{j-1})
         for k in range(plan.pp - 1, -1, -1):
             if k < plan.pp - 1:

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from meshmorph.schedule.registry import schedule_actions
+from meshmorph.schedule.action import Kind
+from meshmorph.schedule.registry import frozen_actions, schedule_actions
 from meshmorph.schedule.simulator import Program, Timeline, replay, schedule_program
 from meshmorph.schedule.table import Schedule
 
@@ -43,6 +44,21 @@ def _shape(schedule: Schedule, p: int, m: int, v: int) -> tuple[Program, int, bo
     steps = not schedule.info.flush  # the schedules whose priced list carries optimizer steps
     tail = [0.0] * ((1 if split else 3) * program.stages) if steps else []
     return program, program.stages, split, tail
+
+
+@lru_cache(maxsize=1024)
+def forwards_before_backward(schedule: Schedule, p: int, m: int) -> tuple[int, ...]:
+    """Per rank of a one-chunk-per-rank schedule, the forwards its action list runs before its
+    first backward (B, or I under a split backward): its warm-up."""
+    out = []
+    for order in frozen_actions(str(schedule), p, m, 1, False):
+        count = 0
+        for action in order:
+            if action.kind in (Kind.B, Kind.I):
+                break
+            count += action.kind == Kind.F
+        out.append(count)
+    return tuple(out)
 
 
 def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: Sequence[float],

@@ -24,7 +24,7 @@ from meshmorph.cost.layer_cost import LayerCoster, PieceCost
 from meshmorph.cost.pipeline import (
     Timeline,
     async_steady_step,
-    forwards_before_backward,
+    known_warmup,
     simulate,
 )
 from meshmorph.cost.profile import Profile
@@ -742,32 +742,46 @@ class CostModel:
                 work += t.fwd_s + (min(t.bwd_s, t.bgrad_s + t.wgrad_s) if split else t.bwd_s)
             busy.append(m * work)
             ends.append(chain[min(chunks)] + busy[-1])
+        ends = CostModel._filled(plan, times, chain, ends, busy)
         if plan.num_chunks == plan.pp:
-            ends = CostModel._drained(plan, times, chain, ends, busy)
+            ends = CostModel._drained(plan, times, chain, ends)
         return any(end * (1.0 - 1e-9) + sync + opt >= bound
                    for end, (sync, opt, _) in zip(ends, tails, strict=True))
 
     @staticmethod
+    def _filled(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
+                ends: list[float], busy: Sequence[float]) -> list[float]:
+        """``_busy_reaches``'s rank ends with the fill: rank k's first backward (B, or I under a
+        split backward) of chunk c waits for its micro-batch's forwards through every chunk and
+        backwards through the chunks after c, and only the warm-up forwards its action list runs
+        before it (``forwards_before_backward``, once the shape was simulated) can run
+        sooner."""
+        split = plan.schedule.split_backward
+        back = [t.bgrad_s if split else t.bwd_s for t in times]
+        later = [0.0] * (len(times) + 1)  # later[c]: backwards of the chunks after c - 1
+        for c in range(len(times) - 1, -1, -1):
+            later[c] = later[c + 1] + back[c]
+        warm = known_warmup(plan.schedule, plan.pp, plan.num_microbatches, plan.vpp)
+        if warm is None:  # a shape not simulated yet: its action list is not generated for this
+            return ends
+        filled = list(ends)
+        for k, (first, count) in enumerate(warm):
+            early = sum(n * times[c].fwd_s for c, n in enumerate(count) if n)
+            filled[k] = max(filled[k], chain[-1] + later[first + 1] + busy[k] - early)
+        return filled
+
+    @staticmethod
     def _drained(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
-                 ends: list[float], busy: Sequence[float]) -> list[float]:
-        """``_busy_reaches``'s rank ends of a one-chunk-per-rank pipeline with the fill and the
-        drain. Fill: rank k's first backward (B, or I under a split backward) waits for its
-        micro-batch's forwards through every rank and backwards through the later ones, and
-        only the warm-up forwards its action list runs before it
-        (``forwards_before_backward``) can run sooner. Drain: the last backward to end on
-        rank j ends no sooner than chain_j + m (f_j + b_j) (every F and B of rank j after the
-        chain, each F before its B), and that micro-batch's backward then passes ranks j - 1,
-        ..., k in turn, so rank k ends no sooner than that plus b_{j-1} + ... + b_k, for every
-        j >= k."""
+                 ends: list[float]) -> list[float]:
+        """``_busy_reaches``'s rank ends of a one-chunk-per-rank pipeline with the drain: the
+        last backward (B, or I under a split backward) to end on rank j ends no sooner than
+        chain_j + m (f_j + b_j) (every F and B of rank j after the chain, each F before its B),
+        and that micro-batch's backward then passes ranks j - 1, ..., k in turn, so rank k ends
+        no sooner than that plus b_{j-1} + ... + b_k, for every j >= k."""
         m = plan.num_microbatches
         split = plan.schedule.split_backward
         back = [t.bgrad_s if split else t.bwd_s for t in times]
-        warm = forwards_before_backward(plan.schedule, plan.pp, m)
         drained = list(ends)
-        later = 0.0  # backwards of the ranks after k
-        for k in range(plan.pp - 1, -1, -1):
-            drained[k] = max(drained[k], chain[-1] + later + busy[k] - warm[k] * times[k].fwd_s)
-            later += back[k]
         latest = -math.inf  # max over j > k of (rank j's last B's end + b_{k+1} + ... + b_{j-1})
         for k in range(plan.pp - 1, -1, -1):
             if k < plan.pp - 1:

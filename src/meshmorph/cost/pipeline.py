@@ -46,19 +46,38 @@ def _shape(schedule: Schedule, p: int, m: int, v: int) -> tuple[Program, int, bo
     return program, program.stages, split, tail
 
 
-@lru_cache(maxsize=1024)
-def forwards_before_backward(schedule: Schedule, p: int, m: int) -> tuple[int, ...]:
-    """Per rank of a one-chunk-per-rank schedule, the forwards its action list runs before its
-    first backward (B, or I under a split backward): its warm-up."""
+Warmup = tuple[tuple[int, tuple[int, ...]], ...]
+_WARMUPS: dict[tuple[str, int, int, int], Warmup] = {}
+
+
+def known_warmup(schedule: Schedule, p: int, m: int, v: int = 1) -> Warmup | None:
+    """``forwards_before_backward`` of a shape already simulated (its action list at hand),
+    else None: a bound that reads it never generates a schedule it would not simulate."""
+    return _WARMUPS.get((str(schedule), p, m, v))
+
+
+def forwards_before_backward(schedule: Schedule, p: int, m: int, v: int = 1) -> Warmup:
+    """Per rank, the stage (model chunk) of the first backward (B, or I under a split backward)
+    its action list runs, and how many forwards of each stage it runs before it: its warm-up."""
+    key = (str(schedule), p, m, v)
+    known = _WARMUPS.get(key)
+    if known is not None:
+        return known
     out = []
-    for order in frozen_actions(str(schedule), p, m, 1, False):
-        count = 0
+    stages = p * v
+    for order in frozen_actions(str(schedule), p, m, v, False):
+        first, count = stages - 1, [0] * stages
         for action in order:
             if action.kind in (Kind.B, Kind.I):
+                first = action.stage
                 break
-            count += action.kind == Kind.F
-        out.append(count)
-    return tuple(out)
+            if action.kind == Kind.F:
+                count[action.stage] += 1
+        out.append((first, tuple(count)))
+    if len(_WARMUPS) > 1024:
+        _WARMUPS.clear()
+    warmup = _WARMUPS[key] = tuple(out)
+    return warmup
 
 
 def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: Sequence[float],
@@ -86,6 +105,8 @@ def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: 
     if Schedule(schedule).v_shape:  # the V's turn (chunk p - 1 to p) stays on one rank
         comm[p - 1] = 0.0
     timeline = replay(program, durations, comm, keep_ops)
+    if Schedule(schedule).info.flush and (str(schedule), p, m, v) not in _WARMUPS:
+        forwards_before_backward(schedule, p, m, v)  # its action list is at hand now
     if keep_ops and split:
         ops = tuple((k, "B" if kind == "I" else kind, c, j, start, end)
                     for k, kind, c, j, start, end in timeline.ops)

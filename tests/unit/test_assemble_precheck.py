@@ -1,6 +1,7 @@
-"""``CostModel.assemble_below`` proves a step not below the bound before simulating it (a
-rank's fill, work and drain with its tail, and memory first where asked): whatever it cuts, the
-simulated step reaches the bound, for every schedule and any chunk times."""
+"""``CostModel.assemble_below`` (and ``reaches_bound``, before a plan is built) proves a step
+not below the bound before simulating it (a rank's fill, work and drain with its tail, and
+memory first where asked): whatever it cuts, the simulated step reaches the bound, for every
+schedule and any chunk times."""
 
 from __future__ import annotations
 
@@ -51,5 +52,8 @@ def test_a_step_cut_before_simulation_reaches_the_bound(schedule: Schedule, pp: 
             below = cost.assemble_below(plan, gpus, times, bound)
             assert (below is None) == (step >= bound), (draw, share)
             assert below is None or below.step_time_s == step
+            spans = [(stage.start, stage.stop) for stage in plan.stages]
+            if cost.reaches_bound(plan, gpus, times, spans, bound):
+                assert step >= bound, (draw, share)
             fitting = cost.assemble_below(plan, gpus, times, bound, fitting=True)
             assert (fitting is None) == (step >= bound or not estimate.fits)

@@ -715,20 +715,32 @@ class CostModel:
         """Whether some rank's own work and tail prove the step of ``plan`` with uniform chunks
         over ``spans`` (start, stop) costing ``times`` not below ``bound`` (``assemble_below``
         then returns None), without building the plan's stages (the tails read only its
-        strategy)."""
+        strategy); the ranks that end last first, each one's tail priced only when reached."""
         if plan.schedule == Schedule.ASYNC:
             return False
-        parts = [[(Segment(a, b, plan, ()), t)] for (a, b), t in zip(spans, times, strict=True)]
-        return self._busy_reaches(plan, times, self._rank_tails_of(plan, gpus, parts)[2], bound)
+        ends = self._rank_ends(plan, times)
+        for k in sorted(range(plan.pp), key=ends.__getitem__, reverse=True):
+            chunk_ids = plan.chunks_of(k)
+            rank = [(Segment(*spans[c], plan, ()), times[c]) for c in chunk_ids]
+            sync, opt, _ = self.rank_tails(plan, k, rank, gpus[chunk_ids[0]])
+            if ends[k] * (1.0 - 1e-9) + sync + opt >= bound:
+                return True
+        return False
 
     @staticmethod
     def _busy_reaches(plan: Plan, times: Sequence[PieceCost],
                       tails: Sequence[tuple[float, float, float]], bound: float) -> bool:
-        """Whether some rank's compute alone plus its tail reaches ``bound``: a simulated rank
-        starts no action before micro-batch 0's forwards through the chunks before its first
-        one, then runs its m forwards and backwards one after another, so it ends no sooner
-        than their sum after that; with a margin for the simulation's rounding, so that a step
-        it proves not below ``bound`` never is."""
+        """Whether some rank's ``_rank_ends`` plus its tail reaches ``bound``, with a margin for
+        the simulation's rounding, so that a step it proves not below ``bound`` never is."""
+        return any(end * (1.0 - 1e-9) + sync + opt >= bound for end, (sync, opt, _)
+                   in zip(CostModel._rank_ends(plan, times), tails, strict=True))
+
+    @staticmethod
+    def _rank_ends(plan: Plan, times: Sequence[PieceCost]) -> list[float]:
+        """No simulated rank ends sooner: it starts no action before micro-batch 0's forwards
+        through the chunks before its first one, then runs its m forwards and backwards one
+        after another (with the fill and, one chunk per rank, the drain: ``_filled``,
+        ``_drained``)."""
         m = plan.num_microbatches
         split = plan.schedule.split_backward
         chain = [0.0]  # micro-batch 0's forwards through chunks 0..c-1 (transfers left out)
@@ -747,8 +759,7 @@ class CostModel:
         ends = CostModel._filled(plan, times, chain, ends, busy)
         if plan.num_chunks == plan.pp:
             ends = CostModel._drained(plan, times, chain, ends)
-        return any(end * (1.0 - 1e-9) + sync + opt >= bound
-                   for end, (sync, opt, _) in zip(ends, tails, strict=True))
+        return ends
 
     @staticmethod
     def _filled(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],

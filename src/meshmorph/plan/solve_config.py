@@ -53,7 +53,7 @@ from meshmorph.plan.strategy_dp import StageSolution, TermsCache, solve_stage
 from meshmorph.plan.strategy_fronts import FrontBudgetExceeded, StageFronts
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec.gpus import GPUSpec
-from meshmorph.spec.model import Recompute
+from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.plan import LayerStrategy, Plan, StagePlan
 
 Found = tuple[Plan, Estimate] | None
@@ -80,7 +80,8 @@ def even_estimate(cost: CostModel, config: Config, mode: Recompute) -> tuple[Pla
 
 def _even_times(cost: CostModel, config: Config, mode: Recompute
                 ) -> tuple[Plan, list[GPUSpec], list[PieceCost]]:
-    """``even_estimate``'s plan, chunk GPUs and chunk times, not yet simulated."""
+    """``even_estimate``'s plan, chunk GPUs and chunk times, not yet simulated (chunks with
+    the same layers and recompute priced once)."""
     plan = config.plan
     candidate = plan.with_even_stages(cost.model, mode)
     gpus = [cluster_gpu(cost, config.rank_gpus[plan.pp_rank_of_chunk(c)])
@@ -88,9 +89,26 @@ def _even_times(cost: CostModel, config: Config, mode: Recompute
     if len(set(config.rank_gpus)) > 1:
         candidate = replace(candidate, stages=tuple(
             replace(s, gpu=g.name) for s, g in zip(candidate.stages, gpus, strict=True)))
-    times = [cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
-             for s, g in zip(candidate.stages, gpus, strict=True)]
+    alike = _alike_ends(cost.model)
+    last = len(candidate.stages) - 1
+    priced: dict[tuple, PieceCost] = {}
+    times = []
+    for c, (s, g) in enumerate(zip(candidate.stages, gpus, strict=True)):
+        key = (c == 0, c == last, s.stop - s.start, s.recompute, g.name) if alike else \
+            (s.start, s.stop, s.recompute, g.name)
+        time = priced.get(key)
+        if time is None:
+            time = priced[key] = cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
+        times.append(time)
     return candidate, gpus, times
+
+
+def _alike_ends(model: ModelSpec) -> bool:
+    """Whether the model is one layer, a run of alike blocks, one layer: a chunk's layers (and
+    so its time, added up in the same order) are fixed by its length and whether it holds the
+    first or the last layer."""
+    run = block_run(model)
+    return run is not None and run.prefix == (0,) and run.suffix == (model.num_layers - 1,)
 
 
 def dominated(times: Sequence[PieceCost], seen: Sequence[Sequence[PieceCost]]) -> bool:
@@ -118,10 +136,7 @@ def counts_times(cost: CostModel, config: Config, counts: tuple[int, ...], mode:
             for c in range(plan.num_chunks)]
     chunks = {} if chunks is None else chunks
     model = cost.model
-    run = block_run(model)
-    # one layer, alike blocks, one layer: a chunk's layers (and so its time, added up in the
-    # same order) are fixed by its count and whether it holds an end
-    alike = run is not None and run.prefix == (0,) and run.suffix == (model.num_layers - 1,)
+    alike = _alike_ends(model)
     times, spans = [], []
     start, last = 0, len(counts) - 1
     for index, (count, g) in enumerate(zip(counts, gpus, strict=True)):

@@ -21,7 +21,12 @@ from meshmorph.cost import comm
 from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.estimate import Estimate, StageMemory
 from meshmorph.cost.layer_cost import LayerCoster, PieceCost
-from meshmorph.cost.pipeline import Timeline, async_steady_step, simulate
+from meshmorph.cost.pipeline import (
+    Timeline,
+    async_steady_step,
+    known_warmup,
+    simulate,
+)
 from meshmorph.cost.profile import Profile
 from meshmorph.cost.rank_terms import (
     rank_memory_terms,
@@ -85,9 +90,16 @@ class CostModel:
                                                                       self.coef.matmul_efficiency))
             for g in cluster.groups
         }
-        self._costers: dict[str, LayerCoster] = {}
+        self._costers: dict[tuple, LayerCoster] = {}
+        self._plan_costers: dict[int, tuple[Plan, LayerCoster]] = {}
         self._timelines: dict[tuple, Timeline] = {}
         self._layer_params: dict[int, list[float]] = {}
+        self._chunk_params: dict[tuple[int, int, int], float] = {}
+        self._rank_tails: dict[tuple, tuple[float, float]] = {}
+        self.least_tails: dict[tuple, float] = {}
+        self.rank_layers: dict[tuple, tuple] = {}
+        """The layer figures of the planner's per-rank bounds (plan/rank_bound.py)."""
+        """``cost.rank_terms.least_rank_tail_s`` by the plan fields it reads."""
 
     def _link(self, name: str, spec: LinkSpec, efficiency: float) -> comm.Link:
         link = comm.Link.from_spec(spec, efficiency)
@@ -100,11 +112,19 @@ class CostModel:
         """Per-layer costs of ``plan``'s layers (a segment's plan for its own layers): in its
         dtype, each sequence split over its ``cp`` ranks, tensor-parallel communication beside
         the GEMMs where ``tp_comm_overlap``, eager or compiled (``Plan.compile``), over an fp32
-        residual stream where autocast runs without FSDP2's cast (``autocast_stream``)."""
-        return self.layer_coster(str(plan.dtype), cp=plan.cp,
-                                 tp_comm_overlap=plan.tp_comm_overlap, compiled=plan.compile,
-                                 stream32=autocast_stream(plan),
-                                 fp8_scaling=str(plan.fp8_scaling))
+        residual stream where autocast runs without FSDP2's cast (``autocast_stream``).
+        Memoised per plan object (held, so its id is not reused while cached)."""
+        found = self._plan_costers.get(id(plan))
+        if found is not None and found[0] is plan:
+            return found[1]
+        if len(self._plan_costers) > 20_000:
+            self._plan_costers.clear()
+        coster = self.layer_coster(str(plan.dtype), cp=plan.cp,
+                                   tp_comm_overlap=plan.tp_comm_overlap, compiled=plan.compile,
+                                   stream32=autocast_stream(plan),
+                                   fp8_scaling=str(plan.fp8_scaling))
+        self._plan_costers[id(plan)] = (plan, coster)
+        return coster
 
     def layer_coster(self, dtype: str, *, cp: int = 1, tp_comm_overlap: bool = False,
                      compiled: bool = True, stream32: bool = False,
@@ -160,7 +180,15 @@ class CostModel:
 
     # --- pieces the planner reuses ------------------------------------------------------------
     def chunk_params(self, start: int, stop: int, tp: int) -> float:
-        """Parameters of layers [start, stop) on one tensor-parallel rank."""
+        """Parameters of layers [start, stop) on one tensor-parallel rank (memoised)."""
+        key = (start, stop, tp)
+        found = self._chunk_params.get(key)
+        if found is None:
+            found = self._chunk_params[key] = self._sum_params(start, stop, tp)
+        return found
+
+    def _sum_params(self, start: int, stop: int, tp: int) -> float:
+        """``chunk_params``, added up."""
         total = 0.0
         for layer in self.model.layers[start:stop]:
             total += layer.tp_split_params / tp + (layer.params - layer.tp_split_params)
@@ -441,7 +469,21 @@ class CostModel:
         window is the first forward: half the backward ``last_bwd_s``); ``units``: the rank's
         FSDP2 units (priced per unit where the Profile measured them); ``least``: without the
         first and last buckets' floors, for the planner's bounds. Gradients are reduced over
-        dp x cp (``Plan.grad_replicas``)."""
+        dp x cp (``Plan.grad_replicas``). Memoised by the plan fields it reads."""
+        key = (type(plan), plan.tp, plan.dp, plan.cp, plan.pp, plan.zero, plan.dtype,
+               plan.reduce_dtype, plan.overlap_grad_reduce, plan.overlap_param_gather, params,
+               last_bwd_s, gpu.name, gpu.hbm_gbps, units, least)
+        found = self._rank_tails.get(key)
+        if found is None:
+            if len(self._rank_tails) > 200_000:
+                self._rank_tails.clear()
+            found = self._rank_tails[key] = self._rank_tail(plan, params, last_bwd_s, gpu,
+                                                            units, least)
+        return found
+
+    def _rank_tail(self, plan: Plan, params: float, last_bwd_s: float, gpu: GPUSpec,
+                   units: int, least: bool) -> tuple[float, float]:
+        """``rank_tail``, computed."""
         d = plan.grad_replicas
         traffic = self.dp_traffic(plan)
         link = self.group_link(gpu, plan.tp * d)
@@ -586,37 +628,39 @@ class CostModel:
         return estimate
 
     def assemble_below(self, plan: Plan, gpus: Sequence[GPUSpec], times: Sequence[PieceCost],
-                       bound: float, parts: Parts | None = None) -> Estimate | None:
+                       bound: float, parts: Parts | None = None, *,
+                       fitting: bool = False) -> Estimate | None:
         """``assemble``, or None when the step is not below ``bound`` (then its memory is not
-        added up: the planner prices many plans only to compare their steps)."""
+        added up: the planner prices many plans only to compare their steps); with ``fitting``
+        also None when the plan does not fit memory (then its schedule is not simulated)."""
         p, m = plan.pp, plan.num_microbatches
         layerwise = parts is not None and is_layerwise(plan)
         if parts is None:
             parts = [[(Segment(s.start, s.stop, plan, s.recompute), times[c])]
                      for c, s in enumerate(plan.stages)]
+        rank_gpus, ranks, tails = self._rank_tails_of(plan, gpus, parts)
+        if plan.schedule != Schedule.ASYNC and bound < math.inf and \
+                self._busy_reaches(plan, times, tails, bound):
+            return None  # some rank's own work and tail already reach the bound: no simulation
+        memory = None
+        if fitting:
+            memory = self._memory(plan, ranks, rank_gpus)
+            if memory is None:
+                return None
         timeline, steps = self._timeline(plan, gpus, times)
-        ends, tails = [], []
-        # every pipeline rank's tp x dp GPUs share the GPU type of its first chunk
-        rank_gpus, ranks = [], []
-        for k in range(p):
-            chunk_ids = plan.chunks_of(k)
-            gpu = gpus[chunk_ids[0]]
-            rank_gpus.append(gpu)
-            rank = parts[chunk_ids[0]] if len(chunk_ids) == 1 else \
-                [part for c in chunk_ids for part in parts[c]]
-            ranks.append(rank)
-            sync, opt, tied = self.rank_tails(plan, k, rank, gpu)
+        ends = []
+        for k, (sync, opt, tied) in enumerate(tails):
             if steps is not None:  # m optimizer steps, already inside the simulated window
-                tails.append((sync, m * steps[k], tied))
+                tails[k] = (sync, m * steps[k], tied)
                 ends.append(timeline.rank_end_s[k] + sync)
                 continue
-            tails.append((sync, opt, tied))
             ends.append(timeline.rank_end_s[k] + sync + opt)
         step = max(ends)
         if step >= bound:
             return None
-        memory = [self.segments_memory(plan, k, [s for s, _ in rank], gpu)
-                  for k, (rank, gpu) in enumerate(zip(ranks, rank_gpus, strict=True))]
+        if memory is None:
+            memory = [self.segments_memory(plan, k, [s for s, _ in rank], gpu)
+                      for k, (rank, gpu) in enumerate(zip(ranks, rank_gpus, strict=True))]
         crit = ends.index(step)
         tokens = plan.global_batch * plan.seq_len
         model_flops = tokens * self.model.model_flops_per_token()
@@ -638,6 +682,126 @@ class CostModel:
             breakdown_s=self._breakdown(plan, times, timeline, crit, tails[crit], layerwise),
             stage_times_s=tuple((t.fwd_s, t.bwd_s) for t in times),
         )
+
+    def _rank_tails_of(self, plan: Plan, gpus: Sequence[GPUSpec], parts: Parts
+                       ) -> tuple[list[GPUSpec], list[list[tuple[Segment, PieceCost]]],
+                                  list[tuple[float, float, float]]]:
+        """Per pipeline rank: its GPU (every rank's tp x dp GPUs share the GPU type of its first
+        chunk), its segments with their figures, and ``rank_tails``."""
+        rank_gpus, ranks, tails = [], [], []
+        for k in range(plan.pp):
+            chunk_ids = plan.chunks_of(k)
+            gpu = gpus[chunk_ids[0]]
+            rank_gpus.append(gpu)
+            rank = parts[chunk_ids[0]] if len(chunk_ids) == 1 else \
+                [part for c in chunk_ids for part in parts[c]]
+            ranks.append(rank)
+            tails.append(self.rank_tails(plan, k, rank, gpu))
+        return rank_gpus, ranks, tails
+
+    def _memory(self, plan: Plan, ranks: Sequence[Sequence[tuple[Segment, PieceCost]]],
+                rank_gpus: Sequence[GPUSpec]) -> list[StageMemory] | None:
+        """Each rank's memory, or None as soon as one rank's exceeds its GPU's."""
+        memory = []
+        for k, (rank, gpu) in enumerate(zip(ranks, rank_gpus, strict=True)):
+            held = self.segments_memory(plan, k, [s for s, _ in rank], gpu)
+            if held.total > gpu.memory_bytes:
+                return None
+            memory.append(held)
+        return memory
+
+    def reaches_bound(self, plan: Plan, gpus: Sequence[GPUSpec], times: Sequence[PieceCost],
+                      spans: Sequence[tuple[int, int]], bound: float) -> bool:
+        """Whether some rank's own work and tail prove the step of ``plan`` with uniform chunks
+        over ``spans`` (start, stop) costing ``times`` not below ``bound`` (``assemble_below``
+        then returns None), without building the plan's stages (the tails read only its
+        strategy); the ranks that end last first, each one's tail priced only when reached."""
+        if plan.schedule == Schedule.ASYNC:
+            return False
+        ends = self._rank_ends(plan, times)
+        for k in sorted(range(plan.pp), key=ends.__getitem__, reverse=True):
+            chunk_ids = plan.chunks_of(k)
+            rank = [(Segment(*spans[c], plan, ()), times[c]) for c in chunk_ids]
+            sync, opt, _ = self.rank_tails(plan, k, rank, gpus[chunk_ids[0]])
+            if ends[k] * (1.0 - 1e-9) + sync + opt >= bound:
+                return True
+        return False
+
+    @staticmethod
+    def _busy_reaches(plan: Plan, times: Sequence[PieceCost],
+                      tails: Sequence[tuple[float, float, float]], bound: float) -> bool:
+        """Whether some rank's ``_rank_ends`` plus its tail reaches ``bound``, with a margin for
+        the simulation's rounding, so that a step it proves not below ``bound`` never is."""
+        return any(end * (1.0 - 1e-9) + sync + opt >= bound for end, (sync, opt, _)
+                   in zip(CostModel._rank_ends(plan, times), tails, strict=True))
+
+    @staticmethod
+    def _rank_ends(plan: Plan, times: Sequence[PieceCost]) -> list[float]:
+        """No simulated rank ends sooner: it starts no action before micro-batch 0's forwards
+        through the chunks before its first one, then runs its m forwards and backwards one
+        after another (with the fill and, one chunk per rank, the drain: ``_filled``,
+        ``_drained``)."""
+        m = plan.num_microbatches
+        split = plan.schedule.split_backward
+        chain = [0.0]  # micro-batch 0's forwards through chunks 0..c-1 (transfers left out)
+        for t in times:
+            chain.append(chain[-1] + t.fwd_s)
+        ends, busy = [], []
+        for k in range(plan.pp):
+            work = 0.0
+            chunks = plan.chunks_of(k)
+            for c in chunks:
+                t = times[c]
+                # a split backward runs as I + W, or (DualPipeV) some as one full B
+                work += t.fwd_s + (min(t.bwd_s, t.bgrad_s + t.wgrad_s) if split else t.bwd_s)
+            busy.append(m * work)
+            ends.append(chain[min(chunks)] + busy[-1])
+        ends = CostModel._filled(plan, times, chain, ends, busy)
+        if plan.num_chunks == plan.pp:
+            ends = CostModel._drained(plan, times, chain, ends)
+        return ends
+
+    @staticmethod
+    def _filled(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
+                ends: list[float], busy: Sequence[float]) -> list[float]:
+        """``_busy_reaches``'s rank ends with the fill: rank k's first backward (B, or I under a
+        split backward) of chunk c waits for its micro-batch's forwards through every chunk and
+        backwards through the chunks after c, and only the warm-up forwards its action list runs
+        before it (``forwards_before_backward``, once the shape was simulated) can run
+        sooner."""
+        split = plan.schedule.split_backward
+        back = [t.bgrad_s if split else t.bwd_s for t in times]
+        later = [0.0] * (len(times) + 1)  # later[c]: backwards of the chunks after c - 1
+        for c in range(len(times) - 1, -1, -1):
+            later[c] = later[c + 1] + back[c]
+        warm = known_warmup(plan.schedule, plan.pp, plan.num_microbatches, plan.vpp)
+        if warm is None:  # a shape not simulated yet: its action list is not generated for this
+            return ends
+        filled = list(ends)
+        for k, (first, count) in enumerate(warm):
+            early = sum(n * times[c].fwd_s for c, n in enumerate(count) if n)
+            filled[k] = max(filled[k], chain[-1] + later[first + 1] + busy[k] - early)
+        return filled
+
+    @staticmethod
+    def _drained(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
+                 ends: list[float]) -> list[float]:
+        """``_busy_reaches``'s rank ends of a one-chunk-per-rank pipeline with the drain: the
+        last backward (B, or I under a split backward) to end on rank j ends no sooner than
+        chain_j + m (f_j + b_j) (every F and B of rank j after the chain, each F before its B),
+        and that micro-batch's backward then passes ranks j - 1, ..., k in turn, so rank k ends
+        no sooner than that plus b_{j-1} + ... + b_k, for every j >= k."""
+        m = plan.num_microbatches
+        split = plan.schedule.split_backward
+        back = [t.bgrad_s if split else t.bwd_s for t in times]
+        drained = list(ends)
+        latest = -math.inf  # max over j > k of (rank j's last B's end + b_{k+1} + ... + b_{j-1})
+        for k in range(plan.pp - 1, -1, -1):
+            if k < plan.pp - 1:
+                latest += back[k + 1] if latest > -math.inf else 0.0
+                latest = max(latest, chain[k + 1] + m * (times[k + 1].fwd_s + back[k + 1]))
+                drained[k] = max(drained[k], latest + back[k])
+        return drained
 
     @staticmethod
     def _breakdown(plan: Plan, times: Sequence[PieceCost], timeline: Timeline, crit: int,

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from meshmorph.schedule.registry import schedule_actions
+from meshmorph.schedule.action import Kind
+from meshmorph.schedule.registry import frozen_actions, schedule_actions
 from meshmorph.schedule.simulator import Program, Timeline, replay, schedule_program
 from meshmorph.schedule.table import Schedule
 
@@ -45,6 +46,40 @@ def _shape(schedule: Schedule, p: int, m: int, v: int) -> tuple[Program, int, bo
     return program, program.stages, split, tail
 
 
+Warmup = tuple[tuple[int, tuple[int, ...]], ...]
+_WARMUPS: dict[tuple[str, int, int, int], Warmup] = {}
+
+
+def known_warmup(schedule: Schedule, p: int, m: int, v: int = 1) -> Warmup | None:
+    """``forwards_before_backward`` of a shape already simulated (its action list at hand),
+    else None: a bound that reads it never generates a schedule it would not simulate."""
+    return _WARMUPS.get((str(schedule), p, m, v))
+
+
+def forwards_before_backward(schedule: Schedule, p: int, m: int, v: int = 1) -> Warmup:
+    """Per rank, the stage (model chunk) of the first backward (B, or I under a split backward)
+    its action list runs, and how many forwards of each stage it runs before it: its warm-up."""
+    key = (str(schedule), p, m, v)
+    known = _WARMUPS.get(key)
+    if known is not None:
+        return known
+    out = []
+    stages = p * v
+    for order in frozen_actions(str(schedule), p, m, v, False):
+        first, count = stages - 1, [0] * stages
+        for action in order:
+            if action.kind in (Kind.B, Kind.I):
+                first = action.stage
+                break
+            if action.kind == Kind.F:
+                count[action.stage] += 1
+        out.append((first, tuple(count)))
+    if len(_WARMUPS) > 1024:
+        _WARMUPS.clear()
+    warmup = _WARMUPS[key] = tuple(out)
+    return warmup
+
+
 def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: Sequence[float],
              *, v: int = 1, wgrad_s: Sequence[float] | None = None,
              p2p_s: Sequence[float] | None = None, keep_ops: bool = False) -> Timeline:
@@ -70,6 +105,8 @@ def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: 
     if Schedule(schedule).v_shape:  # the V's turn (chunk p - 1 to p) stays on one rank
         comm[p - 1] = 0.0
     timeline = replay(program, durations, comm, keep_ops)
+    if Schedule(schedule).info.flush and (str(schedule), p, m, v) not in _WARMUPS:
+        forwards_before_backward(schedule, p, m, v)  # its action list is at hand now
     if keep_ops and split:
         ops = tuple((k, "B" if kind == "I" else kind, c, j, start, end)
                     for k, kind, c, j, start, end in timeline.ops)

@@ -19,6 +19,7 @@ copy of the arithmetic (``tests/unit/test_rank_terms_bounds.py`` checks they rea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from meshmorph.cost.context_parallel import kv_bytes
@@ -35,6 +36,7 @@ if TYPE_CHECKING:  # CostModel builds on these terms: no import cycle at run tim
     from meshmorph.cost.model import CostModel
 
 
+@lru_cache(maxsize=65536)
 def in_flight_microbatches(schedule: Schedule, pp: int, pp_rank: int, m: int, vpp: int) -> float:
     """Micro-batches of activations a pipeline rank holds at its peak (Korthikanti et al. 2022)."""
     if pp == 1:
@@ -182,7 +184,19 @@ def rank_tail_s(cost: CostModel, plan: Plan, time: PieceCost, gpu: GPUSpec) -> f
 def least_rank_tail_s(cost: CostModel, plan: Plan, params: float, gpu: GPUSpec) -> float:
     """The least tail a rank holding ``params`` can have whatever its layers (the sync hidden as
     far as ``dp_overlap`` allows), plus the least exposed part of its per-micro-batch ZeRO
-    traffic (``comm.exposed`` never hides more than the overlap share): affine in ``params``."""
+    traffic (``comm.exposed`` never hides more than the overlap share): affine in ``params``.
+    Memoised on ``cost`` by the plan fields it reads (many configurations share them)."""
+    key = (type(plan), plan.tp, plan.dp, plan.cp, plan.pp, plan.zero, plan.dtype,
+           plan.reduce_dtype, plan.num_microbatches, plan.overlap_grad_reduce,
+           plan.overlap_param_gather, plan.fsdp_prefetch, params, gpu.name, gpu.hbm_gbps)
+    found = cost.least_tails.get(key)
+    if found is None:
+        found = cost.least_tails[key] = _least_rank_tail_s(cost, plan, params, gpu)
+    return found
+
+
+def _least_rank_tail_s(cost: CostModel, plan: Plan, params: float, gpu: GPUSpec) -> float:
+    """``least_rank_tail_s``, computed."""
     sync, optimizer = cost.rank_tail(plan, params, float("inf"), gpu, least=True)
     gathers, scatter = cost.microbatch_dp_traffic(plan, params, gpu,
                                                   units=1 if cost.fsdp_measured(plan) else 0)

@@ -44,46 +44,20 @@ class RankBound:
                  modes: tuple[Recompute, ...], tail_line: tuple[float, float] | None = None):
         """``tail_line``: ``tail_line(cost, plan, gpu)``, when the caller has it (every rank of
         a plan on one GPU type shares it)."""
-        coster = cost.coster(plan)
-        model = cost.model
-        b, tp, sp = plan.micro_batch, plan.tp, plan.sequence_parallel
         self.terms = terms = rank_memory_terms(cost, plan, k, gpu)
         # the embedding's chunk is rank 0's; the head's is the last rank's, or rank 0's in a V
         head_rank = plan.pp_rank_of_chunk(plan.num_chunks - 1)
-        fixed = [*(run.prefix if k == 0 else ()), *(run.suffix if k == head_rank else ())]
-        # fixed layers at their fastest and at their smallest, each on its own (a relaxation)
-        self.fixed_work = self.fixed_fwd = self.fixed_wgrad = self.fixed_params = 0.0
-        self.fixed_stored = 0.0
-        self.biggest_fixed = 0.0
-        for index in fixed:
-            layer = model.layers[index]
-            layer_modes = [mode for mode in modes if mode in layer.activation] or [Recompute.NONE]
-            costs = [coster.layer(index, gpu, b, tp, sp, mode) for mode in layer_modes]
-            self.fixed_work += min(c.fwd_s + c.bwd_s for c in costs)
-            self.fixed_fwd += min(c.fwd_s for c in costs)
-            self.fixed_wgrad += max(c.wgrad_s for c in costs)
-            self.fixed_stored += min(c.activation_bytes for c in costs)
-            params = cost.chunk_params(index, index + 1, tp)
-            self.fixed_params += params
-            self.biggest_fixed = max(self.biggest_fixed, params)
-        if plan.pp == 1:  # one rank holds every layer: the cost model's count of its params
-            apart = sum(cost.chunk_params(i, i + 1, tp) for i in range(model.num_layers))
-            self.fixed_params -= apart - cost.chunk_params(0, model.num_layers, tp)
-        self.block_params = cost.chunk_params(run.first, run.first + 1, tp)
-        block = model.layers[run.first]
-        none = coster.layer(run.first, gpu, b, tp, sp, Recompute.NONE)
-        self.block_work = none.fwd_s + none.bwd_s
-        self.block_fwd = none.fwd_s
-        self.block_wgrad = none.wgrad_s
-        self.block_stored = none.activation_bytes
+        fixed = (*(run.prefix if k == 0 else ()), *(run.suffix if k == head_rank else ()))
+        layers = _layer_figures(cost, plan, run, fixed, gpu, modes)
+        (self.fixed_work, self.fixed_fwd, self.fixed_wgrad, self.fixed_stored, self.fixed_params,
+         self.biggest_fixed, self.block_params, self.block_work, self.block_fwd,
+         self.block_wgrad, self.block_stored, recomputing) = layers
         points = [(0.0, 0.0)]
         self.working = math.inf  # a block that recomputes needs at least this while it does
-        for mode in modes:
-            if mode != Recompute.NONE and mode in block.activation:
-                c = coster.layer(run.first, gpu, b, tp, sp, mode)
-                saved = terms.activation_bytes(none.activation_bytes - c.activation_bytes, 0.0)
-                points.append((saved, c.fwd_s + c.bwd_s - self.block_work))
-                self.working = min(self.working, c.working_bytes)
+        for stored, work, working in recomputing:
+            saved = terms.activation_bytes(self.block_stored - stored, 0.0)
+            points.append((saved, work - self.block_work))
+            self.working = min(self.working, working)
         self.hull = recompute_hull(points)
         self.m = plan.num_microbatches
         self.tail0, self.tail1 = tail_line or rank_tail_line(cost, plan, gpu)
@@ -153,18 +127,66 @@ class RankBound:
                 FillKind.FB_OPS: self.fixed_work - self.fixed_wgrad}[kind]
 
     def _value(self, n: int) -> float:
+        # CostModel.rank_memory's terms (RankMemoryTerms.total) and least_extra_time, inline:
+        # the same operations in the same order, so the same figures
+        terms = self.terms
         params = self.fixed_params + n * self.block_params
         largest = max(self.biggest_fixed, self.block_params) if n else self.biggest_fixed
-        # bytes over the budget with no recompute (CostModel.rank_memory's terms)
-        need = self.terms.total(params=params, stored=self.fixed_stored + n * self.block_stored,
-                                working=0.0, largest_layer_params=largest) - self.terms.budget_bytes
+        stored = self.fixed_stored + n * self.block_stored
+        # bytes over the budget with no recompute
+        need = (params * terms.bytes_per_param + (terms.in_flight * stored + 0.0)
+                + largest * terms.gather_bytes_per_param + terms.reserved_bytes) \
+            - terms.budget_bytes
+        extra = 0.0
         if need > 0:
             need += self.working  # some block recomputes, and rematerialises while it does
-        extra = least_extra_time(self.hull, need, n)
-        if extra == math.inf:
-            return math.inf
+            extra = least_extra_time(self.hull, need, n)
+            if extra == math.inf:
+                return math.inf
         return (self.m * (self.fixed_work + n * self.block_work + extra)
                 + self.tail0 + self.tail1 * params)
+
+
+def _layer_figures(cost: CostModel, plan: Plan, run: BlockRun, fixed: tuple[int, ...],
+                   gpu: GPUSpec, modes: tuple[Recompute, ...]) -> tuple:
+    """What a ``RankBound`` reads of its layers' costs, memoised on ``cost`` (many ranks of
+    many configurations share them): the fixed layers at their fastest and smallest, each on
+    its own (a relaxation), one block without recompute, and (stored bytes, forward +
+    backward, working bytes) of the block under each recompute mode."""
+    coster = cost.coster(plan)
+    b, tp, sp = plan.micro_batch, plan.tp, plan.sequence_parallel
+    key = (id(coster), gpu.name, b, tp, sp, fixed, plan.pp == 1, modes, run.first)
+    found = cost.rank_layers.get(key)
+    if found is not None:
+        return found
+    model = cost.model
+    fixed_work = fixed_fwd = fixed_wgrad = fixed_params = fixed_stored = biggest_fixed = 0.0
+    for index in fixed:
+        layer = model.layers[index]
+        layer_modes = [mode for mode in modes if mode in layer.activation] or [Recompute.NONE]
+        costs = [coster.layer(index, gpu, b, tp, sp, mode) for mode in layer_modes]
+        fixed_work += min(c.fwd_s + c.bwd_s for c in costs)
+        fixed_fwd += min(c.fwd_s for c in costs)
+        fixed_wgrad += max(c.wgrad_s for c in costs)
+        fixed_stored += min(c.activation_bytes for c in costs)
+        params = cost.chunk_params(index, index + 1, tp)
+        fixed_params += params
+        biggest_fixed = max(biggest_fixed, params)
+    if plan.pp == 1:  # one rank holds every layer: the cost model's count of its params
+        apart = sum(cost.chunk_params(i, i + 1, tp) for i in range(model.num_layers))
+        fixed_params -= apart - cost.chunk_params(0, model.num_layers, tp)
+    block = model.layers[run.first]
+    none = coster.layer(run.first, gpu, b, tp, sp, Recompute.NONE)
+    recomputing = []
+    for mode in modes:
+        if mode != Recompute.NONE and mode in block.activation:
+            c = coster.layer(run.first, gpu, b, tp, sp, mode)
+            recomputing.append((c.activation_bytes, c.fwd_s + c.bwd_s, c.working_bytes))
+    found = cost.rank_layers[key] = (
+        fixed_work, fixed_fwd, fixed_wgrad, fixed_stored, fixed_params, biggest_fixed,
+        cost.chunk_params(run.first, run.first + 1, tp), none.fwd_s + none.bwd_s, none.fwd_s,
+        none.wgrad_s, none.activation_bytes, tuple(recomputing))
+    return found
 
 
 def rank_tail_line(cost: CostModel, plan: Plan, gpu: GPUSpec) -> tuple[float, float]:

@@ -32,9 +32,12 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from meshmorph.cost.estimate import Estimate
 from meshmorph.cost.layer_cost import PieceCost
 from meshmorph.cost.model import CostModel
+from meshmorph.plan.block_run import block_run
 from meshmorph.plan.bounds import ConfigBounds, rank_chunks
 from meshmorph.plan.fastest_layers import cluster_gpu
 from meshmorph.plan.partition_search import (
@@ -50,7 +53,7 @@ from meshmorph.plan.strategy_dp import StageSolution, TermsCache, solve_stage
 from meshmorph.plan.strategy_fronts import FrontBudgetExceeded, StageFronts
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec.gpus import GPUSpec
-from meshmorph.spec.model import Recompute
+from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.plan import LayerStrategy, Plan, StagePlan
 
 Found = tuple[Plan, Estimate] | None
@@ -77,7 +80,8 @@ def even_estimate(cost: CostModel, config: Config, mode: Recompute) -> tuple[Pla
 
 def _even_times(cost: CostModel, config: Config, mode: Recompute
                 ) -> tuple[Plan, list[GPUSpec], list[PieceCost]]:
-    """``even_estimate``'s plan, chunk GPUs and chunk times, not yet simulated."""
+    """``even_estimate``'s plan, chunk GPUs and chunk times, not yet simulated (chunks with
+    the same layers and recompute priced once)."""
     plan = config.plan
     candidate = plan.with_even_stages(cost.model, mode)
     gpus = [cluster_gpu(cost, config.rank_gpus[plan.pp_rank_of_chunk(c)])
@@ -85,9 +89,26 @@ def _even_times(cost: CostModel, config: Config, mode: Recompute
     if len(set(config.rank_gpus)) > 1:
         candidate = replace(candidate, stages=tuple(
             replace(s, gpu=g.name) for s, g in zip(candidate.stages, gpus, strict=True)))
-    times = [cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
-             for s, g in zip(candidate.stages, gpus, strict=True)]
+    alike = _alike_ends(cost.model)
+    last = len(candidate.stages) - 1
+    priced: dict[tuple, PieceCost] = {}
+    times = []
+    for c, (s, g) in enumerate(zip(candidate.stages, gpus, strict=True)):
+        key = (c == 0, c == last, s.stop - s.start, s.recompute, g.name) if alike else \
+            (s.start, s.stop, s.recompute, g.name)
+        time = priced.get(key)
+        if time is None:
+            time = priced[key] = cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
+        times.append(time)
     return candidate, gpus, times
+
+
+def _alike_ends(model: ModelSpec) -> bool:
+    """Whether the model is one layer, a run of alike blocks, one layer: a chunk's layers (and
+    so its time, added up in the same order) are fixed by its length and whether it holds the
+    first or the last layer."""
+    run = block_run(model)
+    return run is not None and run.prefix == (0,) and run.suffix == (model.num_layers - 1,)
 
 
 def dominated(times: Sequence[PieceCost], seen: Sequence[Sequence[PieceCost]]) -> bool:
@@ -102,18 +123,42 @@ def dominated(times: Sequence[PieceCost], seen: Sequence[Sequence[PieceCost]]) -
                for other in seen)
 
 
-def counts_times(cost: CostModel, config: Config, counts: tuple[int, ...], mode: Recompute
-                 ) -> tuple[Plan, list[GPUSpec], list[PieceCost]]:
+def counts_times(cost: CostModel, config: Config, counts: tuple[int, ...], mode: Recompute,
+                 chunks: dict[tuple, PieceCost] | None = None
+                 ) -> tuple[list[GPUSpec], list[PieceCost], list[tuple[int, int]]]:
     """An interleaved configuration with chunks of ``counts`` blocks and ``mode`` recompute:
-    its plan, chunk GPUs and chunk times, not yet simulated."""
+    its chunk GPUs, chunk times and chunk spans (start, stop), not yet simulated
+    (``counts_plan`` is its plan).
+    ``chunks``: the configuration's chunk times by (start, stop, mode, GPU), filled as they are
+    priced (a chunk's time reads the plan's strategy, not the stages of the others)."""
     plan = config.plan
     gpus = [cluster_gpu(cost, config.rank_gpus[plan.pp_rank_of_chunk(c)])
             for c in range(plan.num_chunks)]
+    chunks = {} if chunks is None else chunks
+    model = cost.model
+    alike = _alike_ends(model)
+    times, spans = [], []
+    start, last = 0, len(counts) - 1
+    for index, (count, g) in enumerate(zip(counts, gpus, strict=True)):
+        stop = start + count + (index == 0) + (index == last)
+        key = (index == 0, index == last, count, mode, g.name) if alike else \
+            (start, stop, mode, g.name)
+        time = chunks.get(key)
+        if time is None:
+            modes = tuple(mode if mode in model.layers[i].activation else Recompute.NONE
+                          for i in range(start, stop))  # as stages_of_counts sets them
+            time = chunks[key] = cost.chunk_time(plan, start, stop, modes, g)
+        times.append(time)
+        spans.append((start, stop))
+        start = stop
+    return gpus, times, spans
+
+
+def counts_plan(cost: CostModel, config: Config, counts: tuple[int, ...], mode: Recompute,
+                gpus: Sequence[GPUSpec]) -> Plan:
+    """The plan of ``counts_times``'s chunks."""
     names = [g.name for g in gpus] if len(set(config.rank_gpus)) > 1 else None
-    candidate = replace(plan, stages=stages_of_counts(cost.model, counts, mode, names))
-    times = [cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
-             for s, g in zip(candidate.stages, gpus, strict=True)]
-    return candidate, gpus, times
+    return replace(config.plan, stages=stages_of_counts(cost.model, counts, mode, names))
 
 
 def busiest_rank_s(plan: Plan, times: Sequence[PieceCost]) -> float:
@@ -149,21 +194,55 @@ class _LayerWork:
             self._prefix[key] = sums
         return sums
 
-    def busiest_rank_s(self, counts: tuple[int, ...], mode: Recompute) -> float:
+    def busiest_rank_s(self, splits: Sequence[tuple[int, ...]], mode: Recompute) -> list[float]:
+        """For each chunk split of ``splits`` (block counts), m x the busiest rank's forwards
+        and backwards: each rank's chunks added in chunk order, every split at once."""
         plan = self.plan
         chunk_sums = self._by_mode.get(mode)
         if chunk_sums is None:  # each chunk's prefix sums, fetched once per mode
-            chunk_sums = self._by_mode[mode] = [self.prefix(g, mode) for g in self.gpus]
-        ranks = self._rank_of_chunk
-        busy = [0.0] * plan.pp
-        start = 0
-        last = len(counts) - 1
-        for c, count in enumerate(counts):
-            stop = start + count + (c == 0) + (c == last)
+            chunk_sums = self._by_mode[mode] = [np.array(self.prefix(g, mode))
+                                                for g in self.gpus]
+        counts = np.array(splits, dtype=np.int64).reshape(len(splits), plan.num_chunks)
+        counts[:, 0] += 1  # the embedding
+        counts[:, -1] += 1  # the head
+        stops = np.cumsum(counts, axis=1)
+        starts = stops - counts
+        busy = np.zeros((len(splits), plan.pp))
+        for c, rank in enumerate(self._rank_of_chunk):
             sums = chunk_sums[c]
-            busy[ranks[c]] += sums[stop] - sums[start]
-            start = stop
-        return plan.num_microbatches * max(busy)
+            busy[:, rank] += sums[stops[:, c]] - sums[starts[:, c]]
+        return (plan.num_microbatches * busy.max(axis=1)).tolist()
+
+
+def _solve_interleaved(cost: CostModel, config: Config, options: SearchOptions,
+                       bound: float) -> PartitionResult:
+    """``solve_config`` of an interleaved configuration: every chunk split
+    ``interleaved_block_counts`` lists, each recompute mode, cheapest proof first (the busiest
+    rank's layers, its chunks with their ZeRO traffic, then with the tails) and the schedule
+    simulated only for what none of them cuts."""
+    plan = config.plan
+    best = None
+    work = _LayerWork(cost, config)
+    chunks: dict[tuple, PieceCost] = {}
+    splits = interleaved_block_counts(cost.model.num_blocks, plan.num_chunks)
+    busiest = {mode: work.busiest_rank_s(splits, mode) for mode in options.recompute} \
+        if splits else {}
+    for at, counts in enumerate(splits):
+        fitted: list[list[PieceCost]] = []  # times of this split's modes that fit memory
+        for mode in options.recompute:
+            if busiest[mode][at] >= bound:
+                continue  # its busiest rank alone takes longer than the best found
+            gpus, times, spans = counts_times(cost, config, counts, mode, chunks)
+            if busiest_rank_s(plan, times) >= bound or dominated(times, fitted) or \
+                    cost.reaches_bound(plan, gpus, times, spans, bound):
+                continue  # no faster than the best found or than a mode that fits
+            candidate = counts_plan(cost, config, counts, mode, gpus)
+            estimate = cost.assemble_below(candidate, gpus, times, bound, fitting=True)
+            if estimate is not None and estimate.fits:  # below the bound, and fits
+                fitted.append(times)
+                bound = estimate.step_time_s
+                best = (candidate, estimate)
+    return PartitionResult(best, float("inf"))
 
 
 def solve_config(cost: CostModel, config: Config, options: SearchOptions,
@@ -171,23 +250,8 @@ def solve_config(cost: CostModel, config: Config, options: SearchOptions,
     """The fastest plan of one configuration with step time below ``bound``, and the bound of
     what was left unexplored."""
     plan = config.plan
-    if plan.schedule == Schedule.INTERLEAVED:  # every chunk split interleaved_block_counts lists
-        best = None
-        work = _LayerWork(cost, config)
-        for counts in interleaved_block_counts(cost.model.num_blocks, plan.num_chunks):
-            fitted: list[list[PieceCost]] = []  # times of this split's modes that fit memory
-            for mode in options.recompute:
-                if work.busiest_rank_s(counts, mode) >= bound:
-                    continue  # its busiest rank alone takes longer than the best found
-                candidate, gpus, times = counts_times(cost, config, counts, mode)
-                if busiest_rank_s(plan, times) >= bound or dominated(times, fitted):
-                    continue  # no faster than the best found or than a mode that fits
-                estimate = cost.assemble_below(candidate, gpus, times, bound)
-                if estimate is not None and estimate.fits:  # below the bound, and fits
-                    fitted.append(times)
-                    bound = estimate.step_time_s
-                    best = (candidate, estimate)
-        return PartitionResult(best, float("inf"))
+    if plan.schedule == Schedule.INTERLEAVED:
+        return _solve_interleaved(cost, config, options, bound)
     if plan.num_chunks > plan.pp:  # the V schedules: blocks split evenly
         best = None
         fitted: list[list[PieceCost]] = []  # times of the modes that fit memory
@@ -195,7 +259,7 @@ def solve_config(cost: CostModel, config: Config, options: SearchOptions,
             candidate, gpus, times = _even_times(cost, config, mode)
             if dominated(times, fitted):
                 continue  # no faster than a mode that fits
-            estimate = cost.assemble_below(candidate, gpus, times, bound)
+            estimate = cost.assemble_below(candidate, gpus, times, bound, fitting=True)
             if estimate is not None and estimate.fits:  # below the bound, and fits
                 fitted.append(times)
                 bound = estimate.step_time_s

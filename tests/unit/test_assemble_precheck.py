@@ -1,0 +1,59 @@
+"""``CostModel.assemble_below`` (and ``reaches_bound``, before a plan is built) proves a step
+not below the bound before simulating it (a rank's fill, work and drain with its tail, and
+memory first where asked): whatever it cuts, the simulated step reaches the bound, for every
+schedule and any chunk times."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from meshmorph.cost.layer_cost import PieceCost
+from meshmorph.cost.model import CostModel
+from meshmorph.schedule.table import Schedule
+from meshmorph.spec import catalog_model, parse_cluster
+from meshmorph.spec.plan import Plan
+
+SHAPES = [  # (schedule, pp, vpp)
+    (Schedule.GPIPE, 4, 1), (Schedule.ONE_F_ONE_B, 4, 1), (Schedule.ZERO_BUBBLE, 4, 1),
+    (Schedule.ONE_F_ONE_B, 3, 1), (Schedule.ZERO_BUBBLE, 3, 1),
+    (Schedule.INTERLEAVED, 2, 2), (Schedule.ZBV, 2, 2), (Schedule.DUALPIPEV, 2, 2),
+]
+SHARES = (0.5, 0.9, 0.99, 0.999, 1.0, 1.001, 1.01, 1.1)
+"""Bounds as shares of the simulated step: cut exactly those at or below 1."""
+
+
+@pytest.mark.parametrize("schedule,pp,vpp", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_a_step_cut_before_simulation_reaches_the_bound(schedule: Schedule, pp: int, vpp: int,
+                                                         m: int) -> None:
+    if schedule in (Schedule.GPIPE, Schedule.DUALPIPEV) and m < 2 * pp or \
+            schedule == Schedule.INTERLEAVED and m % pp:
+        m = pp * 2  # the shapes these schedules run
+    model = catalog_model("gpt-tiny")
+    cost = CostModel(model, parse_cluster("h100:1x8"))
+    rng = random.Random(f"{schedule}{pp}{m}")
+    for draw in range(12):
+        plan = Plan(model="gpt-tiny", seq_len=model.seq_len, global_batch=2 * m, tp=1, pp=pp,
+                    dp=2, zero=draw % 4, micro_batch=1, num_microbatches=m,
+                    schedule=schedule, vpp=vpp).with_even_stages(model)
+        gpus = [cost.default_gpu()] * plan.num_chunks
+        times = []
+        for stage in plan.stages:  # alike stages on even draws: the tight cases
+            f, b, w = (0.5, 0.6, 0.4) if draw % 2 == 0 else \
+                (rng.uniform(0.01, 1.0), rng.uniform(0.01, 1.0), rng.uniform(0.0, 0.5))
+            params = cost.chunk_params(stage.start, stage.stop, plan.tp)
+            times.append(PieceCost(f, b + w, b, w, f, 0.0, 0.0, 0.0, 0.0, params))
+        estimate = cost.assemble(plan, gpus, times)
+        step = estimate.step_time_s
+        for share in SHARES:
+            bound = step * share
+            below = cost.assemble_below(plan, gpus, times, bound)
+            assert (below is None) == (step >= bound), (draw, share)
+            assert below is None or below.step_time_s == step
+            spans = [(stage.start, stage.stop) for stage in plan.stages]
+            if cost.reaches_bound(plan, gpus, times, spans, bound):
+                assert step >= bound, (draw, share)
+            fitting = cost.assemble_below(plan, gpus, times, bound, fitting=True)
+            assert (fitting is None) == (step >= bound or not estimate.fits)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshmorph.run import fault
+
 MANIFEST = "manifest.json"
 PREFIX = "step-"
 TMP_INFIX = ".tmp-"
@@ -312,6 +314,7 @@ def save_checkpoint(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples:
     torch.save(_extra_state(engine), extra)
     with extra.open("rb") as handle:
         os.fsync(handle.fileno())
+    fault.point("checkpoint", step)  # MESHMORPH_FAULT (tests): this rank's files are written
     _barrier()  # every rank's files are on disk (rank 0's .metadata last of all)
     mine = {file.name: file_record(file) for file in own_files(tmp, rank)}  # each rank hashes its own
     reports = _gather_to_rank0(mine)

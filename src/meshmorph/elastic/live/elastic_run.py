@@ -16,15 +16,14 @@
   ``recovered at step ...`` line per node, the launcher's cue that the restart worked, and one
   reshape line) and logs a ``{"event": "reshape"}`` record (``at_step``, not ``step``: metrics.jsonl's step lines are
   the ones with a ``step`` key);
-- ``arm_failure``: ``--inject-failure RANK@STEP`` SIGKILLs that rank's worker in the forward of
+- ``injected``: ``--inject-failure RANK@STEP`` SIGKILLs that rank's worker in the forward of
   the step's second micro-batch (its first when there is one), once per run (a marker file in the
-  run folder remembers it).
+  run folder remembers it): the ``forward`` fault of ``run/fault.py``, which the trainer arms.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,7 +50,9 @@ from meshmorph.elastic.moves.choose_plan import choose_plan
 from meshmorph.elastic.moves.layout import layout_of
 from meshmorph.elastic.moves.move_plan import plan_move
 from meshmorph.elastic.moves.move_time import predict_move_time_s
+from meshmorph.run import fault
 from meshmorph.run.engine.train_engine import build_engine
+from meshmorph.run.fault import Fault
 from meshmorph.run.launch.console import recovered_line
 from meshmorph.run.model.materialize import state_installed_after
 from meshmorph.spec.cluster import parse_cluster
@@ -145,25 +146,13 @@ class ElasticSession:
         self.store.pinned = {step}  # a lost node comes back at this step: keep ours of it too
         self.ring_copies += 1
 
-    def arm_failure(self, engine: Any, step: int) -> None:
-        """SIGKILL this worker during ``step`` if it is the injected failure (once per run)."""
-        if self.failure is None or self.failure != (dist.get_rank(), step):
-            return
-        marker = self.out_dir / f".failure-injected-{self.failure[0]}-{self.failure[1]}"
-        if marker.exists():
-            return
-        marker.write_text(str(os.getpid()))
-        calls = {"n": 0}
-        kill_at = 2 if engine.plan.num_microbatches > 1 else 1
-
-        def hook(module: Any, args: Any) -> None:
-            calls["n"] += 1
-            if calls["n"] == kill_at:
-                print(f"meshmorph: injected failure: SIGKILL rank {dist.get_rank()} (pid "
-                      f"{os.getpid()}) in step {step}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        engine.model_parts[0].register_forward_pre_hook(hook)
+    def injected(self) -> list[Fault]:
+        """``--inject-failure RANK@STEP`` as the fault it is: SIGKILL in the forward of that
+        step (``run/fault.py``, once per run)."""
+        if self.failure is None:
+            return []
+        rank, step = self.failure
+        return [Fault(rank, step, "forward", marker_name=f".failure-injected-{rank}-{step}")]
 
     def restore(self, model: Any, optim: Any, *, seed: int, device: torch.device,
                 total_steps: int | None = None
@@ -199,6 +188,7 @@ class ElasticSession:
         wanted = [r for r in old_ranks_read(model, plan_a, plan_b, new_rank=rank,
                                             old_rank=old_rank, local=local) if r not in local]
         pulled = pull_files(self.store, inventories, step, wanted)
+        fault.point("reshape", step)  # MESHMORPH_FAULT (tests): mid-transfer
         with state_installed_after():  # every value is written by restore_from_store
             engine = build_engine(model, plan_b, optim, seed=seed, device=device)
         report = restore_from_store(self.store, new_rank=rank, old_rank=old_rank, step=step,

@@ -4,7 +4,8 @@ Every rank saves into ``step-N.tmp-<uuid>``, hashes the files it wrote (SHA-256)
 to rank 0. Rank 0 writes ``manifest.json`` last (step, consumed samples, plan, run fingerprint, size
 and SHA-256 of every file) to a temporary name, fsyncs it, renames it into place, fsyncs the folder,
 renames the folder to ``step-N`` and fsyncs the checkpoint folder. Only then are older checkpoints
-pruned. A ``.tmp-`` folder is an interrupted save and is never loaded; a ``step-N`` folder without
+pruned, and the ``.tmp-`` folders of earlier interrupted saves removed. A ``.tmp-`` folder is an
+interrupted save and is never loaded; a ``step-N`` folder without
 a manifest, or whose files do not match it, is refused with the checkpoint to fall back to. Model
 and optimizer state go through ``get_*_state_dict`` with the parameters' original names, so a
 checkpoint loads into any other Plan (DCP reshards on load). Per-rank RNG states and the
@@ -204,6 +205,17 @@ def prune_checkpoints(ckpt_dir: Path, keep: int) -> list[Path]:
     return doomed
 
 
+def remove_interrupted_saves(ckpt_dir: Path) -> list[Path]:
+    """Delete the ``.tmp-`` folders of saves cut short (a rank or the job killed mid-save), once
+    a newer save has committed: the run holds the folder's lock, so no other save is under way,
+    and such a folder is never loaded. Returns the deleted folders."""
+    doomed = sorted(entry for entry in ckpt_dir.iterdir()
+                    if entry.name.startswith(PREFIX) and TMP_INFIX in entry.name)
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
 # --- torch side: what is saved and loaded ---------------------------------------------------
 def _engine_state(engine: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import (
@@ -324,6 +336,7 @@ def save_checkpoint(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples:
         commit_checkpoint(tmp, final, step=step, consumed_samples=consumed_samples, plan=plan,
                           files=files, fingerprint=fingerprint)
         prune_checkpoints(ckpt_dir, keep)  # only once the new one is committed
+        remove_interrupted_saves(ckpt_dir)
     _barrier()  # nobody runs ahead (or exits) before the commit
     return final
 

@@ -122,7 +122,8 @@ class ElasticSession:
         self.store.save(dist.get_rank(), step, plan.to_json(), state)
         self._ring(step, state.nbytes)
 
-    def _ring(self, step: int, state_bytes: int) -> None:
+    def _ring(self, step: int, state_bytes: int, *, now_due: bool = False) -> None:
+        """The ring copy of ``step`` when it is due (every K steps; ``now_due``: at once)."""
         world, size = dist.get_world_size(), self.ranks_per_node()
         nodes = world // size
         now, step_s = time.perf_counter(), time.perf_counter() - self._last
@@ -138,7 +139,7 @@ class ElasticSession:
             agreed = torch.tensor([k], dtype=torch.int64)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             self.ring_every = int(agreed[0])
-        if step % self.ring_every:
+        if step % self.ring_every and not now_due:
             return
         rank = dist.get_rank()
         ring_copy(self.store, rank, step, {"next": (rank + size) % world,
@@ -251,7 +252,8 @@ class ElasticSession:
     def _reseed(self, engine: Any, plan: Plan, step: int, consumed: int,
                 inventories: list[Inventory]) -> None:
         """Write the restored state at ``step`` under the new plan and drop every older file of
-        this node (the old plan's, the ring copy), so the store never mixes two plans."""
+        this node (the old plan's, the ring copy), so the store never mixes two plans; then,
+        with several nodes, the ring copy of ``step`` at once."""
         state = extract_state(engine, consumed_samples=consumed, checksums=False)
         self.store.save(dist.get_rank(), step, plan.to_json(), state)
         dist.barrier()
@@ -259,3 +261,6 @@ class ElasticSession:
             self.store.keep_only({inv.rank for inv in inventories
                                   if inv.node == self.store.node}, step)
         dist.barrier()
+        # the ring copies went with the old files: copy the restored step now, or a node lost
+        # before the next ring step could not be rebuilt from memory
+        self._ring(step, state.nbytes, now_due=True)

@@ -25,9 +25,22 @@ def test_pause_and_a_list_of_faults() -> None:
         Fault(0, 4, "checkpoint", 2.5), Fault(1, 2, "reshape")]
 
 
+def test_any_rank_fires_on_every_rank_once_per_run_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FAULT_ENV, "*@2:backward")
+    (armed,) = fault.install(tmp_path)
+    assert armed == Fault(None, 2, "backward")
+    assert armed.marker(tmp_path) == tmp_path / ".fault-any-2-backward"
+    for rank in ("0", "5"):
+        monkeypatch.setenv("RANK", rank)
+        assert fault._due("backward", 2) == [armed]
+    armed.marker(tmp_path).write_text("1")
+    assert fault._due("backward", 2) == []
+
+
 @pytest.mark.parametrize("text", ["1@3", "1@0:forward", "x@3:forward", "1:forward", "@3:forward",
                                   "1@3:sideways", "1@3:forward:wait=2", "1@3:forward:pause=",
-                                  "1@3:forward:pause=-1", "1@3:forward:pause=inf", "-1@3:forward"])
+                                  "1@3:forward:pause=-1", "1@3:forward:pause=inf", "-1@3:forward", "**@3:forward"])
 def test_malformed_values_are_refused_naming_the_form(text: str) -> None:
     with pytest.raises(ValueError, match=f"{FAULT_ENV} takes RANK@STEP:PHASE"):
         parse_faults(text)

@@ -4,7 +4,9 @@ Off unless ``MESHMORPH_FAULT`` is set (tests, ``bench/fault_matrix.py``, demos):
 
     MESHMORPH_FAULT=RANK@STEP:PHASE[:pause=SECONDS][,RANK@STEP:PHASE...]
 
-PHASE says where in step STEP (1-based, the step being trained) rank RANK is hit:
+PHASE says where in step STEP (1-based, the step being trained) rank RANK is hit (``*``: any
+rank of the processes that have the variable, e.g. the workers of one node of a multi-node
+run, whichever global ranks the rendezvous gave them):
 
 - ``forward``: the forward of the step's second micro-batch (its first when there is only one);
 - ``backward``: the backward of the step's first micro-batch (when the gradient of the first
@@ -18,8 +20,8 @@ PHASE says where in step STEP (1-based, the step being trained) rank RANK is hit
 
 The action is SIGKILL of the rank's own process, or with ``pause=SECONDS`` a sleep of that long
 (a window in which a test signals the launcher mid-step or mid-save). Each fault fires once per
-run folder: on firing it writes the marker ``.fault-RANK-STEP-PHASE`` (the pid) into the run
-folder, so the restarted or resumed run does not fire it again, and a watcher that sees the
+run folder: on firing it writes the marker ``.fault-RANK-STEP-PHASE`` (``.fault-any-...`` for
+``*``; the pid) into the run folder, so the restarted or resumed run does not fire it again, and a watcher that sees the
 marker knows the rank has reached the phase. ``--inject-failure RANK@STEP`` is the ``forward``
 fault (marker ``.failure-injected-RANK-STEP``).
 """
@@ -45,8 +47,8 @@ PHASES = ("forward", "backward", "optimizer", "checkpoint", "reshape")
 class Fault:
     """One fault: rank, step, phase and action."""
 
-    rank: int
-    """The global rank hit."""
+    rank: int | None
+    """The global rank hit (None: any)."""
     step: int
     """The step (1-based) being trained, saved (checkpoint) or restored (reshape)."""
     phase: str
@@ -57,15 +59,17 @@ class Fault:
     """The marker file's name ("" : ``.fault-RANK-STEP-PHASE``)."""
 
     def marker(self, out_dir: Path) -> Path:
-        return out_dir / (self.marker_name or f".fault-{self.rank}-{self.step}-{self.phase}")
+        who = "any" if self.rank is None else self.rank
+        return out_dir / (self.marker_name or f".fault-{who}-{self.step}-{self.phase}")
 
 
 def _fault(text: str) -> Fault:
-    usage = f"{FAULT_ENV} takes RANK@STEP:PHASE[:pause=SECONDS] (PHASE one of {', '.join(PHASES)})"
+    usage = (f"{FAULT_ENV} takes RANK@STEP:PHASE[:pause=SECONDS] (RANK a number or *, PHASE one "
+             f"of {', '.join(PHASES)})")
     where, _, rest = text.strip().partition(":")
     phase, _, action = rest.partition(":")
     rank, at, step = where.partition("@")
-    if not at or not rank.isdigit() or not step.isdigit() or int(step) < 1:
+    if not at or not (rank.isdigit() or rank == "*") or not step.isdigit() or int(step) < 1:
         raise ValueError(f"{usage}, step >= 1; got {text!r}")
     if phase not in PHASES:
         raise ValueError(f"{usage}; got phase {phase!r} in {text!r}")
@@ -78,7 +82,7 @@ def _fault(text: str) -> Fault:
             pause_s = -1.0
         if not 0 <= pause_s < float("inf"):
             raise ValueError(f"{usage}; the action must be pause=SECONDS >= 0, got {action!r}")
-    return Fault(int(rank), int(step), phase, pause_s)
+    return Fault(None if rank == "*" else int(rank), int(step), phase, pause_s)
 
 
 def parse_faults(text: str | None) -> list[Fault]:
@@ -112,7 +116,7 @@ def _due(phase: str, step: int) -> list[Fault]:
     if not _armed or _out_dir is None:
         return []
     rank = _rank()
-    return [f for f in _armed if (f.rank, f.step, f.phase) == (rank, step, phase)
+    return [f for f in _armed if f.rank in (None, rank) and (f.step, f.phase) == (step, phase)
             and not f.marker(_out_dir).exists()]
 
 
@@ -121,12 +125,13 @@ def fire(fault: Fault) -> None:
     assert _out_dir is not None
     fault.marker(_out_dir).write_text(str(os.getpid()))
     where = "in step" if fault.phase == "forward" else f"in the {fault.phase} of step"
+    rank = _rank()
     if fault.pause_s is not None:
-        print(f"meshmorph: injected pause: rank {fault.rank} (pid {os.getpid()}) sleeps "
+        print(f"meshmorph: injected pause: rank {rank} (pid {os.getpid()}) sleeps "
               f"{fault.pause_s:g} s {where} {fault.step}", file=sys.stderr, flush=True)
         time.sleep(fault.pause_s)
         return
-    print(f"meshmorph: injected failure: SIGKILL rank {fault.rank} (pid {os.getpid()}) {where} "
+    print(f"meshmorph: injected failure: SIGKILL rank {rank} (pid {os.getpid()}) {where} "
           f"{fault.step}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -156,12 +156,17 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def orphans(launches: list[Launch], wait_s: float = ORPHAN_WAIT_S) -> list[int]:
-    """The processes seen below the launchers still running ``wait_s`` after they exited."""
-    pids = {pid for launch in launches for pid in launch.seen}
+def wait_gone(pids: set[int], wait_s: float) -> list[int]:
+    """The processes of ``pids`` still running after at most ``wait_s``."""
     deadline = time.monotonic() + wait_s
     while (alive := sorted(p for p in pids if _alive(p))) and time.monotonic() < deadline:
         time.sleep(0.2)
+    return alive
+
+
+def orphans(launches: list[Launch], wait_s: float = ORPHAN_WAIT_S) -> list[int]:
+    """The processes seen below the launchers still running ``wait_s`` after they exited."""
+    alive = wait_gone({pid for launch in launches for pid in launch.seen}, wait_s)
     for pid in alive:  # leave nothing behind: the row fails, the next one starts clean
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -405,6 +410,9 @@ def run_plain(sc: Scenario, ctx: Context, folder: Path) -> tuple[list[Launch], l
     first = start(ctx.args(run_dir), folder / "first.log", env)
     note = fire_trigger(sc, first, run_dir) if sc.trigger else None
     first.wait()
+    # a killed launcher's ranks stop on their own: resume once they are gone, as a user must
+    # (their torchrun holds the run folder's lock until then)
+    wait_gone(first.seen, 2 * ORPHAN_WAIT_S)
     launches = [first]
     stopped = steps_done(run_dir)
     if stopped < STEPS:

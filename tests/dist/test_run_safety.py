@@ -1,5 +1,6 @@
 """``meshmorph run`` under signals and failures, on 2 gloo processes: Ctrl-C while the ranks are
-still starting, a second Ctrl-C, SIGKILL of torchrun, SIGKILL of one rank, and a data-parallel
+still starting, a second Ctrl-C, SIGKILL of torchrun, SIGKILL of one rank in a checkpoint write
+(``MESHMORPH_FAULT``, run/fault.py), and a data-parallel
 checkpoint resumed under a pipeline plan (the tied head's optimizer state; the run that saved it
 also shows that a free ``MASTER_PORT`` is the rendezvous port). Every case ends with every
 process gone, a clear message, and the committed checkpoints intact."""
@@ -18,8 +19,10 @@ import pytest
 
 from meshmorph.cli import main as cli_main
 from meshmorph.run.checkpoint import scan_checkpoints, verify_checkpoint
+from meshmorph.run.fault import FAULT_ENV
 from meshmorph.run.launch.launcher import descendants
 from tests.helpers.cli import (
+    ENVIRONMENT,
     ExampleRun,
     command_line,
     finish,
@@ -28,6 +31,7 @@ from tests.helpers.cli import (
     wait_for,
 )
 from tests.helpers.jobs import gpt_tiny_job, write_job
+
 
 def ranks_of(proc: subprocess.Popen[str]) -> dict[int, int]:
     """rank -> pid of every trainer process below the launcher."""
@@ -126,27 +130,28 @@ def test_sigkill_of_torchrun_stops_the_orphaned_ranks(tmp_path: Path) -> None:
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-def test_sigkill_of_one_rank_stops_the_job_naming_it_and_the_run_resumes(tmp_path: Path) -> None:
+def test_sigkill_of_one_rank_in_a_checkpoint_write_stops_the_job_and_the_run_resumes(
+        tmp_path: Path) -> None:
     job, run_dir, log = job_file(tmp_path, steps=12, every=2), tmp_path / "run", tmp_path / "log"
     base = ["run", "--config", str(job), "--nproc", "2", "--out", str(run_dir)]
-    proc = start_cli(base, log)
+    # rank 1 dies while saving step 4: its files are in the .tmp- folder, nothing is committed
+    proc = start_cli(base, log, env={**ENVIRONMENT, FAULT_ENV: "1@4:checkpoint"})
     ckpt = run_dir / "checkpoints"
-    wait_for(lambda: len(scan_checkpoints(ckpt)[0]) >= 1 and steps_done(run_dir) >= 3, proc, log)
-    victim = ranks_of(proc)[1]
-    killed = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
-    code = finish(proc, log, 90)
-    stop_s = time.monotonic() - killed
+    code = finish(proc, log, 150)
     output = log.read_text()
+    victim = int((run_dir / ".fault-1-4-checkpoint").read_text())
     assert code == 1, output
-    assert stop_s < 60, f"the job took {stop_s:.1f} s to stop\n{output}"
     assert f"meshmorph: rank 1 (pid {victim}) was killed by SIGKILL" in output, output
     assert "resume with:" in output and "Traceback" not in output, output
-    newest = verify_checkpoint(scan_checkpoints(ckpt)[0][-1]).step
+    complete, cut = scan_checkpoints(ckpt)
+    assert [p.name for p in complete] == ["step-2"], output
+    assert [p.name.split(".tmp-")[0] for p in cut] == ["step-4"], output
     resumed = start_cli([*base, "--resume"], tmp_path / "log2")
     assert finish(resumed, tmp_path / "log2", 150) == 0, (tmp_path / "log2").read_text()
-    assert f"(step {newest}," in (tmp_path / "log2").read_text()
+    assert "(step 2," in (tmp_path / "log2").read_text()
     assert steps_done(run_dir) == 12
+    complete, cut = scan_checkpoints(ckpt)  # the next save removed the cut one's folder
+    assert cut == [] and [verify_checkpoint(p).step for p in complete] == [8, 10, 12]
 
 
 @pytest.mark.dist

@@ -18,6 +18,7 @@ from meshmorph.run.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     prune_checkpoints,
+    remove_interrupted_saves,
     save_checkpoint,
     scan_checkpoints,
     tied_aliases,
@@ -194,3 +195,13 @@ def test_single_process_save_then_load_continues_bitwise(tmp_path: Path) -> None
     assert restored.lr_schedulers[0].last_epoch == 3
     torch.manual_seed(123)
     assert _train(restored, 3) + [float(torch.rand(()))] == expected
+
+
+def test_a_committed_save_removes_the_tmp_folders_of_interrupted_ones(tmp_path: Path) -> None:
+    _fake_save(tmp_path, 4)
+    for name in ("step-6.tmp-dead", "step-2.tmp-x"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__1_0.distcp").write_bytes(b"half")
+    removed = remove_interrupted_saves(tmp_path)
+    assert [p.name for p in removed] == ["step-2.tmp-x", "step-6.tmp-dead"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"]

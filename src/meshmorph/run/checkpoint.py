@@ -4,7 +4,8 @@ Every rank saves into ``step-N.tmp-<uuid>``, hashes the files it wrote (SHA-256)
 to rank 0. Rank 0 writes ``manifest.json`` last (step, consumed samples, plan, run fingerprint, size
 and SHA-256 of every file) to a temporary name, fsyncs it, renames it into place, fsyncs the folder,
 renames the folder to ``step-N`` and fsyncs the checkpoint folder. Only then are older checkpoints
-pruned. A ``.tmp-`` folder is an interrupted save and is never loaded; a ``step-N`` folder without
+pruned, and the ``.tmp-`` folders of earlier interrupted saves removed. A ``.tmp-`` folder is an
+interrupted save and is never loaded; a ``step-N`` folder without
 a manifest, or whose files do not match it, is refused with the checkpoint to fall back to. Model
 and optimizer state go through ``get_*_state_dict`` with the parameters' original names, so a
 checkpoint loads into any other Plan (DCP reshards on load). Per-rank RNG states and the
@@ -23,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from meshmorph.run import fault
 
 MANIFEST = "manifest.json"
 PREFIX = "step-"
@@ -213,6 +216,17 @@ def prune_checkpoints(ckpt_dir: Path, keep: int) -> list[Path]:
     return doomed
 
 
+def remove_interrupted_saves(ckpt_dir: Path) -> list[Path]:
+    """Delete the ``.tmp-`` folders of saves cut short (a rank or the job killed mid-save), once
+    a newer save has committed: the run holds the folder's lock, so no other save is under way,
+    and such a folder is never loaded. Returns the deleted folders."""
+    doomed = sorted(entry for entry in ckpt_dir.iterdir()
+                    if entry.name.startswith(PREFIX) and TMP_INFIX in entry.name)
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
 # --- torch side: what is saved and loaded ---------------------------------------------------
 def _engine_state(engine: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import (
@@ -323,6 +337,7 @@ def save_checkpoint(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples:
     torch.save(_extra_state(engine), extra)
     with extra.open("rb") as handle:
         os.fsync(handle.fileno())
+    fault.point("checkpoint", step)  # MESHMORPH_FAULT (tests): this rank's files are written
     _barrier()  # every rank's files are on disk (rank 0's .metadata last of all)
     mine = {file.name: file_record(file) for file in own_files(tmp, rank)}  # each rank hashes its own
     reports = _gather_to_rank0(mine)
@@ -332,6 +347,7 @@ def save_checkpoint(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples:
         commit_checkpoint(tmp, final, step=step, consumed_samples=consumed_samples, plan=plan,
                           files=files, fingerprint=fingerprint)
         prune_checkpoints(ckpt_dir, keep)  # only once the new one is committed
+        remove_interrupted_saves(ckpt_dir)
     _barrier()  # nobody runs ahead (or exits) before the commit
     return final
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshmorph.run import fault
 from meshmorph.run.checkpoint import (
     CheckpointInfo,
     latest_checkpoint,
@@ -160,8 +161,7 @@ class RankRun:
         lr = float(self.engine.optimizers[0].param_groups[0]["lr"])  # the LR this step uses
         if trace:  # meshmorph run --trace: time every pipeline action of a few steps
             trace.before_step()
-        if elastic is not None:
-            elastic.arm_failure(self.engine, self.step + 1)
+        fault.arm_step(self.engine, self.step + 1)  # MESHMORPH_FAULT, --inject-failure: tests
         start = time.perf_counter()
         loss = self.engine.step(tokens)
         step_time_s = time.perf_counter() - start
@@ -236,6 +236,7 @@ def train(job: JobConfig, plan: Plan, out_dir: Path, *, resume: bool, stop: Stop
         if rank == 0:
             print(f"stopped by {stop.reason or 'a stop request'} before step 1", flush=True)
         return 0
+    fault.install(out_dir, elastic.injected() if elastic is not None else None)
     if job.train.compile and not plan.compile:  # [train] compile: the plan says it, as priced
         plan = replace(plan, compile=True)
     model = load_model(job.model.source, job.model.seq_len)

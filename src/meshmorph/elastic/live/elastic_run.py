@@ -16,15 +16,14 @@
   ``recovered at step ...`` line per node, the launcher's cue that the restart worked, and one
   reshape line) and logs a ``{"event": "reshape"}`` record (``at_step``, not ``step``: metrics.jsonl's step lines are
   the ones with a ``step`` key);
-- ``arm_failure``: ``--inject-failure RANK@STEP`` SIGKILLs that rank's worker in the forward of
+- ``injected``: ``--inject-failure RANK@STEP`` SIGKILLs that rank's worker in the forward of
   the step's second micro-batch (its first when there is one), once per run (a marker file in the
-  run folder remembers it).
+  run folder remembers it): the ``forward`` fault of ``run/fault.py``, which the trainer arms.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,7 +50,9 @@ from meshmorph.elastic.moves.choose_plan import choose_plan
 from meshmorph.elastic.moves.layout import layout_of
 from meshmorph.elastic.moves.move_plan import plan_move
 from meshmorph.elastic.moves.move_time import predict_move_time_s
+from meshmorph.run import fault
 from meshmorph.run.engine.train_engine import build_engine
+from meshmorph.run.fault import Fault
 from meshmorph.run.launch.console import recovered_line
 from meshmorph.run.model.materialize import state_installed_after
 from meshmorph.spec.cluster import parse_cluster
@@ -121,7 +122,8 @@ class ElasticSession:
         self.store.save(dist.get_rank(), step, plan.to_json(), state)
         self._ring(step, state.nbytes)
 
-    def _ring(self, step: int, state_bytes: int) -> None:
+    def _ring(self, step: int, state_bytes: int, *, now_due: bool = False) -> None:
+        """The ring copy of ``step`` when it is due (every K steps; ``now_due``: at once)."""
         world, size = dist.get_world_size(), self.ranks_per_node()
         nodes = world // size
         now, step_s = time.perf_counter(), time.perf_counter() - self._last
@@ -137,7 +139,7 @@ class ElasticSession:
             agreed = torch.tensor([k], dtype=torch.int64)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             self.ring_every = int(agreed[0])
-        if step % self.ring_every:
+        if step % self.ring_every and not now_due:
             return
         rank = dist.get_rank()
         ring_copy(self.store, rank, step, {"next": (rank + size) % world,
@@ -145,25 +147,13 @@ class ElasticSession:
         self.store.pinned = {step}  # a lost node comes back at this step: keep ours of it too
         self.ring_copies += 1
 
-    def arm_failure(self, engine: Any, step: int) -> None:
-        """SIGKILL this worker during ``step`` if it is the injected failure (once per run)."""
-        if self.failure is None or self.failure != (dist.get_rank(), step):
-            return
-        marker = self.out_dir / f".failure-injected-{self.failure[0]}-{self.failure[1]}"
-        if marker.exists():
-            return
-        marker.write_text(str(os.getpid()))
-        calls = {"n": 0}
-        kill_at = 2 if engine.plan.num_microbatches > 1 else 1
-
-        def hook(module: Any, args: Any) -> None:
-            calls["n"] += 1
-            if calls["n"] == kill_at:
-                print(f"meshmorph: injected failure: SIGKILL rank {dist.get_rank()} (pid "
-                      f"{os.getpid()}) in step {step}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        engine.model_parts[0].register_forward_pre_hook(hook)
+    def injected(self) -> list[Fault]:
+        """``--inject-failure RANK@STEP`` as the fault it is: SIGKILL in the forward of that
+        step (``run/fault.py``, once per run)."""
+        if self.failure is None:
+            return []
+        rank, step = self.failure
+        return [Fault(rank, step, "forward", marker_name=f".failure-injected-{rank}-{step}")]
 
     def restore(self, model: Any, optim: Any, *, seed: int, device: torch.device,
                 total_steps: int | None = None
@@ -199,6 +189,7 @@ class ElasticSession:
         wanted = [r for r in old_ranks_read(model, plan_a, plan_b, new_rank=rank,
                                             old_rank=old_rank, local=local) if r not in local]
         pulled = pull_files(self.store, inventories, step, wanted)
+        fault.point("reshape", step)  # MESHMORPH_FAULT (tests): mid-transfer
         with state_installed_after():  # every value is written by restore_from_store
             engine = build_engine(model, plan_b, optim, seed=seed, device=device)
         report = restore_from_store(self.store, new_rank=rank, old_rank=old_rank, step=step,
@@ -261,7 +252,8 @@ class ElasticSession:
     def _reseed(self, engine: Any, plan: Plan, step: int, consumed: int,
                 inventories: list[Inventory]) -> None:
         """Write the restored state at ``step`` under the new plan and drop every older file of
-        this node (the old plan's, the ring copy), so the store never mixes two plans."""
+        this node (the old plan's, the ring copy), so the store never mixes two plans; then,
+        with several nodes, the ring copy of ``step`` at once."""
         state = extract_state(engine, consumed_samples=consumed, checksums=False)
         self.store.save(dist.get_rank(), step, plan.to_json(), state)
         dist.barrier()
@@ -269,3 +261,6 @@ class ElasticSession:
             self.store.keep_only({inv.rank for inv in inventories
                                   if inv.node == self.store.node}, step)
         dist.barrier()
+        # the ring copies went with the old files: copy the restored step now, or a node lost
+        # before the next ring step could not be rebuilt from memory
+        self._ring(step, state.nbytes, now_due=True)

@@ -531,7 +531,7 @@ def launch(run: PreparedRun, *, quiet: bool = False) -> int:
     if how == "aborted":
         _say(f"aborted: every rank was killed {time.monotonic() - asked:.1f} s after the first Ctrl-C"
              + (f"; the newest complete checkpoint is {newest}" if newest else "")
-             + " (a save cut short is left as a .tmp- folder and never loaded)" + resume)
+             + " (a save cut short is left as a .tmp- folder, never loaded and removed by the next save)" + resume)
         return 130
     if how == "not started":
         _say("interrupted before any rank started (torchrun was still waiting for its "

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from meshmorph.cli import main as cli_main
+from tests.helpers.bad_input import forbid_processes, refused
 from tests.helpers.jobs import gpt_tiny_job
 
 JOB = gpt_tiny_job(steps=4, optim={"lr": 1e-3, "grad_clip": 1.0})
@@ -28,23 +29,7 @@ BINARY = bytes(range(256)) * 4
 
 @pytest.fixture(autouse=True)
 def _no_process_may_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a process was started although the input was bad")
-
-    monkeypatch.setattr("subprocess.Popen", refuse)
-
-
-def refused(capsys: pytest.CaptureFixture, args: list[str], *needles: str) -> str:
-    """Run ``meshmorph ARGS``; it must exit 2 with every needle in one traceback-free message."""
-    code = cli_main(args)
-    captured = capsys.readouterr()
-    err = captured.err
-    assert code == 2, f"exit {code}\nstdout:\n{captured.out}\nstderr:\n{err}"
-    assert err.startswith("meshmorph: error: ") and err.count("\n") == 1, err
-    for needle in needles:
-        assert needle in err, f"{needle!r} not in {err!r}"
-    assert "Traceback" not in err + captured.out
-    return err
+    forbid_processes(monkeypatch)
 
 
 def _write(path: Path, content: str | bytes) -> Path:

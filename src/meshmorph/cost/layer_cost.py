@@ -161,18 +161,17 @@ class LayerCoster:
         self.gpus.setdefault(gpu.name, gpu)
         return self.cost(self.classes[index], gpu.name, micro_batch, tp, sp, recompute)
 
-    def _cost(self, index: int, gpu_name: str, micro_batch: int, tp: int, sp: bool,
-              recompute: Recompute) -> PieceCost:
-        layer = self.model.layers[index]
-        gpu = self.gpus[gpu_name]
-        tokens = context_parallel.local_tokens(micro_batch, self.model.seq_len, self.cp)
-        flops16 = flops_dtype(self.dtype)  # fp8 plans run all but the blocks' GEMMs in bf16
-        peak = gpu.peak_flops(flops16)
+    def _rates(self, layer: LayerSpec, gpu: GPUSpec, tokens: int, tp: int
+               ) -> tuple[float, float, float, float, float, float]:
+        """(peak FLOP/s, the layer's forward efficiency, the same in 16-bit, the weight
+        gradient's, float8 casts' forward and backward seconds). GEMMs at their roofline rate
+        with wave quantisation (cost/gemm.py), times the optional thin-GEMM and small-batch curve
+        (off when its half points are 0); a block's GEMMs in float8 under dtype fp8, with their
+        casts (cost/fp8.py); fp8 plans run all but the blocks' GEMMs in bf16."""
+        flops16 = flops_dtype(self.dtype)
         element_bytes = self.model.dtype_bytes * self.act_scale
-        # GEMMs at their roofline rate with wave quantisation (cost/gemm.py), times the optional
-        # thin-GEMM and small-batch curve (off when its half points are 0); a block's GEMMs in
-        # float8 under dtype fp8, with their casts (cost/fp8.py)
         fp8 = self.dtype == "fp8" and layer.kind == LayerKind.BLOCK
+
         def efficiency(gemm_dtype: str | None) -> float:
             eff = layer_efficiency(self.model, layer, tp, tokens, gpu, flops16, element_bytes,
                                    self.efficiency[gpu.name], self.coef.gemm_tile, gemm_dtype,
@@ -180,14 +179,46 @@ class LayerCoster:
             return matmul_efficiency(self.coef, eff, self.model.hidden_size / tp, tokens)
 
         eff16 = efficiency(None)
-        eff = efficiency("fp8") if fp8 else eff16
+        if not fp8:
+            return gpu.peak_flops(flops16), eff16, eff16, eff16, 0.0, 0.0
+        eff = efficiency("fp8")
         cast_f, cast_b = cast_seconds(
             layer_gemms(self.model, layer, tp), tokens, gpu, self.fp8_scaling,
             bandwidth_efficiency=self.coef.fp8_cast_bandwidth_efficiency,
             eager_factor=1.0 if self.compiled else
-            self.coef.eager_elementwise_passes / self.coef.elementwise_passes) \
-            if fp8 else (0.0, 0.0)
+            self.coef.eager_elementwise_passes / self.coef.elementwise_passes)
         eff_w = eff if weight_grad_in_fp8(self.fp8_scaling) else eff16
+        return gpu.peak_flops(flops16), eff, eff16, eff_w, cast_f, cast_b
+
+    def _tp_comm(self, layer: LayerSpec, gpu: GPUSpec, tokens: int, tp: int,
+                 recompute: Recompute, fwd_s: float, bwd_s: float) -> tuple[float, float]:
+        """Exposed tensor-parallel communication (forward, backward) beside ``fwd_s`` and
+        ``bwd_s`` of compute. Each forward all-reduce (or reduce-scatter + all-gather with SP,
+        the same volume) moves the b*s*h hidden state; backward has as many; full recompute
+        repeats the forward's."""
+        if tp == 1:
+            return 0.0, 0.0
+        nbytes = tokens * self.model.hidden_size * self.model.dtype_bytes * self.act_scale
+        one = comm.all_reduce(tp, nbytes, self.tp_link[gpu.name])
+        n_fwd = layer.tp_allreduces_fwd
+        n_re = n_fwd if recompute == Recompute.FULL else 0
+        fwd_comm, bwd_comm = n_fwd * one, (n_fwd + n_re) * one
+        if not self.tp_comm_overlap:
+            return fwd_comm, bwd_comm
+        # Megatron's --tp-comm-overlap: each collective split over the ring's tp steps, each
+        # step's transfer beside the GEMM of the chunk before it (the first never hides);
+        # forward beside the forward, backward beside both gradient GEMMs and the recompute
+        share = self.coef.tp_overlap * (tp - 1) / tp
+        return (comm.overlapped([(fwd_comm, share)], fwd_s, self.coef.overlap_slowdown),
+                comm.overlapped([(bwd_comm, share)], bwd_s, self.coef.overlap_slowdown))
+
+    def _cost(self, index: int, gpu_name: str, micro_batch: int, tp: int, sp: bool,
+              recompute: Recompute) -> PieceCost:
+        layer = self.model.layers[index]
+        gpu = self.gpus[gpu_name]
+        tokens = context_parallel.local_tokens(micro_batch, self.model.seq_len, self.cp)
+        peak, eff, eff16, eff_w, cast_f, cast_b = self._rates(layer, gpu, tokens, tp)
+        element_bytes = self.model.dtype_bytes * self.act_scale
         fwd_flops = layer.fwd_flops_per_token * tokens / tp
         re_flops = layer.recompute_flops_per_token.get(recompute, 0.0) * tokens / tp
         # memory-bound kernels: passes over the saved activations at HBM bandwidth (with SP the
@@ -220,24 +251,8 @@ class LayerCoster:
             igrad_c = wgrad_c = measured.bwd_s / tp / self.cp / 2
             loss_f = loss_b = 0.0  # the measured head's times hold its loss
             cast_f = cast_b = 0.0
-        # TP: each forward all-reduce (or reduce-scatter + all-gather with SP, the same volume)
-        # moves the b*s*h hidden state; backward has as many; full recompute repeats the forward's
-        if tp > 1:
-            nbytes = tokens * self.model.hidden_size * self.model.dtype_bytes * self.act_scale
-            one = comm.all_reduce(tp, nbytes, self.tp_link[gpu.name])
-        else:
-            one = 0.0
-        n_fwd = layer.tp_allreduces_fwd
-        n_re = n_fwd if recompute == Recompute.FULL else 0
-        fwd_comm, bwd_comm = n_fwd * one, (n_fwd + n_re) * one
-        if self.tp_comm_overlap and tp > 1:
-            # Megatron's --tp-comm-overlap: each collective split over the ring's tp steps, each
-            # step's transfer beside the GEMM of the chunk before it (the first never hides);
-            # forward beside the forward, backward beside both gradient GEMMs and the recompute
-            share = self.coef.tp_overlap * (tp - 1) / tp
-            fwd_comm = comm.overlapped([(fwd_comm, share)], fwd_c, self.coef.overlap_slowdown)
-            bwd_comm = comm.overlapped([(bwd_comm, share)], igrad_c + wgrad_c + re_c,
-                                       self.coef.overlap_slowdown)
+        fwd_comm, bwd_comm = self._tp_comm(layer, gpu, tokens, tp, recompute, fwd_c,
+                                           igrad_c + wgrad_c + re_c)
         # context parallel: the ring's K/V exchange beyond each step's attention block
         ring = context_parallel.ring_time(
             self.model, micro_batch=micro_batch, tp=tp, cp=self.cp, element_bytes=element_bytes,

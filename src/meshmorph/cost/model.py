@@ -97,9 +97,9 @@ class CostModel:
         self._chunk_params: dict[tuple[int, int, int], float] = {}
         self._rank_tails: dict[tuple, tuple[float, float]] = {}
         self.least_tails: dict[tuple, float] = {}
+        """``cost.rank_terms.least_rank_tail_s`` by the plan fields it reads."""
         self.rank_layers: dict[tuple, tuple] = {}
         """The layer figures of the planner's per-rank bounds (plan/rank_bound.py)."""
-        """``cost.rank_terms.least_rank_tail_s`` by the plan fields it reads."""
 
     def _link(self, name: str, spec: LinkSpec, efficiency: float) -> comm.Link:
         link = comm.Link.from_spec(spec, efficiency)

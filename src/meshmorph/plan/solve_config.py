@@ -237,12 +237,21 @@ def _solve_interleaved(cost: CostModel, config: Config, options: SearchOptions,
                     cost.reaches_bound(plan, gpus, times, spans, bound):
                 continue  # no faster than the best found or than a mode that fits
             candidate = counts_plan(cost, config, counts, mode, gpus)
-            estimate = cost.assemble_below(candidate, gpus, times, bound, fitting=True)
-            if estimate is not None and estimate.fits:  # below the bound, and fits
-                fitted.append(times)
-                bound = estimate.step_time_s
-                best = (candidate, estimate)
+            estimate = _fits_below(cost, candidate, gpus, times, bound, fitted)
+            if estimate is not None:
+                bound, best = estimate.step_time_s, (candidate, estimate)
     return PartitionResult(best, float("inf"))
+
+
+def _fits_below(cost: CostModel, candidate: Plan, gpus: list[GPUSpec], times: list[PieceCost],
+                bound: float, fitted: list[list[PieceCost]]) -> Estimate | None:
+    """``candidate``'s estimate when it is below ``bound`` and fits memory (its times then join
+    ``fitted``, the modes that fit); None otherwise."""
+    estimate = cost.assemble_below(candidate, gpus, times, bound, fitting=True)
+    if estimate is None or not estimate.fits:
+        return None
+    fitted.append(times)
+    return estimate
 
 
 def solve_config(cost: CostModel, config: Config, options: SearchOptions,
@@ -259,11 +268,9 @@ def solve_config(cost: CostModel, config: Config, options: SearchOptions,
             candidate, gpus, times = _even_times(cost, config, mode)
             if dominated(times, fitted):
                 continue  # no faster than a mode that fits
-            estimate = cost.assemble_below(candidate, gpus, times, bound, fitting=True)
-            if estimate is not None and estimate.fits:  # below the bound, and fits
-                fitted.append(times)
-                bound = estimate.step_time_s
-                best = (candidate, estimate)
+            estimate = _fits_below(cost, candidate, gpus, times, bound, fitted)
+            if estimate is not None:
+                bound, best = estimate.step_time_s, (candidate, estimate)
         return PartitionResult(best, float("inf"))
     gpus = [cluster_gpu(cost, name) for name in config.rank_gpus]
     return solve_partition(StageSolver(cost, plan, gpus, options.recompute), bound,

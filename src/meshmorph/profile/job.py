@@ -13,6 +13,7 @@ from pathlib import Path
 from meshmorph.cost.profile import Profile
 from meshmorph.profile.alpha_beta import AlphaBeta, ring_link
 from meshmorph.profile.spawn import spawn
+from meshmorph.run.launch.host_memory import host_memory_bytes
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.model import LayerKind, Recompute
 
@@ -129,7 +130,7 @@ def timing_bytes(config: ProfileConfig) -> tuple[float, str]:
 
 def check_fits_memory(config: ProfileConfig, memory_bytes: float | None = None) -> None:
     """Refuse, before any process starts, timings that all processes together cannot hold."""
-    memory_bytes = memory_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory_bytes = memory_bytes or host_memory_bytes()
     need, name = timing_bytes(config)
     if need * config.nproc > memory_bytes:
         raise ValueError(

@@ -52,6 +52,16 @@ def peak_memory_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def parse_line(line: str) -> dict[str, Any] | None:
+    """The record of one metrics.jsonl line; None for a blank line, a line cut short when its
+    run was killed, or one that holds no object."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def record_step(record: dict) -> int | None:  # type: ignore[type-arg]
     """The step a metrics.jsonl line belongs to: a step line's ``step``, a reshape event's
     ``at_step``, a state event's ``after_step``; None for a line that names none."""
@@ -69,11 +79,8 @@ def truncate_metrics(path: Path, last_step: int) -> None:
         return
     kept = []
     for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short when its run was killed
-            continue
-        step = record_step(record) if isinstance(record, dict) else None
+        record = parse_line(line)
+        step = record_step(record) if record is not None else None
         if step is not None and step <= last_step:
             kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))

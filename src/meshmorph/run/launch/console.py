@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from meshmorph.run.metrics import parse_line
+
 EVENT_PREFIX = "meshmorph-event "
 """Starts a line the agent writes for the launcher alone (JSON after it); never shown."""
 RECOVERED = "meshmorph: recovered at step "
@@ -117,11 +119,8 @@ def last_step(metrics: Path) -> int | None:
     except OSError:
         return None
     for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and "step" in record and "event" not in record:
+        record = parse_line(line)
+        if record is not None and "step" in record and "event" not in record:
             return int(record["step"])
     return None
 

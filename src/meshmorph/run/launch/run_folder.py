@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 
 from meshmorph.run.checkpoint import PREFIX
+from meshmorph.run.launch.console import LOG_FOLDER
+from meshmorph.run.metrics import LOSS_CHART, METRICS_FILE
 
 LOCK_FILE = ".meshmorph.lock"
 STOP_FILE = ".meshmorph.stop"
@@ -38,7 +40,7 @@ def check_fresh(out_dir: Path, ckpt_dir: Path) -> None:
         )
 
 
-EARLIER_RECORDS = ("metrics.jsonl", "plan.json", "loss.png", "trace.json", "logs")
+EARLIER_RECORDS = (METRICS_FILE, "plan.json", LOSS_CHART, "trace.json", LOG_FOLDER)
 """What a run writes into its folder besides checkpoints: a new run (no ``--resume``) in a folder
 that holds them but no checkpoint moves them aside (``set_aside_earlier_run``)."""
 

@@ -10,45 +10,18 @@ from types import SimpleNamespace
 import pytest
 
 from meshmorph.cost.model import CostModel
-from meshmorph.cost.rank_terms import device_reserve_bytes, head_loss_bytes, rank_memory_terms
-from meshmorph.cost.segments import chunk_segments, layer_plan
+from meshmorph.cost.rank_terms import device_reserve_bytes
+from meshmorph.cost.segments import chunk_segments
 from meshmorph.cost.transition import transition
 from meshmorph.plan.search import search_per_layer
 from meshmorph.plan.space import SearchOptions
 from meshmorph.plan.strategy_dp import solve_stage
-from meshmorph.spec.catalog import load_model
-from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import Recompute
 from meshmorph.spec.plan import LayerStrategy, Plan
+from tests.helpers.layer_terms import a100_cost, layer_terms
 
 MODES = (Recompute.NONE, Recompute.FULL)
-
-
-def _cost(name: str, devices: int, memory_gib: float | None = None) -> CostModel:
-    cluster = parse_cluster(f"a100-40g:1x{devices}")
-    if memory_gib is not None:
-        group = cluster.groups[0]
-        cluster = replace(cluster, groups=(replace(group, gpu=replace(group.gpu,
-                                                                    memory_gib=memory_gib)),))
-    return CostModel(load_model(name), cluster)
-
-
-def layer_terms(cost: CostModel, plan: Plan, pp_rank: int, index: int, strategy: LayerStrategy,
-                recompute: Recompute, gpu: GPUSpec, *, drop_tied: bool = False) -> SimpleNamespace:
-    """Layer ``index`` under ``strategy`` priced alone by the cost model's own pieces
-    (``CostModel.layer_alone`` under its ``layer_plan``, ``rank_memory_terms``,
-    ``head_loss_bytes``): its per-micro-batch times, tail and the bytes it adds on its rank."""
-    sub = layer_plan(plan, strategy)
-    piece, tail = cost.layer_alone(sub, index, recompute, gpu, drop_tied=drop_tied)
-    terms = rank_memory_terms(cost, sub, pp_rank, gpu)
-    return SimpleNamespace(
-        fwd_s=piece.fwd_s, bwd_s=piece.bwd_s, wgrad_s=piece.wgrad_s, tail_s=tail,
-        param_bytes=piece.params * terms.bytes_per_param,
-        stored_bytes=piece.activation_bytes * terms.in_flight,
-        loss_bytes=head_loss_bytes(cost, sub, pp_rank) if index == cost.model.num_layers - 1
-        else 0.0, working_bytes=piece.working_bytes,
-        gather_bytes=piece.params * terms.gather_bytes_per_param)
 
 
 def stage_cost(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int,
@@ -112,7 +85,7 @@ CASES = [(seed, name, devices, pp) for seed, (name, devices, pp) in enumerate(
 
 def _case(seed: int, name: str, devices: int, pp: int):  # type: ignore[no-untyped-def]
     rng = random.Random(seed)
-    cost = _cost(name, devices)
+    cost = a100_cost(name, devices)
     model = cost.model
     zeros = 1 if pp == 1 else 2  # keeps the brute force to some 10^4 assignments
     strategies = [LayerStrategy(tp=t, dp=devices // t, zero=z)
@@ -197,7 +170,7 @@ def test_some_random_cap_makes_the_best_assignment_slower() -> None:
 
 
 def test_single_stage_search_step_equals_its_stage_time_and_beats_uniform() -> None:
-    cost = _cost("gpt-tiny", 4)
+    cost = a100_cost("gpt-tiny", 4)
     options = SearchOptions(pp_degrees=(1,), recompute=MODES, zero_stages=(0, 3))
     result = search_per_layer(cost.model, cost.cluster, global_batch=8, cost=cost,
                               options=replace(options, runnable_only=False))
@@ -254,7 +227,7 @@ def test_whole_search_equals_brute_force_over_batches_and_assignments(name: str,
                                                                       ) -> None:
     """pp = 1, 4 devices, every stage micro-batch; the capped devices (about 1.054 GiB, the
     context and reserve nearly all of it) make the optimum slower than without a cap."""
-    cost = _cost(name, 4, memory_gib)
+    cost = a100_cost(name, 4, memory_gib)
     options = SearchOptions(pp_degrees=(1,), recompute=MODES, zero_stages=(3,),
                             max_micro_batch=8)
     expected = _search_brute(cost, 8, 3)

@@ -1,7 +1,7 @@
 """With pp > 1 the layerwise search equals a brute force over every stage partition and every
 per-layer assignment (GPipe, 1F1B, zero-bubble; sequence parallelism on and off; random caps).
 
-The brute force is written here from the cost model's pieces alone (``layer_terms`` below:
+The brute force is written here from the cost model's pieces alone (``layer_terms`` of tests/helpers/layer_terms.py:
 ``CostModel.layer_alone`` and the rank's memory terms, ``transition``, ``device_reserve_bytes``
 and the schedule simulator), independently of the planner's
 fronts and bounds: it enumerates the stage ends with itertools.combinations and every layer's
@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -21,8 +20,8 @@ from hypothesis import strategies as st
 
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.pipeline import simulate
-from meshmorph.cost.rank_terms import device_reserve_bytes, head_loss_bytes, rank_memory_terms
-from meshmorph.cost.segments import as_layerwise, layer_plan
+from meshmorph.cost.rank_terms import device_reserve_bytes
+from meshmorph.cost.segments import as_layerwise
 from meshmorph.cost.transition import transition
 from meshmorph.plan.bounds import ConfigBounds, bubble_bound
 from meshmorph.plan.search import search_per_layer
@@ -31,40 +30,13 @@ from meshmorph.plan.space import Config, SearchOptions
 from meshmorph.plan.strategy_fronts import StageFronts
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import load_model
-from meshmorph.spec.cluster import parse_cluster
-from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import Recompute
 from meshmorph.spec.plan import LayerStrategy, Plan
 from meshmorph.spec.runnable import layerwise_runnable, tied_ends_refusal
+from tests.helpers.layer_terms import a100_cost, layer_terms
 
 MODES = (Recompute.NONE, Recompute.FULL)
 EXACT = dict(tolerance=0.0, max_nodes=None)
-
-
-def _cost(name: str, devices: int, memory_gib: float | None = None) -> CostModel:
-    cluster = parse_cluster(f"a100-40g:1x{devices}")
-    if memory_gib is not None:
-        group = cluster.groups[0]
-        cluster = replace(cluster, groups=(replace(group, gpu=replace(group.gpu,
-                                                                    memory_gib=memory_gib)),))
-    return CostModel(load_model(name), cluster)
-
-
-def layer_terms(cost: CostModel, plan: Plan, pp_rank: int, index: int, strategy: LayerStrategy,
-                recompute: Recompute, gpu: GPUSpec, *, drop_tied: bool = False) -> SimpleNamespace:
-    """Layer ``index`` under ``strategy`` priced alone by the cost model's own pieces
-    (``CostModel.layer_alone`` under its ``layer_plan``, ``rank_memory_terms``,
-    ``head_loss_bytes``): its per-micro-batch times, tail and the bytes it adds on its rank."""
-    sub = layer_plan(plan, strategy)
-    piece, tail = cost.layer_alone(sub, index, recompute, gpu, drop_tied=drop_tied)
-    terms = rank_memory_terms(cost, sub, pp_rank, gpu)
-    return SimpleNamespace(
-        fwd_s=piece.fwd_s, bwd_s=piece.bwd_s, wgrad_s=piece.wgrad_s, tail_s=tail,
-        param_bytes=piece.params * terms.bytes_per_param,
-        stored_bytes=piece.activation_bytes * terms.in_flight,
-        loss_bytes=head_loss_bytes(cost, sub, pp_rank) if index == cost.model.num_layers - 1
-        else 0.0, working_bytes=piece.working_bytes,
-        gather_bytes=piece.params * terms.gather_bytes_per_param)
 
 
 def _stage_options(cost: CostModel, plan: Plan, k: int, start: int, stop: int,
@@ -176,7 +148,7 @@ def _random_case(seed: int) -> tuple[CostModel, Plan, list[LayerStrategy]]:
                         key=lambda s: (s.tp, s.zero))
     if len(strategies) < 2:
         strategies = sorted(set(pool), key=lambda s: (s.tp, s.zero))[:2]
-    free = _cost(name, devices)
+    free = a100_cost(name, devices)
     plan = _plan(free, pp, m, 2 * d, schedule, sp, strategies)
     # what every assignment of the even split's stages needs beyond the reserve, and a cap at
     # a random quantile of it: the reserve is a fraction of the device, so solve
@@ -189,11 +161,11 @@ def _random_case(seed: int) -> tuple[CostModel, Plan, list[LayerStrategy]]:
         else needs[0] * 0.99  # below every assignment of the even split
     frac = free.coef.memory_reserve_fraction
     cap_bytes = (need + free.coef.context_bytes) / (1 - frac)
-    return _cost(name, devices, cap_bytes / 2**30), plan, strategies
+    return a100_cost(name, devices, cap_bytes / 2**30), plan, strategies
 
 
 def _uncapped(cost: CostModel) -> CostModel:
-    return _cost(cost.model.name, cost.cluster.world_size)
+    return a100_cost(cost.model.name, cost.cluster.world_size)
 
 
 @pytest.mark.parametrize("capped", [True, False])
@@ -243,7 +215,7 @@ def test_whole_search_with_pp_1_and_2_equals_brute_force_over_its_configurations
     zero-bubble, sp off and on, ZeRO 0 or 2), brute-forced here, against search_per_layer with
     tolerance 0 (one cache of layer terms across configurations, as in real searches); the
     device capped so that the cap binds."""
-    cost = _cost("gpt-tiny", 4, 1.06)
+    cost = a100_cost("gpt-tiny", 4, 1.06)
     model = cost.model
     options = SearchOptions(recompute=MODES, zero_stages=(0, 2), sequence_parallel=(False, True),
                             schedules=(Schedule.GPIPE, Schedule.ONE_F_ONE_B,
@@ -278,7 +250,6 @@ def test_whole_search_with_pp_1_and_2_equals_brute_force_over_its_configurations
 
 
 
-
 @pytest.mark.parametrize(("name", "devices", "batch", "memory_gib"), [
     ("gpt-tiny", 4, 8, None), ("gpt-tiny", 4, 8, 1.06), ("llama-tiny", 8, 8, None),
     ("llama-tiny", 8, 16, 1.055)])
@@ -289,7 +260,7 @@ def test_layerwise_best_never_slower_than_the_regular_plan_under_the_same_model(
     regular planner's best plan is never faster than the exact layerwise search's."""
     from meshmorph.plan.search import search
 
-    cost = _cost(name, devices, memory_gib)
+    cost = a100_cost(name, devices, memory_gib)
     schedules = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE)
     options = SearchOptions(top_k=1, schedules=schedules, pp_degrees=(1, 2), **EXACT)
     regular = search(cost.model, cost.cluster, global_batch=batch, options=options, cost=cost)
@@ -344,7 +315,7 @@ def test_v_schedule_bound_and_plan_against_brute_force(name: str, schedule: Sche
     configuration's bound (each rank's memory relaxation and the schedule simulated at every
     chunk's least figures) is never above the brute force over every per-layer assignment,
     and the plan the search builds fits and is never faster than it."""
-    cost = _cost(name, 4, memory_gib)
+    cost = a100_cost(name, 4, memory_gib)
     strategies = [LayerStrategy(tp=1, dp=2, zero=1), LayerStrategy(tp=2, dp=1, zero=0)]
     first = strategies[0]
     plan = Plan(model=name, seq_len=cost.model.seq_len, global_batch=8, tp=first.tp, dp=first.dp,
@@ -380,7 +351,7 @@ def _tied_case(seed: int) -> tuple[CostModel, Plan, list[LayerStrategy]]:
             for t in (1, 2, 4) if d % t == 0 for z in range(4)]
     strategies = sorted(set(rng.sample(sorted(set(pool), key=lambda s: (s.tp, s.zero)), 3)),
                         key=lambda s: (s.tp, s.zero))
-    free = _cost("gpt-tiny", devices)
+    free = a100_cost("gpt-tiny", devices)
     plan = _plan(free, 2, m, 2 * d, schedule, sp, strategies)
     reserve = device_reserve_bytes(free, free.default_gpu())
     needs = sorted(x[4] - reserve for k, stage in enumerate(plan.stages)
@@ -389,7 +360,7 @@ def _tied_case(seed: int) -> tuple[CostModel, Plan, list[LayerStrategy]]:
     need = needs[int(rng.uniform(0.1, 0.8) * len(needs))]
     frac = free.coef.memory_reserve_fraction
     cap_bytes = (need + free.coef.context_bytes) / (1 - frac)
-    return _cost("gpt-tiny", devices, cap_bytes / 2**30), plan, strategies
+    return a100_cost("gpt-tiny", devices, cap_bytes / 2**30), plan, strategies
 
 
 TIED_SEEDS = range(10)

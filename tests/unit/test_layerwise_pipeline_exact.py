@@ -1,11 +1,11 @@
 """With pp > 1 the layerwise search equals a brute force over every stage partition and every
 per-layer assignment (GPipe, 1F1B, zero-bubble; sequence parallelism on and off; random caps).
 
-The brute force is written here from the cost model's pieces alone (``layer_terms`` of tests/helpers/layer_terms.py:
-``CostModel.layer_alone`` and the rank's memory terms, ``transition``, ``device_reserve_bytes``
-and the schedule simulator), independently of the planner's
-fronts and bounds: it enumerates the stage ends with itertools.combinations and every layer's
-(strategy, recompute) with itertools.product, and prices every combination.
+The brute force is written here from the cost model's pieces alone (``layer_terms`` of
+tests/helpers/layer_terms.py: ``CostModel.layer_alone`` and the rank's memory terms,
+``transition``, ``device_reserve_bytes`` and the schedule simulator), independently of the
+planner's fronts and bounds: it enumerates the stage ends with itertools.combinations and every
+layer's (strategy, recompute) with itertools.product, and prices every combination.
 """
 
 from __future__ import annotations

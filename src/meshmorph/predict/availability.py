@@ -1,6 +1,6 @@
 """Whether spot capacity can be had in a zone: an alternating process of periods with capacity
 ("up": how long capacity lasts) and without ("down": the wait for it), each a run-length
-distribution on the probes' tick grid fitted by maximum likelihood (``run_fits.py``), and the path
+distribution on the probes' tick grid fitted by maximum likelihood (``fits.py``), and the path
 of one zone over a simulated run.
 
 A zone's series is a tick-by-tick record of whether a spot request there succeeded (count series:
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from meshmorph.predict.run_fits import RunFit, Runs, fit_runs, rate_fit, runs_of
+from meshmorph.predict.fits import RunFit, Runs, fit_runs, rate_fit, runs_of
 
 WARM_UP_CYCLES = 30
 """A drawn path starts this many mean up+down cycles before time 0."""

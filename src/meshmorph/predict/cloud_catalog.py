@@ -50,8 +50,8 @@ class Provider:
     def rules(self, hazard: Hazard) -> Hazard:
         """``hazard`` with this provider's notice and cap (and its constant rate, if it has one)."""
         if not self.hazard:
-            hazard = Hazard(name=f"{self.name} constant", edges_h=(0.0,), rates_per_h=(),
-                            tail_rate_per_h=self.rate_per_h, source=f"{self.name}: rate_per_h")
+            hazard = Hazard.constant(f"{self.name} constant", self.rate_per_h,
+                                     source=f"{self.name}: rate_per_h")
         return replace(hazard, notice_s=self.notice_s, max_runtime_h=self.max_runtime_h)
 
 

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from meshmorph.elastic.moves.box import Box
 from meshmorph.elastic.moves.placement import ReshapeError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -222,17 +223,12 @@ def _sources(key: str, pieces: dict[str, list[HeldPiece]], tied: bool) -> list[H
 
 def fill_box_(local: torch.Tensor, offset: tuple[int, ...], sources: list[HeldPiece]) -> int:
     """Copy into ``local`` (the box at ``offset``) every overlap with ``sources``; elements set."""
-    covered = 0
+    covered, box = 0, Box(offset, tuple(local.shape))
     for piece in sources:
-        lo = [max(a, b) for a, b in zip(offset, piece.offset, strict=True)]
-        hi = [min(a + n, b + m) for a, n, b, m in
-              zip(offset, local.shape, piece.offset, piece.shape, strict=True)]
-        if any(h <= low for low, h in zip(lo, hi, strict=True)) and local.dim():
-            continue
-        dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offset, strict=True))
-        src = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, piece.offset, strict=True))
-        local[dst].copy_(piece.tensor[src])
-        covered += local[dst].numel()
+        common = box.intersect(Box(piece.offset, piece.shape))
+        if common is not None:
+            local[common.slices_from(offset)].copy_(piece.tensor[common.slices_from(piece.offset)])
+            covered += common.numel
     return covered
 
 

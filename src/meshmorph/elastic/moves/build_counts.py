@@ -17,8 +17,7 @@ import math
 from dataclasses import dataclass
 
 from meshmorph.cost.state import fsdp_shards
-from meshmorph.cost.tensor_shapes import layer_tensors
-from meshmorph.elastic.moves.layout import param_fqn
+from meshmorph.elastic.moves.layout import rank_tensors
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
 
@@ -57,37 +56,24 @@ class BuildCounts:
         return 2 * self.param_bytes
 
 
-def mesh_shape(plan: Plan) -> tuple[int, int, int]:
-    """The (pp, dp, tp) mesh ``run/mesh.build_mesh`` forms."""
-    return plan.pp, plan.dp, plan.tp
-
-
 def build_counts(model: ModelSpec, plan: Plan) -> dict[int, BuildCounts]:
     """``BuildCounts`` of every rank of ``plan`` (by rank)."""
     world = plan.world_size
-    dims = [size for size in mesh_shape(plan) if size < world]
+    dims = [size for size in (plan.pp, plan.dp, plan.tp) if size < world]  # the mesh's dims
     calls = sum(world // size for size in dims)
     groups = tuple(size for size in dims if size > 1)
     fsdp = fsdp_shards(zero=plan.zero, dp=plan.dp)
     out = {}
     for pp_rank in range(plan.pp):
-        tensors = tp_tensors = units = numel = 0
-        seen: set[str] = set()
-        for chunk in plan.chunks_of(pp_rank):
-            stage = plan.stages[chunk]
-            units += (stage.stop - stage.start + 1) if fsdp else 0
-            for layer in range(stage.start, stage.stop):
-                for tensor in layer_tensors(model, layer, plan.tp):
-                    fqn = param_fqn(model, layer, tensor.name)
-                    if fqn in seen:
-                        continue
-                    seen.add(fqn)
-                    tensors += 1
-                    split = plan.tp > 1 and tensor.tp_dim is not None
-                    tp_tensors += split
-                    shape = tensor.local_shape(plan.tp)
-                    rows = -(-shape[0] // plan.dp) if fsdp else shape[0]  # FSDP2 pads rows
-                    numel += rows * math.prod(shape[1:])
+        tensors = tp_tensors = numel = 0
+        units = sum(plan.stages[c].stop - plan.stages[c].start + 1
+                    for c in plan.chunks_of(pp_rank)) if fsdp else 0
+        for _, tensor in rank_tensors(model, plan, pp_rank):
+            tensors += 1
+            tp_tensors += plan.tp > 1 and tensor.tp_dim is not None
+            shape = tensor.local_shape(plan.tp)
+            rows = -(-shape[0] // plan.dp) if fsdp else shape[0]  # FSDP2 pads rows
+            numel += rows * math.prod(shape[1:])
         counts = BuildCounts(tensors=tensors, tp_tensors=tp_tensors, fsdp_units=units,
                              fsdp_tensors=tensors if fsdp else 0,
                              param_bytes=numel * ELEMENT_BYTES, mesh_calls=calls,

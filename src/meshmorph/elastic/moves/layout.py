@@ -28,10 +28,11 @@ All state tensors are fp32 (the master parameters are fp32 in every precision: s
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from meshmorph.cost.state import fsdp_shards
-from meshmorph.cost.tensor_shapes import layer_tensors
+from meshmorph.cost.tensor_shapes import ParamTensor, layer_tensors
 from meshmorph.elastic.moves.box import Box
 from meshmorph.spec.model import LayerKind, ModelSpec
 from meshmorph.spec.plan import Plan, PlanError
@@ -113,10 +114,6 @@ class Layout:
         return sum(self._bytes(p.key, p.box.numel + p.pad_rows * p.box.row_numel())
                    for p in self.held.get(rank, ()))
 
-    def total_bytes(self) -> int:
-        """Bytes of the whole state, each tensor once."""
-        return sum(t.nbytes for t in self.tensors.values())
-
     def _bytes(self, key: str, numel: int) -> int:
         return numel * DTYPE_BYTES[self.tensors[key].dtype]
 
@@ -133,6 +130,20 @@ def param_fqn(model: ModelSpec, layer: int, name: str) -> str:
             return "embed.tok.weight"
         return f"head.{name}"
     return f"blocks.{layer - 1}.{name}"
+
+
+def rank_tensors(model: ModelSpec, plan: Plan, pp_rank: int) -> Iterator[tuple[str, ParamTensor]]:
+    """(fqn, tensor) of every parameter tensor pipeline rank ``pp_rank`` holds (its chunks'
+    layers; a tied head beside its embedding once)."""
+    seen: set[str] = set()
+    for chunk in plan.chunks_of(pp_rank):
+        stage = plan.stages[chunk]
+        for layer in range(stage.start, stage.stop):
+            for tensor in layer_tensors(model, layer, plan.tp):
+                fqn = param_fqn(model, layer, tensor.name)
+                if fqn not in seen:
+                    seen.add(fqn)
+                    yield fqn, tensor
 
 
 def _dp_rows(rows: int, dp: int, dp_rank: int) -> tuple[int, int]:
@@ -175,6 +186,7 @@ def layout_of(model: ModelSpec, plan: Plan) -> Layout:
     plan.check_against(model)
     tensors: dict[str, StateTensor] = {}
     held: dict[int, list[Piece]] = {}
+    shard = fsdp_shards(zero=plan.zero, dp=plan.dp)
     small = {"step": StateTensor("step", (), "int64"),
              "lr_scheduler": StateTensor("lr_scheduler", (), "int64"),
              "data": StateTensor("data", (), "int64")}
@@ -184,22 +196,13 @@ def layout_of(model: ModelSpec, plan: Plan) -> Layout:
             for tp_rank in range(plan.tp):
                 rank = plan.rank_of(pp_rank, dp_rank, tp_rank)
                 pieces = held.setdefault(rank, [])
-                seen: set[str] = set()
-                for chunk in plan.chunks_of(pp_rank):
-                    stage = plan.stages[chunk]
-                    for layer in range(stage.start, stage.stop):
-                        for tensor in layer_tensors(model, layer, plan.tp):
-                            fqn = param_fqn(model, layer, tensor.name)
-                            if fqn in seen:  # a tied head beside its embedding: one tensor
-                                continue
-                            seen.add(fqn)
-                            local = _tp_box(tensor.shape, tensor.tp_dim, plan.tp, tp_rank)
-                            for kind in ("param", *MOMENTS):
-                                key = f"{kind}/{fqn}"
-                                tensors.setdefault(key, StateTensor(key, tensor.shape, "fp32"))
-                                shard = fsdp_shards(zero=plan.zero, dp=plan.dp)
-                                pieces.append(_dp_piece(key, local, plan.dp, dp_rank) if shard
-                                              else Piece(key, local))
+                for fqn, tensor in rank_tensors(model, plan, pp_rank):
+                    local = _tp_box(tensor.shape, tensor.tp_dim, plan.tp, tp_rank)
+                    for kind in ("param", *MOMENTS):
+                        key = f"{kind}/{fqn}"
+                        tensors.setdefault(key, StateTensor(key, tensor.shape, "fp32"))
+                        pieces.append(_dp_piece(key, local, plan.dp, dp_rank) if shard
+                                      else Piece(key, local))
                 rng = f"rng/{rank}"
                 tensors[rng] = StateTensor(rng, (RNG_STATE_BYTES,), "uint8")
                 pieces.extend(Piece(key, Box.whole(t.shape)) for key, t in small.items())

@@ -47,9 +47,6 @@ FROM_CHECKPOINT = -1
 DEFAULT_STAGING_BYTES = 256 * 2**20
 """Largest batch a destination buffers before placing it (256 MiB)."""
 
-__all__ = ["Batch", "FROM_CHECKPOINT", "MovePlan", "ReshapeError", "Transfer", "plan_move"]
-
-
 @dataclass(frozen=True, slots=True)
 class Transfer:
     """One box of one state tensor sent from a device to another."""

@@ -19,6 +19,7 @@ risk. Every node is billed at its zone's price from the moment it runs until it 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -254,9 +255,8 @@ class _Run:
         if self.env.now > start:
             self.result.timeline.append((start, self.env.now, kind, nodes, str(self.current)))
             if kind == "compute":
-                zone = str(self.current)
-                self.result.zone_compute_s[zone] = self.result.zone_compute_s.get(zone, 0.0) + \
-                    self.env.now - start
+                zones = self.result.zone_compute_s
+                zones[str(self.current)] = zones.get(str(self.current), 0.0) + self.env.now - start
 
     def _hold(self, seconds: float, members: list[_Node], grow: bool = False
               ) -> Generator[Any, Any, str]:
@@ -434,23 +434,19 @@ def summarize(runs: list[RunResult], deadline_h: float | None = None) -> dict[st
     (share of the training time in each)."""
     hours = np.array([r.time_s / 3600 for r in runs])
     cost = np.array([r.cost_usd for r in runs])
-    zones: dict[str, float] = {}
+    zones: Counter[str] = Counter()
     for r in runs:
-        for zone, seconds in r.zone_compute_s.items():
-            zones[zone] = zones.get(zone, 0.0) + seconds
+        zones.update(r.zone_compute_s)
     total = sum(zones.values()) or 1.0
     out: dict[str, Any] = {"runs": len(runs)}
     for p in (10, 50, 90):
         out[f"time_h_p{p}"] = float(np.percentile(hours, p))
         out[f"cost_usd_p{p}"] = float(np.percentile(cost, p))
-    out.update({
-        "preemptions_mean": float(np.mean([r.preemptions for r in runs])),
-        "lost_steps_mean": float(np.mean([r.lost_steps for r in runs])),
-        "moves_mean": float(np.mean([r.moves for r in runs])),
-        "reshapes_mean": float(np.mean([r.reshapes for r in runs])),
-        "unfinished": sum(not r.finished for r in runs),
-        "switched_to_on_demand": sum(r.switched_at_s is not None for r in runs),
-        "zones": {z: s / total for z, s in sorted(zones.items(), key=lambda kv: -kv[1])}})
+    out.update({f"{name}_mean": float(np.mean([getattr(r, name) for r in runs]))
+                for name in ("preemptions", "lost_steps", "moves", "reshapes")})
+    out.update({"unfinished": sum(not r.finished for r in runs),
+                "switched_to_on_demand": sum(r.switched_at_s is not None for r in runs),
+                "zones": {z: s / total for z, s in zones.most_common()}})
     if deadline_h is not None:
         out["met_deadline"] = float(np.mean(hours <= deadline_h))
     return out

@@ -1,25 +1,19 @@
 """Reshape a running job in memory: from an engine of Plan A on some processes to an engine of
-Plan B on others, moving only what the MovePlan says.
+Plan B on others, moving only what the MovePlan says. Every process that takes part calls
+``reshape_in_memory`` with the same arguments (its own ``me`` and engine aside):
 
-Every process that takes part calls ``reshape_in_memory`` with the same arguments (its own
-``me`` and engine aside). The steps:
-
-1. this process's pieces out of its old engine (views, ``local_state.extract_state``);
-2. one process group over every process that sends or receives: the default group itself where
-   it already spans Plan A's processes in rank order and nobody joins, else a new one
-   (``regroup``);
-3. the first survivor computes Layouts A and B and the MovePlan (pure; a planned leave names the
-   processes that stay, and the placement is the best one among them, ``linear_sum_assignment``
-   on the receive matrix restricted to those devices) and broadcasts it with the small state
-   (step, LR schedule, data position, loss scaler); then the transfers
+1. its pieces out of its old engine (views, ``local_state.extract_state``);
+2. one process group over every process that sends or receives (the default group where it
+   already spans Plan A's processes in rank order and nobody joins, else ``regroup``);
+3. the first survivor plans the move (pure; a planned leave places Plan B's ranks on the
+   processes that stay) and broadcasts it with the small state; the transfers
    (``execute.execute_transfers``) and a barrier;
-4. the process group of Plan B, ranks in placement order (the move's group again where its ranks
-   are already in that order), the new engine built on the meta device and filled from the
-   pieces kept and received (``local_state.install_state``).
+4. Plan B's process group (the move's again where its ranks are already in placement order),
+   the new engine built on meta and filled from the pieces kept and received
+   (``local_state.install_state``).
 
-The old engine is only read until step 4 succeeds: a failure before it leaves its state whole
-(its pieces can be installed again into a rebuilt Plan A engine). Process groups are formed over
-a ``FileStore`` in ``store_dir``, one file per step of the move.
+The old engine is only read until step 4: a failure before it leaves its state whole. Process
+groups are formed over a ``FileStore`` in ``store_dir``, one file per step of the move.
 """
 
 from __future__ import annotations
@@ -107,14 +101,15 @@ class ReshapeReport:
     """Wall time of each part of the move on this process, named as ``move_time.PARTS`` names
     the predicted ones (extract, group, plan, agree, transfer, group_b, build, install; and
     checkpoint where pieces are read from one)."""
-    predicted_time_s: float = 0.0
-    """The cost model's time of the move (``move_time.predict_move_time_s``): the transfers
-    alone with the default ``MoveTimeModel``, from the change to the new engine ready with a
-    measured one."""
     consumed_samples: int | None = None
     """The data position the move carried (None on a process that took no part)."""
     predicted: MoveTime | None = None
-    """The predicted time's terms (network, fixed, rebuild)."""
+    """The predicted time and its parts (``move_time``): the transfers alone with the default
+    ``MoveTimeModel``, from the change to the new engine ready with a measured one."""
+
+    @property
+    def predicted_time_s(self) -> float:
+        return self.predicted.total_s if self.predicted is not None else 0.0
 
     def figures(self) -> dict[str, Any]:
         """The keys of a ``{"event": "reshape"}`` line (sizes in bytes, times in seconds)."""
@@ -267,7 +262,7 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
 
     state: LocalState | None = None
     if engine is not None:
-        state = extract_state(engine, consumed_samples=consumed_samples, checksums=False)
+        state = extract_state(engine, consumed_samples=consumed_samples)
     lap("extract")
     alive_a = [p for r, p in enumerate(request.processes_a) if r not in request.lost]
     members = sorted(set(alive_a) | set(request.joining))
@@ -284,7 +279,7 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
     move, process_of, shapes, small, predicted, plan_s = _agree(
         request, state, members.index(alive_a[0]), members, formed)
     processes_b = tuple(process_of[move.placement[r]] for r in range(request.plan_b.world_size))
-    report = ReshapeReport(move, processes_b, times_s=times, predicted_time_s=predicted.total_s,
+    report = ReshapeReport(move, processes_b, times_s=times,
                            consumed_samples=small.consumed_samples, predicted=predicted)
     small.rng = state.small.rng if state is not None else torch.get_rng_state()
     lap("agree")  # waiting for the first survivor's planning, then the broadcast

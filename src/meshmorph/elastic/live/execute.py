@@ -1,18 +1,12 @@
-"""Execute a MovePlan's transfers between the processes of one gloo (or NCCL) process group.
+"""Execute a MovePlan's transfers between the processes of one process group.
 
-Every device runs ``execute_transfers`` with the same transfer list. Transfers are grouped per
-(source, destination) pair; each pair's pieces travel as one flat message (the boxes' values,
-concatenated) followed by its checksum (CRC-32 of the message's bytes, ``zlib.crc32``, about
-2.5 GB/s on one CPU core: every piece is covered by its message's checksum), exchanged with one
-``torch.distributed.batch_isend_irecv`` per round. Pairs are packed into rounds so that
-no device receives more than ``staging_bytes`` in one round (a pair larger than the bound goes
-alone); every device computes the same rounds from the same list, so sends and receives match.
-
-Nothing here touches an engine: the sender reads the pieces its old engine holds (views), the
-receiver keeps what arrives as new pieces beside its old ones, and the new engine is filled from
-both only after every transfer has arrived and been checked (``local_state.install_state``). A
-failure part-way (a dead peer, a checksum that does not match) raises before anything is
-installed, so the old state is still whole.
+Every device runs ``execute_transfers`` with the same transfer list, so all compute the same
+rounds and sends match receives. Each (source, destination) pair's pieces travel as one flat
+message followed by its CRC-32 (``zlib.crc32``, about 2.5 GB/s on one core), exchanged with one
+``batch_isend_irecv`` per round; a round gives no device more than ``staging_bytes`` (a larger
+pair goes alone). Nothing here touches an engine: senders read views of their old pieces,
+receivers keep new pieces, and the new engine is filled only after every message arrived and
+was checked, so a failure part-way leaves the old state whole.
 """
 
 from __future__ import annotations

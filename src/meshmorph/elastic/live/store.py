@@ -1,16 +1,10 @@
 """A node-local in-memory store of each rank's training state, so it outlives a worker restart.
 
-Files under ``/dev/shm`` (memory, not disk), one folder per run and node:
-``/dev/shm/meshmorph-<run>/node<n>/rank<r>-step<s>.pt``. A rank writes its pieces and small
-state at a step boundary to a temporary name and renames it into place (``os.replace`` is atomic
-on one file system), so a worker killed while writing leaves the previous step's file whole; the
-newest ``keep`` steps of each rank are kept. After a restart the workers of a node read what
-their node's ranks held at the newest step every needed rank completed (``newest_common_step``).
-
-Where the job spans more than one node, each node also keeps a copy of another node's files
-(``ring_copy``: node n sends its ranks' newest files to node n + 1 mod N every K steps), so the
-pieces of a lost node survive on its ring neighbour; ``ring_interval_steps`` picks K from an
-overhead budget (copy time over K step times at most the budget).
+``/dev/shm/meshmorph-<run>/node<n>/rank<r>-step<s>.pt``: a rank writes its pieces and small
+state at a step boundary to a temporary name and renames it into place (atomic), so a worker
+killed while writing leaves the previous step whole; the newest ``keep`` steps are kept. Across
+nodes, node n also keeps node n - 1's newest files (``ring_copy``, every K steps; K from an
+overhead budget, ``ring_interval_steps``), so a lost node's pieces survive on its neighbour.
 """
 
 from __future__ import annotations

@@ -3,26 +3,18 @@
 A pure function of (ModelSpec, Plan), derived from ``cost/tensor_shapes.py`` (the one description
 of what the runtime allocates) and from how ``run/`` shards it:
 
-- pipeline: pipeline rank ``p`` holds the model chunks ``plan.chunks_of(p)`` (virtual stages
-  included); a tied head on a later pipeline rank holds a replica of the embedding's value,
-  optimizer moments included (its gradient is summed with the embedding's every step);
-- tensor parallelism: column-parallel weights (q/k/v, fc1, w1/w3) and their biases by dim 0,
-  row-parallel ones (wo, fc2, w2) by dim 1, embedding and head by vocabulary rows where tp divides
-  the padded vocabulary (``vocab_split``), everything else whole on every tp rank; tp always
-  divides a split dim (``Plan.check_against`` insists);
-- data parallelism by ZeRO stage: 0 replicates everything; 1, 2 and 3 (all FSDP2,
-  ``run/parallel/parallelize.py``) shard the fp32 master parameters and both AdamW moments the
-  way FSDP2 does at a step boundary: dim 0 of the tp-local tensor cut into ``ceil(n / dp)`` rows
-  per rank (``torch.chunk``), the last ranks getting fewer or zero rows; FSDP2 allocates the full
-  ``ceil(n / dp)`` rows on every rank, and ``Piece.pad_rows`` records the padding beyond the real
-  rows. The 16-bit or fp32 copies ZeRO-1/2 gather during a step, and the gradients, are not
-  state: at a step boundary they are freed, and the next step gathers them from the shards;
-- small state on every rank: the optimizer ``step``, the LR-scheduler position ``lr_scheduler``
-  and the data position ``data`` (consumed samples) are replicated; ``rng/<rank>`` is each rank's
-  own generator state.
+- pipeline: pipeline rank ``p`` holds the chunks ``plan.chunks_of(p)``; a tied head on a later
+  pipeline rank holds a replica of the embedding, moments included;
+- tensor parallelism: each tensor split along its ``tp_dim`` (column-parallel weights by dim 0,
+  row-parallel by dim 1, embedding and head by vocabulary where tp divides it), else whole;
+- ZeRO 0 replicates; ZeRO 1-3 (FSDP2) shard the fp32 masters and both AdamW moments as FSDP2
+  does at a step boundary: dim 0 of the tp-local tensor in ``ceil(n / dp)`` rows per rank
+  (``torch.chunk``; the last ranks fewer or none, ``Piece.pad_rows`` the padding FSDP2
+  allocates). Gathered copies and gradients are freed at a step boundary: not state;
+- every rank holds the optimizer ``step``, ``lr_scheduler`` and ``data`` (consumed samples), and
+  ``rng/<rank>`` its own generator state.
 
-All state tensors are fp32 (the master parameters are fp32 in every precision: see
-``Plan.dtype``).
+All state tensors are fp32 (the masters are fp32 in every precision).
 """
 
 from __future__ import annotations

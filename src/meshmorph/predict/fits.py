@@ -60,6 +60,32 @@ class Family(StrEnum):
     GEOMETRIC = "geometric"
     GEOMETRIC_MIXTURE = "two-geometric mixture"
 
+    @property
+    def parameters(self) -> int:
+        """Free parameters of the family (for Akaike's criterion)."""
+        return {"weibull": 2, "two-geometric mixture": 3}.get(self.value, 1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Fitted:
+    """What every fit reports beside its own parameters."""
+
+    family: Family
+    """The fitted family."""
+    events: int
+    """Durations or runs that ended inside the data (uncensored)."""
+    observations: int
+    """Durations or runs in the data."""
+    log_likelihood: float
+    """Maximised log-likelihood."""
+    source: str = ""
+    """The data it was fitted to."""
+
+    @property
+    def aic(self) -> float:
+        """Akaike's criterion: 2 parameters - 2 log L (lower is better)."""
+        return 2 * self.family.parameters - 2 * self.log_likelihood
+
 
 @dataclass(frozen=True, slots=True)
 class Durations:
@@ -96,11 +122,10 @@ class Durations:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Fit:
-    """A fitted duration distribution, Weibull(shape, scale_h), with 95% intervals."""
+class Fit(_Fitted):
+    """A fitted duration distribution, Weibull(shape, scale_h), with 95% intervals (exponential:
+    shape fixed at 1)."""
 
-    family: Family
-    """Exponential (shape fixed at 1) or Weibull."""
     shape: float
     """Weibull shape k (< 1: the hazard falls with age; 1: constant)."""
     scale_h: float
@@ -109,21 +134,8 @@ class Fit:
     """95% interval of the shape ((1, 1) for the exponential)."""
     scale_ci95: tuple[float, float]
     """95% interval of the scale."""
-    events: int
-    """Durations that ended (uncensored) in the data."""
-    observations: int
-    """Durations in the data."""
     exposure_h: float
     """Hours observed."""
-    log_likelihood: float
-    """Maximised log-likelihood."""
-    source: str = ""
-    """The data it was fitted to."""
-
-    @property
-    def aic(self) -> float:
-        """Akaike's criterion: 2 parameters - 2 log L (lower is better)."""
-        return 2 * (2 if self.family is Family.WEIBULL else 1) - 2 * self.log_likelihood
 
     @property
     def mean_h(self) -> float:
@@ -291,11 +303,10 @@ class Runs:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RunFit:
-    """A fitted run-length distribution on a tick grid, with 95% intervals."""
+class RunFit(_Fitted):
+    """A fitted run-length distribution on a tick grid (geometric or a mixture of two), with 95%
+    intervals."""
 
-    family: Family
-    """Geometric or a mixture of two geometrics."""
     weight: float
     """Share of runs from the short component (1 for the plain geometric)."""
     p_short: float
@@ -308,18 +319,6 @@ class RunFit:
     """Mean run, ticks (inf: runs never ended in the data)."""
     mean_ci95_ticks: tuple[float, float]
     """95% interval of the mean run."""
-    events: int
-    """Runs that ended inside the data."""
-    observations: int
-    """Runs in the data."""
-    log_likelihood: float
-    """Maximised log-likelihood."""
-    source: str = ""
-    """The data it was fitted to."""
-
-    @property
-    def aic(self) -> float:
-        return 2 * (3 if self.family is Family.GEOMETRIC_MIXTURE else 1) - 2 * self.log_likelihood
 
     @property
     def mean_h(self) -> float:

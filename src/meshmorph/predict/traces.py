@@ -173,6 +173,15 @@ def _plain_files(paths: list[Path], name: str) -> SpotTrace:
     return SpotTrace(name=name, tick_s=ticks.pop(), zones=zones)
 
 
+def _priced(zone: str, states: tuple[bool, ...], price: dict[str, Any], **fields: Any
+            ) -> ZoneTrace:
+    """A packaged zone's trace with its price entry (``spot_usd_per_h``, ``on_demand_usd_per_h``,
+    ``date``)."""
+    return ZoneTrace(zone=zone, states=states, spot_usd_per_h=price.get("spot_usd_per_h"),
+                     on_demand_usd_per_h=price.get("on_demand_usd_per_h"),
+                     price_date=price.get("date", ""), **fields)
+
+
 def _count_trace(name: str, entry: dict[str, Any]) -> SpotTrace:
     """A count trace (``segments`` of base-17 digits per zone): capacity = at least 1 launched."""
     counts: dict[str, list[int]] = {}
@@ -186,12 +195,9 @@ def _count_trace(name: str, entry: dict[str, Any]) -> SpotTrace:
     prices = entry.get("a3_highgpu_8g_prices", {})
     zones = {}
     for zone, values in counts.items():
-        price = prices.get(zone.rsplit("-", 1)[0], {})
-        zones[zone] = ZoneTrace(zone=zone, states=tuple(c >= 1 for c in values),
-                                gaps=tuple(gaps.get(zone, ())), counts=tuple(values),
-                                spot_usd_per_h=price.get("spot_usd_per_h"),
-                                on_demand_usd_per_h=price.get("on_demand_usd_per_h"),
-                                price_date=price.get("date", ""))
+        zones[zone] = _priced(zone, tuple(c >= 1 for c in values),
+                              prices.get(zone.rsplit("-", 1)[0], {}),
+                              gaps=tuple(gaps.get(zone, ())), counts=tuple(values))
     return SpotTrace(name=name, tick_s=_number(entry["tick_s"], name, "tick_s"), zones=zones,
                      gpu=entry["gpu"],
                      provider=entry["provider"], instance_gpus=8, source=entry["source"],
@@ -209,12 +215,8 @@ def _probe_trace(name: str, entry: dict[str, Any]) -> SpotTrace:
     zones = {}
     for zone, chars in entry["zones"].items():
         unknown = len(chars) - len(chars.lstrip("-"))
-        price = prices.get(zone, {})
-        zones[zone] = ZoneTrace(zone=zone, states=tuple(c == "1" for c in chars),
-                                gaps=((0, unknown),) if unknown else (),
-                                spot_usd_per_h=price.get("spot_usd_per_h"),
-                                on_demand_usd_per_h=price.get("on_demand_usd_per_h"),
-                                price_date=price.get("date", ""))
+        zones[zone] = _priced(zone, tuple(c == "1" for c in chars), prices.get(zone, {}),
+                              gaps=((0, unknown),) if unknown else ())
     return SpotTrace(name=name, tick_s=tick_s, zones=zones, gpu=entry["gpu"],
                      provider=entry["provider"], instance_gpus=4, source=entry["source"],
                      meta={"about": entry["about"]})

@@ -176,24 +176,21 @@ def ring_interval_steps(node_state_bytes: int, link_bytes_per_s: float, step_tim
     return max(1, math.ceil(copy_s / (overhead_budget * step_time_s)))
 
 
-def ring_copy(store: NodeStore, rank: int, step: int, local_rank_peers: dict[str, int],
-              group: Any = None) -> int:
+def ring_copy(store: NodeStore, rank: int, step: int, local_rank_peers: dict[str, int]) -> int:
     """Send this rank's stored file of ``step`` to the same local rank on the next node and keep
-    the one the previous node sends (collective over ``group``; ``local_rank_peers`` holds the
-    global ranks ``next`` and ``prev``). Returns the bytes sent."""
+    the one the previous node sends (collective over the default group; ``local_rank_peers``
+    holds the global ranks ``next`` and ``prev``). Returns the bytes sent."""
     import torch.distributed as dist
 
-    data = store.path(rank, step).read_bytes()
-    out = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    size_out = torch.tensor([out.numel(), rank], dtype=torch.int64)
+    def exchange(out: torch.Tensor, into: torch.Tensor) -> None:
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, out, local_rank_peers["next"]),
+                                            dist.P2POp(dist.irecv, into, local_rank_peers["prev"])]):
+            work.wait()
+
+    out = torch.frombuffer(bytearray(store.path(rank, step).read_bytes()), dtype=torch.uint8)
     size_in = torch.empty(2, dtype=torch.int64)
-    nxt, prev = local_rank_peers["next"], local_rank_peers["prev"]
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, size_out, nxt, group),
-                                        dist.P2POp(dist.irecv, size_in, prev, group)]):
-        work.wait()
+    exchange(torch.tensor([out.numel(), rank], dtype=torch.int64), size_in)
     incoming = torch.empty(int(size_in[0]), dtype=torch.uint8)
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, out, nxt, group),
-                                        dist.P2POp(dist.irecv, incoming, prev, group)]):
-        work.wait()
+    exchange(out, incoming)
     store.write(int(size_in[1]), step, incoming.numpy().tobytes(), folder=store.replicas)
     return out.numel()

@@ -84,10 +84,6 @@ class InstanceType:
     source: str
     """Where the price comes from."""
 
-    def price_per_gpu_hour(self, spot: bool) -> float | None:
-        price = self.spot_usd_per_h if spot else self.on_demand_usd_per_h
-        return None if price is None else price / self.gpus
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Price:

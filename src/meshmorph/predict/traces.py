@@ -79,16 +79,10 @@ class SpotTrace:
     """GPU type probed (empty: not stated; the simulated GPU is assumed)."""
     provider: str = ""
     """Cloud offering (a catalog provider), where known."""
-    instance_gpus: int = 0
-    """GPUs of the instance the prices are for (0: unknown)."""
     source: str = ""
     """Where the trace comes from (repository, licence)."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Anything else the file said (kept for the JSON output)."""
-
-    @property
-    def hours(self) -> float:
-        return max(len(z.states) for z in self.zones.values()) * self.tick_s / 3600
 
 
 def _fail(path: str, key: str, problem: str) -> TraceError:
@@ -199,8 +193,7 @@ def _count_trace(name: str, entry: dict[str, Any]) -> SpotTrace:
                               prices.get(zone.rsplit("-", 1)[0], {}),
                               gaps=tuple(gaps.get(zone, ())), counts=tuple(values))
     return SpotTrace(name=name, tick_s=_number(entry["tick_s"], name, "tick_s"), zones=zones,
-                     gpu=entry["gpu"],
-                     provider=entry["provider"], instance_gpus=8, source=entry["source"],
+                     gpu=entry["gpu"], provider=entry["provider"], source=entry["source"],
                      meta={"about": entry["about"], "requested_gpus": entry["requested_gpus"]})
 
 
@@ -218,7 +211,7 @@ def _probe_trace(name: str, entry: dict[str, Any]) -> SpotTrace:
         zones[zone] = _priced(zone, tuple(c == "1" for c in chars), prices.get(zone, {}),
                               gaps=((0, unknown),) if unknown else ())
     return SpotTrace(name=name, tick_s=tick_s, zones=zones, gpu=entry["gpu"],
-                     provider=entry["provider"], instance_gpus=4, source=entry["source"],
+                     provider=entry["provider"], source=entry["source"],
                      meta={"about": entry["about"]})
 
 

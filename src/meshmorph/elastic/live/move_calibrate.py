@@ -164,17 +164,14 @@ def _regroup_s(store_dir: Path, tag: str, repeats: int) -> float:
     return statistics.median(times)
 
 
-def calibrate_move_time(*, model: ModelSpec | None = None, repeats: int = 3,
-                        fixed_s: float | None = None, build_s: float = 0.0,
-                        store_dir: Path | None = None, tag: str = "calibrate") -> MoveTimeModel:
+def calibrate_move_time(*, model: ModelSpec, repeats: int = 3, store_dir: Path | None = None,
+                        tag: str = "calibrate") -> MoveTimeModel:
     """Measured ``MoveTimeModel`` of this process group (collective; needs 2 processes or more,
     an even number for the pair groups); ``model``: the job's model, whose decoder block the
-    per-tensor costs are measured on (None: a block of plain linear and norm layers);
-    ``fixed_s``: the barrier that ends the transfers (None: measured); ``build_s``: seconds
-    added to every build (0: priced from its counts alone); ``store_dir``: where the move's
-    FileStores go: given, ``group_s`` is measured by re-forming the default group as a move does
-    (``tag`` names its stores; every subgroup the caller held is gone after), else by
-    ``new_group`` over the running one."""
+    per-tensor costs are measured on; ``store_dir``: where the move's FileStores go: given,
+    ``group_s`` is measured by re-forming the default group as a move does (``tag`` names its
+    stores; every subgroup the caller held is gone after), else by ``new_group`` over the
+    running one."""
     world = dist.get_world_size()
     if world < 2:
         raise ValueError("calibrating a move needs 2 processes at least (a point-to-point pair)")
@@ -211,9 +208,8 @@ def calibrate_move_time(*, model: ModelSpec | None = None, repeats: int = 3,
 
     costs = {name: slowest(10 + i) for i, name in enumerate(probe)}
     return MoveTimeModel(
-        fixed_s=slowest(9) if fixed_s is None else fixed_s,
+        fixed_s=slowest(9),
         p2p_alpha_s=alone.alpha_s, p2p_beta_s_per_byte=alone.beta_s_per_byte,
         host_streams=max(streams, 1.0), checksum_bps=rate(0), copy_bps=rate(1),
         fresh_copy_bps=rate(2), zero_bps=rate(3), group_s=slowest(4), group_call_s=slowest(5),
-        mesh_group_s=slowest(6), agree_s=slowest(7), agree_s_per_byte=slowest(8),
-        build_s=build_s, **costs)
+        mesh_group_s=slowest(6), agree_s=slowest(7), agree_s_per_byte=slowest(8), **costs)

@@ -30,15 +30,14 @@ def is_tensor_key(key: str) -> bool:
     return key.startswith(TENSOR_KINDS)
 
 
-def rounds_of(transfers: Sequence[Transfer], staging_bytes: int,
-              elem_bytes: int = 4) -> list[list[tuple[int, int]]]:
+def rounds_of(transfers: Sequence[Transfer], staging_bytes: int) -> list[list[tuple[int, int]]]:
     """(src, dst) pairs per round: each device receives at most ``staging_bytes`` per round (a
-    pair over the bound goes alone); pairs in sorted order, first fit."""
+    pair over the bound goes alone); pairs in sorted order, first fit. Elements are fp32."""
     per_pair: dict[tuple[int, int], int] = {}
     for t in transfers:
         if t.src_device != t.dst_device and is_tensor_key(t.key):
             pair = (t.src_device, t.dst_device)
-            per_pair[pair] = per_pair.get(pair, 0) + t.box.numel * elem_bytes
+            per_pair[pair] = per_pair.get(pair, 0) + t.box.numel * 4
     rounds: list[list[tuple[int, int]]] = []
     loads: list[dict[int, int]] = []  # per round: bytes each destination receives
     for pair in sorted(per_pair):

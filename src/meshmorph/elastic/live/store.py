@@ -126,9 +126,9 @@ class NodeStore:
                 found.setdefault(int(match[1]), []).append(int(match[2]))
         return {rank: sorted(steps) for rank, steps in sorted(found.items())}
 
-    def newest_common_step(self, ranks: list[int], folder: Path | None = None) -> int | None:
+    def newest_common_step(self, ranks: list[int]) -> int | None:
         """The newest step stored for every rank of ``ranks`` (None: there is none)."""
-        stored = self.steps(folder)
+        stored = self.steps()
         common = set.intersection(*(set(stored.get(r, [])) for r in ranks)) if ranks else set()
         return max(common) if common else None
 

@@ -270,11 +270,7 @@ def move_time(move: MovePlan, cluster: Cluster, *,
 
 
 def predict_move_time_s(move: MovePlan, cluster: Cluster, *,
-                        coefficients: CostCoefficients | None = None,
-                        model: MoveTimeModel | None = None, groups: int = 0,
-                        install_bytes: int = 0,
-                        build: Mapping[int, BuildCounts] | None = None) -> float:
+                        model: MoveTimeModel | None = None) -> float:
     """Predicted seconds from the change to the new engine ready for its next step (with the
     default model: to the last byte in place)."""
-    return move_time(move, cluster, coefficients=coefficients, model=model, groups=groups,
-                     install_bytes=install_bytes, build=build).total_s
+    return move_time(move, cluster, model=model).total_s

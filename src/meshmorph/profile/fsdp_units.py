@@ -36,7 +36,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from meshmorph.profile.alpha_beta import fit_alpha_beta
 from meshmorph.profile.hardware import DTYPES
-from meshmorph.profile.timing import every_rank, median_spread, timed, window_calls
+from meshmorph.profile.timing import every_rank, timed, window_median
 from meshmorph.run.model.decoder import build_chunk
 from meshmorph.run.parallel.recompute import apply_recompute
 from meshmorph.spec.model import ModelSpec, Recompute
@@ -121,9 +121,8 @@ class FsdpUnits:
     def fits(self, window: slice = slice(None)) -> dict[str, dict[str, float]]:
         """``fsdp_all_gather/world`` and ``fsdp_reduce_scatter/world`` -> alpha-beta fits through
         the medians of the calls of the kept samples in ``window`` (a slice of sample indices)."""
-        gather = [median_spread(window_calls(s, self.repeats, window))[0] for s in self.gather_s]
-        scatter = [median_spread(window_calls(s, self.repeats, window))[0]
-                   for s in self.scatter_s]
+        gather = [window_median(s, self.repeats, window) for s in self.gather_s]
+        scatter = [window_median(s, self.repeats, window) for s in self.scatter_s]
         return {f"fsdp_all_gather/{self.world}": fit_alpha_beta(self.sizes, gather).as_dict(),
                 f"fsdp_reduce_scatter/{self.world}":
                     fit_alpha_beta(self.grad_sizes, scatter).as_dict()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterator
 
 import torch
@@ -127,5 +128,5 @@ class CollectiveSamples:
                 out.append(next(flat))
 
     def fits(self, window: slice = slice(None)) -> dict[str, dict[str, float]]:
-        return {key: fit_alpha_beta(self.sizes, [median_spread(s[window])[0] for s in rows]).as_dict()
+        return {key: fit_alpha_beta(self.sizes, [statistics.median(s[window]) for s in rows]).as_dict()
                 for key, rows in self.seconds.items() if key in self.members}

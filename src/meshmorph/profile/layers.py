@@ -14,7 +14,7 @@ from torch import nn
 
 from meshmorph.cost.profile import layer_key
 from meshmorph.profile.hardware import DTYPES
-from meshmorph.profile.timing import every_rank, median_spread, timed, window_calls
+from meshmorph.profile.timing import every_rank, median_spread, timed, window_median
 from meshmorph.run.engine.grad_norm import clip_grads_, local_sums_of_squares
 from meshmorph.run.model.decoder import build_chunk
 from meshmorph.run.model.loss import token_cross_entropy
@@ -204,7 +204,7 @@ class OptimizerTails:
     def fit(self, window: slice = slice(None)) -> tuple[float, float]:
         """(fixed s, s per parameter), least squares through the chunks' medians of the kept
         samples in ``window``, never below 0."""
-        medians = [median_spread(window_calls(s, self.repeats, window))[0] for s in self.seconds]
+        medians = [window_median(s, self.repeats, window) for s in self.seconds]
         slope, intercept = np.polyfit(self.counts, medians, 1)
         return max(float(intercept), 0.0), max(float(slope), 0.0)
 

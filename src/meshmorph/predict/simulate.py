@@ -1,19 +1,16 @@
 """A whole training run on spot nodes across zones, as a discrete-event simulation (simpy).
 
-Each zone's capacity follows a path: drawn from its fitted process (``availability.py``) or, with
-``replay``, read from its recorded trace from one start tick shared by every zone. Each node is a
-simpy process: it waits for capacity in its zone, starts (CM-DARE's measured VM start-up), runs
-until it is preempted -- in capacity mode when its zone's capacity goes, in lifetime mode when its
-own lifetime (the fitted hazard, the provider's cap) ends -- and then, unless the policy released
-it, waits for capacity again. On-demand nodes are never preempted.
+Each zone's capacity follows a path drawn from its fitted process (``availability.py``) or, with
+``replay``, its recorded trace from one start tick shared by every zone. Each node is a simpy
+process: it waits for capacity, starts (CM-DARE's measured VM start-up) and runs until it is
+preempted (capacity mode: its zone's capacity goes; lifetime mode: its own lifetime, the fitted
+hazard and the provider's cap, ends), then, unless the policy released it, waits again.
+On-demand nodes are never preempted. Every node is billed at its zone's price while it runs.
 
-The trainer computes in segments between checkpoints (Young/Daly: ``sqrt(2 write_s MTBF)``, at
-most 4 h) at the planner's step time for the nodes it runs on. A preemption loses the steps since
-the last checkpoint unless the provider's notice covers a checkpoint write (then only the notice
-window). What happens next is the policy's (``policy.py``): restart cold where it is (reading the
-checkpoint back), continue on the survivors (``reshape``: a warm restart and the move Reshape's
-planner prices), move to a zone with capacity, or switch to on-demand before the deadline is at
-risk. Every node is billed at its zone's price from the moment it runs until it stops.
+The trainer computes between checkpoints (Young/Daly: ``sqrt(2 write_s MTBF)``, at most 4 h) at
+the planner's step time for the nodes it runs on. A preemption loses the steps since the last
+checkpoint unless the provider's notice covers a checkpoint write (then only the notice
+window); then the policy decides (``policy.py``).
 """
 
 from __future__ import annotations

@@ -161,9 +161,8 @@ def run_profile(config: ProfileConfig, *, on_progress: Callable[[int], None] | N
 
 
 def assemble(config: ProfileConfig, result: dict) -> Profile:  # type: ignore[type-arg]
-    """The Profile from rank 0's measurements: the all-reduce fit of the whole group becomes the
-    ``loopback`` link's ring latency and bandwidth (CPU processes; on GPUs the fits are kept
-    under ``collectives`` and the catalog's links stay as they are)."""
+    """The Profile from rank 0's measurements (on CPU the ``loopback`` link from the whole
+    group's all-reduce fit; on GPUs the catalog's links stay as they are)."""
     import torch
 
     from meshmorph.spec.gpus import GPU_CATALOG

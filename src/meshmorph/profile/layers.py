@@ -147,16 +147,12 @@ def _stamp(stamps: dict[int, float], k: int, sync: Callable[[], object],
 
 
 class OptimizerTails:
-    """A step's tail — gradient norm, clip, AdamW (foreach), LR schedule — over chunks of the
-    model of growing size (the second layer; the first half; the whole model), one tail per
-    chunk per ``sample()``; ``fit()`` is the line through their medians.
-
-    ``shard_over`` > 1 with ``zero`` 1, 2 or 3: the tail as FSDP2 runs it (the runtime shards
-    a uniform chunk's parameters under every ZeRO stage, cost/state.py's ``fsdp_shards``), each
-    chunk's blocks and root ``fully_shard``-ed over that many ranks as run/parallel/parallelize.py
-    shards them, so AdamW (foreach, as the engine makes it) steps the sharded DTensor parameters
-    and the norm sums the squares of their DTensor gradients' local shards
-    (run/engine/grad_norm.py); the counts are the parameters of one shard. ``repeats`` tails per chunk per sample, every one kept."""
+    """A step's tail (gradient norm, clip, AdamW foreach, LR schedule) over chunks of growing
+    size (the second layer; the first half; the whole model), ``repeats`` tails per chunk per
+    ``sample()``; ``fit()`` is the line through their medians. With ``shard_over`` > 1 and
+    ``zero`` >= 1 each chunk is ``fully_shard``-ed as run/parallel/parallelize.py shards it, so
+    AdamW steps DTensor shards and the norm sums their local squares (run/engine/grad_norm.py);
+    the counts are then the parameters of one shard."""
 
     def __init__(self, model: ModelSpec, device: torch.device, *, slowest: bool = False,
                  shard_over: int = 1, zero: int = 0, repeats: int = 1):

@@ -1,14 +1,12 @@
-"""What one rank builds when it builds an engine of a Plan: the counts the move time prices the
-new engine's build and install by (``move_time``), from the plan alone (pure: no torch).
+"""What one rank builds when it builds an engine of a Plan, from the plan alone (pure): the
+counts ``move_time`` prices the new engine's build and install by.
 
 ``run/engine.build_engine`` builds each chunk on the meta device, applies tensor parallelism
-(each TP-split parameter becomes a DTensor on the tp mesh), FSDP2 (one ``fully_shard`` unit per
-layer of the chunk and one for the chunk, every parameter a dim-0 shard) or DDP, then allocates
-and zeroes this rank's shards (``materialize_``, the values are written by the install). Before
-any of that, ``init_device_mesh`` forms the (pp, dp, tp) mesh: for every dimension smaller than
-the world, one ``new_group`` call per group of that dimension on every rank (torch reuses the
-default group for a dimension as large as the world), and this rank joins the one group holding
-it. The install then writes every parameter and creates AdamW's two moments beside it.
+(TP-split parameters become DTensors), FSDP2 (a ``fully_shard`` unit per layer and one per
+chunk) or DDP, then allocates and zeroes the rank's shards; the install writes every parameter
+and creates AdamW's two moments. Before that, ``init_device_mesh`` makes one ``new_group`` call
+per group of every mesh dimension smaller than the world, on every rank, and the rank joins
+the group holding it (a dimension as large as the world reuses the default group).
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def _gather_scatter(me, engine, model, plan_a, plan_b, procs_a, procs_b, small):
 
     la, lb = layout_of(model, plan_a), layout_of(model, plan_b)
     shapes = {k: t.shape for k, t in la.tensors.items()}
-    held = extract_state(engine, consumed_samples=0, checksums=False).pieces if engine else {}
+    held = extract_state(engine, consumed_samples=0).pieces if engine else {}
     gather, seen = [], set()
     for rank in range(plan_a.world_size):
         for p in la.held[rank]:
@@ -148,7 +148,7 @@ def _one(rank, name, path, out, tmp, time_model):  # type: ignore[no-untyped-def
         engine = build_engine(model, plan_a, optim, seed=3, device=torch.device("cpu"))
         share = GLOBAL_BATCH // engine.dp_size
         engine.step(tokens[engine.dp_rank * share:(engine.dp_rank + 1) * share])
-        small = extract_state(engine, consumed_samples=GLOBAL_BATCH, checksums=False).small
+        small = extract_state(engine, consumed_samples=GLOBAL_BATCH).small
         before = state_hashes(engine, small)
         dist.barrier()
     start = time.time()  # the change: every rank of plan A is at the step boundary
@@ -188,7 +188,7 @@ def _one(rank, name, path, out, tmp, time_model):  # type: ignore[no-untyped-def
         if regroup(out, f"{tag}-b", rank, procs_b):
             new = build_engine(model, plan_b, optim, seed=3, device=torch.device("cpu"))
             if path == "dcp":
-                load_checkpoint(new, verify_checkpoint(ckpt / "step-1", checksums=False))
+                load_checkpoint(new, verify_checkpoint(ckpt / "step-1"))
             else:
                 install_state(new, merge_pieces(received), small)
     if new is not None:
@@ -203,8 +203,7 @@ def _one(rank, name, path, out, tmp, time_model):  # type: ignore[no-untyped-def
                     lap["group"] = max(lap.get("group", 0.0) - max(change - c, 0.0), 0.0)
             figures["slowest_laps_s"] = {k: max(lap[2].get(k, 0.0) for lap in laps)
                                          for k in laps[0][2]}
-        after = state_hashes(new, extract_state(new, consumed_samples=GLOBAL_BATCH,
-                                                checksums=False).small)
+        after = state_hashes(new, extract_state(new, consumed_samples=GLOBAL_BATCH).small)
         if dist.get_rank() == 0:
             (out / f"{tag}.json").write_text(json.dumps({"end": end, **figures, "after": after}))
     if before is not None and rank == procs_a[0]:

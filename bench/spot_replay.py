@@ -67,7 +67,7 @@ def half(trace: SpotTrace, first: bool) -> SpotTrace:
 
 def compare(j: TrainingJob, fit: Market, replayed: Market, policy: Policy) -> dict[str, Any]:
     """P10/P50/P90 from the fit and from the replay, and the P50 errors."""
-    overheads = Overheads(spot=True)
+    overheads = Overheads()
     model = [simulate_run(j, fit, overheads, SimulationConfig(policy=policy), s)
              for s in range(RUNS)]
     ticks = len(next(z for z in replayed.zones if z.trace).trace.states)  # type: ignore[union-attr]

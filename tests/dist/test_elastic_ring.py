@@ -52,7 +52,7 @@ def train(rank: int, world_size: int, out_dir: str, run_id: str) -> None:
         for step in range(1, STEPS + 1):
             engine.step(tokens[step - 1, engine.dp_rank * share:(engine.dp_rank + 1) * share])
             session.after_step(engine, plan, step, step * GLOBAL_BATCH)
-        small = extract_state(engine, consumed_samples=STEPS * GLOBAL_BATCH, checksums=False).small
+        small = extract_state(engine, consumed_samples=STEPS * GLOBAL_BATCH).small
         hashes = state_hashes(engine, small)
         if dist.get_rank() == 0:
             (out / "before.json").write_text(json.dumps(
@@ -78,7 +78,7 @@ def survive(rank: int, world_size: int, out_dir: str, run_id: str) -> None:
                                    total_steps=STEPS + 4)
         assert restored is not None, "the node store held nothing"
         engine, plan, step, consumed, record = restored
-        small = extract_state(engine, consumed_samples=consumed, checksums=False).small
+        small = extract_state(engine, consumed_samples=consumed).small
         hashes = state_hashes(engine, small)
         sources: list = [None] * dist.get_world_size()
         dist.all_gather_object(sources, record["sources"])

@@ -91,7 +91,7 @@ def chain_part(rank: int, world_size: int, out: Path) -> None:
     for index, stage in enumerate(stages):
         if index:
             if engine is not None:
-                small = extract_state(engine, consumed_samples=consumed, checksums=False).small
+                small = extract_state(engine, consumed_samples=consumed).small
                 before = state_hashes(engine, small)
                 if dist.get_rank() == 0:
                     (out / f"{stage.name}.before.json").write_text(json.dumps(before))
@@ -104,7 +104,7 @@ def chain_part(rank: int, world_size: int, out: Path) -> None:
             processes = report.processes_b
             consumed = report.consumed_samples  # the data position moves with the state
             if engine is not None:
-                small = extract_state(engine, consumed_samples=consumed, checksums=False).small
+                small = extract_state(engine, consumed_samples=consumed).small
                 after = state_hashes(engine, small)
                 if dist.get_rank() == 0:
                     (out / f"{stage.name}.after.json").write_text(json.dumps(

@@ -78,7 +78,7 @@ def kill_job(rank: int, out: Path, run_id: str) -> None:
     step, consumed, log = 0, 0, (out / f"steps{rank}.jsonl").open("a")
     while step < STEPS:
         try:
-            state = extract_state(engine, consumed_samples=consumed, checksums=False)
+            state = extract_state(engine, consumed_samples=consumed)
             store.save(rank, step, plan.to_json(), state)
             if step == KILL_AT:
                 before = state_hashes(engine, state.small)
@@ -98,7 +98,7 @@ def kill_job(rank: int, out: Path, run_id: str) -> None:
             engine = build_engine(gpt, new_plan, OPTIM, seed=99, device=torch.device("cpu"))
             report = restore_from_store(store, new_rank=dist.get_rank(), old_rank=rank,
                                         step=done, model=gpt, plan_b=new_plan, engine=engine)
-            state = extract_state(engine, consumed_samples=consumed, checksums=False)
+            state = extract_state(engine, consumed_samples=consumed)
             after = state_hashes(engine, state.small)
             move = plan_move(layout_of(gpt, plan), layout_of(gpt, new_plan), survivors)
             if dist.get_rank() == 0:

@@ -40,7 +40,7 @@ def lost_part(rank: int, world_size: int, out: Path) -> None:
     engine.step(tokens[engine.dp_rank * share:(engine.dp_rank + 1) * share])
     folder = save_checkpoint(engine, out / "ckpt", step=1, consumed_samples=GLOBAL_BATCH,
                              plan=plan_a.to_dict(), keep=1)
-    small = extract_state(engine, consumed_samples=GLOBAL_BATCH, checksums=False).small
+    small = extract_state(engine, consumed_samples=GLOBAL_BATCH).small
     before = state_hashes(engine, small)
     if rank == 0:
         (out / "before.json").write_text(json.dumps(before))
@@ -56,7 +56,7 @@ def lost_part(rank: int, world_size: int, out: Path) -> None:
     if engine is None:
         regroup(out, "end", rank, list(range(world_size)))
         return
-    small = extract_state(engine, consumed_samples=GLOBAL_BATCH, checksums=False).small
+    small = extract_state(engine, consumed_samples=GLOBAL_BATCH).small
     after = state_hashes(engine, small)
     share = GLOBAL_BATCH // engine.dp_size
     loss = engine.step(tokens[engine.dp_rank * share:(engine.dp_rank + 1) * share])

@@ -9,8 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshmorph.predict.fits import Durations, Family, best_fit, fit_durations, fit_rate
-from meshmorph.predict.run_fits import Runs, fit_runs, rate_fit, runs_of
+from meshmorph.predict.fits import (
+    Durations,
+    Family,
+    Runs,
+    best_fit,
+    fit_durations,
+    fit_rate,
+    fit_runs,
+    rate_fit,
+    runs_of,
+)
 
 
 def test_weibull_with_censoring_recovers_shape_and_scale_inside_its_interval() -> None:

@@ -153,7 +153,7 @@ def _simulate(args: argparse.Namespace) -> int:
         raise ValueError(f"no plan of {model.name} fits {cluster.describe()}; use more or larger "
                          "GPUs (see meshmorph plan)")
     market = market_for(args, cluster)
-    overheads = Overheads(spot=True)
+    overheads = Overheads()
     results = run_scenario(Scenario(job=job, market=market, overheads=overheads,
                                     policies=policies_for(args, market.mode), runs=args.runs, seed=args.seed,
                                     deadline_h=args.deadline, replay=args.trace is not None))

@@ -56,7 +56,7 @@ def _options(instance: InstanceType, job: TrainingJob, market: Market,
              options: AdviceOptions) -> list[dict[str, Any]]:
     """Every policy on ``job`` as an option row."""
     nodes = job.nodes
-    overheads = Overheads(spot=True)
+    overheads = Overheads()
     plan = job.plan(nodes)
     assert plan is not None
     results = run_scenario(Scenario(job=job, market=market, overheads=overheads,

@@ -1,17 +1,13 @@
 """Whether spot capacity can be had in a zone: an alternating process of periods with capacity
-("up": how long capacity lasts) and without ("down": the wait for it), each a run-length
-distribution on the probes' tick grid fitted by maximum likelihood (``run_fits.py``), and the path
-of one zone over a simulated run.
+("up") and without ("down": the wait for it), each a run-length distribution on the probes'
+tick grid (``fits.py``), and the path of one zone over a simulated run.
 
-A zone's series is a tick-by-tick record of whether a spot request there succeeded (count series:
-whether at least one GPU launched, as the traces' authors count it). Runs cut by the start or end
-of the data or by a gap in it are censored. The share of time with capacity is
-``E[up] / (E[up] + E[down])``; its 95% interval pairs the ends of the two means' intervals.
-
-A path (``ZonePath``) is the list of times at which one zone changes state during one simulated
-run: drawn from the fits (starting ``WARM_UP_CYCLES`` mean cycles before time 0, so that time 0
-falls at a random point of the alternation) or read from a recorded trace from a given tick,
-cyclically.
+A zone's series says per tick whether a spot request there succeeded (count series: whether at
+least one GPU launched, as the traces' authors count it); runs cut by the data's ends or gaps
+are censored. The share of time with capacity is ``E[up] / (E[up] + E[down])``, its 95%
+interval the two means' intervals paired at opposite ends. A path (``ZonePath``) holds the
+times one zone changes state: drawn from the fits from ``WARM_UP_CYCLES`` mean cycles before
+time 0 (so time 0 falls anywhere in the alternation), or a recorded trace replayed cyclically.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from meshmorph.predict.run_fits import RunFit, Runs, fit_runs, rate_fit, runs_of
+from meshmorph.predict.fits import RunFit, Runs, fit_runs, rate_fit, runs_of
 
 WARM_UP_CYCLES = 30
 """A drawn path starts this many mean up+down cycles before time 0."""

@@ -50,8 +50,8 @@ class Provider:
     def rules(self, hazard: Hazard) -> Hazard:
         """``hazard`` with this provider's notice and cap (and its constant rate, if it has one)."""
         if not self.hazard:
-            hazard = Hazard(name=f"{self.name} constant", edges_h=(0.0,), rates_per_h=(),
-                            tail_rate_per_h=self.rate_per_h, source=f"{self.name}: rate_per_h")
+            hazard = Hazard.constant(f"{self.name} constant", self.rate_per_h,
+                                     source=f"{self.name}: rate_per_h")
         return replace(hazard, notice_s=self.notice_s, max_runtime_h=self.max_runtime_h)
 
 
@@ -83,10 +83,6 @@ class InstanceType:
     """When the price was read."""
     source: str
     """Where the price comes from."""
-
-    def price_per_gpu_hour(self, spot: bool) -> float | None:
-        price = self.spot_usd_per_h if spot else self.on_demand_usd_per_h
-        return None if price is None else price / self.gpus
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -198,13 +194,16 @@ def _accepts(annotation: str, value: Any) -> bool:
         or (number and "float" in options) or (number and isinstance(value, int) and "int" in options)
 
 
-def _check(entry: dict[str, Any], cls: type, where: str) -> dict[str, Any]:
+def _check(entry: dict[str, Any], cls: type, where: str, given: tuple[str, ...] = ()
+           ) -> dict[str, Any]:
+    """``entry`` once its keys are ``cls``'s fields (all it needs but ``given``) and its values
+    fit their annotations."""
     names = [f.name for f in fields(cls)]
     unknown = [k for k in entry if k not in names]
     if unknown:
         raise ValueError(f"{where}: unknown key {', '.join(map(repr, unknown))}; valid keys: "
                          f"{', '.join(names)}")
-    missing = [f.name for f in fields(cls) if f.name not in entry and f.name != "name"
+    missing = [f.name for f in fields(cls) if f.name not in entry and f.name not in given
                and f.default is MISSING and f.default_factory is MISSING]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)}")
@@ -220,9 +219,6 @@ def _check(entry: dict[str, Any], cls: type, where: str) -> dict[str, Any]:
 
 def _instance(entry: dict[str, Any], label: str, providers: dict[str, Provider]) -> InstanceType:
     entry = {"on_demand_usd_per_h": None, "spot_usd_per_h": None, **entry}
-    missing = [f.name for f in fields(InstanceType) if f.name not in entry]
-    if missing:
-        raise ValueError(f"{label}: missing {', '.join(missing)}")
     instance = InstanceType(**_check(entry, InstanceType, label))
     if instance.gpus < 1:
         raise ValueError(f"{label}: gpus must be at least 1 GPU per instance, got {instance.gpus}")
@@ -239,7 +235,7 @@ def _instance(entry: dict[str, Any], label: str, providers: dict[str, Provider])
 
 
 def _provider(name: str, entry: dict[str, Any], where: str) -> Provider:
-    entry = dict(_check(entry, Provider, f"{where} [providers.{name}]"))
+    entry = dict(_check(entry, Provider, f"{where} [providers.{name}]", given=("name",)))
     cloud = entry.pop("cloud", "other")
     try:
         return Provider(name=name, cloud=Cloud(cloud), **entry)
@@ -254,10 +250,6 @@ def _entries(data: dict[str, Any], key: str, cls: type, where: str) -> list[Any]
     out = []
     for index, entry in enumerate(data.get(key, [])):
         label = f"{where} [[{key}]] #{index + 1}"
-        missing = [f.name for f in fields(cls) if f.name not in entry
-                   and f.default is MISSING and f.default_factory is MISSING]
-        if missing:
-            raise ValueError(f"{label}: missing {', '.join(missing)}")
         try:
             out.append(cls(**_check(entry, cls, label)))
         except TypeError as exc:

@@ -1,34 +1,55 @@
-"""Maximum-likelihood fits of durations (VM lifetimes, periods with and without capacity), with the
-fit's uncertainty.
+"""Maximum-likelihood fits of durations, with their uncertainty: VM lifetimes and periods with
+and without capacity in hours (``Durations``, ``Fit``), and runs of probe ticks in one state
+(``Runs``, ``RunFit``).
 
-Each duration is known exactly, only to lie between two bounds, or only to exceed a bound (still
-running when the measurement stopped: right-censored). Two families, both as Weibull(shape k,
-scale s) with survival ``S(t) = exp(-(t / s)^k)``; the exponential is k = 1 (a constant hazard
+Durations. Each is known exactly, only to lie between two bounds, or only to exceed a bound
+(still running when the measurement stopped: right-censored). Two families, both as Weibull(shape
+k, scale s) with survival ``S(t) = exp(-(t / s)^k)``; the exponential is k = 1 (a constant hazard
 1 / s):
 
     log L = sum_exact log f(t) + sum_interval log(S(lo) - S(hi)) + sum_censored log S(lo)
 
-maximised over (log k, log s) by ``scipy.optimize.minimize``. The uncertainty is the inverse of the
-observed information (a central-difference Hessian of -log L at the optimum, in log parameters):
-95% intervals ``exp(theta +- 1.96 se)``. Where the data are events and exposure only (a count of
+maximised over (log k, log s). Where the data are events and exposure only (a count of
 preemptions in so many VM-hours), the exponential's rate is ``events / exposure`` with the exact
 Poisson (chi-square) interval.
+
+Runs. A zone is probed every tick; a run is the number n >= 1 of consecutive ticks in one state.
+The run length is geometric, or (the probes show many one-tick flickers beside periods of days) a
+mixture of two geometrics, short and long:
+
+    P(n)      = w p1 (1 - p1)^(n - 1) + (1 - w) p2 (1 - p2)^(n - 1)
+    P(N >= n) = w (1 - p1)^(n - 1)    + (1 - w) (1 - p2)^(n - 1)     (a run cut by the data's ends)
+
+maximised over logit(w), logit(p1), logit(p2); the mixture is kept where it has
+``MIN_EVENTS_FOR_MIXTURE`` ended runs and lowers Akaike's criterion by more than 2. A mean run
+longer than the data cannot be known from them (one censored run of days drives the long
+component's p to 0): every p is held at or above 1 / (2 x the ticks in the data), a mean of at
+most twice the data's span. A model on the probes' own grid is what a replay of the trace sees:
+periods shorter than a tick are not in either.
+
+Both are maximised by ``scipy.optimize.minimize`` (Nelder-Mead, several starts). The uncertainty
+is the inverse of the observed information (a central-difference Hessian of -log L at the
+optimum): 95% intervals ``exp(theta +- 1.96 se)`` of the log parameters, and for the mean run
+``w / p1 + (1 - w) / p2`` the delta method on its log.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import numpy as np
-from scipy import optimize, stats
+from scipy import optimize, special, stats
 
 Z95 = 1.959964
 """Two-sided 95% normal quantile."""
 MIN_EVENTS_FOR_SHAPE = 10
 """A Weibull shape is fitted only from this many ended durations; fewer: exponential."""
+MIN_EVENTS_FOR_MIXTURE = 30
+"""Ended runs needed before the two-geometric mixture is tried."""
 
 
 class Family(StrEnum):
@@ -38,6 +59,32 @@ class Family(StrEnum):
     WEIBULL = "weibull"
     GEOMETRIC = "geometric"
     GEOMETRIC_MIXTURE = "two-geometric mixture"
+
+    @property
+    def parameters(self) -> int:
+        """Free parameters of the family (for Akaike's criterion)."""
+        return {"weibull": 2, "two-geometric mixture": 3}.get(self.value, 1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Fitted:
+    """What every fit reports beside its own parameters."""
+
+    family: Family
+    """The fitted family."""
+    events: int
+    """Durations or runs that ended inside the data (uncensored)."""
+    observations: int
+    """Durations or runs in the data."""
+    log_likelihood: float
+    """Maximised log-likelihood."""
+    source: str = ""
+    """The data it was fitted to."""
+
+    @property
+    def aic(self) -> float:
+        """Akaike's criterion: 2 parameters - 2 log L (lower is better)."""
+        return 2 * self.family.parameters - 2 * self.log_likelihood
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,11 +122,10 @@ class Durations:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Fit:
-    """A fitted duration distribution, Weibull(shape, scale_h), with 95% intervals."""
+class Fit(_Fitted):
+    """A fitted duration distribution, Weibull(shape, scale_h), with 95% intervals (exponential:
+    shape fixed at 1)."""
 
-    family: Family
-    """Exponential (shape fixed at 1) or Weibull."""
     shape: float
     """Weibull shape k (< 1: the hazard falls with age; 1: constant)."""
     scale_h: float
@@ -88,21 +134,8 @@ class Fit:
     """95% interval of the shape ((1, 1) for the exponential)."""
     scale_ci95: tuple[float, float]
     """95% interval of the scale."""
-    events: int
-    """Durations that ended (uncensored) in the data."""
-    observations: int
-    """Durations in the data."""
     exposure_h: float
     """Hours observed."""
-    log_likelihood: float
-    """Maximised log-likelihood."""
-    source: str = ""
-    """The data it was fitted to."""
-
-    @property
-    def aic(self) -> float:
-        """Akaike's criterion: 2 parameters - 2 log L (lower is better)."""
-        return 2 * (2 if self.family is Family.WEIBULL else 1) - 2 * self.log_likelihood
 
     @property
     def mean_h(self) -> float:
@@ -162,6 +195,28 @@ def hessian(f: Callable[[np.ndarray], float], x: np.ndarray, step: float = 1e-4)
     return out
 
 
+def _minimize(nll: Callable[[np.ndarray], float], starts: list[np.ndarray], xatol: float,
+              fatol: float, maxiter: int) -> optimize.OptimizeResult:
+    """The best of Nelder-Mead runs of ``nll`` from each start."""
+    return min((optimize.minimize(nll, x0, method="Nelder-Mead",
+                                  options={"xatol": xatol, "fatol": fatol, "maxiter": maxiter})
+                for x0 in starts), key=lambda r: r.fun)
+
+
+def _covariance(nll: Callable[[np.ndarray], float], theta: np.ndarray) -> np.ndarray | None:
+    """Inverse observed information at ``theta`` (None: the Hessian is singular)."""
+    try:
+        return np.linalg.inv(hessian(nll, theta))
+    except np.linalg.LinAlgError:
+        return None
+
+
+def poisson_ci95(events: int, exposure: float) -> tuple[float, float]:
+    """Exact (chi-square) 95% interval of the rate ``events / exposure``."""
+    low = float(stats.chi2.ppf(0.025, 2 * events)) / (2 * exposure) if events else 0.0
+    return low, float(stats.chi2.ppf(0.975, 2 * events + 2)) / (2 * exposure)
+
+
 def _interval(theta: float, se: float) -> tuple[float, float]:
     if not math.isfinite(se) or abs(theta) + Z95 * se > 700:  # no usable curvature
         return 0.0, math.inf
@@ -173,8 +228,7 @@ def fit_rate(events: int, exposure_h: float, source: str = "") -> Fit:
     Poisson 95% interval (chi-square); the scale (mean) is 1 / rate."""
     if exposure_h <= 0:
         raise ValueError(f"{source or 'rate'}: no exposure (0 hours observed); cannot fit a rate")
-    low = float(stats.chi2.ppf(0.025, 2 * events)) / (2 * exposure_h) if events else 0.0
-    high = float(stats.chi2.ppf(0.975, 2 * events + 2)) / (2 * exposure_h)
+    low, high = poisson_ci95(events, exposure_h)
     rate = events / exposure_h
     scale = 1 / rate if rate > 0 else math.inf
     loglik = events * math.log(rate) - events if rate > 0 else 0.0
@@ -192,7 +246,7 @@ def fit_durations(data: Durations, family: Family, source: str = "") -> Fit:
     if data.events == 0 or (exact and family is Family.EXPONENTIAL):
         fit = fit_rate(data.events, data.exposure_h, source)  # closed form, exact interval
         loglik = log_likelihood(data, 1.0, fit.scale_h) if data.events else 0.0
-        return Fit(**{**_fields(fit), "observations": len(data.low_h), "log_likelihood": loglik})
+        return replace(fit, observations=len(data.low_h), log_likelihood=loglik)
     weibull = family is Family.WEIBULL
 
     def nll(theta: np.ndarray) -> float:
@@ -204,24 +258,16 @@ def fit_durations(data: Durations, family: Family, source: str = "") -> Fit:
     log_mean = math.log(max(data.exposure_h / data.events, 1e-3))
     starts = [np.array([math.log(k), log_mean]) for k in (1.0, 0.5, 0.25)] if weibull \
         else [np.array([log_mean])]
-    best = min((optimize.minimize(nll, x0, method="Nelder-Mead",
-                                  options={"xatol": 1e-8, "fatol": 1e-10, "maxiter": 4000})
-                for x0 in starts), key=lambda r: r.fun)
-    try:
-        cov = np.linalg.inv(hessian(nll, best.x))
-        se = np.sqrt(np.where(np.diag(cov) > 0, np.diag(cov), np.inf))
-    except np.linalg.LinAlgError:
-        se = np.full(len(best.x), np.inf)
+    best = _minimize(nll, starts, 1e-8, 1e-10, 4000)
+    cov = _covariance(nll, best.x)
+    se = np.full(len(best.x), np.inf) if cov is None else \
+        np.sqrt(np.where(np.diag(cov) > 0, np.diag(cov), np.inf))
     shape = math.exp(best.x[0]) if weibull else 1.0
     return Fit(family=family, shape=shape, scale_h=math.exp(best.x[-1]),
                shape_ci95=_interval(best.x[0], se[0]) if weibull else (1.0, 1.0),
                scale_ci95=_interval(best.x[-1], se[-1]), events=data.events,
                observations=len(data.low_h), exposure_h=data.exposure_h,
                log_likelihood=-float(best.fun), source=source)
-
-
-def _fields(fit: Fit) -> dict[str, object]:
-    return {name: getattr(fit, name) for name in Fit.__dataclass_fields__}
 
 
 def best_fit(data: Durations, source: str = "") -> Fit:
@@ -232,3 +278,180 @@ def best_fit(data: Durations, source: str = "") -> Fit:
         return exponential
     weibull = fit_durations(data, Family.WEIBULL, source)
     return weibull if weibull.aic < exponential.aic - 2 else exponential
+
+
+@dataclass(frozen=True, slots=True)
+class Runs:
+    """Observed runs: length in ticks, and whether the run ended inside the data."""
+
+    ticks: tuple[int, ...]
+    """Length of each run, ticks (>= 1)."""
+    complete: tuple[bool, ...]
+    """False where the start or end of the data cut the run (it lasted at least that long)."""
+
+    def __post_init__(self) -> None:
+        if len(self.ticks) != len(self.complete) or any(n < 1 for n in self.ticks):
+            raise ValueError("runs: give one completeness flag per run and lengths >= 1 tick")
+
+    def __add__(self, other: Runs) -> Runs:
+        return Runs(self.ticks + other.ticks, self.complete + other.complete)
+
+    @property
+    def events(self) -> int:
+        """Runs that ended inside the data."""
+        return sum(self.complete)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunFit(_Fitted):
+    """A fitted run-length distribution on a tick grid (geometric or a mixture of two), with 95%
+    intervals."""
+
+    weight: float
+    """Share of runs from the short component (1 for the plain geometric)."""
+    p_short: float
+    """Per-tick end probability of the short component."""
+    p_long: float
+    """Per-tick end probability of the long component (= ``p_short`` for the plain geometric)."""
+    tick_s: float
+    """Seconds per tick."""
+    mean_ticks: float
+    """Mean run, ticks (inf: runs never ended in the data)."""
+    mean_ci95_ticks: tuple[float, float]
+    """95% interval of the mean run."""
+
+    @property
+    def mean_h(self) -> float:
+        return self.mean_ticks * self.tick_s / 3600
+
+    @property
+    def mean_ci95_h(self) -> tuple[float, float]:
+        return (self.mean_ci95_ticks[0] * self.tick_s / 3600,
+                self.mean_ci95_ticks[1] * self.tick_s / 3600)
+
+    def sample_s(self, rng: np.random.Generator) -> float:
+        """One run's length, seconds (inf where runs never end)."""
+        p = self.p_short if rng.random() < self.weight else self.p_long
+        return float(rng.geometric(p)) * self.tick_s if p > 0 else math.inf
+
+    def survival(self, ticks: float) -> float:
+        """P(a run lasts more than ``ticks`` ticks)."""
+        return (self.weight * (1 - self.p_short) ** ticks
+                + (1 - self.weight) * (1 - self.p_long) ** ticks)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"family": str(self.family), "weight_short": self.weight, "p_short": self.p_short,
+                "p_long": self.p_long, "tick_s": self.tick_s, "mean_h": self.mean_h,
+                "mean_ci95_h": [float(x) for x in self.mean_ci95_h], "events": self.events,
+                "observations": self.observations, "log_likelihood": self.log_likelihood,
+                "aic": self.aic, "source": self.source}
+
+
+def _params(theta: np.ndarray, p_min: float) -> tuple[float, float, float]:
+    """(w, p1, p2) from logits, each p held in [p_min, 1 - 1e-12]."""
+    def held(x: float, low: float) -> float:
+        return min(max(1 / (1 + math.exp(-min(max(x, -700.0), 700.0))), low), 1 - 1e-12)
+
+    if len(theta) == 1:
+        p = held(theta[0], p_min)
+        return 1.0, p, p
+    return held(theta[0], 1e-12), held(theta[1], p_min), held(theta[2], p_min)
+
+
+def _log_likelihood(theta: np.ndarray, runs: tuple[np.ndarray, np.ndarray, np.ndarray],
+                    p_min: float) -> float:
+    """log L of the mixture at logit parameters (w, p1, p2) (one value: plain geometric);
+    ``runs``: distinct (length, ended) pairs and how often each was seen."""
+    w, p1, p2 = _params(theta, p_min)
+    ticks, done, weight = runs
+    k = ticks - 1.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_short = np.log(w) + k * math.log1p(-p1)
+        log_long = np.log1p(-w) + k * math.log1p(-p2) if len(theta) > 1 \
+            else np.full_like(k, -np.inf)
+        ended = np.logaddexp(log_short + np.log(p1), log_long + np.log(p2))
+        going = np.logaddexp(log_short, log_long)
+        return float(np.sum(weight * np.where(done, ended, going)))
+
+
+def _mean_ticks(theta: np.ndarray, p_min: float) -> float:
+    w, p1, p2 = _params(theta, p_min)
+    return w / p1 + (1 - w) / p2 if len(theta) > 1 else 1 / p1
+
+
+def _fit(runs: Runs, tick_s: float, mixture: bool, source: str) -> RunFit:
+    pairs, weight = np.unique(np.array([runs.ticks, runs.complete], dtype=float), axis=1,
+                              return_counts=True)
+    grouped = (pairs[0], pairs[1] > 0, weight.astype(float))
+    total = float(sum(runs.ticks))
+    p_min = 1 / (2 * total)
+    p0 = min(max(runs.events / total, p_min), 1 - 1e-9)
+    def logit(p: float) -> float:
+        return float(special.logit(min(max(p, p_min), 1 - 1e-9)))
+
+    starts = [np.array([logit(p0)])]
+    if mixture:  # short runs of about a tick, long ones near the longest seen
+        starts = [np.array([logit(w), logit(0.7), logit(p)])
+                  for w, p in ((0.5, p0 / 2), (0.7, 1 / max(runs.ticks)))]
+
+    def nll(theta: np.ndarray) -> float:
+        value = -_log_likelihood(theta, grouped, p_min)
+        return value if math.isfinite(value) else 1e12
+
+    best = _minimize(nll, starts, 1e-6, 1e-8, 2000)
+    theta = best.x
+    if mixture and theta[1] < theta[2]:  # the short component is the one with the larger p
+        theta = np.array([-theta[0], theta[2], theta[1]])
+    mean = _mean_ticks(theta, p_min)
+    cov, step = _covariance(nll, theta), 1e-5
+    se = math.inf
+    if cov is not None:  # delta method on log mean
+        grad = np.array([(math.log(_mean_ticks(theta + step * e, p_min))
+                          - math.log(_mean_ticks(theta - step * e, p_min))) / (2 * step)
+                         for e in np.eye(len(theta))])
+        se = math.sqrt(max(float(grad @ cov @ grad), 0.0))
+    w, p1, p2 = _params(theta, p_min)
+    return RunFit(family=Family.GEOMETRIC_MIXTURE if mixture else Family.GEOMETRIC,
+                  weight=float(w), p_short=float(p1), p_long=float(p2), tick_s=tick_s,
+                  mean_ticks=mean, mean_ci95_ticks=(mean * math.exp(-Z95 * se),
+                                                    mean * math.exp(Z95 * se)),
+                  events=runs.events, observations=len(runs.ticks),
+                  log_likelihood=-float(best.fun), source=source)
+
+
+def rate_fit(events: int, exposure_ticks: float, tick_s: float, source: str = "") -> RunFit:
+    """Geometric runs from a count: ``events`` ends in ``exposure_ticks`` ticks (the MLE with
+    every run seen whole), with the exact Poisson interval of the rate."""
+    if exposure_ticks <= 0:
+        raise ValueError(f"{source or 'runs'}: no ticks observed; cannot fit")
+    p = min(events / exposure_ticks, 1.0)
+    low, high = poisson_ci95(events, exposure_ticks)
+    loglik = (events * math.log(p) + (exposure_ticks - events) * math.log1p(-p)
+              if 0 < p < 1 else 0.0)
+    return RunFit(family=Family.GEOMETRIC, weight=1.0, p_short=p, p_long=p, tick_s=tick_s,
+                  mean_ticks=1 / p if p > 0 else math.inf,
+                  mean_ci95_ticks=(1 / high, 1 / low if low > 0 else math.inf), events=events,
+                  observations=events, log_likelihood=loglik, source=source)
+
+
+def fit_runs(runs: Runs, tick_s: float, source: str = "") -> RunFit:
+    """The geometric, or the two-geometric mixture where it has the data and lowers AIC by > 2."""
+    if not runs.ticks:
+        raise ValueError(f"{source or 'runs'}: no runs to fit")
+    if runs.events == 0:  # never ended: a state that lasts
+        return rate_fit(0, float(sum(runs.ticks)), tick_s, source)
+    plain = _fit(runs, tick_s, False, source)
+    if runs.events < MIN_EVENTS_FOR_MIXTURE:
+        return plain
+    mixture = _fit(runs, tick_s, True, source)
+    usable = all(math.isfinite(x) and x > 0 for x in mixture.mean_ci95_ticks)
+    return mixture if usable and mixture.aic < plain.aic - 2 else plain
+
+
+def runs_of(states: Sequence[bool]) -> list[tuple[bool, int, bool]]:
+    """``(state, ticks, complete)`` for each run of equal states; the first and last runs are cut
+    by the data's ends."""
+    out = [(state, len(list(run)), True) for state, run in itertools.groupby(map(bool, states))]
+    if out:
+        out[0], out[-1] = out[0][:2] + (False,), out[-1][:2] + (False,)
+    return out

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from meshmorph.predict.availability import ZoneAvailability, fit_zone
 from meshmorph.predict.cloud_catalog import CloudCatalog, Provider, UserZone
+from meshmorph.predict.fits import rate_fit
 from meshmorph.predict.revocation import Hazard
-from meshmorph.predict.run_fits import rate_fit
 from meshmorph.predict.spot_data import (
     PreemptionMode,
     availability_for,
@@ -147,15 +147,14 @@ def _lifetime(request: MarketRequest, catalog: CloudCatalog, provider: Provider,
     """(hazard, note, source) of a running VM in ``zone``."""
     user = catalog.zones.get(zone)
     if mode is PreemptionMode.CAPACITY:
-        never = Hazard(name="capacity", edges_h=(0.0,), rates_per_h=(), source="capacity")
+        never = Hazard.constant("capacity", source="capacity")
         return provider.rules(never) if provider.hazard else never, "", "capacity"
     if user is not None and user.preemptions_per_h is not None:
-        hazard = Hazard(name=zone, edges_h=(0.0,), rates_per_h=(),
-                        tail_rate_per_h=user.preemptions_per_h, source=user.source)
+        hazard = Hazard.constant(zone, user.preemptions_per_h, source=user.source)
         return provider.rules(hazard) if provider.hazard else hazard, "", "user zone"
     data, note = lifetimes_for(request.gpu, provider.cloud)
     if data is None or not provider.hazard:
-        never = Hazard(name="none", edges_h=(0.0,), rates_per_h=(), source="none")
+        never = Hazard.constant("none", source="none")
         return provider.rules(never), note if provider.hazard and not user else "", provider.name
     hazard, zone_note = zone_hazard(data, zone)
     return provider.rules(hazard), note, data.key + (" (pooled)" if zone_note else "")

@@ -34,8 +34,6 @@ def checkpoint_fit() -> tuple[float, float]:
 class Overheads:
     """Recovery and checkpoint costs; None fields are drawn from the measurements."""
 
-    spot: bool = True
-    """Start-up of preemptible VMs (longer staging) rather than on-demand ones."""
     storage_gbps_per_node: float = 1.0
     """GB/s each node reads or writes its checkpoint shard at (object storage, assumed)."""
     vm_start_s: float | None = None
@@ -50,9 +48,9 @@ class Overheads:
     def _pick(self, fixed: float | None, samples: list[float], rng: np.random.Generator) -> float:
         return fixed if fixed is not None else float(rng.choice(samples))
 
-    def vm_start_s_draw(self, rng: np.random.Generator, spot: bool | None = None) -> float:
-        kind = self.spot if spot is None else spot
-        samples = measurements()["vm_startup_s"]["preemptible" if kind else "on-demand"]
+    def vm_start_s_draw(self, rng: np.random.Generator, spot: bool) -> float:
+        """VM start-up of a preemptible (longer staging) or an on-demand VM."""
+        samples = measurements()["vm_startup_s"]["preemptible" if spot else "on-demand"]
         return self._pick(self.vm_start_s, samples, rng)
 
     def vm_start_max_s(self, spot: bool) -> float:

@@ -25,10 +25,6 @@ _MOVES: dict[tuple[object, ...], ReshapeMove] = {}
 class ReshapeMove:
     """One change of node count, priced."""
 
-    nodes_from: int
-    """Nodes before."""
-    nodes_to: int
-    """Nodes after."""
     move_s: float
     """Predicted move time (``elastic.moves.move_time``), seconds."""
     bytes_moved: int
@@ -55,6 +51,5 @@ def reshape_move(job: TrainingJob, nodes_from: int, nodes_to: int) -> ReshapeMov
     move = plan_move(layout_of(job.model, plan_a), layout_of(job.model, plan_b), survivors,
                      joining)
     seconds = move_time(move, job.sub_cluster(max(nodes_from, nodes_to))).total_s
-    _MOVES[key] = ReshapeMove(nodes_from, nodes_to, seconds, move.bytes_moved,
-                              bool(move.from_checkpoint))
+    _MOVES[key] = ReshapeMove(seconds, move.bytes_moved, bool(move.from_checkpoint))
     return _MOVES[key]

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from meshmorph.predict.fits import Family, Fit, fit_rate
+from meshmorph.predict.fits import Family, Fit, poisson_ci95
 from meshmorph.predict.measurements import measurements
 
 AGE_BINS_H = (0.0, 1.0, 2.0, 3.0, 6.0, 12.0, 18.0, 24.0)
@@ -62,6 +62,13 @@ class Hazard:
                              f"{len(self.edges_h) - 1} age bins; give one rate per bin")
         if min(self.rates_per_h, default=0.0) < 0 or self.tail_rate_per_h < 0:
             raise ValueError(f"hazard {self.name}: rates must be >= 0")
+
+    @classmethod
+    def constant(cls, name: str, rate_per_h: float = 0.0, **fields: Any) -> Hazard:
+        """No age bins: ``rate_per_h`` at every age (0: never revoked), or a Weibull given by
+        ``fields``."""
+        return cls(name=name, edges_h=(0.0,), rates_per_h=(), tail_rate_per_h=rate_per_h,
+                   **fields)
 
     def rate(self, age_h: float) -> float:
         if self.weibull_shape:
@@ -109,36 +116,17 @@ class Hazard:
         return self.cumulative(horizon_h) / horizon_h
 
 
-def hazard_from_fit(fit: Fit, name: str, *, notice_s: float = 0.0,
-                    max_runtime_h: float | None = None, source: str = "") -> Hazard:
+def hazard_from_fit(fit: Fit, name: str, *, notice_s: float = 0.0) -> Hazard:
     """A fitted duration distribution as a hazard to draw lifetimes from."""
     if fit.family is Family.EXPONENTIAL or not math.isfinite(fit.scale_h):
-        return Hazard(name=name, edges_h=(0.0,), rates_per_h=(), tail_rate_per_h=fit.rate_per_h,
-                      max_runtime_h=max_runtime_h, notice_s=notice_s, source=source or fit.source)
-    return Hazard(name=name, edges_h=(0.0,), rates_per_h=(), weibull_shape=fit.shape,
-                  weibull_scale_h=fit.scale_h, max_runtime_h=max_runtime_h, notice_s=notice_s,
-                  source=source or fit.source)
+        return Hazard.constant(name, fit.rate_per_h, notice_s=notice_s, source=fit.source)
+    return Hazard.constant(name, weibull_shape=fit.shape, weibull_scale_h=fit.scale_h,
+                           notice_s=notice_s, source=fit.source)
 
 
-def fit_counts(counts: list[int], launched: int, edges: tuple[float, ...] = AGE_BINS_H
-               ) -> tuple[float, ...]:
-    """MLE hazard per age bin from revocations per one-hour bin of ``launched`` VMs."""
-    rates = []
-    alive = float(launched)
-    for lo, hi in zip(edges, edges[1:], strict=False):
-        events, exposure = 0, 0.0
-        for hour in range(int(lo), int(hi)):
-            n = counts[hour] if hour < len(counts) else 0
-            exposure += alive - n / 2  # a VM revoked in the hour counts half of it
-            events += n
-            alive -= n
-        rates.append(events / exposure if exposure > 0 else 0.0)
-    return tuple(rates)
-
-
-def count_intervals(counts: list[int], launched: int, edges: tuple[float, ...] = AGE_BINS_H
-                    ) -> tuple[tuple[float, float], ...]:
-    """Exact Poisson 95% interval of each bin's rate (``fit_counts``'s events and exposure)."""
+def _bins(counts: list[int], launched: int, edges: tuple[float, ...]) -> list[tuple[int, float]]:
+    """(revocations, VM-hours at risk) per age bin of ``launched`` VMs from revocations per
+    one-hour bin; a VM revoked in the hour counts half of it."""
     out, alive = [], float(launched)
     for lo, hi in zip(edges, edges[1:], strict=False):
         events, exposure = 0, 0.0
@@ -147,10 +135,21 @@ def count_intervals(counts: list[int], launched: int, edges: tuple[float, ...] =
             exposure += alive - n / 2
             events += n
             alive -= n
-        fit = fit_rate(events, exposure) if exposure > 0 else None
-        out.append((1 / fit.scale_ci95[1], 1 / fit.scale_ci95[0] if fit.scale_ci95[0] > 0
-                    else 0.0) if fit else (0.0, math.inf))
-    return tuple(out)
+        out.append((events, exposure))
+    return out
+
+
+def fit_counts(counts: list[int], launched: int, edges: tuple[float, ...] = AGE_BINS_H
+               ) -> tuple[float, ...]:
+    """MLE hazard per age bin from revocations per one-hour bin of ``launched`` VMs."""
+    return tuple(e / x if x > 0 else 0.0 for e, x in _bins(counts, launched, edges))
+
+
+def count_intervals(counts: list[int], launched: int, edges: tuple[float, ...] = AGE_BINS_H
+                    ) -> tuple[tuple[float, float], ...]:
+    """Exact Poisson 95% interval of each bin's rate (``fit_counts``'s events and exposure)."""
+    return tuple(poisson_ci95(e, x) if x > 0 else (0.0, math.inf)
+                 for e, x in _bins(counts, launched, edges))
 
 
 def _cmdare_hazard(name: str, counts: list[int], launched: int, source: str) -> Hazard:
@@ -183,6 +182,11 @@ def regional_hazards() -> dict[str, dict[str, Hazard]]:
     return out
 
 
+def _revoked_by_hour(hazard: Hazard) -> np.ndarray:
+    """The model's share of VMs revoked by the end of each of the first 24 hours (its CDF)."""
+    return np.array([1 - math.exp(-hazard.cumulative(h + 1)) for h in range(24)])
+
+
 def leave_one_region_out() -> dict[str, dict[str, float]]:
     """Per GPU and region: the largest gap between that region's published lifetime CDF and the
     hazard fitted to the other regions' VMs (disjoint VMs: a real held-out check)."""
@@ -194,8 +198,7 @@ def leave_one_region_out() -> dict[str, dict[str, float]]:
             counts = [sum(r["revocations_by_hour"][h] for r in others) for h in range(24)]
             hazard = _cmdare_hazard("held-out", counts, sum(r["launched"] for r in others), "")
             published = np.cumsum(entry["revocations_by_hour"]) / entry["launched"]
-            model = np.array([1 - math.exp(-hazard.cumulative(h + 1)) for h in range(24)])
-            out[gpu.lower()][region] = float(np.max(np.abs(model - published)))
+            out[gpu.lower()][region] = float(np.max(np.abs(_revoked_by_hour(hazard) - published)))
     return out
 
 
@@ -230,14 +233,14 @@ def revocation_report() -> dict[str, Any]:
         counts, launched = data["revocations_by_hours_since_start"][name.upper()], \
             data["instances_launched"][name.upper()]
         published = np.cumsum(counts) / launched  # CDF at the end of each hour
-        model = [1 - math.exp(-hazard.cumulative(h + 1)) for h in range(24)]
+        model = _revoked_by_hour(hazard)
         held_out = [(age, not capped) for age, capped in
                     data["icac_feb2019_lifetimes_h"][name.upper()]]
         entry = {"rates_per_h": list(hazard.rates_per_h), "launched": launched,
                  "rates_ci95": [list(c) for c in count_intervals(counts, launched)],
                  "revoked_by_24h_published": float(published[-1]),
-                 "revoked_by_24h_model": model[-1],
-                 "max_cdf_gap_published": float(np.max(np.abs(np.array(model) - published))),
+                 "revoked_by_24h_model": float(model[-1]),
+                 "max_cdf_gap_published": float(np.max(np.abs(model - published))),
                  "ks_icac_feb2019": ks_distance(hazard, held_out),
                  "icac_feb2019_vms": len(held_out)}
         if name == "k80":

@@ -1,24 +1,22 @@
 """A whole training run on spot nodes across zones, as a discrete-event simulation (simpy).
 
-Each zone's capacity follows a path: drawn from its fitted process (``availability.py``) or, with
-``replay``, read from its recorded trace from one start tick shared by every zone. Each node is a
-simpy process: it waits for capacity in its zone, starts (CM-DARE's measured VM start-up), runs
-until it is preempted -- in capacity mode when its zone's capacity goes, in lifetime mode when its
-own lifetime (the fitted hazard, the provider's cap) ends -- and then, unless the policy released
-it, waits for capacity again. On-demand nodes are never preempted.
+Each zone's capacity follows a path drawn from its fitted process (``availability.py``) or, with
+``replay``, its recorded trace from one start tick shared by every zone. Each node is a simpy
+process: it waits for capacity, starts (CM-DARE's measured VM start-up) and runs until it is
+preempted (capacity mode: its zone's capacity goes; lifetime mode: its own lifetime, the fitted
+hazard and the provider's cap, ends), then, unless the policy released it, waits again.
+On-demand nodes are never preempted. Every node is billed at its zone's price while it runs.
 
-The trainer computes in segments between checkpoints (Young/Daly: ``sqrt(2 write_s MTBF)``, at
-most 4 h) at the planner's step time for the nodes it runs on. A preemption loses the steps since
-the last checkpoint unless the provider's notice covers a checkpoint write (then only the notice
-window). What happens next is the policy's (``policy.py``): restart cold where it is (reading the
-checkpoint back), continue on the survivors (``reshape``: a warm restart and the move Reshape's
-planner prices), move to a zone with capacity, or switch to on-demand before the deadline is at
-risk. Every node is billed at its zone's price from the moment it runs until it stops.
+The trainer computes between checkpoints (Young/Daly: ``sqrt(2 write_s MTBF)``, at most 4 h) at
+the planner's step time for the nodes it runs on. A preemption loses the steps since the last
+checkpoint unless the provider's notice covers a checkpoint write (then only the notice
+window); then the policy decides (``policy.py``).
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -254,9 +252,8 @@ class _Run:
         if self.env.now > start:
             self.result.timeline.append((start, self.env.now, kind, nodes, str(self.current)))
             if kind == "compute":
-                zone = str(self.current)
-                self.result.zone_compute_s[zone] = self.result.zone_compute_s.get(zone, 0.0) + \
-                    self.env.now - start
+                zones = self.result.zone_compute_s
+                zones[str(self.current)] = zones.get(str(self.current), 0.0) + self.env.now - start
 
     def _hold(self, seconds: float, members: list[_Node], grow: bool = False
               ) -> Generator[Any, Any, str]:
@@ -434,23 +431,19 @@ def summarize(runs: list[RunResult], deadline_h: float | None = None) -> dict[st
     (share of the training time in each)."""
     hours = np.array([r.time_s / 3600 for r in runs])
     cost = np.array([r.cost_usd for r in runs])
-    zones: dict[str, float] = {}
+    zones: Counter[str] = Counter()
     for r in runs:
-        for zone, seconds in r.zone_compute_s.items():
-            zones[zone] = zones.get(zone, 0.0) + seconds
+        zones.update(r.zone_compute_s)
     total = sum(zones.values()) or 1.0
     out: dict[str, Any] = {"runs": len(runs)}
     for p in (10, 50, 90):
         out[f"time_h_p{p}"] = float(np.percentile(hours, p))
         out[f"cost_usd_p{p}"] = float(np.percentile(cost, p))
-    out.update({
-        "preemptions_mean": float(np.mean([r.preemptions for r in runs])),
-        "lost_steps_mean": float(np.mean([r.lost_steps for r in runs])),
-        "moves_mean": float(np.mean([r.moves for r in runs])),
-        "reshapes_mean": float(np.mean([r.reshapes for r in runs])),
-        "unfinished": sum(not r.finished for r in runs),
-        "switched_to_on_demand": sum(r.switched_at_s is not None for r in runs),
-        "zones": {z: s / total for z, s in sorted(zones.items(), key=lambda kv: -kv[1])}})
+    out.update({f"{name}_mean": float(np.mean([getattr(r, name) for r in runs]))
+                for name in ("preemptions", "lost_steps", "moves", "reshapes")})
+    out.update({"unfinished": sum(not r.finished for r in runs),
+                "switched_to_on_demand": sum(r.switched_at_s is not None for r in runs),
+                "zones": {z: s / total for z, s in zones.most_common()}})
     if deadline_h is not None:
         out["met_deadline"] = float(np.mean(hours <= deadline_h))
     return out

@@ -79,16 +79,10 @@ class SpotTrace:
     """GPU type probed (empty: not stated; the simulated GPU is assumed)."""
     provider: str = ""
     """Cloud offering (a catalog provider), where known."""
-    instance_gpus: int = 0
-    """GPUs of the instance the prices are for (0: unknown)."""
     source: str = ""
     """Where the trace comes from (repository, licence)."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Anything else the file said (kept for the JSON output)."""
-
-    @property
-    def hours(self) -> float:
-        return max(len(z.states) for z in self.zones.values()) * self.tick_s / 3600
 
 
 def _fail(path: str, key: str, problem: str) -> TraceError:
@@ -173,6 +167,15 @@ def _plain_files(paths: list[Path], name: str) -> SpotTrace:
     return SpotTrace(name=name, tick_s=ticks.pop(), zones=zones)
 
 
+def _priced(zone: str, states: tuple[bool, ...], price: dict[str, Any], **fields: Any
+            ) -> ZoneTrace:
+    """A packaged zone's trace with its price entry (``spot_usd_per_h``, ``on_demand_usd_per_h``,
+    ``date``)."""
+    return ZoneTrace(zone=zone, states=states, spot_usd_per_h=price.get("spot_usd_per_h"),
+                     on_demand_usd_per_h=price.get("on_demand_usd_per_h"),
+                     price_date=price.get("date", ""), **fields)
+
+
 def _count_trace(name: str, entry: dict[str, Any]) -> SpotTrace:
     """A count trace (``segments`` of base-17 digits per zone): capacity = at least 1 launched."""
     counts: dict[str, list[int]] = {}
@@ -186,15 +189,11 @@ def _count_trace(name: str, entry: dict[str, Any]) -> SpotTrace:
     prices = entry.get("a3_highgpu_8g_prices", {})
     zones = {}
     for zone, values in counts.items():
-        price = prices.get(zone.rsplit("-", 1)[0], {})
-        zones[zone] = ZoneTrace(zone=zone, states=tuple(c >= 1 for c in values),
-                                gaps=tuple(gaps.get(zone, ())), counts=tuple(values),
-                                spot_usd_per_h=price.get("spot_usd_per_h"),
-                                on_demand_usd_per_h=price.get("on_demand_usd_per_h"),
-                                price_date=price.get("date", ""))
+        zones[zone] = _priced(zone, tuple(c >= 1 for c in values),
+                              prices.get(zone.rsplit("-", 1)[0], {}),
+                              gaps=tuple(gaps.get(zone, ())), counts=tuple(values))
     return SpotTrace(name=name, tick_s=_number(entry["tick_s"], name, "tick_s"), zones=zones,
-                     gpu=entry["gpu"],
-                     provider=entry["provider"], instance_gpus=8, source=entry["source"],
+                     gpu=entry["gpu"], provider=entry["provider"], source=entry["source"],
                      meta={"about": entry["about"], "requested_gpus": entry["requested_gpus"]})
 
 
@@ -209,14 +208,10 @@ def _probe_trace(name: str, entry: dict[str, Any]) -> SpotTrace:
     zones = {}
     for zone, chars in entry["zones"].items():
         unknown = len(chars) - len(chars.lstrip("-"))
-        price = prices.get(zone, {})
-        zones[zone] = ZoneTrace(zone=zone, states=tuple(c == "1" for c in chars),
-                                gaps=((0, unknown),) if unknown else (),
-                                spot_usd_per_h=price.get("spot_usd_per_h"),
-                                on_demand_usd_per_h=price.get("on_demand_usd_per_h"),
-                                price_date=price.get("date", ""))
+        zones[zone] = _priced(zone, tuple(c == "1" for c in chars), prices.get(zone, {}),
+                              gaps=((0, unknown),) if unknown else ())
     return SpotTrace(name=name, tick_s=tick_s, zones=zones, gpu=entry["gpu"],
-                     provider=entry["provider"], instance_gpus=4, source=entry["source"],
+                     provider=entry["provider"], source=entry["source"],
                      meta={"about": entry["about"]})
 
 

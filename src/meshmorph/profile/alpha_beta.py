@@ -2,7 +2,8 @@
 
 ``alpha`` is the fixed cost of one call (latency hops, Python and launch overhead), ``beta`` the
 seconds per byte. ``ring_link`` turns an all-reduce fit into the per-hop latency and per-rank
-bandwidth of the ring formula the cost model prices collectives with (cost/comm.py).
+bandwidth of the ring formula the cost model prices collectives with (cost/comm.py);
+``loopback_link`` writes that link of CPU processes into a Profile.
 """
 
 from __future__ import annotations
@@ -57,3 +58,15 @@ def ring_link(kind: str, group_size: int, fit: AlphaBeta) -> tuple[float, float]
         raise ValueError(f"unknown collective {kind!r}; known: all_reduce, all_gather, "
                          "reduce_scatter, send_recv")
     return fit.alpha_s / hops, volume / fit.beta_s_per_byte
+
+
+def loopback_link(fits: dict[str, dict[str, float]], world: int
+                  ) -> tuple[dict[str, float], dict[str, float]]:
+    """The ``loopback`` link's bandwidth (GB/s) and per-hop latency (us), as a Profile's
+    ``link_bandwidth_gbps`` and ``link_latency_us``, from the all-reduce fit over all ``world``
+    CPU processes (empty without that fit)."""
+    row = fits.get(f"all_reduce/{world}")
+    if row is None:
+        return {}, {}
+    alpha, bandwidth = ring_link("all_reduce", world, AlphaBeta(**row))
+    return {"loopback": bandwidth / 1e9}, {"loopback": alpha * 1e6}

@@ -1,40 +1,26 @@
 """FSDP2's own work per unit: the all-gather and the gradient reduce-scatter of one
-``fully_shard`` unit, each run directly as FSDP2 runs it, on the real sizes of a unit of the model.
+``fully_shard`` unit, measured where FSDP2 makes them, on the real sizes of a unit of the model.
 
 On CPU processes FSDP2's copies into and out of its flat buffers cost more than the collective
-the alpha-beta fit of ``all_gather``/``reduce_scatter`` measures (a ZeRO-3 step spent more time
-in ``aten::copy_`` and ``aten::cat`` than in the collectives, torch profiler), so the cost model
-prices FSDP's calls from these fits where a Profile has them (``fsdp_all_gather/N``,
-``fsdp_reduce_scatter/N`` in ``Profile.collectives``; bytes = the unit's unsharded parameters in
-the compute dtype, or its unsharded gradients in the reduce dtype, comm.py's M).
+itself (a ZeRO-3 step spent more time in ``aten::copy_`` and ``aten::cat`` than in the
+collectives, torch profiler), so the cost model prices FSDP's calls from these fits where a
+Profile has them (``fsdp_all_gather/N``, ``fsdp_reduce_scatter/N``; bytes = the unit's unsharded
+parameters in the compute dtype, or its unsharded gradients in the reduce dtype, comm.py's M).
 
-Units are k consecutive blocks of the model (k = 1..``max_blocks``), two of them under a root as
-a chunk's blocks are, ``fully_shard``-ed over the group of all ranks (the plan's dp group) with
-the plan's mixed-precision policy, recompute mode and prefetch setting (``Plan.fsdp_prefetch``:
-the second unit's gather prefetched in forward, the first's in backward), so their tensor count
-grows with their bytes as in the model. Each call is measured where FSDP2 makes it, inside a
-forward and backward pass of the plan's micro-batch (``micro_batch``; 0: one sequence of
-``PASS_TOKENS`` tokens), as the difference of three passes with gradient sync, back to back:
+Units are k consecutive blocks (k = 1..``max_blocks``), two under a root as a chunk's blocks
+are, sharded over all ranks with the plan's mixed precision, recompute and prefetch
+(``Plan.fsdp_prefetch``). Each call is the difference of three forward and backward passes of
+the plan's micro-batch (0: one sequence of ``PASS_TOKENS`` tokens), back to back, with gradient
+sync: the reduce-scatter is half the pass with both units kept gathered (ZeRO-2) less the plain
+blocks' pass; the gather a quarter of the pass with both units resharded after forward and
+backward (ZeRO-3) less the kept one. With ``last_arrival`` each pass keeps the least time over
+the ranks (the last to arrive waits for nobody) before the differences are taken.
 
-- reduce-scatter: half the pass with both units kept gathered (ZeRO-2) less the same blocks'
-  pass without FSDP2: per unit, FSDP2's forward and backward hooks and ``post_backward`` as its
-  autograd hook runs it (chunk-cat of the gradients in the reduce dtype,
-  ``reduce_scatter_tensor``, the sharded gradients made DTensors);
-- gather: a quarter of the pass with both units resharded after forward and after backward
-  (ZeRO-3) less the kept pass: per unit, one ``unshard`` in forward and one in backward (the
-  shards copied into one flat input, ``all_gather_into_tensor``, the copy-out), each with its
-  reshard and, where the plan prefetches, the prefetch's contention with the compute beside it.
-
-With ``last_arrival`` each pass keeps the least time over the ranks (the rank that reached it
-last: its own time, no wait for another rank) before the differences are taken. What earlier
-versions measured, on gpt-small units on 2 CPU processes: ``post_backward`` called directly on
-set-up gradients, 7.5 ms for a one-block unit against 10-12 ms for the same call inside a pass,
-left ZeRO-2/3 plans 5-22% short (more with more micro-batches, where it repeats); ``unshard`` +
-``reshard`` called directly, 5 ms, against 6 ms per gather inside a six-unit pass with FSDP2's
-prefetch (3.6 ms without it: on processes that fill the cores a prefetched gather contends with
-the compute instead of hiding), left ZeRO-3 plans 16-18% short; a bare collective with its copies
-came out 20-27% short; the difference of whole-model passes with gradient sync on and off
-scattered by +-30% from sample to sample.
+Why inside a pass: on gpt-small units on 2 CPU processes, ``post_backward`` called directly took
+7.5 ms against 10-12 ms inside a pass (ZeRO-2/3 plans came out 5-22% short); ``unshard`` +
+``reshard`` called directly 5 ms against 6 ms per prefetched gather in a six-unit pass (ZeRO-3
+16-18% short); a bare collective with its copies 20-27% short; and the difference of
+whole-model passes with sync on and off scattered by +-30% from sample to sample.
 """
 
 from __future__ import annotations
@@ -50,7 +36,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from meshmorph.profile.alpha_beta import fit_alpha_beta
 from meshmorph.profile.hardware import DTYPES
-from meshmorph.profile.timing import every_rank, median_spread, timed, window_calls
+from meshmorph.profile.timing import every_rank, timed, window_median
 from meshmorph.run.model.decoder import build_chunk
 from meshmorph.run.parallel.recompute import apply_recompute
 from meshmorph.spec.model import ModelSpec, Recompute
@@ -135,9 +121,8 @@ class FsdpUnits:
     def fits(self, window: slice = slice(None)) -> dict[str, dict[str, float]]:
         """``fsdp_all_gather/world`` and ``fsdp_reduce_scatter/world`` -> alpha-beta fits through
         the medians of the calls of the kept samples in ``window`` (a slice of sample indices)."""
-        gather = [median_spread(window_calls(s, self.repeats, window))[0] for s in self.gather_s]
-        scatter = [median_spread(window_calls(s, self.repeats, window))[0]
-                   for s in self.scatter_s]
+        gather = [window_median(s, self.repeats, window) for s in self.gather_s]
+        scatter = [window_median(s, self.repeats, window) for s in self.scatter_s]
         return {f"fsdp_all_gather/{self.world}": fit_alpha_beta(self.sizes, gather).as_dict(),
                 f"fsdp_reduce_scatter/{self.world}":
                     fit_alpha_beta(self.grad_sizes, scatter).as_dict()}

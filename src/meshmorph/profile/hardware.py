@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -57,28 +60,32 @@ def _call(kind: str, group: dist.ProcessGroup, size: int, rank: int, nbytes: int
     return ping
 
 
+def _collectives(world: int) -> Iterator[tuple[str, dist.ProcessGroup, int]]:
+    """(``kind/g``, group, g) of every kind over the first g ranks, g = 2..world (send/recv
+    between ranks 0 and 1 only); every rank takes part in creating each group."""
+    for size in range(2, world + 1):
+        group = dist.new_group(list(range(size)))
+        for kind in KINDS:
+            if kind != "send_recv" or size == 2:
+                yield f"{kind}/{size}", group, size
+
+
 def collective_fits(sizes_bytes: list[int], world: int, rank: int, device: torch.device, *,
                     repeats: int, tick: object = None) -> dict[str, dict[str, float]]:
     """``kind/group_size`` -> alpha-beta fit, for every kind and every group of the first g
     ranks (g = 2..world); send/recv between ranks 0 and 1."""
     out: dict[str, dict[str, float]] = {}
-    for size in range(2, world + 1):
-        group = dist.new_group(list(range(size)))  # every rank takes part in creating it
-        for kind in KINDS:
-            if kind == "send_recv" and size != 2:
-                continue
-            member = rank < size
-            xs, ys = [], []
-            for nbytes in sizes_bytes:
-                fn = _call(kind, group, size, rank, nbytes, device) if member else (lambda: None)
-                samples = timed(fn, warmup=1, repeats=repeats)  # barrier: all ranks in step
-                med, _ = median_spread(samples)
-                xs.append(float(nbytes))
-                ys.append(med / 2 if kind == "send_recv" else med)
-                if callable(tick):
-                    tick()
-            if member:
-                out[f"{kind}/{size}"] = fit_alpha_beta(xs, ys).as_dict()
+    for key, group, size in _collectives(world):
+        kind, member = key.split("/")[0], rank < size
+        ys = []
+        for nbytes in sizes_bytes:
+            fn = _call(kind, group, size, rank, nbytes, device) if member else (lambda: None)
+            med, _ = median_spread(timed(fn, warmup=1, repeats=repeats))  # all ranks in step
+            ys.append(med / 2 if kind == "send_recv" else med)
+            if callable(tick):
+                tick()
+        if member:
+            out[key] = fit_alpha_beta([float(n) for n in sizes_bytes], ys).as_dict()
     return out
 
 
@@ -95,16 +102,10 @@ class CollectiveSamples:
         common barrier, a collective lasts longest on the rank that reaches it first (it also
         waits for the others); the rank that arrives last sees the collective's own time. The
         waits for a slower rank are priced where they arise, from the slowest rank's compute."""
-        self.calls: dict[str, list[object]] = {}
-        for size in range(2, world + 1):
-            group = dist.new_group(list(range(size)))  # every rank takes part in creating it
-            for kind in KINDS:
-                if kind == "send_recv" and size != 2:
-                    continue
-                member = rank < size
-                self.calls[f"{kind}/{size}"] = [
-                    _call(kind, group, size, rank, nbytes, device) if member else (lambda: None)
-                    for nbytes in sizes_bytes]
+        self.calls: dict[str, list[object]] = {
+            key: [_call(key.split("/")[0], group, size, rank, nbytes, device) if rank < size
+                  else (lambda: None) for nbytes in sizes_bytes]
+            for key, group, size in _collectives(world)}
         self.members = {key for key in self.calls if rank < int(key.split("/")[1])}
         self.seconds: dict[str, list[list[float]]] = {k: [[] for _ in sizes_bytes] for k in self.calls}
 
@@ -127,5 +128,5 @@ class CollectiveSamples:
                 out.append(next(flat))
 
     def fits(self, window: slice = slice(None)) -> dict[str, dict[str, float]]:
-        return {key: fit_alpha_beta(self.sizes, [median_spread(s[window])[0] for s in rows]).as_dict()
+        return {key: fit_alpha_beta(self.sizes, [statistics.median(s[window]) for s in rows]).as_dict()
                 for key, rows in self.seconds.items() if key in self.members}

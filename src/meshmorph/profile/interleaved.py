@@ -20,7 +20,7 @@ import torch
 
 from meshmorph.cost.profile import Profile
 from meshmorph.cost.state import fsdp_shards
-from meshmorph.profile.alpha_beta import AlphaBeta, ring_link
+from meshmorph.profile.alpha_beta import loopback_link
 from meshmorph.profile.fsdp_units import FsdpUnits
 from meshmorph.profile.hardware import CollectiveSamples
 from meshmorph.profile.layers import LayerPasses, OptimizerTails
@@ -102,13 +102,8 @@ class PlanPieces:
         fits = self.collectives.fits(window) if self.collectives is not None else {}
         if self.fsdp is not None:
             fits.update(self.fsdp.fits(window))
-        bandwidth, latency = {}, {}
-        key = f"all_reduce/{self.world}"
-        if key in fits and not torch.cuda.is_available():
-            row = fits[key]
-            alpha, bw = ring_link("all_reduce", self.world,
-                                  AlphaBeta(row["alpha_s"], row["beta_s_per_byte"], row["r2"]))
-            bandwidth["loopback"], latency["loopback"] = bw / 1e9, alpha * 1e6
+        bandwidth, latency = ({}, {}) if torch.cuda.is_available() \
+            else loopback_link(fits, self.world)
         fixed, per_param = self.tails.fit(window)
         return Profile(link_bandwidth_gbps=bandwidth, link_latency_us=latency, source=source,
                        collectives=fits, layer_times=self.layers.times(window),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshmorph.cost.profile import Profile
-from meshmorph.profile.alpha_beta import AlphaBeta, ring_link
+from meshmorph.profile.alpha_beta import loopback_link
 from meshmorph.profile.spawn import spawn
 from meshmorph.run.launch.host_memory import host_memory_bytes
 from meshmorph.spec.catalog import load_model
@@ -161,21 +161,14 @@ def run_profile(config: ProfileConfig, *, on_progress: Callable[[int], None] | N
 
 
 def assemble(config: ProfileConfig, result: dict) -> Profile:  # type: ignore[type-arg]
-    """The Profile from rank 0's measurements: the all-reduce fit of the whole group becomes the
-    ``loopback`` link's ring latency and bandwidth (CPU processes; on GPUs the fits are kept
-    under ``collectives`` and the catalog's links stay as they are)."""
+    """The Profile from rank 0's measurements (on CPU the ``loopback`` link from the whole
+    group's all-reduce fit; on GPUs the catalog's links stay as they are)."""
     import torch
 
     from meshmorph.spec.gpus import GPU_CATALOG
 
     cuda = torch.cuda.is_available()
-    bandwidth, latency = {}, {}
-    key = f"all_reduce/{config.nproc}"
-    if key in result["collectives"] and not cuda:
-        row = result["collectives"][key]
-        alpha, bw = ring_link("all_reduce", config.nproc,
-                              AlphaBeta(row["alpha_s"], row["beta_s_per_byte"], row["r2"]))
-        bandwidth["loopback"], latency["loopback"] = bw / 1e9, alpha * 1e6
+    bandwidth, latency = ({}, {}) if cuda else loopback_link(result["collectives"], config.nproc)
     fixed, per_param = (0.0, 0.0)
     if result["optimizer"]:
         fixed, per_param = next(iter(result["optimizer"].values()))

@@ -14,7 +14,7 @@ from torch import nn
 
 from meshmorph.cost.profile import layer_key
 from meshmorph.profile.hardware import DTYPES
-from meshmorph.profile.timing import every_rank, median_spread, timed, window_calls
+from meshmorph.profile.timing import every_rank, median_spread, timed, window_median
 from meshmorph.run.engine.grad_norm import clip_grads_, local_sums_of_squares
 from meshmorph.run.model.decoder import build_chunk
 from meshmorph.run.model.loss import token_cross_entropy
@@ -147,16 +147,12 @@ def _stamp(stamps: dict[int, float], k: int, sync: Callable[[], object],
 
 
 class OptimizerTails:
-    """A step's tail — gradient norm, clip, AdamW (foreach), LR schedule — over chunks of the
-    model of growing size (the second layer; the first half; the whole model), one tail per
-    chunk per ``sample()``; ``fit()`` is the line through their medians.
-
-    ``shard_over`` > 1 with ``zero`` 1, 2 or 3: the tail as FSDP2 runs it (the runtime shards
-    a uniform chunk's parameters under every ZeRO stage, cost/state.py's ``fsdp_shards``), each
-    chunk's blocks and root ``fully_shard``-ed over that many ranks as run/parallel/parallelize.py
-    shards them, so AdamW (foreach, as the engine makes it) steps the sharded DTensor parameters
-    and the norm sums the squares of their DTensor gradients' local shards
-    (run/engine/grad_norm.py); the counts are the parameters of one shard. ``repeats`` tails per chunk per sample, every one kept."""
+    """A step's tail (gradient norm, clip, AdamW foreach, LR schedule) over chunks of growing
+    size (the second layer; the first half; the whole model), ``repeats`` tails per chunk per
+    ``sample()``; ``fit()`` is the line through their medians. With ``shard_over`` > 1 and
+    ``zero`` >= 1 each chunk is ``fully_shard``-ed as run/parallel/parallelize.py shards it, so
+    AdamW steps DTensor shards and the norm sums their local squares (run/engine/grad_norm.py);
+    the counts are then the parameters of one shard."""
 
     def __init__(self, model: ModelSpec, device: torch.device, *, slowest: bool = False,
                  shard_over: int = 1, zero: int = 0, repeats: int = 1):
@@ -204,7 +200,7 @@ class OptimizerTails:
     def fit(self, window: slice = slice(None)) -> tuple[float, float]:
         """(fixed s, s per parameter), least squares through the chunks' medians of the kept
         samples in ``window``, never below 0."""
-        medians = [median_spread(window_calls(s, self.repeats, window))[0] for s in self.seconds]
+        medians = [window_median(s, self.repeats, window) for s in self.seconds]
         slope, intercept = np.polyfit(self.counts, medians, 1)
         return max(float(intercept), 0.0), max(float(slope), 0.0)
 

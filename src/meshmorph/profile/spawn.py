@@ -10,6 +10,7 @@ through this one function.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import socket
@@ -76,45 +77,6 @@ def _outputs(logs: list[str]) -> str:
     return "\n".join(parts)
 
 
-def _run(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], logs: list[str], *,
-         timeout_s: float, threads: int, backend: str, collective_timeout_s: float,
-         poll: Callable[[], None] | None, nice: int = 0) -> list[str]:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(fn, r, world_size, port, logs[r], args, threads, backend,
-                               collective_timeout_s, nice))
-             for r in range(world_size)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + timeout_s
-    failure = None
-    while True:
-        codes = [proc.exitcode for proc in procs]
-        bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-        if bad:
-            failure = "; ".join(f"rank {r} exited with code {codes[r]}" for r in bad)
-            break
-        if all(c == 0 for c in codes):
-            break
-        if time.monotonic() > deadline:
-            failure = f"timed out after {timeout_s:.0f} s (ranks still running: " \
-                      f"{[r for r, c in enumerate(codes) if c is None]}); raise the timeout"
-            break
-        if poll is not None:
-            poll()
-        time.sleep(0.05)
-    for proc in procs:
-        if proc.exitcode is None:
-            proc.kill()  # only the processes this call started
-        proc.join(timeout=10)
-    if poll is not None:
-        poll()
-    if failure:
-        raise SpawnError(f"{failure}\n{_outputs(logs)}")
-    return [Path(log).read_text(errors="replace") for log in logs]
-
-
 def spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (),
           log_dir: Path | None = None, *, timeout_s: float = 300.0, threads: int = 1,
           backend: str = "auto", collective_timeout_s: float = 300.0,
@@ -125,13 +87,40 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (),
     is called every 0.05 s while they run (a progress bar reads files); ``nice``: the ranks'
     priority increment (negative: ahead of other work on the machine, where privileged), so that
     timings measure the hardware rather than whatever else shares the cores."""
-    if log_dir is not None:
-        logs = [str(log_dir / f"rank{r}.log") for r in range(world_size)]
-        return _run(fn, world_size, args, logs, timeout_s=timeout_s, threads=threads,
-                    backend=backend, collective_timeout_s=collective_timeout_s, poll=poll,
-                    nice=nice)
-    with tempfile.TemporaryDirectory(prefix="spawn-") as tmp:
-        logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
-        return _run(fn, world_size, args, logs, timeout_s=timeout_s, threads=threads,
-                    backend=backend, collective_timeout_s=collective_timeout_s, poll=poll,
-                    nice=nice)
+    with contextlib.ExitStack() as stack:
+        folder = log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="spawn-")))
+        logs = [str(folder / f"rank{r}.log") for r in range(world_size)]
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        procs = [ctx.Process(target=_rank_main, daemon=True,
+                             args=(fn, r, world_size, port, logs[r], args, threads, backend,
+                                   collective_timeout_s, nice))
+                 for r in range(world_size)]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        failure = None
+        while True:
+            codes = [proc.exitcode for proc in procs]
+            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failure = "; ".join(f"rank {r} exited with code {codes[r]}" for r in bad)
+                break
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                failure = f"timed out after {timeout_s:.0f} s (ranks still running: " \
+                          f"{[r for r, c in enumerate(codes) if c is None]}); raise the timeout"
+                break
+            if poll is not None:
+                poll()
+            time.sleep(0.05)
+        for proc in procs:
+            if proc.exitcode is None:
+                proc.kill()  # only the processes this call started
+            proc.join(timeout=10)
+        if poll is not None:
+            poll()
+        if failure:
+            raise SpawnError(f"{failure}\n{_outputs(logs)}")
+        return [Path(log).read_text(errors="replace") for log in logs]

@@ -35,11 +35,11 @@ def median_spread(samples: list[float]) -> tuple[float, float]:
     return med, (q[2] - q[0]) / 2 / med
 
 
-def window_calls(samples: list[float], calls: int, window: slice) -> list[float]:
-    """The timings of the samples in ``window`` (a slice of sample indices) out of ``samples``,
-    where each sample kept ``calls`` timings in a row."""
+def window_median(samples: list[float], calls: int, window: slice) -> float:
+    """Median of the timings of the samples in ``window`` (a slice of sample indices), where
+    each sample kept ``calls`` timings in a row."""
     picked = range(len(samples) // calls)[window]
-    return [t for i in picked for t in samples[i * calls:(i + 1) * calls]]
+    return statistics.median(t for i in picked for t in samples[i * calls:(i + 1) * calls])
 
 
 def every_rank(values: list[float]) -> list[list[float]]:

@@ -104,12 +104,8 @@ def candidate_plans(model: ModelSpec, nproc: int, global_batch: int, *,
     groups: dict[tuple[int, int], list[Plan]] = {}
     for plan in plans:
         groups.setdefault((plan.tp, plan.pp), []).append(plan)
-    ordered: list[Plan] = []
-    while any(groups.values()):
-        for key in sorted(groups):
-            if groups[key]:
-                ordered.append(groups[key].pop(0))
-    return ordered
+    rounds = itertools.zip_longest(*(groups[key] for key in sorted(groups)))
+    return [plan for row in rounds for plan in row if plan is not None]
 
 
 def spanning_plans(plans: list[Plan], predicted_s: list[float], n: int) -> list[Plan]:

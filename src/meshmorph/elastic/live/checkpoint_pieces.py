@@ -1,17 +1,13 @@
 """Read just the pieces no live device holds from a committed DCP checkpoint.
 
-A MovePlan's ``from_checkpoint`` transfers name boxes (a key and an offset and length per
-dimension) that died with their devices. Each process reads only the boxes it needs: a
-``torch.distributed.checkpoint`` load whose planner asks, for each box, for the overlap of that
-box with the saved chunks (``create_read_items_for_chunk_list``, DCP's own resharding rule), so
-only the saved chunks that overlap a needed box are read (DCP reads a saved chunk whole and
-narrows it), never the rest of the checkpoint. No process group is needed (``no_dist``): every
-process reads its own pieces at the same time.
+A MovePlan's ``from_checkpoint`` transfers name boxes that died with their devices. Each process
+loads only its boxes, without a process group (``no_dist``): the load planner asks, per box, for
+its overlap with the saved chunks (``create_read_items_for_chunk_list``, DCP's own resharding
+rule), so DCP reads only the saved chunks that overlap a box (each whole, then narrowed).
 
-Keys: Layout's ``param/<fqn>`` is the checkpoint's ``model.<fqn>``; ``exp_avg/<fqn>`` and
-``exp_avg_sq/<fqn>`` are ``optim.state.<fqn>.exp_avg`` and ``...exp_avg_sq`` (``run/checkpoint``
-saves the flattened optimizer state dict under ``optim``). A tied head a checkpoint without
-pipeline parallelism holds only as its embedding is read from the embedding.
+Keys: ``param/<fqn>`` is ``model.<fqn>``; ``exp_avg/<fqn>`` is ``optim.state.<fqn>.exp_avg``
+(``run/checkpoint`` saves the flattened optimizer state under ``optim``); a tied head that a
+checkpoint without pipeline parallelism holds only as its embedding is read from the embedding.
 """
 
 from __future__ import annotations

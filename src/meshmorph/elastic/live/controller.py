@@ -1,25 +1,19 @@
 """Reshape a running job in memory: from an engine of Plan A on some processes to an engine of
-Plan B on others, moving only what the MovePlan says.
+Plan B on others, moving only what the MovePlan says. Every process that takes part calls
+``reshape_in_memory`` with the same arguments (its own ``me`` and engine aside):
 
-Every process that takes part calls ``reshape_in_memory`` with the same arguments (its own
-``me`` and engine aside). The steps:
-
-1. this process's pieces out of its old engine (views, ``local_state.extract_state``);
-2. one process group over every process that sends or receives: the default group itself where
-   it already spans Plan A's processes in rank order and nobody joins, else a new one
-   (``regroup``);
-3. the first survivor computes Layouts A and B and the MovePlan (pure; a planned leave names the
-   processes that stay, and the placement is the best one among them, ``linear_sum_assignment``
-   on the receive matrix restricted to those devices) and broadcasts it with the small state
-   (step, LR schedule, data position, loss scaler); then the transfers
+1. its pieces out of its old engine (views, ``local_state.extract_state``);
+2. one process group over every process that sends or receives (the default group where it
+   already spans Plan A's processes in rank order and nobody joins, else ``regroup``);
+3. the first survivor plans the move (pure; a planned leave places Plan B's ranks on the
+   processes that stay) and broadcasts it with the small state; the transfers
    (``execute.execute_transfers``) and a barrier;
-4. the process group of Plan B, ranks in placement order (the move's group again where its ranks
-   are already in that order), the new engine built on the meta device and filled from the
-   pieces kept and received (``local_state.install_state``).
+4. Plan B's process group (the move's again where its ranks are already in placement order),
+   the new engine built on meta and filled from the pieces kept and received
+   (``local_state.install_state``).
 
-The old engine is only read until step 4 succeeds: a failure before it leaves its state whole
-(its pieces can be installed again into a rebuilt Plan A engine). Process groups are formed over
-a ``FileStore`` in ``store_dir``, one file per step of the move.
+The old engine is only read until step 4: a failure before it leaves its state whole. Process
+groups are formed over a ``FileStore`` in ``store_dir``, one file per step of the move.
 """
 
 from __future__ import annotations
@@ -36,12 +30,7 @@ import torch
 import torch.distributed as dist
 
 from meshmorph.elastic.live.checkpoint_pieces import read_pieces
-from meshmorph.elastic.live.execute import (
-    ExecutionReport,
-    execute_transfers,
-    is_tensor_key,
-    merge_pieces,
-)
+from meshmorph.elastic.live.execute import execute_transfers
 from meshmorph.elastic.live.local_state import (
     HeldPiece,
     LocalState,
@@ -52,12 +41,7 @@ from meshmorph.elastic.live.local_state import (
 )
 from meshmorph.elastic.moves.build_counts import build_counts
 from meshmorph.elastic.moves.layout import Layout, layout_of
-from meshmorph.elastic.moves.move_plan import (
-    DEFAULT_STAGING_BYTES,
-    DTYPE_BYTES,
-    MovePlan,
-    plan_move,
-)
+from meshmorph.elastic.moves.move_plan import DEFAULT_STAGING_BYTES, MovePlan, plan_move
 from meshmorph.elastic.moves.move_time import MoveTime, MoveTimeModel, move_time
 from meshmorph.plan.runnable_plans import runnable_plans
 from meshmorph.run.config import OptimConfig
@@ -113,20 +97,19 @@ class ReshapeReport:
     """The plan that was executed (devices: Plan A's ranks, joiners after them)."""
     processes_b: tuple[int, ...]
     """Process of each rank of Plan B."""
-    execution: ExecutionReport | None = None
-    """This process's part of the transfers (None: it took no part)."""
     times_s: dict[str, float] = field(default_factory=dict)
     """Wall time of each part of the move on this process, named as ``move_time.PARTS`` names
     the predicted ones (extract, group, plan, agree, transfer, group_b, build, install; and
     checkpoint where pieces are read from one)."""
-    predicted_time_s: float = 0.0
-    """The cost model's time of the move (``move_time.predict_move_time_s``): the transfers
-    alone with the default ``MoveTimeModel``, from the change to the new engine ready with a
-    measured one."""
     consumed_samples: int | None = None
     """The data position the move carried (None on a process that took no part)."""
     predicted: MoveTime | None = None
-    """The predicted time's terms (network, fixed, rebuild)."""
+    """The predicted time and its parts (``move_time``): the transfers alone with the default
+    ``MoveTimeModel``, from the change to the new engine ready with a measured one."""
+
+    @property
+    def predicted_time_s(self) -> float:
+        return self.predicted.total_s if self.predicted is not None else 0.0
 
     def figures(self) -> dict[str, Any]:
         """The keys of a ``{"event": "reshape"}`` line (sizes in bytes, times in seconds)."""
@@ -184,11 +167,10 @@ def regroup(store_dir: Path, tag: str, me: int, members: Sequence[int],
     return True
 
 
-def plan_the_move(request: ReshapeRequest) -> tuple[MovePlan, Layout, Layout, dict[int, int]]:
-    """The MovePlan, both layouts, and device id -> process (devices: Plan A's ranks, then the
-    joining processes in order)."""
+def plan_the_move(request: ReshapeRequest) -> tuple[MovePlan, Layout, dict[int, int]]:
+    """The MovePlan, Plan A's layout, and device id -> process (devices: Plan A's ranks, then
+    the joining processes in order)."""
     layout_a = layout_of(request.model, request.plan_a)
-    layout_b = layout_of(request.model, request.plan_b)
     world_a = request.plan_a.world_size
     process_of = dict(enumerate(request.processes_a))
     joiners = list(range(world_a, world_a + len(request.joining)))
@@ -197,9 +179,9 @@ def plan_the_move(request: ReshapeRequest) -> tuple[MovePlan, Layout, Layout, di
     hosts = None
     if request.staying is not None:  # the new ranks run on the devices that stay
         hosts = [d for d, p in sorted(process_of.items()) if p in request.staying]
-    move = plan_move(layout_a, layout_b, survivors, joiners, staging_bytes=request.staging_bytes,
-                     hosts=hosts)
-    return move, layout_a, layout_b, process_of
+    move = plan_move(layout_a, layout_of(request.model, request.plan_b), survivors, joiners,
+                     staging_bytes=request.staging_bytes, hosts=hosts)
+    return move, layout_a, process_of
 
 
 def _current_group_is(processes: Sequence[int], me: int) -> bool:
@@ -208,19 +190,6 @@ def _current_group_is(processes: Sequence[int], me: int) -> bool:
     return (dist.is_initialized() and me in processes
             and dist.get_world_size() == len(processes)
             and dist.get_rank() == list(processes).index(me))
-
-
-def state_tensors(layout: Layout) -> int:
-    """The most state tensors (parameters and moments) one rank of ``layout`` holds."""
-    return max((sum(1 for p in pieces if is_tensor_key(p.key))
-                for pieces in layout.held.values()), default=0)
-
-
-def install_bytes(layout: Layout) -> int:
-    """The most bytes of tensor state one rank of ``layout`` holds (what it copies in)."""
-    return max((sum(p.box.numel * DTYPE_BYTES[layout.tensors[p.key].dtype]
-                    for p in pieces if is_tensor_key(p.key))
-                for pieces in layout.held.values()), default=0)
 
 
 def _agree(request: ReshapeRequest, state: LocalState | None, root: int, members: list[int],
@@ -236,7 +205,7 @@ def _agree(request: ReshapeRequest, state: LocalState | None, root: int, members
         if state is None:
             raise ReshapeError("the first survivor has no small state to share")
         start = time.perf_counter()
-        move, layout_a, layout_b, process_of = plan_the_move(request)
+        move, layout_a, process_of = plan_the_move(request)
         processes_b = [process_of[move.placement[r]] for r in range(request.plan_b.world_size)]
         cluster = parse_cluster(request.cluster or f"cpu:1x{max(move.devices, default=0) + 1}")
         shapes = {k: tuple(t.shape) for k, t in layout_a.tensors.items()}
@@ -249,9 +218,7 @@ def _agree(request: ReshapeRequest, state: LocalState | None, root: int, members
         group_b = int(processes_b != members)
         agree_bytes = len(pickle.dumps((move, process_of, shapes, small)))
         predicted = move_time(move, cluster, model=model, groups=formed + group_b,
-                              group_b=group_b, install_bytes=install_bytes(layout_b),
-                              build=build_counts(request.model, request.plan_b),
-                              state_tensors=state_tensors(layout_a),
+                              group_b=group_b, build=build_counts(request.model, request.plan_b),
                               state_calls=2 * max(len(request.plan_a.chunks_of(p))
                                                   for p in range(request.plan_a.pp)),
                               agree_bytes=agree_bytes,
@@ -295,7 +262,7 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
 
     state: LocalState | None = None
     if engine is not None:
-        state = extract_state(engine, consumed_samples=consumed_samples, checksums=False)
+        state = extract_state(engine, consumed_samples=consumed_samples)
     lap("extract")
     alive_a = [p for r, p in enumerate(request.processes_a) if r not in request.lost]
     members = sorted(set(alive_a) | set(request.joining))
@@ -312,7 +279,7 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
     move, process_of, shapes, small, predicted, plan_s = _agree(
         request, state, members.index(alive_a[0]), members, formed)
     processes_b = tuple(process_of[move.placement[r]] for r in range(request.plan_b.world_size))
-    report = ReshapeReport(move, processes_b, times_s=times, predicted_time_s=predicted.total_s,
+    report = ReshapeReport(move, processes_b, times_s=times,
                            consumed_samples=small.consumed_samples, predicted=predicted)
     small.rng = state.small.rng if state is not None else torch.get_rng_state()
     lap("agree")  # waiting for the first survivor's planning, then the broadcast
@@ -323,7 +290,7 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
     from_checkpoint = _pieces_from_checkpoint(request, move, device_of[me], shapes)
     if move.from_checkpoint:
         lap("checkpoint")
-    received, report.execution = execute_transfers(
+    received = execute_transfers(
         move.transfers, device_of[me], held, shapes,
         rank_of_device={d: members.index(p) for d, p in process_of.items() if p in members},
         staging_bytes=request.staging_bytes, verify=request.verify)
@@ -341,7 +308,10 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
             new_engine = build_engine(request.model, request.plan_b, request.optim,
                                       seed=request.seed, device=device or torch.device("cpu"))
         lap("build")
-        install_state(new_engine, merge_pieces(held, received, from_checkpoint), small)
+        pieces = {key: list(each) for key, each in held.items()}
+        for piece in (*received, *from_checkpoint):
+            pieces.setdefault(piece.key, []).append(piece)
+        install_state(new_engine, pieces, small)
         lap("install")
     return new_engine, report
 

@@ -1,24 +1,18 @@
 """The worker side of ``meshmorph run --elastic``: keep the state in the node-local store, and on a
 (re)start under torchrun's elastic agent rebuild it for the world torch gave us.
 
-- ``after_step``: every rank writes its pieces to the node store at each step boundary, and
-  where the job spans more than one node, every K steps sends its file to the same local rank of
-  the next node (``store.ring_copy``), so a lost node's pieces survive on its ring neighbour. K
-  comes from the overhead budget (``store.ring_interval_steps``: the copy of a node's state over
-  the cost model's inter-node link, spread over K measured step times, at most ``ring_budget``
-  of them), agreed by every rank (the largest). ``MESHMORPH_LOCAL_NODE_SIZE=N`` treats each
-  group of N consecutive ranks as a node (one machine standing in for several: tests, demos);
+- ``after_step``: every rank writes its pieces to the node store at each step boundary and,
+  across nodes, every K steps sends its file to the same local rank of the next node
+  (``store.ring_copy``), so a lost node's pieces survive on its neighbour; K keeps the copy
+  within ``ring_budget`` of the step time (``store.ring_interval_steps``), the largest over the
+  ranks. ``MESHMORPH_LOCAL_NODE_SIZE=N`` makes each N consecutive ranks a node (tests, demos);
   otherwise a node is torchrun's ``GROUP_RANK``;
-- ``restore``: a worker that finds state in the store (torchrun restarted the workers after a
-  failure, or the membership changed) takes the newest step every old rank completed, re-plans
-  when the world size changed (the planner; the global batch is kept, gradient accumulation
-  absorbs a smaller dp), fills a new engine from the store, says so on stderr (one
-  ``recovered at step ...`` line per node, the launcher's cue that the restart worked, and one
-  reshape line) and logs a ``{"event": "reshape"}`` record (``at_step``, not ``step``: metrics.jsonl's step lines are
-  the ones with a ``step`` key);
-- ``injected``: ``--inject-failure RANK@STEP`` SIGKILLs that rank's worker in the forward of
-  the step's second micro-batch (its first when there is one), once per run (a marker file in the
-  run folder remembers it): the ``forward`` fault of ``run/fault.py``, which the trainer arms.
+- ``restore``: after a restart, the newest step every old rank completed, re-planned when the
+  world size changed, a new engine filled from the stores; one ``recovered at step ...`` line
+  per node on stderr (the launcher's cue), one reshape line, and a ``{"event": "reshape"}``
+  record (``at_step``: metrics.jsonl's step lines are the ones with a ``step`` key);
+- ``injected``: ``--inject-failure RANK@STEP`` SIGKILLs that rank in the step's forward, once
+  per run (``run/fault.py``'s ``forward`` fault, armed by the trainer).
 """
 
 from __future__ import annotations
@@ -118,7 +112,7 @@ class ElasticSession:
 
     def after_step(self, engine: Any, plan: Plan, step: int, consumed_samples: int) -> None:
         """Write this rank's state at the boundary after ``step`` (and its ring copy when due)."""
-        state = extract_state(engine, consumed_samples=consumed_samples, checksums=False)
+        state = extract_state(engine, consumed_samples=consumed_samples)
         self.store.save(dist.get_rank(), step, plan.to_json(), state)
         self._ring(step, state.nbytes)
 
@@ -254,7 +248,7 @@ class ElasticSession:
         """Write the restored state at ``step`` under the new plan and drop every older file of
         this node (the old plan's, the ring copy), so the store never mixes two plans; then,
         with several nodes, the ring copy of ``step`` at once."""
-        state = extract_state(engine, consumed_samples=consumed, checksums=False)
+        state = extract_state(engine, consumed_samples=consumed)
         self.store.save(dist.get_rank(), step, plan.to_json(), state)
         dist.barrier()
         if self.local == 0:

@@ -1,20 +1,15 @@
 """The training state one rank holds, as pieces: taken out of a live engine, put into a new one.
 
-A piece is a box (offset and shape per dimension) of one state tensor, keyed as ``Layout`` keys
-them: ``param/<fqn>``, ``exp_avg/<fqn>``, ``exp_avg_sq/<fqn>``. Torch says which box a rank holds
-(``compute_local_shape_and_global_offset``, the rule DCP uses: FSDP2's dim-0 shards without their
-padding, TP column/row splits, ZeRO-1's strided moment shards), so no sharding rule is repeated
-here. The live tensors come from ``get_model_state_dict`` / ``get_optimizer_state_dict`` with
-the parameters' original names, the same views a checkpoint saves.
+A piece is a box of one state tensor, keyed as ``Layout`` keys them (``param/<fqn>``,
+``exp_avg/<fqn>``, ``exp_avg_sq/<fqn>``). Torch says which box a rank holds
+(``compute_local_shape_and_global_offset``, DCP's rule: FSDP2's dim-0 shards without padding, TP
+splits, ZeRO-1's strided moment shards), so no sharding rule is repeated here; the live tensors
+are the state dicts' views under the parameters' original names, as a checkpoint saves them.
+``SmallState`` travels beside the pieces.
 
-Small state travels beside the pieces (``SmallState``): the AdamW step count, the optimizer's
-hyperparameters as the LR schedule left them, the LR-scheduler state, this rank's RNG stream and
-the data position (consumed samples).
-
-Integrity (``content_hash``): a position-keyed hash, the wrapping int64 sum over elements of a
-mix of (global element index, value bits). Summing the hashes of pieces that tile a tensor gives
-the hash of the whole tensor, whatever the layout, so ``state_hashes`` of two plans compare
-tensor by tensor, and each piece's hash is its checksum in flight.
+``content_hash`` is position-keyed: the wrapping int64 sum over elements of a mix of (global
+element index, value bits), so the hashes of pieces that tile a tensor add up to the whole
+tensor's whatever the layout, and ``state_hashes`` of two plans compare tensor by tensor.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from meshmorph.elastic.moves.box import Box
 from meshmorph.elastic.moves.placement import ReshapeError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -69,9 +65,6 @@ class HeldPiece:
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
-    def checksum(self) -> int:
-        return content_hash(self.tensor, self.offset, self.global_shape)
-
 
 @dataclass(slots=True)
 class SmallState:
@@ -102,8 +95,6 @@ class LocalState:
     """Step, optimizer hyperparameters, LR scheduler, RNG, data position."""
     fingerprint: str
     """Topology fingerprint of the plan that laid the pieces out (``topology_fingerprint``)."""
-    checksums: dict[tuple[str, tuple[int, ...]], int] = field(default_factory=dict)
-    """``content_hash`` of every piece by (key, offset), taken when it was extracted."""
 
     @property
     def nbytes(self) -> int:
@@ -190,7 +181,7 @@ def state_tensors(engine: Any) -> dict[str, torch.Tensor]:
     return found
 
 
-def extract_state(engine: Any, *, consumed_samples: int, checksums: bool = True) -> LocalState:
+def extract_state(engine: Any, *, consumed_samples: int) -> LocalState:
     """The pieces and small state this rank's engine holds (views, not copies)."""
     pieces: dict[str, list[HeldPiece]] = {}
     for key, value in state_tensors(engine).items():
@@ -205,10 +196,7 @@ def extract_state(engine: Any, *, consumed_samples: int, checksums: bool = True)
                        rng=torch.get_rng_state(), consumed_samples=consumed_samples,
                        loss_scaler=dataclasses.asdict(scaler) if scaler is not None else None)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    state = LocalState(pieces, small, topology_fingerprint(engine.plan.to_json(), world))
-    if checksums:
-        state.checksums = {(p.key, p.offset): p.checksum() for ps in pieces.values() for p in ps}
-    return state
+    return LocalState(pieces, small, topology_fingerprint(engine.plan.to_json(), world))
 
 
 def _sources(key: str, pieces: dict[str, list[HeldPiece]], tied: bool) -> list[HeldPiece]:
@@ -222,17 +210,12 @@ def _sources(key: str, pieces: dict[str, list[HeldPiece]], tied: bool) -> list[H
 
 def fill_box_(local: torch.Tensor, offset: tuple[int, ...], sources: list[HeldPiece]) -> int:
     """Copy into ``local`` (the box at ``offset``) every overlap with ``sources``; elements set."""
-    covered = 0
+    covered, box = 0, Box(offset, tuple(local.shape))
     for piece in sources:
-        lo = [max(a, b) for a, b in zip(offset, piece.offset, strict=True)]
-        hi = [min(a + n, b + m) for a, n, b, m in
-              zip(offset, local.shape, piece.offset, piece.shape, strict=True)]
-        if any(h <= low for low, h in zip(lo, hi, strict=True)) and local.dim():
-            continue
-        dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offset, strict=True))
-        src = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, piece.offset, strict=True))
-        local[dst].copy_(piece.tensor[src])
-        covered += local[dst].numel()
+        common = box.intersect(Box(piece.offset, piece.shape))
+        if common is not None:
+            local[common.slices_from(offset)].copy_(piece.tensor[common.slices_from(piece.offset)])
+            covered += common.numel
     return covered
 
 

@@ -1,35 +1,20 @@
 """Measure the coefficients of a move's predicted time on the processes that will move, once.
 
-Collective over the default process group (every process calls it), a second or two on 4 CPU
-processes. Every figure is a primitive, measured on its own, never a move or an engine build;
-what each ``MoveTimeModel`` field comes from:
+Collective over the default process group, a second or two on 4 CPU processes. Every figure is
+a primitive measured on its own, never a move or an engine build, and the slowest process sets
+it:
 
-- ``p2p_alpha_s``, ``p2p_beta_s_per_byte``: the least-squares line (``profile.alpha_beta``)
-  through the median times of one pair (ranks 0 and 1) exchanging messages both ways with one
-  ``batch_isend_irecv`` into freshly allocated buffers, as the move does, at several sizes,
-  every other process idle;
-- ``host_streams``: the largest exchange run by every pair at once (ranks 2i and 2i + 1); its
-  time against the lone pair's says how many messages the host carries at full speed together:
-  ``2 * pairs * t_alone / t_all`` (each exchange is two messages);
-- ``checksum_bps``: one process packing (``torch.cat``) and CRC-32-ing a message;
-- ``copy_bps``: copying a message into a tensor already written once (a parameter's shard);
-  ``fresh_copy_bps``: into a freshly allocated one; ``zero_bps``: allocating and zeroing one;
-- ``group_s``: forming one process group over every process as a move does (leaving the
-  running group, a FileStore, ``init_process_group`` and a barrier; without a store folder,
-  ``dist.new_group`` and a barrier);
-  ``group_call_s``: one ``new_group`` call of a group of one process (every process makes one
-  per process); ``mesh_group_s``: the pair groups a mesh dimension of size 2 forms, less their
-  calls;
-- ``agree_s``, ``agree_s_per_byte``: broadcasting a pickled object from rank 0 at two sizes;
-  ``fixed_s`` (unless given): one barrier;
-- ``meta_tensor_s``, ``tp_tensor_s``, ``fsdp_unit_s``, ``fsdp_tensor_s``,
-  ``materialize_tensor_s``, ``state_tensor_s``, ``install_tensor_s``: one decoder block of the
-  job's model built on the meta device by the runtime's own functions, one copy given the
-  runtime's tensor-parallel styles over the world, one sharded by ``fully_shard`` as two units
-  and one as one unit (the two solve for the per-unit and per-tensor costs), the sharded copy
-  given storage (``materialize_``, zeroed, less its bytes at ``zero_bps``), its state dict read
-  with each tensor's local box (what an extract does per tensor), and per tensor the install's
-  local box and two ``empty_like`` (``probe.py``).
+- ``p2p_alpha_s``, ``p2p_beta_s_per_byte``: the line through one pair (ranks 0 and 1)
+  exchanging messages both ways with one ``batch_isend_irecv`` into fresh buffers, as the move
+  does, at ``SIZES``, the other processes idle; ``host_streams``: every pair at once against
+  the lone pair, ``2 * pairs * t_alone / t_all`` (an exchange is two messages);
+- ``checksum_bps``: packing (``torch.cat``) and CRC-32; ``copy_bps``: copying into a tensor
+  already written once (a parameter's shard); ``fresh_copy_bps``: into new tensors;
+  ``zero_bps``: allocating and zeroing them;
+- ``group_s``, ``group_call_s``, ``mesh_group_s``: process groups (``_group_times``,
+  ``_regroup_s``); ``agree_s``, ``agree_s_per_byte``, ``fixed_s``: the MovePlan's broadcast and
+  a barrier (``_agree_times``);
+- the per-tensor build, read and install costs: ``probe.probe_costs``.
 """
 
 from __future__ import annotations
@@ -179,17 +164,14 @@ def _regroup_s(store_dir: Path, tag: str, repeats: int) -> float:
     return statistics.median(times)
 
 
-def calibrate_move_time(*, model: ModelSpec | None = None, repeats: int = 3,
-                        fixed_s: float | None = None, build_s: float = 0.0,
-                        store_dir: Path | None = None, tag: str = "calibrate") -> MoveTimeModel:
+def calibrate_move_time(*, model: ModelSpec, repeats: int = 3, store_dir: Path | None = None,
+                        tag: str = "calibrate") -> MoveTimeModel:
     """Measured ``MoveTimeModel`` of this process group (collective; needs 2 processes or more,
     an even number for the pair groups); ``model``: the job's model, whose decoder block the
-    per-tensor costs are measured on (None: a block of plain linear and norm layers);
-    ``fixed_s``: the barrier that ends the transfers (None: measured); ``build_s``: seconds
-    added to every build (0: priced from its counts alone); ``store_dir``: where the move's
-    FileStores go: given, ``group_s`` is measured by re-forming the default group as a move does
-    (``tag`` names its stores; every subgroup the caller held is gone after), else by
-    ``new_group`` over the running one."""
+    per-tensor costs are measured on; ``store_dir``: where the move's FileStores go: given,
+    ``group_s`` is measured by re-forming the default group as a move does (``tag`` names its
+    stores; every subgroup the caller held is gone after), else by ``new_group`` over the
+    running one."""
     world = dist.get_world_size()
     if world < 2:
         raise ValueError("calibrating a move needs 2 processes at least (a point-to-point pair)")
@@ -226,9 +208,8 @@ def calibrate_move_time(*, model: ModelSpec | None = None, repeats: int = 3,
 
     costs = {name: slowest(10 + i) for i, name in enumerate(probe)}
     return MoveTimeModel(
-        fixed_s=slowest(9) if fixed_s is None else fixed_s,
+        fixed_s=slowest(9),
         p2p_alpha_s=alone.alpha_s, p2p_beta_s_per_byte=alone.beta_s_per_byte,
         host_streams=max(streams, 1.0), checksum_bps=rate(0), copy_bps=rate(1),
         fresh_copy_bps=rate(2), zero_bps=rate(3), group_s=slowest(4), group_call_s=slowest(5),
-        mesh_group_s=slowest(6), agree_s=slowest(7), agree_s_per_byte=slowest(8),
-        build_s=build_s, **costs)
+        mesh_group_s=slowest(6), agree_s=slowest(7), agree_s_per_byte=slowest(8), **costs)

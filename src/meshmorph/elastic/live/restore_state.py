@@ -6,15 +6,13 @@ the overlapping boxes of the old ranks that Layout A says held them (its own old
 the lowest old rank), and fills its freshly built engine from them (``install_state``). Pieces
 of old ranks whose files are not on this node come from the ring copy (``NodeStore.replicas``)
 where there is one; none of either is refused with the way out (the newest checkpoint).
-
-``restore_report`` prices the same change as a MovePlan between devices (survivors: the old
-ranks still running; the rest of the state counted as from the store), for the reshape line.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -22,7 +20,8 @@ import torch
 from meshmorph.elastic.live.execute import is_tensor_key
 from meshmorph.elastic.live.local_state import HeldPiece, ReshapeError, SmallState, install_state
 from meshmorph.elastic.live.store import NodeStore, StoredState
-from meshmorph.elastic.moves.layout import layout_of
+from meshmorph.elastic.moves.box import Box
+from meshmorph.elastic.moves.layout import Layout, layout_of
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
 
@@ -58,25 +57,32 @@ def _order(old_rank: int | None, local: set[int] | None) -> Any:
                          held[0])
 
 
+def _sources(layout_a: Layout, key: str, box: Box, order: Any) -> Iterator[tuple[int, list[Box]]]:
+    """(old rank, the parts of ``box`` read from it) for Plan A's holders of ``key`` in
+    ``order``, each until ``box`` is covered."""
+    remaining = [box]
+    for rank, held in sorted(layout_a.holders(key), key=order):
+        if not remaining:
+            return
+        parts = [common for part in remaining if (common := part.intersect(held)) is not None]
+        if parts:
+            yield rank, parts
+            remaining = [rest for part in remaining for rest in part.minus(held)]
+    if remaining:
+        raise ReshapeError(f"{key} {remaining[0]} is held by no old rank of plan A; the stored "
+                           "plan and this model disagree")
+
+
 def old_ranks_read(model: ModelSpec, plan_a: Plan, plan_b: Plan, *, new_rank: int,
                    old_rank: int | None, local: set[int]) -> list[int]:
     """The old ranks whose stored files ``restore_from_store`` reads for ``new_rank`` when its
     node holds those of ``local`` (the others must be pulled from another node first)."""
-    layout_a, layout_b = layout_of(model, plan_a), layout_of(model, plan_b)
+    layout_a = layout_of(model, plan_a)
     read: list[int] = []
-    for piece in layout_b.held[new_rank]:
-        if not is_tensor_key(piece.key) or not piece.box.numel:
-            continue
-        remaining = [piece.box]
-        for rank, box in sorted(layout_a.holders(piece.key), key=_order(old_rank, local)):
-            if not remaining:
-                break
-            overlaps = [part.intersect(box) for part in remaining]
-            if all(o is None for o in overlaps):
-                continue
-            read += [rank] if rank not in read else []
-            remaining = [rest for part, common in zip(remaining, overlaps, strict=True)
-                         for rest in (part.minus(common) if common is not None else [part])]
+    for piece in layout_of(model, plan_b).held[new_rank]:
+        if is_tensor_key(piece.key) and piece.box.numel:
+            read += [rank for rank, _ in _sources(layout_a, piece.key, piece.box,
+                                                  _order(old_rank, local)) if rank not in read]
     if old_rank is not None and old_rank not in read:
         read.append(old_rank)  # its small state (step, schedule, RNG stream)
     return read
@@ -105,43 +111,26 @@ def restore_from_store(store: NodeStore, *, new_rank: int, old_rank: int | None,
     for piece in layout_b.held[new_rank]:
         if not is_tensor_key(piece.key) or not piece.box.numel:
             continue
-        remaining = [piece.box]
-        holders = sorted(layout_a.holders(piece.key), key=_order(old_rank, local_ranks))
-        for rank, box in holders:
-            if not remaining:
-                break
-            overlaps = [part.intersect(box) for part in remaining]
-            if not any(o is not None for o in overlaps):
-                continue
+        for rank, parts in _sources(layout_a, piece.key, piece.box,
+                                    _order(old_rank, local_ranks)):
             if rank not in loaded:
                 loaded[rank] = _find(store, rank, step)
             stored, where = loaded[rank]
             source = "own" if rank == old_rank and where == "node" else f"{where}-rank{rank}"
-            for common in overlaps:
-                if common is None:
-                    continue
-                (held,) = stored.state.pieces[piece.key]
-                local = tuple(slice(o - h, o - h + n) for o, n, h in
-                              zip(common.offset, common.length, held.offset, strict=True))
+            (held,) = stored.state.pieces[piece.key]
+            for common in parts:
+                local = common.slices_from(held.offset)
                 value = held.tensor[local] if local else held.tensor
                 pieces.setdefault(piece.key, []).append(
                     HeldPiece(piece.key, common.offset, held.global_shape, value))
                 report.bytes_from[source] = report.bytes_from.get(source, 0) + \
                     value.numel() * value.element_size()
-            remaining = [rest for part, common in zip(remaining, overlaps, strict=True)
-                         for rest in part.minus(common)]
-        if remaining:
-            raise ReshapeError(f"{piece.key} {remaining[0]} is held by no old rank of plan A; "
-                               "the stored plan and this model disagree")
     if old_rank is not None and old_rank not in loaded:
         loaded[old_rank] = _find(store, old_rank, step)
     own = loaded.get(old_rank) if old_rank is not None else None
-    if first is None:
-        first = next(iter(loaded.values()))
-    small: SmallState = (own or first)[0].state.small
+    small: SmallState = (own or first or next(iter(loaded.values())))[0].state.small
     if own is None:
-        small = SmallState(small.step, small.param_group, small.lr_scheduler,
-                           torch.get_rng_state(), small.consumed_samples, small.loss_scaler)
+        small = replace(small, rng=torch.get_rng_state())
     install_state(engine, pieces, small)
     report.consumed_samples = small.consumed_samples
     report.time_s = time.perf_counter() - start

@@ -1,16 +1,10 @@
 """A node-local in-memory store of each rank's training state, so it outlives a worker restart.
 
-Files under ``/dev/shm`` (memory, not disk), one folder per run and node:
-``/dev/shm/meshmorph-<run>/node<n>/rank<r>-step<s>.pt``. A rank writes its pieces and small
-state at a step boundary to a temporary name and renames it into place (``os.replace`` is atomic
-on one file system), so a worker killed while writing leaves the previous step's file whole; the
-newest ``keep`` steps of each rank are kept. After a restart the workers of a node read what
-their node's ranks held at the newest step every needed rank completed (``newest_common_step``).
-
-Where the job spans more than one node, each node also keeps a copy of another node's files
-(``ring_copy``: node n sends its ranks' newest files to node n + 1 mod N every K steps), so the
-pieces of a lost node survive on its ring neighbour; ``ring_interval_steps`` picks K from an
-overhead budget (copy time over K step times at most the budget).
+``/dev/shm/meshmorph-<run>/node<n>/rank<r>-step<s>.pt``: a rank writes its pieces and small
+state at a step boundary to a temporary name and renames it into place (atomic), so a worker
+killed while writing leaves the previous step whole; the newest ``keep`` steps are kept. Across
+nodes, node n also keeps node n - 1's newest files (``ring_copy``, every K steps; K from an
+overhead budget, ``ring_interval_steps``), so a lost node's pieces survive on its neighbour.
 """
 
 from __future__ import annotations
@@ -132,9 +126,9 @@ class NodeStore:
                 found.setdefault(int(match[1]), []).append(int(match[2]))
         return {rank: sorted(steps) for rank, steps in sorted(found.items())}
 
-    def newest_common_step(self, ranks: list[int], folder: Path | None = None) -> int | None:
+    def newest_common_step(self, ranks: list[int]) -> int | None:
         """The newest step stored for every rank of ``ranks`` (None: there is none)."""
-        stored = self.steps(folder)
+        stored = self.steps()
         common = set.intersection(*(set(stored.get(r, [])) for r in ranks)) if ranks else set()
         return max(common) if common else None
 
@@ -182,24 +176,21 @@ def ring_interval_steps(node_state_bytes: int, link_bytes_per_s: float, step_tim
     return max(1, math.ceil(copy_s / (overhead_budget * step_time_s)))
 
 
-def ring_copy(store: NodeStore, rank: int, step: int, local_rank_peers: dict[str, int],
-              group: Any = None) -> int:
+def ring_copy(store: NodeStore, rank: int, step: int, local_rank_peers: dict[str, int]) -> int:
     """Send this rank's stored file of ``step`` to the same local rank on the next node and keep
-    the one the previous node sends (collective over ``group``; ``local_rank_peers`` holds the
-    global ranks ``next`` and ``prev``). Returns the bytes sent."""
+    the one the previous node sends (collective over the default group; ``local_rank_peers``
+    holds the global ranks ``next`` and ``prev``). Returns the bytes sent."""
     import torch.distributed as dist
 
-    data = store.path(rank, step).read_bytes()
-    out = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    size_out = torch.tensor([out.numel(), rank], dtype=torch.int64)
+    def exchange(out: torch.Tensor, into: torch.Tensor) -> None:
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, out, local_rank_peers["next"]),
+                                            dist.P2POp(dist.irecv, into, local_rank_peers["prev"])]):
+            work.wait()
+
+    out = torch.frombuffer(bytearray(store.path(rank, step).read_bytes()), dtype=torch.uint8)
     size_in = torch.empty(2, dtype=torch.int64)
-    nxt, prev = local_rank_peers["next"], local_rank_peers["prev"]
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, size_out, nxt, group),
-                                        dist.P2POp(dist.irecv, size_in, prev, group)]):
-        work.wait()
+    exchange(torch.tensor([out.numel(), rank], dtype=torch.int64), size_in)
     incoming = torch.empty(int(size_in[0]), dtype=torch.uint8)
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, out, nxt, group),
-                                        dist.P2POp(dist.irecv, incoming, prev, group)]):
-        work.wait()
+    exchange(out, incoming)
     store.write(int(size_in[1]), step, incoming.numpy().tobytes(), folder=store.replicas)
     return out.numel()

@@ -1,16 +1,11 @@
 """What every node's store holds, agreed by all workers, and stored files pulled between nodes.
 
-After torchrun restarts the workers (a failure, or a node that left or joined), each worker sees
-only its own node's store. ``gather_inventories`` tells every worker what every node holds (old
-rank -> steps, in the node's own folder or in its ring copy), so all of them agree on the step to
-restore (``common_step``: the newest one every old rank of Plan A is stored at somewhere) and on
-which worker takes up which old rank (``claim_old_ranks``: the ranks a live node stored itself,
-by local rank; the ranks of a lost node go to workers that claim none, in rank order).
-
-A worker that needs an old rank's file its node does not hold (its node lost its memory, or the
-file is the ring copy kept on another node) gets it by point-to-point transfer over the process
-group from a worker of a node that holds it (``pull_files``: size and CRC-32, then the bytes;
-gloo on CPU). It is never read from another node's folder.
+After a restart each worker sees only its own node's store. ``gather_inventories`` tells every
+worker what every node holds, so all agree on the step to restore (``common_step``) and on who
+takes up which old rank (``claim_old_ranks``). A file a worker's node lacks (its node lost its
+memory, or it is the ring copy kept elsewhere) comes point to point from a worker of a node
+that holds it (``pull_files``: size and CRC-32, then the bytes), never from another node's
+folder.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ A 0-dimensional tensor (a step counter) is the box ``Box((), ())`` of one elemen
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -45,7 +46,12 @@ class Box:
 
     def slices(self) -> tuple[slice, ...]:
         """The box as one slice per dimension (for numpy and torch indexing)."""
-        return tuple(slice(o, o + n) for o, n in zip(self.offset, self.length, strict=True))
+        return self.slices_from((0,) * self.ndim)
+
+    def slices_from(self, origin: Sequence[int]) -> tuple[slice, ...]:
+        """The box as slices of a tensor holding the box that starts at ``origin``."""
+        return tuple(slice(o - p, o - p + n)
+                     for o, n, p in zip(self.offset, self.length, origin, strict=True))
 
     @classmethod
     def _trusted(cls, offset: tuple[int, ...], length: tuple[int, ...]) -> Box:

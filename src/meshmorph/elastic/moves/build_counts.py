@@ -1,14 +1,12 @@
-"""What one rank builds when it builds an engine of a Plan: the counts the move time prices the
-new engine's build and install by (``move_time``), from the plan alone (pure: no torch).
+"""What one rank builds when it builds an engine of a Plan, from the plan alone (pure): the
+counts ``move_time`` prices the new engine's build and install by.
 
 ``run/engine.build_engine`` builds each chunk on the meta device, applies tensor parallelism
-(each TP-split parameter becomes a DTensor on the tp mesh), FSDP2 (one ``fully_shard`` unit per
-layer of the chunk and one for the chunk, every parameter a dim-0 shard) or DDP, then allocates
-and zeroes this rank's shards (``materialize_``, the values are written by the install). Before
-any of that, ``init_device_mesh`` forms the (pp, dp, tp) mesh: for every dimension smaller than
-the world, one ``new_group`` call per group of that dimension on every rank (torch reuses the
-default group for a dimension as large as the world), and this rank joins the one group holding
-it. The install then writes every parameter and creates AdamW's two moments beside it.
+(TP-split parameters become DTensors), FSDP2 (a ``fully_shard`` unit per layer and one per
+chunk) or DDP, then allocates and zeroes the rank's shards; the install writes every parameter
+and creates AdamW's two moments. Before that, ``init_device_mesh`` makes one ``new_group`` call
+per group of every mesh dimension smaller than the world, on every rank, and the rank joins
+the group holding it (a dimension as large as the world reuses the default group).
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ import math
 from dataclasses import dataclass
 
 from meshmorph.cost.state import fsdp_shards
-from meshmorph.cost.tensor_shapes import layer_tensors
-from meshmorph.elastic.moves.layout import param_fqn
+from meshmorph.elastic.moves.layout import rank_tensors
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
 
@@ -57,37 +54,24 @@ class BuildCounts:
         return 2 * self.param_bytes
 
 
-def mesh_shape(plan: Plan) -> tuple[int, int, int]:
-    """The (pp, dp, tp) mesh ``run/mesh.build_mesh`` forms."""
-    return plan.pp, plan.dp, plan.tp
-
-
 def build_counts(model: ModelSpec, plan: Plan) -> dict[int, BuildCounts]:
     """``BuildCounts`` of every rank of ``plan`` (by rank)."""
     world = plan.world_size
-    dims = [size for size in mesh_shape(plan) if size < world]
+    dims = [size for size in (plan.pp, plan.dp, plan.tp) if size < world]  # the mesh's dims
     calls = sum(world // size for size in dims)
     groups = tuple(size for size in dims if size > 1)
     fsdp = fsdp_shards(zero=plan.zero, dp=plan.dp)
     out = {}
     for pp_rank in range(plan.pp):
-        tensors = tp_tensors = units = numel = 0
-        seen: set[str] = set()
-        for chunk in plan.chunks_of(pp_rank):
-            stage = plan.stages[chunk]
-            units += (stage.stop - stage.start + 1) if fsdp else 0
-            for layer in range(stage.start, stage.stop):
-                for tensor in layer_tensors(model, layer, plan.tp):
-                    fqn = param_fqn(model, layer, tensor.name)
-                    if fqn in seen:
-                        continue
-                    seen.add(fqn)
-                    tensors += 1
-                    split = plan.tp > 1 and tensor.tp_dim is not None
-                    tp_tensors += split
-                    shape = tensor.local_shape(plan.tp)
-                    rows = -(-shape[0] // plan.dp) if fsdp else shape[0]  # FSDP2 pads rows
-                    numel += rows * math.prod(shape[1:])
+        tensors = tp_tensors = numel = 0
+        units = sum(plan.stages[c].stop - plan.stages[c].start + 1
+                    for c in plan.chunks_of(pp_rank)) if fsdp else 0
+        for _, tensor in rank_tensors(model, plan, pp_rank):
+            tensors += 1
+            tp_tensors += plan.tp > 1 and tensor.tp_dim is not None
+            shape = tensor.local_shape(plan.tp)
+            rows = -(-shape[0] // plan.dp) if fsdp else shape[0]  # FSDP2 pads rows
+            numel += rows * math.prod(shape[1:])
         counts = BuildCounts(tensors=tensors, tp_tensors=tp_tensors, fsdp_units=units,
                              fsdp_tensors=tensors if fsdp else 0,
                              param_bytes=numel * ELEMENT_BYTES, mesh_calls=calls,

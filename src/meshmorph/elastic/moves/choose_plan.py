@@ -51,11 +51,10 @@ class PlanChoice:
 
 def rank_choices(model: ModelSpec, plan_a: Plan, candidates: Sequence[tuple[Plan, float]], *,
                  survivors: Sequence[int], steps_left: int, cluster: Cluster | None = None,
-                 time_model: MoveTimeModel | None = None,
-                 hosts: Sequence[int] | None = None) -> list[PlanChoice]:
+                 time_model: MoveTimeModel | None = None) -> list[PlanChoice]:
     """Every ``(plan, step_time_s)`` candidate priced, best (least time to finish) first.
     ``survivors``: Plan A's ranks still alive; devices that join hold nothing and are numbered
-    after Plan A's ranks; ``hosts``: the devices that may run the new plan (a planned leave)."""
+    after Plan A's ranks."""
     if not candidates:
         raise ReshapeError("no candidate plan to choose from; give at least one plan that the "
                            "new device set runs")
@@ -65,9 +64,9 @@ def rank_choices(model: ModelSpec, plan_a: Plan, candidates: Sequence[tuple[Plan
     choices = []
     for plan, step_s in candidates:
         layout_b = layout_of(model, plan)
-        joining = max(0, plan.world_size - len(hosts if hosts is not None else survivors))
+        joining = max(0, plan.world_size - len(survivors))
         new = list(range(plan_a.world_size, plan_a.world_size + joining))
-        move = plan_move(layout_a, layout_b, survivors, new, hosts=hosts)
+        move = plan_move(layout_a, layout_b, survivors, new)
         where = cluster or parse_cluster(f"cpu:1x{max(move.devices, default=0) + 1}")
         seconds = move_time(move, where, model=time_model).total_s
         choices.append(PlanChoice(plan, step_s, seconds, move.bytes_moved, steps_left))

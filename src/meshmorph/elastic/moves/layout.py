@@ -3,35 +3,28 @@
 A pure function of (ModelSpec, Plan), derived from ``cost/tensor_shapes.py`` (the one description
 of what the runtime allocates) and from how ``run/`` shards it:
 
-- pipeline: pipeline rank ``p`` holds the model chunks ``plan.chunks_of(p)`` (virtual stages
-  included); a tied head on a later pipeline rank holds a replica of the embedding's value,
-  optimizer moments included (its gradient is summed with the embedding's every step);
-- tensor parallelism: column-parallel weights (q/k/v, fc1, w1/w3) and their biases by dim 0,
-  row-parallel ones (wo, fc2, w2) by dim 1, embedding and head by vocabulary rows where tp divides
-  the padded vocabulary (``vocab_split``), everything else whole on every tp rank; tp always
-  divides a split dim (``Plan.check_against`` insists);
-- data parallelism by ZeRO stage: 0 replicates everything; 1, 2 and 3 (all FSDP2,
-  ``run/parallel/parallelize.py``) shard the fp32 master parameters and both AdamW moments the
-  way FSDP2 does at a step boundary: dim 0 of the tp-local tensor cut into ``ceil(n / dp)`` rows
-  per rank (``torch.chunk``), the last ranks getting fewer or zero rows; FSDP2 allocates the full
-  ``ceil(n / dp)`` rows on every rank, and ``Piece.pad_rows`` records the padding beyond the real
-  rows. The 16-bit or fp32 copies ZeRO-1/2 gather during a step, and the gradients, are not
-  state: at a step boundary they are freed, and the next step gathers them from the shards;
-- small state on every rank: the optimizer ``step``, the LR-scheduler position ``lr_scheduler``
-  and the data position ``data`` (consumed samples) are replicated; ``rng/<rank>`` is each rank's
-  own generator state.
+- pipeline: pipeline rank ``p`` holds the chunks ``plan.chunks_of(p)``; a tied head on a later
+  pipeline rank holds a replica of the embedding, moments included;
+- tensor parallelism: each tensor split along its ``tp_dim`` (column-parallel weights by dim 0,
+  row-parallel by dim 1, embedding and head by vocabulary where tp divides it), else whole;
+- ZeRO 0 replicates; ZeRO 1-3 (FSDP2) shard the fp32 masters and both AdamW moments as FSDP2
+  does at a step boundary: dim 0 of the tp-local tensor in ``ceil(n / dp)`` rows per rank
+  (``torch.chunk``; the last ranks fewer or none, ``Piece.pad_rows`` the padding FSDP2
+  allocates). Gathered copies and gradients are freed at a step boundary: not state;
+- every rank holds the optimizer ``step``, ``lr_scheduler`` and ``data`` (consumed samples), and
+  ``rng/<rank>`` its own generator state.
 
-All state tensors are fp32 (the master parameters are fp32 in every precision: see
-``Plan.dtype``).
+All state tensors are fp32 (the masters are fp32 in every precision).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from meshmorph.cost.state import fsdp_shards
-from meshmorph.cost.tensor_shapes import layer_tensors
+from meshmorph.cost.tensor_shapes import ParamTensor, layer_tensors
 from meshmorph.elastic.moves.box import Box
 from meshmorph.spec.model import LayerKind, ModelSpec
 from meshmorph.spec.plan import Plan, PlanError
@@ -113,10 +106,6 @@ class Layout:
         return sum(self._bytes(p.key, p.box.numel + p.pad_rows * p.box.row_numel())
                    for p in self.held.get(rank, ()))
 
-    def total_bytes(self) -> int:
-        """Bytes of the whole state, each tensor once."""
-        return sum(t.nbytes for t in self.tensors.values())
-
     def _bytes(self, key: str, numel: int) -> int:
         return numel * DTYPE_BYTES[self.tensors[key].dtype]
 
@@ -133,6 +122,20 @@ def param_fqn(model: ModelSpec, layer: int, name: str) -> str:
             return "embed.tok.weight"
         return f"head.{name}"
     return f"blocks.{layer - 1}.{name}"
+
+
+def rank_tensors(model: ModelSpec, plan: Plan, pp_rank: int) -> Iterator[tuple[str, ParamTensor]]:
+    """(fqn, tensor) of every parameter tensor pipeline rank ``pp_rank`` holds (its chunks'
+    layers; a tied head beside its embedding once)."""
+    seen: set[str] = set()
+    for chunk in plan.chunks_of(pp_rank):
+        stage = plan.stages[chunk]
+        for layer in range(stage.start, stage.stop):
+            for tensor in layer_tensors(model, layer, plan.tp):
+                fqn = param_fqn(model, layer, tensor.name)
+                if fqn not in seen:
+                    seen.add(fqn)
+                    yield fqn, tensor
 
 
 def _dp_rows(rows: int, dp: int, dp_rank: int) -> tuple[int, int]:
@@ -175,6 +178,7 @@ def layout_of(model: ModelSpec, plan: Plan) -> Layout:
     plan.check_against(model)
     tensors: dict[str, StateTensor] = {}
     held: dict[int, list[Piece]] = {}
+    shard = fsdp_shards(zero=plan.zero, dp=plan.dp)
     small = {"step": StateTensor("step", (), "int64"),
              "lr_scheduler": StateTensor("lr_scheduler", (), "int64"),
              "data": StateTensor("data", (), "int64")}
@@ -184,22 +188,13 @@ def layout_of(model: ModelSpec, plan: Plan) -> Layout:
             for tp_rank in range(plan.tp):
                 rank = plan.rank_of(pp_rank, dp_rank, tp_rank)
                 pieces = held.setdefault(rank, [])
-                seen: set[str] = set()
-                for chunk in plan.chunks_of(pp_rank):
-                    stage = plan.stages[chunk]
-                    for layer in range(stage.start, stage.stop):
-                        for tensor in layer_tensors(model, layer, plan.tp):
-                            fqn = param_fqn(model, layer, tensor.name)
-                            if fqn in seen:  # a tied head beside its embedding: one tensor
-                                continue
-                            seen.add(fqn)
-                            local = _tp_box(tensor.shape, tensor.tp_dim, plan.tp, tp_rank)
-                            for kind in ("param", *MOMENTS):
-                                key = f"{kind}/{fqn}"
-                                tensors.setdefault(key, StateTensor(key, tensor.shape, "fp32"))
-                                shard = fsdp_shards(zero=plan.zero, dp=plan.dp)
-                                pieces.append(_dp_piece(key, local, plan.dp, dp_rank) if shard
-                                              else Piece(key, local))
+                for fqn, tensor in rank_tensors(model, plan, pp_rank):
+                    local = _tp_box(tensor.shape, tensor.tp_dim, plan.tp, tp_rank)
+                    for kind in ("param", *MOMENTS):
+                        key = f"{kind}/{fqn}"
+                        tensors.setdefault(key, StateTensor(key, tensor.shape, "fp32"))
+                        pieces.append(_dp_piece(key, local, plan.dp, dp_rank) if shard
+                                      else Piece(key, local))
                 rng = f"rng/{rank}"
                 tensors[rng] = StateTensor(rng, (RNG_STATE_BYTES,), "uint8")
                 pieces.extend(Piece(key, Box.whole(t.shape)) for key, t in small.items())

@@ -1,24 +1,16 @@
-"""MovePlan: the transfers that turn Layout A into Layout B on the devices still alive, with
-the fewest bytes, the busiest sender sending as little as possible, batched under a staging bound.
+"""MovePlan: the transfers that turn Layout A into Layout B on the devices still alive, with the
+fewest bytes, the busiest sender sending as little as possible, batched under a staging bound.
 
-How a destination device builds each piece of its new rank (what the executor does):
+A destination builds each piece of its new rank from ``local_copies`` (what it already held),
+``batches`` (from other live devices, at most ``staging_bytes`` per batch), ``from_checkpoint``
+(parts no live device holds) and ``fresh_keys`` (state Layout A never had: created).
 
-1. ``local_copies``: the part of the piece the device already held under Layout A (a copy inside
-   the device, not counted as moved);
-2. ``batches``: the rest, from other live devices, batched per (source, destination) pair, each
-   batch at most ``staging_bytes``;
-3. ``from_checkpoint``: parts no live device holds, read from the newest committed checkpoint;
-4. ``fresh_keys``: state of Layout B that Layout A never had (a new rank's RNG stream): created,
-   not moved.
-
-Steps of ``plan_move``: the receive matrix and ``linear_sum_assignment`` give the placement
-(placement.py) whose total is the lower bound; each needed region is cut into cells with a
-definite set of live senders (box_cells.py); cells are grouped by their sender set and a linear
-program splits each group's bytes among its senders to minimise the busiest sender's total
-(``scipy.optimize.linprog``, HiGHS). The LP is the exact optimum of the splittable problem: a cell
-can be cut at any row along dim 0, and the plan cuts it where the LP says, so the busiest
-sender's bytes exceed the LP optimum by at most one row per cut. Every needed byte is sent once,
-so ``bytes_moved`` equals ``lower_bound_bytes`` by construction (the tests check it).
+``plan_move``: the receive matrix and ``linear_sum_assignment`` give the placement, whose total
+is the lower bound (placement.py); each needed region is cut into cells with a definite set of
+live senders (box_cells.py); a linear program (HiGHS) splits each sender set's bytes to
+minimise the busiest sender, and cells are cut by rows where it says, so the busiest sender
+exceeds the LP optimum by at most one row per cut. Every needed byte is sent once:
+``bytes_moved`` equals ``lower_bound_bytes`` (the tests check it).
 """
 
 from __future__ import annotations
@@ -46,9 +38,6 @@ FROM_CHECKPOINT = -1
 """``src_device`` of a transfer read from the newest committed checkpoint."""
 DEFAULT_STAGING_BYTES = 256 * 2**20
 """Largest batch a destination buffers before placing it (256 MiB)."""
-
-__all__ = ["Batch", "FROM_CHECKPOINT", "MovePlan", "ReshapeError", "Transfer", "plan_move"]
-
 
 @dataclass(frozen=True, slots=True)
 class Transfer:

@@ -1,45 +1,28 @@
 """Predicted wall time of a MovePlan, from the change to the new engine ready for its next step,
-part by part, each part priced from the physics of what it does and figures measured on the
-job's own processes (``move_calibrate.calibrate_move_time``); ``MoveTime.parts`` names the same
-parts the executor times (``controller.reshape_in_memory``'s laps), so a reader sees which one
-is off:
+as the sum of the parts the executor times (``PARTS``, ``controller.reshape_in_memory``'s laps),
+each priced from what it does and from figures measured on the job's own processes
+(``move_calibrate.calibrate_move_time``); each part is its slowest process's time:
 
-- ``extract``: each old rank takes its pieces out of its engine (views): Plan A's state tensors
-  on the busiest rank x ``state_tensor_s`` (DTensors) or ``plain_state_tensor_s`` (plain
-  tensors) + its state-dict reads x ``state_call_s``;
-- ``group``: process groups formed for the move (0 or 1) x ``group_s``;
-- ``plan``: the first survivor computes the MovePlan (``plan_s``, measured as it plans);
-- ``agree``: the MovePlan's broadcast (``agree_s`` + its pickled bytes x
-  ``agree_s_per_byte``) and the barrier after the transfers (``fixed_s``);
-- ``transfer``: the messages and the checkpoint reads (below);
-- ``group_b``: Plan B's process group where the move's cannot be reused (0 or 1) x ``group_s``;
-- ``build``: Plan B's engine on its slowest rank, from that rank's ``BuildCounts``: the device
-  mesh (``mesh_calls`` x ``group_call_s`` + each group it joins x ``mesh_group_s``), the modules on
-  the meta device (tensors x ``meta_tensor_s``), tensor parallelism (TP tensors x
-  ``tp_tensor_s``), FSDP2 (units x ``fsdp_unit_s`` + tensors x ``fsdp_tensor_s``), and the
-  allocation of its shards (DTensors x ``materialize_tensor_s`` + plain tensors x
-  ``plain_materialize_tensor_s`` + bytes / ``zero_bps``);
-- ``install``: the parameters copied into their shards (bytes / ``copy_bps``), AdamW's moments
-  created and filled (bytes / ``fresh_copy_bps``), and per tensor ``install_tensor_s``.
+- ``extract``: Plan A's state tensors read out of the busiest old rank's engine, plus its
+  state-dict calls; ``group`` / ``group_b``: process groups formed for the move and for Plan B;
+  ``plan``: the MovePlan computed on the first survivor; ``agree``: its broadcast and the
+  barrier after the transfers; ``transfer``: below;
+- ``build``: Plan B's engine on its slowest rank, from that rank's ``BuildCounts`` (device mesh,
+  modules on meta, tensor parallelism, FSDP2, storage); ``install``: parameters copied into
+  their shards and AdamW's moments created and filled.
 
-Transfers. Each batch is one point-to-point message. Its cost is ``alpha + bytes * beta``: from
-a measured fit where ``MoveTimeModel`` holds one (``p2p_alpha_s``/``p2p_beta_s_per_byte``:
-``meshmorph profile``'s ``send_recv/2`` fit, ``MoveTimeModel.from_profile``, or the job's own
-calibration), else from the cost model's link between the two devices (intra-node or inter-node,
-at ``CostCoefficients.link_efficiency`` of nominal, ``comm.p2p``). Links are full duplex; a
-device packs and checksums what it sends before sending it, sends its batches one after another
-while it receives its own, and checksums what it received after (``checksum_bps``, on the
-device's one core, so in series with the wire). Processes of one host share its memory bandwidth
-and cores: at most ``host_streams`` messages run at full speed at once there, so the host's bytes
-take at least ``sum(bytes * beta) / host_streams``:
+Transfers. Each batch is one message of ``alpha + bytes * beta``: a measured fit where
+``MoveTimeModel`` holds one (``meshmorph profile``'s ``send_recv/2``, or the job's own
+calibration), else the cost model's link between the two devices (``comm.p2p``). Links are full
+duplex; a device packs and checksums what it sends and checksums what it received on its one
+core, in series with the wire; the processes of one host share its memory bandwidth, so at most
+``host_streams`` messages run at full speed there at once:
 
     device   = (sent + received) / checksum_bps + max(sum of its sends, sum of its receives)
     transfer = max(busiest device, busiest host's bytes * beta / host_streams, checkpoint)
 
 Checkpoint reads go to storage at ``storage_read_bps`` per device, in parallel with the network.
-The total is the sum of the parts (each part's slowest process; the parts run one after
-another, with a barrier or a collective between them). Terms left at 0 are not priced, so the
-defaults give the transfers alone on the catalog's links.
+Terms left at 0 are not priced, so the defaults give the transfers alone on the catalog's links.
 """
 
 from __future__ import annotations
@@ -287,11 +270,7 @@ def move_time(move: MovePlan, cluster: Cluster, *,
 
 
 def predict_move_time_s(move: MovePlan, cluster: Cluster, *,
-                        coefficients: CostCoefficients | None = None,
-                        model: MoveTimeModel | None = None, groups: int = 0,
-                        install_bytes: int = 0,
-                        build: Mapping[int, BuildCounts] | None = None) -> float:
+                        model: MoveTimeModel | None = None) -> float:
     """Predicted seconds from the change to the new engine ready for its next step (with the
     default model: to the last byte in place)."""
-    return move_time(move, cluster, coefficients=coefficients, model=model, groups=groups,
-                     install_bytes=install_bytes, build=build).total_s
+    return move_time(move, cluster, model=model).total_s

@@ -48,7 +48,7 @@ def _chart_paths(chart: Path) -> tuple[Path, Path]:
 
 def _write_charts(plan: Plan, cost, estimate, chart: Path, console) -> None:  # type: ignore[no-untyped-def]
     from meshmorph.viz.memory_chart import write_memory_chart
-    from meshmorph.viz.pipeline_chart import write_plan_pipeline_chart
+    from meshmorph.viz.timeline_chart import write_plan_pipeline_chart
 
     timeline_png, memory_png = _chart_paths(chart)
     try:

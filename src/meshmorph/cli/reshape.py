@@ -25,6 +25,7 @@ from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.plan_file import load_plan
 from meshmorph.tables import Column, print_table, report_console
+from meshmorph.viz.figure import pyplot, save_figure
 
 
 def _ids(text: str) -> list[int]:
@@ -120,17 +121,11 @@ def _print(best: MovePlan, naive: MovePlan, best_s: float, naive_s: float, headl
 
 def draw(best: MovePlan, naive: MovePlan, out_png: Path) -> Path:
     """Bytes per (source, destination) pair under both placements, side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
-
-    from meshmorph.viz.figure import save_figure
 
     devices = sorted(set(best.devices) | set(naive.devices))
     index = {d: i for i, d in enumerate(devices)}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+    fig, axes = pyplot().subplots(1, 2, figsize=(10, 4.5))
     top = max([1, *best.link_bytes().values(), *naive.link_bytes().values()]) / 2**20
     for ax, (name, move) in zip(axes, (("best placement", best), ("rank order", naive)),
                                 strict=True):

@@ -120,17 +120,13 @@ def _timeline(args: argparse.Namespace) -> int:
 
 def _simulated(args: argparse.Namespace) -> tuple[str, Timeline]:
     if args.plan is not None:
-        from meshmorph.viz.timeline_chart import plan_timeline
+        from meshmorph.viz.timeline_chart import plan_timeline, plan_title
 
         plan = load_plan(args.plan)
         cluster_text = args.cluster or _cluster_of(args.plan)
-        model = load_model(plan.model, plan.seq_len)
-        cost = CostModel(model, parse_cluster(cluster_text))
-        name = args.schedule or str(plan.schedule)
-        title = (f"{plan.model} on {cluster_text}: tp {plan.tp} pp {plan.pp} dp {plan.dp}, "
-                 f"{name}{f' v{plan.vpp}' if plan.vpp > 1 else ''}, {plan.micro_batch} x "
-                 f"{plan.num_microbatches} micro-batches")
-        return title, plan_timeline(plan, cost, name)
+        cost = CostModel(load_model(plan.model, plan.seq_len), parse_cluster(cluster_text))
+        return (f"{plan.model} on {cluster_text}: {plan_title(plan, args.schedule)}",
+                plan_timeline(plan, cost, args.schedule))
     if args.schedule is None or args.pp is None or args.microbatches is None:
         raise ValueError("timeline needs --plan FILE, or --schedule NAME --pp P --microbatches M "
                          "(or --compare RUN_DIR)")

@@ -26,8 +26,6 @@ class Kind(StrEnum):
     STEP = "STEP"
 
 
-COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
-"""Actions that occupy a rank's compute (the ones compared with torch's generators)."""
 COMMS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 """Point-to-point actions."""
 
@@ -44,11 +42,6 @@ class Action(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.microbatch}"
-
-
-def compute_only(actions: list[Action]) -> list[Action]:
-    """The F, B, I and W actions of one rank, in order."""
-    return [a for a in actions if a.kind in COMPUTE]
 
 
 def with_steps(orders: list[list[Action]], stages_of_rank: list[list[int]],

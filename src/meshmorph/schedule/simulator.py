@@ -249,21 +249,20 @@ def simulate_actions(orders: Sequence[Sequence[Action]], times: StageTimes, *,
                      keep_ops: bool = True) -> Timeline:
     """Simulate any action lists (one per rank) on per-stage ``times``."""
     m = 1 + max((a.microbatch for order in orders for a in order), default=0)
-    program = compile_program(orders, m)
-    if len(times.fwd_s) != program.stages:
-        raise ValueError(f"the actions use {program.stages} stages, the times list "
-                         f"{len(times.fwd_s)}; give one time per stage")
-    comm = list(times.p2p_s) if times.p2p_s is not None else [0.0] * program.stages
-    return replay(program, times.durations(), comm, keep_ops)
+    return _simulate(compile_program(orders, m), times, keep_ops, "the actions use")
 
 
 def simulate_schedule(name: str, p: int, m: int, times: StageTimes, *, v: int = 1,
                       steps: bool = False, keep_ops: bool = True) -> Timeline:
     """Simulate the named schedule on per-stage ``times`` (STEPs priced when ``steps``)."""
-    program = schedule_program(name, p, m, v, steps)
+    return _simulate(schedule_program(name, p, m, v, steps), times, keep_ops,
+                     f"schedule {name} with pp {p} runs")
+
+
+def _simulate(program: Program, times: StageTimes, keep_ops: bool, what: str) -> Timeline:
     if len(times.fwd_s) != program.stages:
-        raise ValueError(f"schedule {name} with pp {p} runs {program.stages} stages, the times "
-                         f"list {len(times.fwd_s)}; give one time per stage")
+        raise ValueError(f"{what} {program.stages} stages, the times list {len(times.fwd_s)}; "
+                         "give one time per stage")
     comm = list(times.p2p_s) if times.p2p_s is not None else [0.0] * program.stages
     return replay(program, times.durations(), comm, keep_ops)
 

@@ -30,8 +30,7 @@ from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import Cluster, parse_cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import WEIGHT_PREDICTIONS, Fp8Scaling, Plan, PlanError
-from meshmorph.spec.plan_file import load_plan
+from meshmorph.spec.plan import WEIGHT_PREDICTIONS, Fp8Scaling, Plan, PlanError, load_plan
 from meshmorph.tables import report_console
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")

@@ -23,7 +23,7 @@ from meshmorph.elastic.moves.placement import ReshapeError
 from meshmorph.plan.report import does_not_fit_line, plan_headline
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
-from meshmorph.spec.plan_file import load_plan
+from meshmorph.spec.plan import load_plan
 from meshmorph.tables import Column, print_table, report_console
 from meshmorph.viz.figure import pyplot, save_figure
 

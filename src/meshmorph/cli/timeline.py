@@ -24,7 +24,7 @@ from meshmorph.schedule.table import Schedule
 from meshmorph.schedule.trace import OpRecord, read_trace_ops, timeline_events, write_trace
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
-from meshmorph.spec.plan_file import load_plan
+from meshmorph.spec.plan import load_plan
 
 TRACE_FILE = "trace.json"
 """Name of the measured trace inside a run folder."""

@@ -19,6 +19,7 @@ from enum import IntEnum, StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
+from meshmorph.files import read_document
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import ModelSpec, Recompute
 
@@ -246,7 +247,10 @@ class Plan:
         if not isinstance(self.model, str) or not self.model:
             raise PlanError(f"model must name a model (a catalog name such as 'gpt-tiny', a "
                             f"config.json path or a package.module:function), got {self.model!r}")
-        object.__setattr__(self, "schedule", _member("schedule", Schedule, self.schedule))
+        for name, kind in (("schedule", Schedule), ("dtype", DType), ("reduce_dtype", DType),
+                           ("fp8_scaling", Fp8Scaling), ("weight_prediction", WeightPrediction)):
+            object.__setattr__(self, name, _member(name, kind, getattr(self, name)))
+        object.__setattr__(self, "zero", _zero_stage("zero", self.zero))
         if self.predicted is not None and not isinstance(self.predicted, dict):
             raise PlanError(f"predicted must be an object of figures (the planner writes it), "
                             f"got {self.predicted!r}; leave it out")
@@ -257,29 +261,20 @@ class Plan:
                      "global_batch"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("dtype", "reduce_dtype"):
-            object.__setattr__(self, name, _member(name, DType, getattr(self, name)))
-        object.__setattr__(self, "fp8_scaling",
-                           _member("fp8_scaling", Fp8Scaling, self.fp8_scaling))
         if self.reduce_dtype == DType.FP8:
             raise PlanError("reduce_dtype fp8: gradients are reduced in fp32 or a 16-bit dtype, "
                             "float8 is for the linear layers' GEMMs; set reduce_dtype fp32")
         if self.dtype != DType.FP8 and self.fp8_scaling != Fp8Scaling.TENSORWISE:
             raise PlanError(f"fp8_scaling '{self.fp8_scaling}' applies to dtype fp8, not "
                             f"'{self.dtype}'; set dtype fp8 or leave fp8_scaling out")
-        object.__setattr__(self, "zero", _zero_stage("zero", self.zero))
         if self.global_batch != self.dp * self.micro_batch * self.num_microbatches:
-            raise PlanError(
-                f"global_batch {self.global_batch} != dp {self.dp} x micro_batch {self.micro_batch}"
-                f" x num_microbatches {self.num_microbatches}"
-                f" = {self.dp * self.micro_batch * self.num_microbatches}"
-            )
+            raise PlanError(f"global_batch {self.global_batch} != dp {self.dp} x micro_batch "
+                            f"{self.micro_batch} x num_microbatches {self.num_microbatches} = "
+                            f"{self.dp * self.micro_batch * self.num_microbatches}")
         if self.cp > 1 and self.seq_len % (2 * self.cp):
             raise PlanError(
                 f"cp {self.cp} needs seq_len {self.seq_len} to split into 2 x cp = {2 * self.cp} "
                 f"equal chunks (causal load balancing); choose a cp with 2 cp dividing seq_len")
-        object.__setattr__(self, "weight_prediction",
-                           _member("weight_prediction", WeightPrediction, self.weight_prediction))
         if self.weight_prediction != "none" and self.schedule != Schedule.ASYNC:
             raise PlanError(f"weight_prediction '{self.weight_prediction}' applies only to "
                             f"schedule 'async', not '{self.schedule}'; set schedule 'async' or "
@@ -290,37 +285,34 @@ class Plan:
                             f"vpp 2, not {self.vpp}")
         if fixed == 1 and self.vpp > 1:
             raise PlanError(f"vpp {self.vpp} > 1 needs schedule 'interleaved', not '{self.schedule}'")
-        if self.sequence_parallel and self.tp == 1:
+        if self.tp == 1:  # nothing to split: both switches mean nothing
             object.__setattr__(self, "sequence_parallel", False)
-        if self.tp_comm_overlap and self.tp == 1:
             object.__setattr__(self, "tp_comm_overlap", False)
         if self.tp_comm_overlap and not self.sequence_parallel:
             raise PlanError(f"tp_comm_overlap overlaps sequence parallelism's all-gathers and "
                             f"reduce-scatters with the GEMMs: set sequence_parallel true with "
                             f"tp {self.tp}, or tp_comm_overlap false")
         if self.stages and len(self.stages) != self.pp * self.vpp:
-            raise PlanError(
-                f"{len(self.stages)} stages listed for pp {self.pp} x vpp {self.vpp} = "
-                f"{self.pp * self.vpp} model chunks"
-            )
+            raise PlanError(f"{len(self.stages)} stages listed for pp {self.pp} x vpp {self.vpp} "
+                            f"= {self.pp * self.vpp} model chunks")
+        self._check_layer_strategies()
+
+    def _check_layer_strategies(self) -> None:
         if self.cp > 1 and any(stage.layer_strategies for stage in self.stages):
             raise PlanError(f"cp {self.cp} with per-layer strategies: layerwise plans split "
                             f"the stage's devices by tp and dp only; use cp 1 or drop the "
                             f"layer strategies")
         for index, stage in enumerate(self.stages):
             for offset, strategy in enumerate(stage.layer_strategies or ()):
+                where = f"stage {index} layer {stage.start + offset}"
                 if strategy.tp * strategy.dp != self.tp * self.dp:
-                    raise PlanError(
-                        f"stage {index} layer {stage.start + offset}: tp {strategy.tp} x dp "
-                        f"{strategy.dp} != the stage's {self.tp * self.dp} devices (plan tp x dp); "
-                        f"split the stage's devices exactly"
-                    )
+                    raise PlanError(f"{where}: tp {strategy.tp} x dp {strategy.dp} != the stage's "
+                                    f"{self.tp * self.dp} devices (plan tp x dp); split the "
+                                    f"stage's devices exactly")
                 if (self.dp * self.micro_batch) % strategy.dp:
-                    raise PlanError(
-                        f"stage {index} layer {stage.start + offset}: dp {strategy.dp} does not "
-                        f"divide the {self.dp * self.micro_batch} sequences of a micro-batch "
-                        f"(plan dp x micro_batch); choose a dp that divides them"
-                    )
+                    raise PlanError(f"{where}: dp {strategy.dp} does not divide the "
+                                    f"{self.dp * self.micro_batch} sequences of a micro-batch "
+                                    f"(plan dp x micro_batch); choose a dp that divides them")
 
     @property
     def world_size(self) -> int:
@@ -517,12 +509,41 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        path = Path(path)
-        if not path.is_file():
-            raise PlanError(f"plan file {path} does not exist")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"plan file {path} is not valid JSON: {exc}") from None
-        # a `meshmorph plan --json` file holds several plans, best first: take the best
-        return cls.from_dict(data["plans"][0] if "plans" in data else data)
+        """``load_plan``: the plan in a file (the best one of a ``meshmorph plan --json`` file)."""
+        return load_plan(path)
+
+
+_INTEGERS = ("seq_len", "global_batch", "tp", "pp", "dp", "cp", "zero", "micro_batch",
+             "num_microbatches", "vpp", "world_size")
+_WAY_OUT = ("write it with 'meshmorph plan --json' or 'meshmorph estimate --json', or fix it by "
+            f"hand (keys: {', '.join(f.name for f in fields(Plan) if f.name != 'predicted')})")
+
+
+def load_plan(path: str | Path) -> Plan:
+    """The plan in ``path`` (the best one of a ``meshmorph plan --json`` file). Every way the file
+    can be wrong (empty, binary, not an object, values of the wrong type) is one PlanError, not a
+    TypeError or KeyError from deep inside."""
+    path = Path(path)
+    if path.is_dir():
+        raise PlanError(f"plan file {path} is a folder; pass the path of a plan JSON file")
+    if not path.is_file():
+        raise PlanError(f"plan file {path} does not exist; {_WAY_OUT}")
+    data = read_document(path, what="plan file", way_out=_WAY_OUT, fmt="json", error=PlanError)
+    if "plans" in data:  # `meshmorph plan --json`: the best plan first
+        plans = data["plans"]
+        if not isinstance(plans, list) or not plans:
+            raise PlanError(f"plan file {path} lists no plans under 'plans'; {_WAY_OUT}")
+        data = plans[0]
+    if not isinstance(data, dict):
+        raise PlanError(f"plan file {path} must hold a JSON object in 'plans', got "
+                        f"{type(data).__name__}; {_WAY_OUT}")
+    for key in _INTEGERS:
+        if key in data and (not isinstance(data[key], int) or isinstance(data[key], bool)):
+            raise PlanError(f"plan file {path}: {key} must be an integer, got {data[key]!r}")
+    try:
+        return Plan.from_dict(data)
+    except PlanError as exc:
+        raise PlanError(f"plan file {path}: {exc}") from None
+    except (TypeError, KeyError, IndexError, AttributeError, ValueError) as exc:
+        what = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise PlanError(f"plan file {path} does not hold a valid plan ({what}); {_WAY_OUT}") from None

@@ -203,8 +203,8 @@ class Plan:
     """Megatron sequence parallelism in the tensor-parallel regions."""
     dtype: DType = DType.BF16
     """Compute dtype (``bf16``, ``fp16``, ``fp32``, or ``fp8``: bf16 with float8 GEMMs in the
-    blocks' linear layers); parameters, gradients and Adam moments are kept in fp32 whatever it
-    is (mixed precision)."""
+    blocks' linear layers, priced, not run); parameters, gradients and Adam moments are kept in
+    fp32 whatever it is (mixed precision)."""
     reduce_dtype: DType = DType.FP32
     """Dtype of data-parallel gradient reductions: ``fp32`` (meshmorph's default, FSDP2's
     ``reduce_dtype``), or a 16-bit one as Megatron-LM 2021 reduced fp16 gradients."""
@@ -234,12 +234,11 @@ class Plan:
     computes, so the first forward waits only for its own unit (Megatron-LM's
     ``--overlap-param-gather``); False: each unit's gather on the critical path."""
     compile: bool = False
-    """Each transformer block compiled by ``torch.compile`` (inductor): its elementwise work fused
-    into few kernels (``CostCoefficients.elementwise_passes``, as Megatron-LM's fused kernels),
-    and pointwise results that feed no matmul recomputed in backward rather than kept. False:
-    eager PyTorch, a kernel per op (``eager_elementwise_passes``) and, under autocast, every
-    fp32 norm input and each projection's own 16-bit copy of a norm's output kept for backward
-    (``spec.model.RuntimeActivation``)."""
+    """Each transformer block compiled by ``torch.compile``: elementwise work fused into few
+    kernels (``CostCoefficients.elementwise_passes``), and pointwise results that feed no matmul
+    recomputed in backward. False: eager, a kernel per op, and under autocast every fp32 norm
+    input and each projection's own 16-bit copy of a norm's output kept for backward
+    (``RuntimeActivation``)."""
     predicted: dict[str, Any] | None = field(default=None, compare=False)
     """Predicted figures (step_time_s, tokens_per_s, ...) from the cost model, if any."""
 

@@ -17,8 +17,7 @@ from meshmorph.cli.output import check_outputs
 # one module per subcommand, in the order of `meshmorph --help`
 _COMMAND_MODULES = (
     "meshmorph.cli.plan",  # plan, estimate
-    "meshmorph.cli.models",  # models
-    "meshmorph.cli.gpus",  # gpus
+    "meshmorph.cli.catalogs",  # models, gpus
     "meshmorph.cli.run",  # run
     "meshmorph.cli.demo",  # demo
     "meshmorph.cli.reshape",  # reshape

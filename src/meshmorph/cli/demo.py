@@ -56,16 +56,16 @@ out_dir = "{out_dir}"
 """
 
 
-def run_demo(*, nproc: int = 4, steps: int | None = None, out: Path | None = None,
-             wide: bool = False) -> int:
+def _demo(args: argparse.Namespace) -> int:
     """Plan, show, train; returns the launcher's exit code."""
     from meshmorph.run.launch.run_folder import RunLock, check_fresh, make_folder
 
+    nproc, steps = args.nproc, args.steps
     if nproc < 1 or (steps is not None and steps < 1):
         raise ValueError(f"meshmorph demo needs --nproc >= 1 and --steps >= 1, got --nproc {nproc}"
                          + (f", --steps {steps}" if steps is not None else ""))
-    console = report_console(wide)
-    out_dir = out or Path("runs") / "demo"
+    console = report_console(args.wide)
+    out_dir = args.out or Path("runs") / "demo"
     make_folder(out_dir)
     check_fresh(out_dir, out_dir / "checkpoints")  # before job.toml is written over
     RunLock(out_dir).acquire().release()  # another demo running here is refused, not overwritten
@@ -110,10 +110,6 @@ def _fits(plan: Plan, job: object, model: object, nproc: int) -> bool:
     except PlanError:
         return False
     return True
-
-
-def _demo(args: argparse.Namespace) -> int:
-    return run_demo(nproc=args.nproc, steps=args.steps, out=args.out, wide=args.wide)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

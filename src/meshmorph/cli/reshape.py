@@ -8,7 +8,7 @@ each (source, destination) pair moves under both placements.
 from __future__ import annotations
 
 import argparse
-import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +57,7 @@ def summary(move: MovePlan, seconds: float) -> dict[str, Any]:
 def report(best: MovePlan, naive: MovePlan, best_s: float, naive_s: float) -> dict[str, Any]:
     """The JSON of ``meshmorph reshape``."""
     sent, received = best.sent_bytes(), best.received_bytes()
-    links = best.link_bytes()
-    messages: dict[tuple[int, int], int] = {}
-    for batch in best.batches:
-        messages[batch.src_device, batch.dst_device] = messages.get(
-            (batch.src_device, batch.dst_device), 0) + 1
+    messages = _messages(best)
     return {
         **summary(best, best_s),
         "lower_bound_bytes": best.lower_bound_bytes, "naive_bytes": best.naive_bytes,
@@ -69,12 +65,17 @@ def report(best: MovePlan, naive: MovePlan, best_s: float, naive_s: float) -> di
         "devices": [{"device": d, "sent_bytes": sent[d], "received_bytes": received[d]}
                     for d in best.devices],
         "links": [{"src": s, "dst": d, "bytes": n, "messages": messages[s, d]}
-                  for (s, d), n in links.items()],
+                  for (s, d), n in best.link_bytes().items()],
         "from_checkpoint": [{"dst": t.dst_device, "key": t.key, "box": str(t.box),
                              "bytes": t.nbytes} for t in best.from_checkpoint],
         "fresh_keys": list(best.fresh_keys),
         "naive": summary(naive, naive_s),
     }
+
+
+def _messages(move: MovePlan) -> Counter[tuple[int, int]]:
+    """Messages per (source, destination) device pair."""
+    return Counter((b.src_device, b.dst_device) for b in move.batches)
 
 
 DEVICE_COLUMNS = (Column("device"), Column("new rank", "rank"), Column("sends"),
@@ -104,8 +105,8 @@ def _print(best: MovePlan, naive: MovePlan, best_s: float, naive_s: float, headl
                 _mib(naive_received[d])] for d in best.devices]
     print_table(console, DEVICE_COLUMNS, devices,
                 title="bytes per device, best placement and rank order")
-    links = [[str(s), str(d), _mib(n),
-              str(sum(1 for b in best.batches if (b.src_device, b.dst_device) == (s, d)))]
+    messages = _messages(best)
+    links = [[str(s), str(d), _mib(n), str(messages[s, d])]
              for (s, d), n in best.link_bytes().items()]
     print_table(console, (Column("source"), Column("destination"), Column("bytes"),
                           Column("messages")), links, title="bytes per link (best placement)")
@@ -167,19 +168,17 @@ def _reshape(args: argparse.Namespace) -> int:
         raise ReshapeError(f"the move uses device {max(best.devices)} but cluster "
                            f"{cluster.describe()} has {cluster.world_size} devices; give a "
                            "larger --cluster")
-    time_model = None
-    if args.profile is not None:  # measured point-to-point alpha/beta instead of the catalog's
-
-        time_model = MoveTimeModel.from_profile(Profile.load(args.profile))
+    # measured point-to-point alpha/beta instead of the catalog's links
+    time_model = MoveTimeModel.from_profile(Profile.load(args.profile)) if args.profile else None
     best_s = predict_move_time_s(best, cluster, model=time_model)
     naive_s = predict_move_time_s(naive, cluster, model=time_model)
     headline = (f"reshape on {cluster.describe()}, survivors {','.join(map(str, best.survivors))}"
                 f"\n  from: {plan_headline(plan_a, model)}\n  to:   {plan_headline(plan_b, model)}")
     _print(best, naive, best_s, naive_s, headline, args.wide)
     if args.json:
-        data = report(best, naive, best_s, naive_s)
-        data.update(cluster=cluster.describe(), from_plan=plan_a.to_dict(), to_plan=plan_b.to_dict())
-        write_json(args.json, json.loads(json.dumps(data)))
+        write_json(args.json, report(best, naive, best_s, naive_s) | {
+            "cluster": cluster.describe(), "from_plan": plan_a.to_dict(),
+            "to_plan": plan_b.to_dict()})
         print(f"move plan written to {args.json}")
     if args.png:
         print(f"chart: {draw(best, naive, args.png)} (bytes per link, best vs rank order)")

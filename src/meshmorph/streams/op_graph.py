@@ -71,12 +71,24 @@ class OpGraph:
     """Training graphs: position of the loss among the outputs (updated buffers come first, then
     the loss, then one gradient per parameter in ``named_parameters`` order)."""
 
-    def node(self, name: str) -> torch.fx.Node:
-        """The fx node called ``name``."""
-        return self._nodes()[name]
+    def interpreter(self, inputs: tuple[torch.Tensor, ...]) -> torch.fx.Interpreter:
+        """An fx interpreter of ``module`` with the inputs (``leading_inputs`` first) and the
+        constants in place, every value kept until the caller drops it."""
+        placeholders = [n for n in self.module.graph.nodes if n.op == "placeholder"]
+        inputs = (*self.leading_inputs, *inputs)
+        if len(placeholders) != len(inputs):
+            raise ValueError(f"the graph takes {len(placeholders)} inputs, {len(inputs)} given "
+                             f"({len(self.leading_inputs)} of them parameters/buffers)")
+        interp = torch.fx.Interpreter(self.module, garbage_collect_values=False)
+        interp.env = dict(zip(placeholders, inputs, strict=True))
+        for node in self.module.graph.nodes:
+            if node.op == "get_attr":
+                interp.env[node] = interp.run_node(node)
+        return interp
 
-    def _nodes(self) -> dict[str, torch.fx.Node]:
-        return {n.name: n for n in self.module.graph.nodes}
+    def output(self, interp: torch.fx.Interpreter) -> Any:
+        """The module's output from an interpreter that has run every operator."""
+        return interp.run_node(next(n for n in self.module.graph.nodes if n.op == "output"))
 
 
 def _target_name(node: torch.fx.Node) -> str:

@@ -12,6 +12,14 @@ from enum import StrEnum
 from typing import NamedTuple
 
 
+class ScheduleError(ValueError):
+    """Action lists that are not a valid pipeline step; the message names the broken rule."""
+
+
+class DeadlockError(ScheduleError):
+    """Every unfinished rank waits on an action no rank can run next."""
+
+
 class Kind(StrEnum):
     """What an action does."""
 

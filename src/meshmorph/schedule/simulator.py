@@ -19,10 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from meshmorph.schedule.action import Action, Kind
+from meshmorph.schedule.action import Action, DeadlockError, Kind
 from meshmorph.schedule.registry import frozen_actions, stage_to_rank
 from meshmorph.schedule.table import Schedule
-from meshmorph.schedule.validate import DeadlockError, peak_activations
 
 # Durations are one flat list: fwd + bwd + wgrad + igrad + step, one entry per stage each.
 
@@ -104,6 +103,24 @@ class Timeline:
             return 0.0
         idle = sum(self.makespan_s - busy for busy in self.rank_busy_s)
         return idle / (self.makespan_s * len(self.rank_busy_s))
+
+
+def peak_activations(orders: Sequence[Sequence[Action]]) -> tuple[int, ...]:
+    """Per rank, the most micro-batch activations held at once: one per F, released at its B,
+    or at its W when the backward is split (the weight gradient still needs the inputs)."""
+    split = {(a.stage, a.microbatch) for order in orders for a in order if a.kind == Kind.W}
+    peaks = []
+    for order in orders:
+        held = peak = 0
+        for a in order:
+            if a.kind == Kind.F:
+                held += 1
+                peak = max(peak, held)
+            elif (a.kind == Kind.B or (a.kind == Kind.W)
+                  or (a.kind == Kind.I and (a.stage, a.microbatch) not in split)):
+                held -= 1
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 def _codes(orders: Sequence[Sequence[Action]], steps: bool) -> list[list[tuple[int, int, int]]]:

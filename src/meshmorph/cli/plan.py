@@ -20,11 +20,7 @@ from meshmorph.cost.model import CostModel
 from meshmorph.cost.profile import Profile
 from meshmorph.cost.rank_state import predict_ranks
 from meshmorph.cost.segments import as_layerwise
-from meshmorph.plan.report import (
-    layer_strategy_summary,
-    print_estimate,
-    print_plans,
-)
+from meshmorph.plan.report import layer_strategy_summary, print_estimate, print_plans
 from meshmorph.plan.search import LAYERWISE, SearchResult, search
 from meshmorph.plan.space import SearchOptions
 from meshmorph.schedule.table import Schedule
@@ -92,14 +88,12 @@ def _plan(args: argparse.Namespace) -> int:
                   "(0% = the best plan is optimal under the cost model)")
     if args.json:
         write_json(args.json, {
-            "search_time_s": result.search_time_s,
-            "cluster": cluster.describe(),
+            "search_time_s": result.search_time_s, "cluster": cluster.describe(),
             "configurations": result.configurations,
             "configurations_solved": result.configurations_solved,
             "optimality_gap": result.optimality_gap,
             "uniform_best_tokens_per_s": result.estimates[0].tokens_per_s,  # every plan is uniform
-            "plans": [plan.to_dict() for plan in result.plans],
-        })
+            "plans": [plan.to_dict() for plan in result.plans]})
         console.print(f"plans written to {args.json}")
     if args.chart:
         _write_charts(result.plans[0], cost, result.estimates[0], args.chart, console)
@@ -151,24 +145,17 @@ def _report_layerwise(args: argparse.Namespace, model: ModelSpec, cluster: Clust
                       f"proven within {result.optimality_gap:.2%} of the optimum under the "
                       "layerwise cost model")
     if args.json:
+        figures = ("configurations", "configurations_solved", "lower_bound_s", "optimality_gap")
         write_json(args.json, {
-            "search_time_s": result.search_time_s if result else None,
-            "regular_search_time_s": regular.search_time_s if regular else None,
-            "cluster": cluster.describe(),
-            "layerwise": not args.uniform,
+            "search_time_s": getattr(result, "search_time_s", None),
+            "regular_search_time_s": getattr(regular, "search_time_s", None),
+            "cluster": cluster.describe(), "layerwise": not args.uniform,
             "layerwise_schedules": "runnable" if runnable else "all",
-            "returned": choice.source,
-            "runnable": choice.runnable,
-            "configurations": result.configurations if result else None,
-            "configurations_solved": result.configurations_solved if result else None,
-            "lower_bound_s": result.lower_bound_s if result else None,
-            "optimality_gap": result.optimality_gap if result else None,
-            "layerwise_best_tokens_per_s": layerwise,
-            "uniform_best_tokens_per_s": uniform,
+            "returned": choice.source, "runnable": choice.runnable,
+            **{key: getattr(result, key, None) for key in figures},
+            "layerwise_best_tokens_per_s": layerwise, "uniform_best_tokens_per_s": uniform,
             "regular_best_tokens_per_s": regular_tokens,
-            "regular_best_layerwise_cost_tokens_per_s": regular_lw,
-            "plans": [plan.to_dict()],
-        })
+            "regular_best_layerwise_cost_tokens_per_s": regular_lw, "plans": [plan.to_dict()]})
         console.print(f"plans written to {args.json}")
     return 0
 

@@ -146,19 +146,16 @@ class StagePlan:
         if self.stop <= self.start:
             raise PlanError(f"stage [{self.start}, {self.stop}) holds no layer")
         if len(self.recompute) != self.stop - self.start:
-            raise PlanError(
-                f"stage [{self.start}, {self.stop}) lists {len(self.recompute)} recompute modes "
-                f"for {self.stop - self.start} layers"
-            )
+            raise PlanError(f"stage [{self.start}, {self.stop}) lists {len(self.recompute)} "
+                            f"recompute modes for {self.stop - self.start} layers")
         if self.layer_strategies is not None:
             object.__setattr__(self, "layer_strategies", tuple(
                 s if isinstance(s, LayerStrategy) else LayerStrategy(**s)
                 for s in self.layer_strategies))
             if len(self.layer_strategies) != self.stop - self.start:
-                raise PlanError(
-                    f"stage [{self.start}, {self.stop}) lists {len(self.layer_strategies)} layer "
-                    f"strategies for {self.stop - self.start} layers; give one per layer or none"
-                )
+                raise PlanError(f"stage [{self.start}, {self.stop}) lists "
+                                f"{len(self.layer_strategies)} layer strategies for "
+                                f"{self.stop - self.start} layers; give one per layer or none")
 
     @property
     def num_layers(self) -> int:
@@ -214,9 +211,7 @@ class Plan:
     stages: tuple[StagePlan, ...] = ()
     """``pp * vpp`` model chunks in order."""
     weight_prediction: WeightPrediction = WeightPrediction.NONE
-    """Weights under ``schedule = "async"``: ``none`` (stale), ``stash`` (the backward uses the
-    forward's weights), ``2bw`` (PipeDream-2BW), ``sgd`` (SpecTrain's momentum-SGD prediction) or
-    ``adam`` (Adam's update direction extrapolated); must stay ``none`` with other schedules."""
+    """Weights under ``schedule = "async"`` (``WeightPrediction``); ``none`` with the others."""
     overlap_grad_reduce: bool = True
     """Data-parallel gradient reduction overlapped with the last backward, bucket by bucket
     (torch DDP's and FSDP2's default, Megatron-LM's ``--overlap-grad-reduce``); False: gradients
@@ -362,10 +357,8 @@ class Plan:
     def check_against(self, model: ModelSpec, world_size: int | None = None) -> None:
         """Refuse a plan this model or world cannot run; the message names the mismatch."""
         if world_size is not None and self.world_size != world_size:
-            raise PlanError(
-                f"{self.degrees()} = {self.world_size} ranks, but the "
-                f"job has {world_size}; change a degree or the number of processes"
-            )
+            raise PlanError(f"{self.degrees()} = {self.world_size} ranks, but the job has "
+                            f"{world_size}; change a degree or the number of processes")
         if not self.stages:
             raise PlanError("the plan lists no stages; use with_even_stages() or plan it")
         expected = 0
@@ -376,33 +369,22 @@ class Plan:
             for offset, mode in enumerate(stage.recompute):
                 layer = model.layers[min(stage.start + offset, model.num_layers - 1)]
                 if mode not in layer.activation:
-                    raise PlanError(
-                        f"layer {layer.name} cannot use recompute '{mode}' "
-                        f"(supported: {', '.join(layer.activation)})"
-                    )
+                    raise PlanError(f"layer {layer.name} cannot use recompute '{mode}' "
+                                    f"(supported: {', '.join(layer.activation)})")
         if expected != model.num_layers:
-            raise PlanError(
-                f"the stages cover layers [0, {expected}) but model {model.name} has "
-                f"{model.num_layers} layers (embedding + {model.num_blocks} blocks + head)"
-            )
-        if self.tp > 1:
-            if not model.tp_splittable:
-                raise PlanError(f"model {model.name} cannot be split by tensor parallelism; use tp 1")
-            for what, value in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
-                                ("ffn_hidden_size", model.ffn_hidden_size)):
-                if value % self.tp:
-                    raise PlanError(
-                        f"tp {self.tp} does not divide {what} {value} of {model.name}; "
-                        f"choose a tp that divides it"
-                    )
-        for tp in sorted({x.tp for st in self.stages for x in st.layer_strategies or ()} - {1}):
+            raise PlanError(f"the stages cover layers [0, {expected}) but model {model.name} has "
+                            f"{model.num_layers} layers (embedding + {model.num_blocks} blocks + "
+                            "head)")
+        if self.tp > 1 and not model.tp_splittable:
+            raise PlanError(f"model {model.name} cannot be split by tensor parallelism; use tp 1")
+        layer_tps = sorted({x.tp for st in self.stages for x in st.layer_strategies or ()} - {1})
+        for tp, whose, way in [(self.tp, "tp", "a tp that divides it")] * (self.tp > 1) + [
+                (t, "a layer strategy's tp", "layer tp degrees that divide it") for t in layer_tps]:
             for what, value in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
                                 ("ffn_hidden_size", model.ffn_hidden_size)):
                 if value % tp or not model.tp_splittable:
-                    raise PlanError(
-                        f"a layer strategy's tp {tp} does not divide {what} {value} of "
-                        f"{model.name}; choose layer tp degrees that divide it"
-                    )
+                    raise PlanError(f"{whose} {tp} does not divide {what} {value} of "
+                                    f"{model.name}; choose {way}")
         if self.cp > 1 and model.arch == "custom":
             raise PlanError(f"cp {self.cp}: model {model.name} is a traced module whose attention "
                             f"meshmorph cannot split over the sequence; use cp 1")
@@ -420,28 +402,21 @@ class Plan:
         least = info.min_microbatches_per_pp * self.pp
         if self.pp > 1 and self.num_microbatches < least:
             per = "" if info.min_microbatches_per_pp == 1 else f"{info.min_microbatches_per_pp} x "
-            raise PlanError(
-                f"schedule {self.schedule} needs num_microbatches >= {per}pp = {least}, got "
-                f"{self.num_microbatches}; raise the batch or use "
-                f"{'zbv' if self.schedule.v_shape else 'gpipe'}"
-            )
+            raise PlanError(f"schedule {self.schedule} needs num_microbatches >= {per}pp = "
+                            f"{least}, got {self.num_microbatches}; raise the batch or use "
+                            f"{'zbv' if self.schedule.v_shape else 'gpipe'}")
         if self.pp > 1 and info.microbatches_multiple_of_pp and self.num_microbatches % self.pp:
-            raise PlanError(
-                f"{self.schedule} needs num_microbatches ({self.num_microbatches}) to be a "
-                f"multiple of pp ({self.pp})"
-            )
+            raise PlanError(f"{self.schedule} needs num_microbatches ({self.num_microbatches}) to "
+                            f"be a multiple of pp ({self.pp})")
 
     def with_even_stages(self, model: ModelSpec,
                          recompute: Recompute = Recompute.NONE) -> Plan:
         """The same plan with the blocks split as evenly as possible over the model chunks
         (earlier chunks take the extra block), the embedding joining the first chunk and the head
         the last, as Megatron-LM splits; ``recompute`` applies to every block."""
-        chunks = self.num_chunks
-        blocks = model.num_layers - 2
+        chunks, blocks = self.num_chunks, model.num_layers - 2
         if blocks < chunks:
-            raise PlanError(
-                f"{blocks} blocks cannot fill {chunks} pipeline chunks; lower pp or vpp"
-            )
+            raise PlanError(f"{blocks} blocks cannot fill {chunks} pipeline chunks; lower pp or vpp")
         base, extra = divmod(blocks, chunks)
         stages, start = [], 0
         for index in range(chunks):
@@ -484,19 +459,14 @@ class Plan:
                             f'{{"layers": [start, stop], "recompute": [...]}}, got '
                             f"{type(listed).__name__} {str(listed)[:60]}; leave it out to split "
                             f"the layers evenly")
-        stages = tuple(
-            StagePlan(start=int(s["layers"][0]), stop=int(s["layers"][1]),
-                      recompute=tuple(Recompute(m) for m in s["recompute"]), gpu=s.get("gpu"),
-                      layer_strategies=None if s.get("layer_strategies") is None else tuple(
-                          LayerStrategy(**x) for x in s["layer_strategies"]))
-            for s in data.get("stages", [])
-        )
+        stages = tuple(StagePlan(start=int(s["layers"][0]), stop=int(s["layers"][1]),
+                                 recompute=tuple(Recompute(m) for m in s["recompute"]),
+                                 gpu=s.get("gpu"), layer_strategies=s.get("layer_strategies"))
+                       for s in listed)
         plan = cls(**kwargs, stages=stages)
         if "world_size" in data and data["world_size"] != plan.world_size:
-            raise PlanError(
-                f"plan says world_size {data['world_size']} but tp x pp x dp"
-                f"{' x cp' if plan.cp > 1 else ''} = {plan.world_size}"
-            )
+            raise PlanError(f"plan says world_size {data['world_size']} but tp x pp x dp"
+                            f"{' x cp' if plan.cp > 1 else ''} = {plan.world_size}")
         return plan
 
     def to_json(self) -> str:

@@ -175,13 +175,9 @@ def build_net(name: str, seed: int = 0) -> nn.Module:
     if ":" not in name:
         raise ValueError(f"unknown net {name!r}; choose one of {', '.join(NETS)} "
                          "or pass package.module:function returning an nn.Module")
-    from meshmorph.spec.trace import _resolve
+    from meshmorph.spec.trace import build_module
 
-    model = _resolve(name)()
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model factory {name!r} returned {type(model).__name__}, "
-                         "not an nn.Module")
-    return model
+    return build_module(name, meta=False)
 
 
 def example_input(model: nn.Module, batch: int,

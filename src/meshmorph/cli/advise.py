@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from meshmorph.cli.args import positive_float
-from meshmorph.cli.output import write_json
+from meshmorph.cli.output import finish, write_json
 from meshmorph.cli.simulate import add_job_flags
 from meshmorph.predict.advise import AdviceOptions, advise, pareto, recommend
 from meshmorph.predict.cloud_catalog import load_catalog
@@ -80,4 +80,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "Reshape: meshmorph simulate --policy reshape.")
     add_job_flags(adv, AdviceOptions, "hours (P90); adds the deadline policy")
     adv.add_argument("--budget", type=positive_float, default=None, help="USD (P90)")
-    adv.set_defaults(func=_advise)
+    finish(adv, _advise, json="write the options as JSON")

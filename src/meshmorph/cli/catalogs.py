@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from meshmorph.cli.output import add_output, add_wide, write_json
+from meshmorph.cli.output import finish, write_json
 from meshmorph.spec.catalog import MODEL_CATALOG
 from meshmorph.spec.gpus import GPU_CATALOG, LINKS, load_gpus_toml
 from meshmorph.spec.transformer import build_transformer
@@ -89,13 +89,9 @@ def _gpus(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     models = subparsers.add_parser("models", help="list the model catalog")
-    add_output(models, "--json", help="also write the list as JSON")
-    add_wide(models)
-    models.set_defaults(func=_models)
+    finish(models, _models, json="also write the list as JSON")
     gpus = subparsers.add_parser("gpus", help="list the GPU catalog")
-    add_output(gpus, "--json", help="also write the list as JSON")
     gpus.add_argument("--gpus", type=Path, default=None,
                       help="TOML file of [gpus.NAME] (and [links.NAME]) tables that add GPUs or "
                            "override catalog figures and prices")
-    add_wide(gpus)
-    gpus.set_defaults(func=_gpus)
+    finish(gpus, _gpus, json="also write the list as JSON")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from meshmorph.cli.output import add_wide
+from meshmorph.cli.output import finish
 from meshmorph.cli.run import draw_loss_chart
 from meshmorph.plan.report import print_plans
 from meshmorph.run.job import load_job
@@ -122,5 +122,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--steps", type=int, default=None,
                       help="training steps (default: about a minute of training)")
     demo.add_argument("--out", type=Path, default=None, help="run folder (default runs/demo)")
-    add_wide(demo)
-    demo.set_defaults(func=_demo)
+    finish(demo, _demo)

@@ -12,10 +12,11 @@ import argparse
 import math
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from meshmorph.cli.args import bounded_int, positive_int
 from meshmorph.cli.flags import add_field, add_fields, config_from
-from meshmorph.cli.output import add_output, add_wide, unwritable, write_json
+from meshmorph.cli.output import finish, unwritable, write_json
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.profile import Profile
 from meshmorph.cost.rank_state import predict_ranks
@@ -256,10 +257,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            "(Megatron-LM's --tp-comm-overlap, with sequence parallelism) against "
                            "its buffers; priced only: meshmorph run refuses such plans")
     add_fields(plan, SearchOptions, "allow_async", "weight_prediction")
-    _output_flags(plan, json="write the plans to this JSON file",
+    _output_flags(plan, _plan, json="write the plans to this JSON file",
                   chart="write the best plan's pipeline timeline to this PNG (and its memory per "
                         "stage to NAME-memory.png)")
-    plan.set_defaults(func=_plan)
 
     est = subparsers.add_parser(
         "estimate", help="predict step time and memory of one layout",
@@ -278,9 +278,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
               help="pipeline schedule (default 1f1b, interleaved when --vpp > 1)")
     est.add_argument("--recompute", choices=[str(r) for r in Recompute], default="none",
                      help="activation recompute of every block")
-    _output_flags(est, json="write the plan and its prediction to this JSON file",
+    _output_flags(est, _estimate, json="write the plan and its prediction to this JSON file",
                   chart="write the pipeline timeline to this PNG (and NAME-memory.png)")
-    est.set_defaults(func=_estimate)
 
 
 def _common_flags(parser: argparse.ArgumentParser, required: bool, model_help: str,
@@ -296,10 +295,8 @@ def _common_flags(parser: argparse.ArgumentParser, required: bool, model_help: s
     add_fields(parser, Plan, "dtype", "fp8_scaling", "compile")
 
 
-def _output_flags(parser: argparse.ArgumentParser, *, json: str, chart: str) -> None:
+def _output_flags(parser: argparse.ArgumentParser, func: Any, *, json: str, chart: str) -> None:
     """--profile, --json, --chart and --wide (plan and estimate)."""
     parser.add_argument("--profile", type=Path, default=None,
                         help="a Profile JSON (meshmorph profile) replacing catalog figures")
-    add_output(parser, "--json", help=json)
-    add_output(parser, "--chart", help=chart)
-    add_wide(parser)
+    finish(parser, func, json=json, chart=chart)

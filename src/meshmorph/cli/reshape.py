@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from meshmorph.cli.args import positive_float
-from meshmorph.cli.output import add_output, add_wide, write_json
+from meshmorph.cli.output import finish, write_json
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.profile import Profile
 from meshmorph.elastic.moves.layout import layout_of
@@ -211,7 +211,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
                         help="price messages with a measured profile's send_recv/2 alpha/beta "
                              "(meshmorph profile --out FILE) instead of the catalog's links")
-    add_output(parser, "--json", help="write the move's figures as JSON")
-    add_output(parser, "--png", help="draw bytes per link for both placements")
-    add_wide(parser)
-    parser.set_defaults(func=_reshape)
+    finish(parser, _reshape, json="write the move's figures as JSON",
+           png="draw bytes per link for both placements")

@@ -18,7 +18,7 @@ from meshmorph.cli.args import (
     token_count,
 )
 from meshmorph.cli.flags import add_field
-from meshmorph.cli.output import add_output, add_wide, write_json
+from meshmorph.cli.output import finish, write_json
 from meshmorph.predict.cloud_catalog import load_catalog
 from meshmorph.predict.market import Market, MarketRequest, build_market
 from meshmorph.predict.overheads import Overheads
@@ -188,8 +188,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def add_job_flags(parser: argparse.ArgumentParser, options: type, deadline: str) -> None:
-    """--model, --tokens, --deadline, --runs (``options.runs``' default and help), --catalog,
-    --gpus, --json and --wide: the flags ``simulate`` and ``advise`` share."""
+    """--model, --tokens, --deadline, --runs (``options.runs``' default and help), --catalog and
+    --gpus: the flags ``simulate`` and ``advise`` share."""
     parser.add_argument("--model", required=True, help="catalog model (see meshmorph models)")
     parser.add_argument("--tokens", required=True, type=token_count, help="tokens to train on")
     parser.add_argument("--deadline", type=positive_float, default=None, metavar="HOURS",
@@ -198,8 +198,6 @@ def add_job_flags(parser: argparse.ArgumentParser, options: type, deadline: str)
     parser.add_argument("--catalog", type=Path, default=None,
                         help="your providers, zones and prices (TOML, examples/my_zones.toml)")
     parser.add_argument("--gpus", type=Path, default=None, help="your GPU TOML ([gpus.NAME])")
-    add_output(parser, "--json", help="write the results as JSON")
-    add_wide(parser)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -231,5 +229,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--provider", default=None,
                      help=f"cloud offering (gcp-spot, gcp-preemptible, aws-spot, azure-spot; "
                           f"default: the cluster file's, else {DEFAULT_PROVIDER})")
-    add_output(sim, "--png", help="write a timeline chart (PNG)")
-    sim.set_defaults(func=_simulate)
+    finish(sim, _simulate, json="write the results as JSON", png="write a timeline chart (PNG)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from meshmorph.cli.output import add_output, add_wide, write_json
+from meshmorph.cli.output import finish, write_json
 from meshmorph.tables import Column, print_table, report_console
 
 if TYPE_CHECKING:  # the console script starts without torch
@@ -51,10 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--training", action="store_true",
                         help="the aten-level training step (forward and backward) instead of "
                              "the forward")
-    add_output(parser, "--json", help="write the result")
-    add_output(parser, "--png", help="draw the streams")
-    add_wide(parser)
-    parser.set_defaults(func=_streams)
+    finish(parser, _streams, json="write the result", png="draw the streams")
 
 
 def _shape(text: str | None) -> tuple[int, ...] | None:

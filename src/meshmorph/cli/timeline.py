@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from meshmorph.cli.args import positive_int
-from meshmorph.cli.output import add_output
+from meshmorph.cli.output import finish
 from meshmorph.cost.model import CostModel
 from meshmorph.schedule.registry import SCHEDULE_NAMES, check_size, chunks_per_rank
 from meshmorph.schedule.simulator import StageTimes, Timeline, simulate_schedule
@@ -168,6 +168,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tl.add_argument("--vpp", type=positive_int, default=1, help="chunks per rank (interleaved)")
     tl.add_argument("--compare", type=Path, default=None, metavar="RUN_DIR",
                     help="overlay the measured trace of 'meshmorph run --trace' and the simulation")
-    add_output(tl, "--png", help="write the Gantt chart here")
-    add_output(tl, "--trace", help="write a Chrome/Perfetto trace here ({\"traceEvents\": [...]})")
-    tl.set_defaults(func=_timeline)
+    finish(tl, _timeline, wide=False, png="write the Gantt chart here",
+           trace="write a Chrome/Perfetto trace here ({\"traceEvents\": [...]})")

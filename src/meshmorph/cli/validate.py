@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from meshmorph.cli.flags import add_field, add_fields, config_from
-from meshmorph.cli.output import add_output, add_wide, write_json
+from meshmorph.cli.output import finish, write_json
 from meshmorph.profile.validate import ValidateConfig
 from meshmorph.tables import Column, print_table, report_console
 from meshmorph.viz.validate_chart import chart
@@ -81,7 +81,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_field(val, ValidateConfig, "interleave", "--profile-once",
               help="predict every plan from the profile taken before them all (default: from "
                    "profile pieces measured between each plan's own steps)")
-    add_output(val, "--json", help="write the table as JSON")
-    add_output(val, "--png", help="write the predicted-vs-measured chart")
-    add_wide(val)
-    val.set_defaults(func=_validate)
+    finish(val, _validate, json="write the table as JSON", png="write the predicted-vs-measured chart")

@@ -1,10 +1,6 @@
-"""The one console script: ``meshmorph <subcommand>``.
-
-Each subcommand lives in its own module of this package and registers itself here through a
-``register(subparsers)`` function; this file only wires them together and turns the errors a
-user can act on into a one-line message and exit code 2. A module that fails to import is an
-error, never a missing command.
-"""
+"""The one console script: ``meshmorph <subcommand>``. Each subcommand module registers itself
+through ``register(subparsers)`` (a module that fails to import is an error, never a missing
+command); errors a user can act on become a one-line message and exit code 2."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """Subcommands of the plan package: ``meshmorph plan`` (``--layerwise`` / ``--uniform`` too)
-and ``estimate``.
-
-Every error a user can fix (unknown model or GPU, a bad cluster string, degrees that do not match
-the cluster, a batch that does not divide, no plan that fits) is a ValueError, which the console
-script prints as one line with exit code 2.
-"""
+and ``estimate``. Every error a user can fix is a ValueError (one line, exit code 2)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""``meshmorph reshape``: print (and draw) the MovePlan from one Plan to another, running nothing.
-
-Bytes per device and per link, messages, the predicted move time, the lower bound, and the same
-figures for the naive rank-order placement; ``--json`` writes them, ``--png`` draws the bytes
-each (source, destination) pair moves under both placements.
-"""
+"""``meshmorph reshape``: print (and draw) the MovePlan from one Plan to another, running nothing:
+bytes per device and link, messages, predicted time and lower bound, beside the naive rank-order
+placement."""
 
 from __future__ import annotations
 

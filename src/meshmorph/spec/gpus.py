@@ -176,9 +176,7 @@ def gpu(name: str) -> GPUSpec:
     try:
         return GPU_CATALOG[name.lower()]
     except KeyError:
-        raise ValueError(
-            f"unknown GPU {name!r}; known: {', '.join(GPU_CATALOG)}"
-        ) from None
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPU_CATALOG)}") from None
 
 
 def link(name: str) -> LinkSpec:

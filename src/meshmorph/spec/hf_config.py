@@ -163,10 +163,8 @@ def _llama_shape(config: dict[str, Any], path: Path, seq_len: int | None) -> Tra
     kv_heads = heads if kv_heads is None else kv_heads  # absent or null: no GQA
     if not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads <= 0 \
             or heads % kv_heads:
-        raise ValueError(
-            f"{path}: num_key_value_heads {kv_heads!r} must be a positive divisor of "
-            f"num_attention_heads {heads}"
-        )
+        raise ValueError(f"{path}: num_key_value_heads {kv_heads!r} must be a positive divisor of "
+                         f"num_attention_heads {heads}")
     return TransformerShape(
         name=_name(config, path), arch="llama", num_layers=config["num_hidden_layers"],
         hidden_size=config["hidden_size"], num_heads=heads, num_kv_heads=kv_heads,

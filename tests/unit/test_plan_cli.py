@@ -18,7 +18,7 @@ from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import Recompute
 from meshmorph.spec.plan import Plan
-from meshmorph.viz.pipeline_chart import plan_timeline
+from meshmorph.viz.timeline_chart import plan_timeline
 
 EXAMPLE_PLAN = Path(__file__).resolve().parents[2] / "examples" / "plans" / "megatron-gpt3-175b.json"
 REQUIRED_PLAN_KEYS = {"world_size", "tp", "pp", "dp", "zero", "micro_batch", "num_microbatches",
@@ -232,7 +232,7 @@ def test_zero_bubble_timeline_holds_f_b_and_w_for_every_micro_batch(tmp_path: Pa
     timeline = plan_timeline(plan, CostModel(model, cluster))
     for rank in range(4):
         kinds = [op[1] for op in timeline.ops if op[0] == rank]
-        assert (kinds.count("F"), kinds.count("B"), kinds.count("W")) == (8, 8, 8)
+        assert (kinds.count("F"), kinds.count("I"), kinds.count("W")) == (8, 8, 8)  # I: input grad
     estimate = CostModel(model, cluster).estimate(plan)
     assert timeline.bubble_fraction == estimate.bubble_fraction
 

@@ -14,8 +14,7 @@ from meshmorph.elastic.moves.move_plan import plan_move
 from meshmorph.elastic.moves.move_time import predict_move_time_s
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
-from meshmorph.spec.plan import Plan
-from meshmorph.spec.plan_file import load_plan
+from meshmorph.spec.plan import Plan, load_plan
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "plans"
 FROM, TO = EXAMPLES / "reshape-zero3-dp4.json", EXAMPLES / "reshape-tp2-pp2.json"

@@ -11,8 +11,7 @@ from rich.cells import cell_len
 from rich.console import Console
 
 from meshmorph.cli.app import main
-from meshmorph.cli.gpus import GPU_COLUMNS
-from meshmorph.cli.models import MODEL_COLUMNS
+from meshmorph.cli.catalogs import GPU_COLUMNS, MODEL_COLUMNS
 from meshmorph.cli.reshape import DEVICE_COLUMNS, PLACEMENT_COLUMNS
 from meshmorph.cli.simulate import ZONE_COLUMNS
 from meshmorph.cli.streams import STREAM_COLUMNS

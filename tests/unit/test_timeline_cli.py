@@ -16,7 +16,7 @@ from meshmorph.cost.pipeline import simulate
 from meshmorph.schedule.simulator import StageTimes, simulate_schedule
 from meshmorph.schedule.trace import read_trace_ops, timeline_events, write_trace
 from meshmorph.spec import catalog_model, parse_cluster
-from meshmorph.spec.plan_file import load_plan
+from meshmorph.spec.plan import load_plan
 from meshmorph.viz.timeline_chart import plan_timeline
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plans" / "megatron-gpt3-175b.json"

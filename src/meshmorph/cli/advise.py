@@ -4,10 +4,10 @@ plan of each point."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from meshmorph.cli.args import MAX_RUNS, bounded_int, positive_float, token_count
-from meshmorph.cli.output import add_output, add_wide, write_json
+from meshmorph.cli.args import positive_float
+from meshmorph.cli.output import finish, write_json
+from meshmorph.cli.simulate import add_job_flags
 from meshmorph.predict.advise import AdviceOptions, advise, pareto, recommend
 from meshmorph.predict.cloud_catalog import load_catalog
 from meshmorph.spec.catalog import load_model
@@ -78,16 +78,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "instances under each policy (restart, multi-zone, deadline with --deadline, "
                     "on-demand) in the zones with data; print the Pareto front and recommend one. "
                     "Reshape: meshmorph simulate --policy reshape.")
-    adv.add_argument("--model", required=True, help="catalog model (see meshmorph models)")
-    adv.add_argument("--tokens", required=True, type=token_count, help="tokens to train on")
-    adv.add_argument("--deadline", type=positive_float, default=None, metavar="HOURS",
-                     help="hours (P90); adds the deadline policy")
+    add_job_flags(adv, AdviceOptions, "hours (P90); adds the deadline policy")
     adv.add_argument("--budget", type=positive_float, default=None, help="USD (P90)")
-    adv.add_argument("--runs", type=bounded_int(MAX_RUNS, "runs"), default=5,
-                     help="simulated runs per option (default 5)")
-    adv.add_argument("--catalog", type=Path, default=None,
-                     help="your providers, zones and prices (TOML)")
-    adv.add_argument("--gpus", type=Path, default=None, help="your GPU TOML ([gpus.NAME])")
-    add_output(adv, "--json", help="write the options as JSON")
-    add_wide(adv)
-    adv.set_defaults(func=_advise)
+    finish(adv, _advise, json="write the options as JSON")

@@ -1,10 +1,6 @@
-"""The one console script: ``meshmorph <subcommand>``.
-
-Each subcommand lives in its own module of this package and registers itself here through a
-``register(subparsers)`` function; this file only wires them together and turns the errors a
-user can act on into a one-line message and exit code 2. A module that fails to import is an
-error, never a missing command.
-"""
+"""The one console script: ``meshmorph <subcommand>``. Each subcommand module registers itself
+through ``register(subparsers)`` (a module that fails to import is an error, never a missing
+command); errors a user can act on become a one-line message and exit code 2."""
 
 from __future__ import annotations
 
@@ -14,21 +10,10 @@ import sys
 
 from meshmorph.cli.output import check_outputs
 
-# one module per subcommand, in the order of `meshmorph --help`
-_COMMAND_MODULES = (
-    "meshmorph.cli.plan",  # plan, estimate
-    "meshmorph.cli.models",  # models
-    "meshmorph.cli.gpus",  # gpus
-    "meshmorph.cli.run",  # run
-    "meshmorph.cli.demo",  # demo
-    "meshmorph.cli.reshape",  # reshape
-    "meshmorph.cli.timeline",  # timeline
-    "meshmorph.cli.streams",  # streams
-    "meshmorph.cli.simulate",  # simulate
-    "meshmorph.cli.advise",  # advise
-    "meshmorph.cli.profile",  # profile
-    "meshmorph.cli.validate",  # validate
-)
+_COMMAND_MODULES = ("plan", "catalogs", "run", "demo", "reshape", "timeline", "streams", "simulate",
+                    "advise", "profile", "validate")
+"""The modules of meshmorph.cli that register subcommands, in the order of ``meshmorph --help``
+(plan: plan and estimate; catalogs: models and gpus; the others one each)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,8 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plan, run and reshape hybrid-parallel training of PyTorch models.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module_name in _COMMAND_MODULES:
-        importlib.import_module(module_name).register(sub)
+    for name in _COMMAND_MODULES:
+        importlib.import_module(f"meshmorph.cli.{name}").register(sub)
     return parser
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 
 def _whole_number(text: str) -> int:
@@ -48,23 +49,22 @@ MAX_TOKENS = 1e15
 (about 4e13 tokens); more is a typo, and would keep the simulation going for hours."""
 
 
-def token_count(text: str) -> float:
-    """A finite number of tokens > 0, no more than ``MAX_TOKENS``."""
-    value = positive_float(text)
-    if value > MAX_TOKENS:
-        raise argparse.ArgumentTypeError(
-            f"{text} is above the limit of {MAX_TOKENS:.0e} tokens (25 times the largest "
-            "published training run); pass a realistic value")
-    return value
+def bounded(parse: Callable[[str], Any], limit: float, what: str) -> Callable[[str], Any]:
+    """``parse``, refusing a value above ``limit`` (a larger one is a typo); ``what`` names it."""
+    def check(text: str) -> Any:
+        value = parse(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"{text} is above the limit of {what}; pass a "
+                                             "realistic value")
+        return value
+    return check
 
 
 def bounded_int(limit: int, unit: str) -> Callable[[str], int]:
-    """A positive whole number no larger than ``limit`` (a larger one is a typo)."""
-    def parse(text: str) -> int:
-        value = positive_int(text)
-        if value > limit:
-            raise argparse.ArgumentTypeError(
-                f"{value} is above the limit of {limit:,} {unit} (2**{limit.bit_length() - 1}); "
-                "pass a realistic value")
-        return value
-    return parse
+    """A positive whole number no larger than ``limit``."""
+    return bounded(positive_int, limit, f"{limit:,} {unit} (2**{limit.bit_length() - 1})")
+
+
+token_count = bounded(positive_float, MAX_TOKENS, f"{MAX_TOKENS:.0e} tokens (25 times the largest "
+                      "published training run)")
+"""A finite number of tokens > 0, no more than ``MAX_TOKENS``."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from meshmorph.cli.output import add_wide
+from meshmorph.cli.output import finish
 from meshmorph.cli.run import draw_loss_chart
 from meshmorph.plan.report import print_plans
 from meshmorph.run.job import load_job
@@ -56,16 +56,16 @@ out_dir = "{out_dir}"
 """
 
 
-def run_demo(*, nproc: int = 4, steps: int | None = None, out: Path | None = None,
-             wide: bool = False) -> int:
+def _demo(args: argparse.Namespace) -> int:
     """Plan, show, train; returns the launcher's exit code."""
     from meshmorph.run.launch.run_folder import RunLock, check_fresh, make_folder
 
+    nproc, steps = args.nproc, args.steps
     if nproc < 1 or (steps is not None and steps < 1):
         raise ValueError(f"meshmorph demo needs --nproc >= 1 and --steps >= 1, got --nproc {nproc}"
                          + (f", --steps {steps}" if steps is not None else ""))
-    console = report_console(wide)
-    out_dir = out or Path("runs") / "demo"
+    console = report_console(args.wide)
+    out_dir = args.out or Path("runs") / "demo"
     make_folder(out_dir)
     check_fresh(out_dir, out_dir / "checkpoints")  # before job.toml is written over
     RunLock(out_dir).acquire().release()  # another demo running here is refused, not overwritten
@@ -112,10 +112,6 @@ def _fits(plan: Plan, job: object, model: object, nproc: int) -> bool:
     return True
 
 
-def _demo(args: argparse.Namespace) -> int:
-    return run_demo(nproc=args.nproc, steps=args.steps, out=args.out, wide=args.wide)
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser(
         "demo", help="plan and train a small GPT on local CPU processes (about a minute)",
@@ -126,5 +122,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--steps", type=int, default=None,
                       help="training steps (default: about a minute of training)")
     demo.add_argument("--out", type=Path, default=None, help="run folder (default runs/demo)")
-    add_wide(demo)
-    demo.set_defaults(func=_demo)
+    finish(demo, _demo)

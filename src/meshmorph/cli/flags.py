@@ -62,13 +62,15 @@ def field_default(cls: type, name: str) -> Any:
 def _parser_for(kind: Any, default: Any
                 ) -> tuple[Callable[[str], Any] | None, list[str] | None, bool]:
     """(type, choices, is_flag) of an annotation: bool -> a switch, an enum -> its values as
-    choices, int/float -> numbers (positive ones where the default is positive), Path, str;
-    ``X | None`` as X."""
+    choices (ints for an IntEnum), int/float -> numbers (positive ones where the default is
+    positive), Path, str; ``X | None`` as X."""
     args = [a for a in typing.get_args(kind) if a is not type(None)]
     if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(args) == 1:
         kind = args[0]
     if kind is bool:
         return None, None, True
+    if isinstance(kind, type) and issubclass(kind, enum.IntEnum):
+        return int, [m.value for m in kind], False
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         return str, [str(m.value) for m in kind], False
     positive = isinstance(default, int | float) and default > 0
@@ -83,11 +85,13 @@ def add_field(parser: argparse.ArgumentParser, cls: type, name: str, flag: str |
     appended, default from the field, type from its annotation (``overrides`` win)."""
     default = overrides.pop("default", field_default(cls, name))
     parse, choices, is_flag = _parser_for(typing.get_type_hints(cls)[name], default)
-    doc = field_docs(cls).get(name, "")
+    doc = field_docs(cls).get(name, "").replace("``", "")  # reST literals read plainly
     shown = default.value if isinstance(default, enum.Enum) else default
     help_text = overrides.pop("help", doc)
     if not is_flag and shown is not None and "(default" not in help_text:
         help_text = f"{help_text} (default {shown})"
+    elif is_flag and default and help_text == doc:  # a flag that turns a default off
+        help_text = f"turns off (default on): {doc}"
     kwargs: dict[str, Any] = {"dest": name, "default": default, "help": help_text}
     if is_flag:
         kwargs["action"] = "store_false" if default else "store_true"
@@ -96,7 +100,7 @@ def add_field(parser: argparse.ArgumentParser, cls: type, name: str, flag: str |
         if choices:
             kwargs["choices"] = choices
     flag = flag or "--" + name.replace("_", "-")
-    if not is_flag:
+    if not is_flag and not choices:
         kwargs["metavar"] = flag.lstrip("-").upper().replace("-", "_")
     kwargs.update(overrides)
     parser.add_argument(flag, **kwargs)

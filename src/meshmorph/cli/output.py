@@ -59,3 +59,13 @@ def add_wide(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wide", action="store_true",
                         help="print every table column unabbreviated, however wide (default: "
                              "tables fit 100 columns, on a terminal and piped alike)")
+
+
+def finish(parser: argparse.ArgumentParser, func: Any, *, wide: bool = True, **files: str) -> None:
+    """The last flags of a subcommand and the function that runs it: ``--NAME FILE`` for each
+    ``NAME=help`` of ``files`` (``add_output``), then ``--wide`` (unless not ``wide``)."""
+    for name, help in files.items():
+        add_output(parser, f"--{name}", help=help)
+    if wide:
+        add_wide(parser)
+    parser.set_defaults(func=func)

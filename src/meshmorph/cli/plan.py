@@ -1,10 +1,5 @@
 """Subcommands of the plan package: ``meshmorph plan`` (``--layerwise`` / ``--uniform`` too)
-and ``estimate``.
-
-Every error a user can fix (unknown model or GPU, a bad cluster string, degrees that do not match
-the cluster, a batch that does not divide, no plan that fits) is a ValueError, which the console
-script prints as one line with exit code 2.
-"""
+and ``estimate``. Every error a user can fix is a ValueError (one line, exit code 2)."""
 
 from __future__ import annotations
 
@@ -12,29 +7,25 @@ import argparse
 import math
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from meshmorph.cli.args import bounded_int, positive_int
-from meshmorph.cli.output import add_wide, check_writable, unwritable, write_json
+from meshmorph.cli.flags import add_field, add_fields, config_from
+from meshmorph.cli.output import finish, unwritable, write_json
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.profile import Profile
 from meshmorph.cost.rank_state import predict_ranks
 from meshmorph.cost.segments import as_layerwise
-from meshmorph.plan.report import (
-    layer_strategy_summary,
-    print_estimate,
-    print_plans,
-)
+from meshmorph.plan.report import layer_strategy_summary, print_estimate, print_plans
 from meshmorph.plan.search import LAYERWISE, SearchResult, search
 from meshmorph.plan.space import SearchOptions
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import Cluster, parse_cluster
 from meshmorph.spec.model import ModelSpec, Recompute
-from meshmorph.spec.plan import WEIGHT_PREDICTIONS, Fp8Scaling, Plan, PlanError
-from meshmorph.spec.plan_file import load_plan
+from meshmorph.spec.plan import Plan, PlanError, load_plan
 from meshmorph.tables import report_console
 
-DTYPES = ("bf16", "fp16", "fp32", "fp8")
 MAX_GLOBAL_BATCH = 2**24
 """Largest --global-batch accepted (sequences per step); beyond it a number is a typo."""
 MAX_SEQ_LEN = 2**24
@@ -48,7 +39,7 @@ def _chart_paths(chart: Path) -> tuple[Path, Path]:
 
 def _write_charts(plan: Plan, cost, estimate, chart: Path, console) -> None:  # type: ignore[no-untyped-def]
     from meshmorph.viz.memory_chart import write_memory_chart
-    from meshmorph.viz.pipeline_chart import write_plan_pipeline_chart
+    from meshmorph.viz.timeline_chart import write_plan_pipeline_chart
 
     timeline_png, memory_png = _chart_paths(chart)
     try:
@@ -68,20 +59,13 @@ def _plan(args: argparse.Namespace) -> int:
     if not math.isfinite(args.tolerance) or args.tolerance < 0:
         raise ValueError(f"--tolerance must be a finite fraction >= 0 (0 = exact), got "
                          f"{args.tolerance}")
-    check_writable(args.json, "--json")
-    check_writable(args.chart, "--chart")
     model = load_model(args.model, args.seq_len)
     cluster = parse_cluster(args.cluster)
     layerwise = args.layerwise or args.uniform
-    options = SearchOptions(top_k=args.top, dtype=args.dtype, compile=args.compile,
-                            fp8_scaling=args.fp8_scaling,
-                            max_micro_batch=args.max_micro_batch,
-                            tolerance=args.tolerance, max_nodes=args.max_nodes or None,
-                            allow_async=args.allow_async,
-                            weight_prediction=args.weight_prediction, cp_max=args.max_cp,
-                            tp_comm_overlap=(False, True) if args.tp_comm_overlap else (False,),
-                            layerwise=layerwise, one_strategy_per_stage=args.uniform,
-                            runnable_only=args.layerwise_schedules == "runnable")
+    options = config_from(args, SearchOptions, max_nodes=args.max_nodes or None,
+                          tp_comm_overlap=(False, True) if args.tp_comm_overlap else (False,),
+                          layerwise=layerwise, one_strategy_per_stage=args.uniform,
+                          runnable_only=args.layerwise_schedules == "runnable")
     cost = CostModel(model, cluster, profile=Profile.load(args.profile) if args.profile else None)
     result = search(model, cluster, global_batch=args.global_batch, options=options, cost=cost)
     if layerwise:
@@ -100,14 +84,12 @@ def _plan(args: argparse.Namespace) -> int:
                   "(0% = the best plan is optimal under the cost model)")
     if args.json:
         write_json(args.json, {
-            "search_time_s": result.search_time_s,
-            "cluster": cluster.describe(),
+            "search_time_s": result.search_time_s, "cluster": cluster.describe(),
             "configurations": result.configurations,
             "configurations_solved": result.configurations_solved,
             "optimality_gap": result.optimality_gap,
             "uniform_best_tokens_per_s": result.estimates[0].tokens_per_s,  # every plan is uniform
-            "plans": [plan.to_dict() for plan in result.plans],
-        })
+            "plans": [plan.to_dict() for plan in result.plans]})
         console.print(f"plans written to {args.json}")
     if args.chart:
         _write_charts(result.plans[0], cost, result.estimates[0], args.chart, console)
@@ -159,24 +141,17 @@ def _report_layerwise(args: argparse.Namespace, model: ModelSpec, cluster: Clust
                       f"proven within {result.optimality_gap:.2%} of the optimum under the "
                       "layerwise cost model")
     if args.json:
+        figures = ("configurations", "configurations_solved", "lower_bound_s", "optimality_gap")
         write_json(args.json, {
-            "search_time_s": result.search_time_s if result else None,
-            "regular_search_time_s": regular.search_time_s if regular else None,
-            "cluster": cluster.describe(),
-            "layerwise": not args.uniform,
+            "search_time_s": getattr(result, "search_time_s", None),
+            "regular_search_time_s": getattr(regular, "search_time_s", None),
+            "cluster": cluster.describe(), "layerwise": not args.uniform,
             "layerwise_schedules": "runnable" if runnable else "all",
-            "returned": choice.source,
-            "runnable": choice.runnable,
-            "configurations": result.configurations if result else None,
-            "configurations_solved": result.configurations_solved if result else None,
-            "lower_bound_s": result.lower_bound_s if result else None,
-            "optimality_gap": result.optimality_gap if result else None,
-            "layerwise_best_tokens_per_s": layerwise,
-            "uniform_best_tokens_per_s": uniform,
+            "returned": choice.source, "runnable": choice.runnable,
+            **{key: getattr(result, key, None) for key in figures},
+            "layerwise_best_tokens_per_s": layerwise, "uniform_best_tokens_per_s": uniform,
             "regular_best_tokens_per_s": regular_tokens,
-            "regular_best_layerwise_cost_tokens_per_s": regular_lw,
-            "plans": [plan.to_dict()],
-        })
+            "regular_best_layerwise_cost_tokens_per_s": regular_lw, "plans": [plan.to_dict()]})
         console.print(f"plans written to {args.json}")
     return 0
 
@@ -207,21 +182,13 @@ def build_plan(args: argparse.Namespace, model) -> Plan:  # type: ignore[no-unty
             f"global batch {global_batch} is not divisible by dp {dp} x micro-batch {micro} = "
             f"{dp * micro}; choose a batch that is a multiple of {dp * micro}"
         )
-    num_microbatches = global_batch // (dp * micro)  # m = B / (dp * b)
     plan = Plan(model=args.model, seq_len=model.seq_len, global_batch=global_batch, tp=tp, pp=pp,
-                dp=dp, cp=args.cp, zero=args.zero, micro_batch=micro,
-                num_microbatches=num_microbatches,
-                schedule=schedule, vpp=vpp, sequence_parallel=args.sequence_parallel,
-                dtype=args.dtype, overlap_grad_reduce=not args.no_overlap_grad_reduce,
-                tp_comm_overlap=args.tp_comm_overlap, fsdp_prefetch=not args.no_fsdp_prefetch,
-                overlap_param_gather=not args.no_overlap_param_gather, compile=args.compile,
-                fp8_scaling=args.fp8_scaling)
+                dp=dp, micro_batch=micro, num_microbatches=global_batch // (dp * micro),
+                schedule=schedule, vpp=vpp, **{f: getattr(args, f) for f in _PLAN_FLAGS})
     return plan.with_even_stages(model, recompute)
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    check_writable(args.json, "--json")
-    check_writable(args.chart, "--chart")
     cluster = parse_cluster(args.cluster)
     if args.plan is not None:
         stored = load_plan(args.plan)
@@ -249,50 +216,27 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 # --- registration ----------------------------------------------------------------------------
+_PLAN_FLAGS = ("cp", "zero", "sequence_parallel", "tp_comm_overlap", "overlap_grad_reduce",
+               "fsdp_prefetch", "overlap_param_gather", "dtype", "fp8_scaling", "compile")
+"""The Plan fields ``estimate`` takes a flag for, under the field's own name, help and default."""
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    _register_plan(subparsers)
-    _register_estimate(subparsers)
-
-
-def _numerics_flags(parser: argparse.ArgumentParser) -> None:
-    """--dtype, --fp8-scaling and --compile: how the plan's blocks compute (plan and estimate)."""
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16",
-                        help="training dtype (default bf16); fp8: bf16 with the blocks' linear "
-                             "layers multiplying in float8 (torchao), priced only")
-    parser.add_argument("--fp8-scaling", choices=tuple(Fp8Scaling), default="tensorwise",
-                        help="with --dtype fp8: float8 scaling recipe (default tensorwise)")
-    parser.add_argument("--compile", action="store_true",
-                        help="price (and run) every transformer block under torch.compile: fused "
-                             "elementwise kernels, fewer kept activations (default: eager)")
-
-
-def _register_plan(subparsers: argparse._SubParsersAction) -> None:
     plan = subparsers.add_parser(
         "plan", help="search the fastest parallel layouts of a model on a cluster",
         description="Search tp/pp/dp, ZeRO, sequence parallel, micro-batch, schedule, stage "
-                    "boundaries and per-layer recompute; print the best plans.",
-    )
-    plan.add_argument("--model", required=True,
-                      help="catalog name, config.json path or package.module:function")
-    plan.add_argument("--cluster", required=True, help="GPU:NODESxPER_NODE (h100:4x8) or a .toml")
-    plan.add_argument("--global-batch", required=True, type=bounded_int(MAX_GLOBAL_BATCH, "sequences"),
-                      help="sequences per optimizer step")
-    plan.add_argument("--seq-len", type=bounded_int(MAX_SEQ_LEN, "tokens"), default=None,
-                      help="sequence length (default: the model's own)")
-    plan.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
-    _numerics_flags(plan)
-    plan.add_argument("--max-micro-batch", type=positive_int, default=16,
-                      help="largest micro-batch size tried (default 16)")
-    plan.add_argument("--tolerance", type=float, default=1e-3,
-                      help="optimality gap: results are at most this fraction slower than the "
-                           "best (default 0.001; 0 = exact)")
-    plan.add_argument("--max-nodes", type=int, default=300,
-                      help="branch-and-bound nodes per configuration before the rest is left "
-                           "with its bound (the proven gap is printed); 0 = no limit")
-    plan.add_argument("--max-cp", type=positive_int, default=None,
-                      help="largest context-parallel degree (ring attention) tried for "
-                           "sequences of 16K tokens and more (default: what the GPUs allow; "
-                           "1 = none, the plans meshmorph run accepts)")
+                    "boundaries and per-layer recompute; print the best plans.")
+    _common_flags(plan, True, "catalog name, config.json path or package.module:function",
+                  "sequences per optimizer step")
+    add_fields(plan, SearchOptions, "max_micro_batch", top_k="--top")
+    add_field(plan, SearchOptions, "tolerance", type=float)  # 0 (exact) is allowed
+    add_field(plan, SearchOptions, "max_nodes", type=int,
+              help="branch-and-bound nodes per configuration before the rest is left with its "
+                   "bound (the proven gap is printed); 0 = no limit")
+    add_field(plan, SearchOptions, "cp_max", "--max-cp", type=positive_int,
+              help="largest context-parallel degree (ring attention) tried for sequences of "
+                   "16K tokens and more (default: what the GPUs allow; 1 = none, the plans "
+                   "meshmorph run accepts)")
     plan.add_argument("--layerwise", action="store_true",
                       help="let each layer of a stage choose its own tp/dp/ZeRO (exact Pareto "
                            "program); returns the regular planner's plan where it is faster")
@@ -307,72 +251,47 @@ def _register_plan(subparsers: argparse._SubParsersAction) -> None:
                       help="also weigh tensor-parallel communication overlapped with the GEMMs "
                            "(Megatron-LM's --tp-comm-overlap, with sequence parallelism) against "
                            "its buffers; priced only: meshmorph run refuses such plans")
-    plan.add_argument("--allow-async", action="store_true",
-                      help="also consider schedule async (1F1B without flush, stale weights: "
-                           "not the same math as one device; priced by the event simulator in "
-                           "its steady state, an optimizer step per micro-batch)")
-    plan.add_argument("--weight-prediction", choices=WEIGHT_PREDICTIONS, default="none",
-                      help="with --allow-async: the async plans' weights (stash, 2bw, sgd and "
-                           "adam hold weight copies that count against memory)")
-    plan.add_argument("--profile", type=Path, default=None,
-                      help="a Profile JSON (meshmorph profile) replacing catalog figures")
-    plan.add_argument("--json", type=Path, default=None, help="write the plans to this JSON file")
-    plan.add_argument("--chart", type=Path, default=None,
-                      help="write the best plan's pipeline timeline to this PNG (and its memory "
-                           "per stage to NAME-memory.png)")
-    add_wide(plan)
-    plan.set_defaults(func=_plan)
+    add_fields(plan, SearchOptions, "allow_async", "weight_prediction")
+    _output_flags(plan, _plan, json="write the plans to this JSON file",
+                  chart="write the best plan's pipeline timeline to this PNG (and its memory per "
+                        "stage to NAME-memory.png)")
 
-
-def _register_estimate(subparsers: argparse._SubParsersAction) -> None:
     est = subparsers.add_parser(
         "estimate", help="predict step time and memory of one layout",
         description="Predict one plan's step time (with its terms), throughput, MFU and memory "
-                    "per pipeline stage. Exit code 1 when it does not fit the devices' memory.",
-    )
-    est.add_argument("--model", default=None, help="catalog name, config.json or factory "
-                                                   "(default with --plan: the plan's model)")
-    est.add_argument("--cluster", required=True, help="GPU:NODESxPER_NODE (h100:4x8) or a .toml")
+                    "per pipeline stage. Exit code 1 when it does not fit the devices' memory.")
+    _common_flags(est, False, "catalog name, config.json or factory (default with --plan: the "
+                  "plan's model)", "sequences per step (default dp x micro-batch x pp)")
     est.add_argument("--plan", type=Path, default=None,
                      help="plan JSON (a plan, or the output of 'meshmorph plan --json')")
-    est.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree")
-    est.add_argument("--pp", type=positive_int, default=None, help="pipeline-parallel degree")
-    est.add_argument("--dp", type=positive_int, default=None, help="data-parallel degree")
-    est.add_argument("--cp", type=positive_int, default=1,
-                     help="context-parallel degree: each sequence split over cp ranks (ring "
-                          "attention; 2 cp must divide the sequence length; default 1)")
-    est.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
-    est.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch")
-    est.add_argument("--global-batch", type=bounded_int(MAX_GLOBAL_BATCH, "sequences"), default=None,
-                     help="sequences per step (default dp x micro-batch x pp)")
-    est.add_argument("--seq-len", type=bounded_int(MAX_SEQ_LEN, "tokens"), default=None,
-                     help="sequence length (default: the model's own)")
-    est.add_argument("--schedule", choices=[str(s) for s in Schedule], default=None,
-                     help="pipeline schedule (default 1f1b, interleaved when --vpp > 1)")
-    est.add_argument("--vpp", type=positive_int, default=1,
-                     help="model chunks per pipeline rank (interleaved)")
+    for name in ("tp", "pp", "dp"):
+        add_field(est, Plan, name, default=None, type=positive_int)
+    add_fields(est, Plan, "micro_batch", "vpp", *_PLAN_FLAGS[:4],
+               overlap_grad_reduce="--no-overlap-grad-reduce", fsdp_prefetch="--no-fsdp-prefetch",
+               overlap_param_gather="--no-overlap-param-gather")
+    add_field(est, Plan, "schedule", default=None,
+              help="pipeline schedule (default 1f1b, interleaved when --vpp > 1)")
     est.add_argument("--recompute", choices=[str(r) for r in Recompute], default="none",
                      help="activation recompute of every block")
-    est.add_argument("--no-overlap-grad-reduce", action="store_true",
-                     help="reduce gradients after the backward, fully exposed (default: bucket by "
-                          "bucket during the last backward, as DDP and FSDP2 do)")
-    est.add_argument("--tp-comm-overlap", action="store_true",
-                     help="overlap tensor-parallel communication with the GEMMs (Megatron-LM's "
-                          "--tp-comm-overlap; needs --sequence-parallel; priced only: meshmorph "
-                          "run refuses it)")
-    est.add_argument("--no-fsdp-prefetch", action="store_true",
-                     help="ZeRO-3 without FSDP prefetch: each gather exposed, one unit gathered")
-    est.add_argument("--no-overlap-param-gather", action="store_true",
-                     help="ZeRO-1/2 without overlapping the parameter all-gather with the next "
-                          "forward (Megatron-LM's --overlap-param-gather off): every gather exposed")
-    est.add_argument("--sequence-parallel", action="store_true",
-                     help="Megatron sequence parallelism (needs tp > 1)")
-    _numerics_flags(est)
-    est.add_argument("--profile", type=Path, default=None,
-                      help="a Profile JSON (meshmorph profile) replacing catalog figures")
-    est.add_argument("--json", type=Path, default=None,
-                     help="write the plan and its prediction to this JSON file")
-    est.add_argument("--chart", type=Path, default=None,
-                     help="write the pipeline timeline to this PNG (and NAME-memory.png)")
-    add_wide(est)
-    est.set_defaults(func=_estimate)
+    _output_flags(est, _estimate, json="write the plan and its prediction to this JSON file",
+                  chart="write the pipeline timeline to this PNG (and NAME-memory.png)")
+
+
+def _common_flags(parser: argparse.ArgumentParser, required: bool, model_help: str,
+                  global_batch: str) -> None:
+    """--model, --cluster, --global-batch, --seq-len and the numerics (plan and estimate; only
+    ``plan`` requires a model and a batch)."""
+    parser.add_argument("--model", required=required, default=None, help=model_help)
+    parser.add_argument("--cluster", required=True, help="GPU:NODESxPER_NODE (h100:4x8) or a .toml")
+    parser.add_argument("--global-batch", required=required, default=None, help=global_batch,
+                        type=bounded_int(MAX_GLOBAL_BATCH, "sequences"))
+    parser.add_argument("--seq-len", type=bounded_int(MAX_SEQ_LEN, "tokens"), default=None,
+                        help="sequence length (default: the model's own)")
+    add_fields(parser, Plan, "dtype", "fp8_scaling", "compile")
+
+
+def _output_flags(parser: argparse.ArgumentParser, func: Any, *, json: str, chart: str) -> None:
+    """--profile, --json, --chart and --wide (plan and estimate)."""
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="a Profile JSON (meshmorph profile) replacing catalog figures")
+    finish(parser, func, json=json, chart=chart)

@@ -1,19 +1,16 @@
-"""``meshmorph reshape``: print (and draw) the MovePlan from one Plan to another, running nothing.
-
-Bytes per device and per link, messages, the predicted move time, the lower bound, and the same
-figures for the naive rank-order placement; ``--json`` writes them, ``--png`` draws the bytes
-each (source, destination) pair moves under both placements.
-"""
+"""``meshmorph reshape``: print (and draw) the MovePlan from one Plan to another, running nothing:
+bytes per device and link, messages, predicted time and lower bound, beside the naive rank-order
+placement."""
 
 from __future__ import annotations
 
 import argparse
-import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from meshmorph.cli.args import positive_float
-from meshmorph.cli.output import add_output, add_wide, write_json
+from meshmorph.cli.output import finish, write_json
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.profile import Profile
 from meshmorph.elastic.moves.layout import layout_of
@@ -23,8 +20,9 @@ from meshmorph.elastic.moves.placement import ReshapeError
 from meshmorph.plan.report import does_not_fit_line, plan_headline
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
-from meshmorph.spec.plan_file import load_plan
+from meshmorph.spec.plan import load_plan
 from meshmorph.tables import Column, print_table, report_console
+from meshmorph.viz.figure import pyplot, save_figure
 
 
 def _ids(text: str) -> list[int]:
@@ -56,11 +54,7 @@ def summary(move: MovePlan, seconds: float) -> dict[str, Any]:
 def report(best: MovePlan, naive: MovePlan, best_s: float, naive_s: float) -> dict[str, Any]:
     """The JSON of ``meshmorph reshape``."""
     sent, received = best.sent_bytes(), best.received_bytes()
-    links = best.link_bytes()
-    messages: dict[tuple[int, int], int] = {}
-    for batch in best.batches:
-        messages[batch.src_device, batch.dst_device] = messages.get(
-            (batch.src_device, batch.dst_device), 0) + 1
+    messages = _messages(best)
     return {
         **summary(best, best_s),
         "lower_bound_bytes": best.lower_bound_bytes, "naive_bytes": best.naive_bytes,
@@ -68,12 +62,17 @@ def report(best: MovePlan, naive: MovePlan, best_s: float, naive_s: float) -> di
         "devices": [{"device": d, "sent_bytes": sent[d], "received_bytes": received[d]}
                     for d in best.devices],
         "links": [{"src": s, "dst": d, "bytes": n, "messages": messages[s, d]}
-                  for (s, d), n in links.items()],
+                  for (s, d), n in best.link_bytes().items()],
         "from_checkpoint": [{"dst": t.dst_device, "key": t.key, "box": str(t.box),
                              "bytes": t.nbytes} for t in best.from_checkpoint],
         "fresh_keys": list(best.fresh_keys),
         "naive": summary(naive, naive_s),
     }
+
+
+def _messages(move: MovePlan) -> Counter[tuple[int, int]]:
+    """Messages per (source, destination) device pair."""
+    return Counter((b.src_device, b.dst_device) for b in move.batches)
 
 
 DEVICE_COLUMNS = (Column("device"), Column("new rank", "rank"), Column("sends"),
@@ -103,8 +102,8 @@ def _print(best: MovePlan, naive: MovePlan, best_s: float, naive_s: float, headl
                 _mib(naive_received[d])] for d in best.devices]
     print_table(console, DEVICE_COLUMNS, devices,
                 title="bytes per device, best placement and rank order")
-    links = [[str(s), str(d), _mib(n),
-              str(sum(1 for b in best.batches if (b.src_device, b.dst_device) == (s, d)))]
+    messages = _messages(best)
+    links = [[str(s), str(d), _mib(n), str(messages[s, d])]
              for (s, d), n in best.link_bytes().items()]
     print_table(console, (Column("source"), Column("destination"), Column("bytes"),
                           Column("messages")), links, title="bytes per link (best placement)")
@@ -120,17 +119,11 @@ def _print(best: MovePlan, naive: MovePlan, best_s: float, naive_s: float, headl
 
 def draw(best: MovePlan, naive: MovePlan, out_png: Path) -> Path:
     """Bytes per (source, destination) pair under both placements, side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
-
-    from meshmorph.viz.figure import save_figure
 
     devices = sorted(set(best.devices) | set(naive.devices))
     index = {d: i for i, d in enumerate(devices)}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+    fig, axes = pyplot().subplots(1, 2, figsize=(10, 4.5))
     top = max([1, *best.link_bytes().values(), *naive.link_bytes().values()]) / 2**20
     for ax, (name, move) in zip(axes, (("best placement", best), ("rank order", naive)),
                                 strict=True):
@@ -172,19 +165,17 @@ def _reshape(args: argparse.Namespace) -> int:
         raise ReshapeError(f"the move uses device {max(best.devices)} but cluster "
                            f"{cluster.describe()} has {cluster.world_size} devices; give a "
                            "larger --cluster")
-    time_model = None
-    if args.profile is not None:  # measured point-to-point alpha/beta instead of the catalog's
-
-        time_model = MoveTimeModel.from_profile(Profile.load(args.profile))
+    # measured point-to-point alpha/beta instead of the catalog's links
+    time_model = MoveTimeModel.from_profile(Profile.load(args.profile)) if args.profile else None
     best_s = predict_move_time_s(best, cluster, model=time_model)
     naive_s = predict_move_time_s(naive, cluster, model=time_model)
     headline = (f"reshape on {cluster.describe()}, survivors {','.join(map(str, best.survivors))}"
                 f"\n  from: {plan_headline(plan_a, model)}\n  to:   {plan_headline(plan_b, model)}")
     _print(best, naive, best_s, naive_s, headline, args.wide)
     if args.json:
-        data = report(best, naive, best_s, naive_s)
-        data.update(cluster=cluster.describe(), from_plan=plan_a.to_dict(), to_plan=plan_b.to_dict())
-        write_json(args.json, json.loads(json.dumps(data)))
+        write_json(args.json, report(best, naive, best_s, naive_s) | {
+            "cluster": cluster.describe(), "from_plan": plan_a.to_dict(),
+            "to_plan": plan_b.to_dict()})
         print(f"move plan written to {args.json}")
     if args.png:
         print(f"chart: {draw(best, naive, args.png)} (bytes per link, best vs rank order)")
@@ -217,7 +208,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
                         help="price messages with a measured profile's send_recv/2 alpha/beta "
                              "(meshmorph profile --out FILE) instead of the catalog's links")
-    add_output(parser, "--json", help="write the move's figures as JSON")
-    add_output(parser, "--png", help="draw bytes per link for both placements")
-    add_wide(parser)
-    parser.set_defaults(func=_reshape)
+    finish(parser, _reshape, json="write the move's figures as JSON",
+           png="draw bytes per link for both placements")

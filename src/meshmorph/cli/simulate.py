@@ -17,7 +17,8 @@ from meshmorph.cli.args import (
     positive_int,
     token_count,
 )
-from meshmorph.cli.output import add_output, add_wide, write_json
+from meshmorph.cli.flags import add_field
+from meshmorph.cli.output import finish, write_json
 from meshmorph.predict.cloud_catalog import load_catalog
 from meshmorph.predict.market import Market, MarketRequest, build_market
 from meshmorph.predict.overheads import Overheads
@@ -186,6 +187,19 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_job_flags(parser: argparse.ArgumentParser, options: type, deadline: str) -> None:
+    """--model, --tokens, --deadline, --runs (``options.runs``' default and help), --catalog and
+    --gpus: the flags ``simulate`` and ``advise`` share."""
+    parser.add_argument("--model", required=True, help="catalog model (see meshmorph models)")
+    parser.add_argument("--tokens", required=True, type=token_count, help="tokens to train on")
+    parser.add_argument("--deadline", type=positive_float, default=None, metavar="HOURS",
+                        help=deadline)
+    add_field(parser, options, "runs", type=bounded_int(MAX_RUNS, "runs"))
+    parser.add_argument("--catalog", type=Path, default=None,
+                        help="your providers, zones and prices (TOML, examples/my_zones.toml)")
+    parser.add_argument("--gpus", type=Path, default=None, help="your GPU TOML ([gpus.NAME])")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     sim = subparsers.add_parser(
         "simulate", help="simulate a training run on spot GPUs: P10/P50/P90 time and cost",
@@ -193,17 +207,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "step time from the planner; per zone, capacity (the chance and the wait "
                     "to get nodes) and preemption fitted by maximum likelihood to packaged "
                     "measurements, or replayed from a trace; dated prices per region.")
-    sim.add_argument("--model", required=True, help="catalog model (see meshmorph models)")
-    sim.add_argument("--tokens", required=True, type=token_count, help="tokens to train on")
+    add_job_flags(sim, Scenario, "deadline from the first request: adds the deadline policy "
+                                 "(spot while it allows, then on-demand) and the share of runs "
+                                 "meeting it")
     sim.add_argument("--cluster", required=True, help="GPU:NODESxPER_NODE or a cluster .toml")
     sim.add_argument("--spot", action="store_true", help="spot nodes (else on-demand only)")
     sim.add_argument("--policy", "--strategy", type=Policy, choices=list(Policy), default=None,
                      help="what to do when capacity comes and goes (default: every policy)")
     sim.add_argument("--zones", type=zones_arg, default=(), metavar="auto|Z1,Z2",
                      help="zones to use (default auto: every zone with data for the GPU)")
-    sim.add_argument("--deadline", type=positive_float, default=None, metavar="HOURS",
-                     help="deadline from the first request: adds the deadline policy (spot "
-                          "while it allows, then on-demand) and the share of runs meeting it")
     sim.add_argument("--trace", default=None, metavar="FILE|NAME",
                      help="replay a recorded trace beside the fit: a full.json (metadata."
                           "gap_seconds, data: 1 = no capacity), a folder of */full.json, or "
@@ -211,18 +223,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--preemption", type=PreemptionMode, choices=list(PreemptionMode),
                      default=None, help="capacity: nodes go when the zone's capacity goes; "
                                         "lifetime: per-VM lifetimes (default: by the data)")
-    sim.add_argument("--runs", type=bounded_int(MAX_RUNS, "runs"), default=20, help="simulated runs (default 20)")
-    sim.add_argument("--seed", type=non_negative_int, default=0,
-                     help="first random seed (default 0)")
+    add_field(sim, Scenario, "seed", type=non_negative_int, help="first random seed")
     sim.add_argument("--global-batch", type=positive_int, default=None,
                      help="sequences per step (default: about 2 M tokens)")
     sim.add_argument("--provider", default=None,
                      help=f"cloud offering (gcp-spot, gcp-preemptible, aws-spot, azure-spot; "
                           f"default: the cluster file's, else {DEFAULT_PROVIDER})")
-    sim.add_argument("--catalog", type=Path, default=None,
-                     help="your providers, zones and prices (TOML, examples/my_zones.toml)")
-    sim.add_argument("--gpus", type=Path, default=None, help="your GPU TOML ([gpus.NAME])")
-    add_output(sim, "--json", help="write the results as JSON")
-    add_output(sim, "--png", help="write a timeline chart (PNG)")
-    add_wide(sim)
-    sim.set_defaults(func=_simulate)
+    finish(sim, _simulate, json="write the results as JSON", png="write a timeline chart (PNG)")

@@ -7,11 +7,13 @@ check that the output equals eager mode bit for bit and that the race checks fin
 from __future__ import annotations
 
 import argparse
-import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from meshmorph.cli.output import add_output, add_wide
+from meshmorph.cli.output import finish, write_json
 from meshmorph.tables import Column, print_table, report_console
+
+if TYPE_CHECKING:  # the console script starts without torch
+    from meshmorph.streams.assign import StreamAssignment
 
 STREAM_COLUMNS = (Column("stream"), Column("ops"), Column("est. time (us)", "est. us"),
                   Column("first op", justify="left", wrap=24),
@@ -49,10 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--training", action="store_true",
                         help="the aten-level training step (forward and backward) instead of "
                              "the forward")
-    add_output(parser, "--json", help="write the result")
-    add_output(parser, "--png", help="draw the streams")
-    add_wide(parser)
-    parser.set_defaults(func=_streams)
+    finish(parser, _streams, json="write the result", png="draw the streams")
 
 
 def _shape(text: str | None) -> tuple[int, ...] | None:
@@ -67,8 +66,9 @@ def _shape(text: str | None) -> tuple[int, ...] | None:
     return shape
 
 
-def streams_report(args: argparse.Namespace) -> dict[str, Any]:
-    """Trace, assign and check; the JSON document the subcommand prints and writes."""
+def streams_report(args: argparse.Namespace) -> tuple[dict[str, Any], StreamAssignment]:
+    """Trace, assign and check: the JSON document the subcommand prints and writes, and the
+    assignment."""
     import torch
 
     from meshmorph.demos.nets import build_net, example_input
@@ -106,7 +106,7 @@ def streams_report(args: argparse.Namespace) -> dict[str, Any]:
         "serial_time_s": makespan_s(graph.dag, order, [order]),
         "makespan_s": makespan_s(graph.dag, order, streams),
         "executor_equals_eager": equal, "races": len(races),
-    }
+    }, assignment
 
 
 def _print(report: dict[str, Any], wide: bool = False) -> None:
@@ -133,20 +133,14 @@ def _print(report: dict[str, Any], wide: bool = False) -> None:
 
 
 def _streams(args: argparse.Namespace) -> int:
-    report = streams_report(args)
+    report, assignment = streams_report(args)
     _print(report, args.wide)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
         print(f"wrote {args.json}")
     if args.png is not None:
-        from meshmorph.streams.assign import StreamAssignment
         from meshmorph.viz.streams_chart import write_streams_chart
 
-        assignment = StreamAssignment(
-            order=tuple(report["nodes"]), reduced_edges=tuple(map(tuple, report["edges"])),
-            streams=tuple(map(tuple, report["streams"])), syncs=tuple(map(tuple, report["syncs"])),
-            width=report["width"], method=report["method"])
         write_streams_chart(assignment, args.png, title=f"{report['model']} batch {report['batch']}: "
                             f"width {report['width']}, {report['num_streams']} streams, "
                             f"{len(report['syncs'])} syncs (red)")

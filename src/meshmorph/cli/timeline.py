@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from meshmorph.cli.args import positive_int
-from meshmorph.cli.output import add_output
+from meshmorph.cli.output import finish
 from meshmorph.cost.model import CostModel
 from meshmorph.schedule.registry import SCHEDULE_NAMES, check_size, chunks_per_rank
 from meshmorph.schedule.simulator import StageTimes, Timeline, simulate_schedule
@@ -24,7 +24,7 @@ from meshmorph.schedule.table import Schedule
 from meshmorph.schedule.trace import OpRecord, read_trace_ops, timeline_events, write_trace
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
-from meshmorph.spec.plan_file import load_plan
+from meshmorph.spec.plan import load_plan
 
 TRACE_FILE = "trace.json"
 """Name of the measured trace inside a run folder."""
@@ -120,17 +120,13 @@ def _timeline(args: argparse.Namespace) -> int:
 
 def _simulated(args: argparse.Namespace) -> tuple[str, Timeline]:
     if args.plan is not None:
-        from meshmorph.viz.timeline_chart import plan_timeline
+        from meshmorph.viz.timeline_chart import plan_timeline, plan_title
 
         plan = load_plan(args.plan)
         cluster_text = args.cluster or _cluster_of(args.plan)
-        model = load_model(plan.model, plan.seq_len)
-        cost = CostModel(model, parse_cluster(cluster_text))
-        name = args.schedule or str(plan.schedule)
-        title = (f"{plan.model} on {cluster_text}: tp {plan.tp} pp {plan.pp} dp {plan.dp}, "
-                 f"{name}{f' v{plan.vpp}' if plan.vpp > 1 else ''}, {plan.micro_batch} x "
-                 f"{plan.num_microbatches} micro-batches")
-        return title, plan_timeline(plan, cost, name)
+        cost = CostModel(load_model(plan.model, plan.seq_len), parse_cluster(cluster_text))
+        return (f"{plan.model} on {cluster_text}: {plan_title(plan, args.schedule)}",
+                plan_timeline(plan, cost, args.schedule))
     if args.schedule is None or args.pp is None or args.microbatches is None:
         raise ValueError("timeline needs --plan FILE, or --schedule NAME --pp P --microbatches M "
                          "(or --compare RUN_DIR)")
@@ -172,6 +168,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tl.add_argument("--vpp", type=positive_int, default=1, help="chunks per rank (interleaved)")
     tl.add_argument("--compare", type=Path, default=None, metavar="RUN_DIR",
                     help="overlay the measured trace of 'meshmorph run --trace' and the simulation")
-    add_output(tl, "--png", help="write the Gantt chart here")
-    add_output(tl, "--trace", help="write a Chrome/Perfetto trace here ({\"traceEvents\": [...]})")
-    tl.set_defaults(func=_timeline)
+    finish(tl, _timeline, wide=False, png="write the Gantt chart here",
+           trace="write a Chrome/Perfetto trace here ({\"traceEvents\": [...]})")

@@ -4,11 +4,10 @@ times and state bytes with the cost model's predictions."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from meshmorph.cli.flags import add_field, add_fields, config_from
-from meshmorph.cli.output import add_output, add_wide
+from meshmorph.cli.output import finish, write_json
 from meshmorph.profile.validate import ValidateConfig
 from meshmorph.tables import Column, print_table, report_console
 from meshmorph.viz.validate_chart import chart
@@ -41,7 +40,7 @@ def report(result: dict[str, object], *, json_path: Path | None, png_path: Path 
     else:
         _figures(console, result, len(rows))
     if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(json_path, result)
         console.print(f"wrote {json_path}")
     if png_path is not None:
         title = ("validate: the machine was too busy to measure" if result.get("too_busy") else
@@ -82,7 +81,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_field(val, ValidateConfig, "interleave", "--profile-once",
               help="predict every plan from the profile taken before them all (default: from "
                    "profile pieces measured between each plan's own steps)")
-    add_output(val, "--json", help="write the table as JSON")
-    add_output(val, "--png", help="write the predicted-vs-measured chart")
-    add_wide(val)
-    val.set_defaults(func=_validate)
+    finish(val, _validate, json="write the table as JSON", png="write the predicted-vs-measured chart")

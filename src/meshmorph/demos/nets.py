@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,25 +20,10 @@ MAX_INPUT_VALUES = 2**24
 """The most input values (batch x sample shape) a net is traced with on this CPU."""
 
 
-@dataclass(frozen=True, slots=True)
-class NetConfig:
-    """Size of a catalog net: small enough that CPU tests run in seconds."""
-
-    channels: int = 16
-    """Channels of the stem and of every block's output."""
-    blocks: int = 3
-    """Blocks (or cells) stacked after the stem."""
-    image_size: int = 32
-    """Height and width of the default input image."""
-    classes: int = 10
-    """Outputs of the final linear layer."""
-
-    def __post_init__(self) -> None:
-        if min(self.channels, self.blocks, self.image_size, self.classes) <= 0:
-            raise ValueError(f"every NetConfig field must be positive, got {self}")
-        if self.channels % 4:
-            raise ValueError(f"channels={self.channels} must be divisible by 4 (the Inception "
-                             "branches split them four ways); try 16 or 32")
+CHANNELS, BLOCKS, IMAGE_SIZE, CLASSES = 16, 3, 32, 10
+"""Size of every catalog net, small enough that CPU tests run in seconds: channels of the stem and
+of every block's output (divisible by 4: the Inception branches split them four ways), blocks
+(or cells) after the stem, height and width of the input image, outputs of the head."""
 
 
 def _conv(cin: int, cout: int, k: int) -> nn.Sequential:
@@ -123,30 +107,37 @@ class _Head(nn.Module):
         return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
 
 
-class InceptionStack(nn.Module):
-    """Stem convolution, ``blocks`` Inception blocks, pooled linear head."""
+class _Stack(nn.Module):
+    """Stem convolution, then the subclass's ``blocks`` and pooled linear ``head``."""
 
-    def __init__(self, cfg: NetConfig) -> None:
+    blocks: nn.Module
+    head: nn.Module
+
+    def __init__(self) -> None:
         super().__init__()
-        self.example_input_shape = (3, cfg.image_size, cfg.image_size)
-        self.stem = _conv(3, cfg.channels, 3)
-        self.blocks = nn.Sequential(*[InceptionBlock(cfg.channels, cfg.channels)
-                                      for _ in range(cfg.blocks)])
-        self.head = _Head(cfg.channels, cfg.classes)
+        self.example_input_shape = (3, IMAGE_SIZE, IMAGE_SIZE)
+        self.stem = _conv(3, CHANNELS, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(self.stem(x)))
 
 
-class NasNetStack(nn.Module):
-    """Stem convolution, ``blocks`` NASNet cells each fed the two previous outputs, head."""
+class InceptionStack(_Stack):
+    """``BLOCKS`` Inception blocks."""
 
-    def __init__(self, cfg: NetConfig) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.example_input_shape = (3, cfg.image_size, cfg.image_size)
-        self.stem = _conv(3, cfg.channels, 3)
-        self.cells = nn.ModuleList([NasNetCell(cfg.channels) for _ in range(cfg.blocks)])
-        self.head = _Head(cfg.channels, cfg.classes)
+        self.blocks = nn.Sequential(*[InceptionBlock(CHANNELS, CHANNELS) for _ in range(BLOCKS)])
+        self.head = _Head(CHANNELS, CLASSES)
+
+
+class NasNetStack(_Stack):
+    """``BLOCKS`` NASNet cells, each fed the two previous outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cells = nn.ModuleList([NasNetCell(CHANNELS) for _ in range(BLOCKS)])
+        self.head = _Head(CHANNELS, CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         prev = cur = self.stem(x)
@@ -155,31 +146,23 @@ class NasNetStack(nn.Module):
         return self.head(cur)
 
 
-class ResNetStack(nn.Module):
-    """Stem convolution, ``blocks`` basic blocks (every other one halves the image), head."""
+class ResNetStack(_Stack):
+    """``BLOCKS`` basic blocks, every other one halving the image."""
 
-    def __init__(self, cfg: NetConfig) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.example_input_shape = (3, cfg.image_size, cfg.image_size)
-        self.stem = _conv(3, cfg.channels, 3)
-        layers, cin = [], cfg.channels
-        for i in range(cfg.blocks):
-            cout = cfg.channels * (2 if i % 2 else 1)
+        layers, cin = [], CHANNELS
+        for i in range(BLOCKS):
+            cout = CHANNELS * (2 if i % 2 else 1)
             layers.append(BasicBlock(cin, cout, stride=2 if i % 2 else 1))
             cin = cout
         self.blocks = nn.Sequential(*layers)
-        self.head = _Head(cin, cfg.classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.stem(x)))
+        self.head = _Head(cin, CLASSES)
 
 
 NETS: dict[str, Callable[[], nn.Module]] = {
-    "inception-stack": lambda: InceptionStack(NetConfig()),
-    "nasnet-stack": lambda: NasNetStack(NetConfig()),
-    "resnet-stack": lambda: ResNetStack(NetConfig()),
-}
-"""Catalog name -> factory with the default NetConfig."""
+    "inception-stack": InceptionStack, "nasnet-stack": NasNetStack, "resnet-stack": ResNetStack}
+"""Catalog name -> factory."""
 
 
 def build_net(name: str, seed: int = 0) -> nn.Module:
@@ -192,13 +175,9 @@ def build_net(name: str, seed: int = 0) -> nn.Module:
     if ":" not in name:
         raise ValueError(f"unknown net {name!r}; choose one of {', '.join(NETS)} "
                          "or pass package.module:function returning an nn.Module")
-    from meshmorph.spec.trace import _resolve
+    from meshmorph.spec.trace import build_module
 
-    model = _resolve(name)()
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model factory {name!r} returned {type(model).__name__}, "
-                         "not an nn.Module")
-    return model
+    return build_module(name, meta=False)
 
 
 def example_input(model: nn.Module, batch: int,

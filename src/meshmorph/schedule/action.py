@@ -12,6 +12,14 @@ from enum import StrEnum
 from typing import NamedTuple
 
 
+class ScheduleError(ValueError):
+    """Action lists that are not a valid pipeline step; the message names the broken rule."""
+
+
+class DeadlockError(ScheduleError):
+    """Every unfinished rank waits on an action no rank can run next."""
+
+
 class Kind(StrEnum):
     """What an action does."""
 
@@ -26,8 +34,6 @@ class Kind(StrEnum):
     STEP = "STEP"
 
 
-COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
-"""Actions that occupy a rank's compute (the ones compared with torch's generators)."""
 COMMS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 """Point-to-point actions."""
 
@@ -44,11 +50,6 @@ class Action(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.microbatch}"
-
-
-def compute_only(actions: list[Action]) -> list[Action]:
-    """The F, B, I and W actions of one rank, in order."""
-    return [a for a in actions if a.kind in COMPUTE]
 
 
 def with_steps(orders: list[list[Action]], stages_of_rank: list[list[int]],

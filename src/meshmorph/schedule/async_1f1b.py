@@ -51,12 +51,3 @@ def staleness(orders: Sequence[Sequence[Action]]) -> dict[int, int]:
                 worst[s] = max(worst.get(s, 0), lag)
     return dict(sorted(worst.items()))
 
-
-def steady_state_s_per_microbatch(step_ends_s: Sequence[float]) -> float:
-    """Time per micro-batch in the steady state, from the end times of one stage's STEPs in
-    order: the mean gap over the second half (the fill is paid once, not per step)."""
-    if len(step_ends_s) < 2:
-        raise ValueError("need at least two optimizer steps to measure a steady state")
-    half = len(step_ends_s) // 2
-    tail = step_ends_s[half - 1 if half else 0:]
-    return (tail[-1] - tail[0]) / (len(tail) - 1)

@@ -23,15 +23,7 @@ def gpipe(p: int, m: int) -> list[list[Action]]:
 def one_f_one_b(p: int, m: int) -> list[list[Action]]:
     """PipeDream-flush 1F1B: rank r runs p - 1 - r warm-up forwards, then one forward and one
     backward in turn, then the remaining backwards."""
-    orders = []
-    for r in range(p):
-        warmup = min(p - r - 1, m)
-        order = [Action(Kind.F, r, j) for j in range(warmup)]
-        for j in range(warmup, m):
-            order += [Action(Kind.F, r, j), Action(Kind.B, r, j - warmup)]
-        order += [Action(Kind.B, r, j) for j in range(m - warmup, m)]
-        orders.append(order)
-    return orders
+    return [_one_chunk(r, min(p - 1 - r, m), m, Kind.B, None) for r in range(p)]
 
 
 def rounds(p: int, m: int, what: str) -> int:

@@ -14,7 +14,7 @@ from meshmorph.schedule.one_f_one_b import (
     zero_bubble_h1,
 )
 from meshmorph.schedule.table import Schedule
-from meshmorph.schedule.v_shape import dualpipev, v_stages, zbv
+from meshmorph.schedule.v_shape import dualpipev, zbv
 
 MAX_PAIRS = 1 << 21
 """The most (stage, micro-batch) pairs an action list is generated for: beyond it generating
@@ -41,11 +41,7 @@ def stage_to_rank(name: str, p: int, v: int = 1) -> tuple[int, ...]:
     """The pipeline rank of every stage: looped (s % p) or V (r and 2p - 1 - r on rank r)."""
     chunks = chunks_per_rank(name, v)
     if _schedule(name).v_shape:
-        ranks = [0] * (2 * p)
-        for r in range(p):
-            for s in v_stages(p, r):
-                ranks[s] = r
-        return tuple(ranks)
+        return tuple(min(s, 2 * p - 1 - s) for s in range(2 * p))
     return tuple(s % p for s in range(p * chunks))
 
 

@@ -19,10 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from meshmorph.schedule.action import Action, Kind
+from meshmorph.schedule.action import Action, DeadlockError, Kind
 from meshmorph.schedule.registry import frozen_actions, stage_to_rank
 from meshmorph.schedule.table import Schedule
-from meshmorph.schedule.validate import DeadlockError, peak_activations
 
 # Durations are one flat list: fwd + bwd + wgrad + igrad + step, one entry per stage each.
 
@@ -104,6 +103,24 @@ class Timeline:
             return 0.0
         idle = sum(self.makespan_s - busy for busy in self.rank_busy_s)
         return idle / (self.makespan_s * len(self.rank_busy_s))
+
+
+def peak_activations(orders: Sequence[Sequence[Action]]) -> tuple[int, ...]:
+    """Per rank, the most micro-batch activations held at once: one per F, released at its B,
+    or at its W when the backward is split (the weight gradient still needs the inputs)."""
+    split = {(a.stage, a.microbatch) for order in orders for a in order if a.kind == Kind.W}
+    peaks = []
+    for order in orders:
+        held = peak = 0
+        for a in order:
+            if a.kind == Kind.F:
+                held += 1
+                peak = max(peak, held)
+            elif (a.kind == Kind.B or (a.kind == Kind.W)
+                  or (a.kind == Kind.I and (a.stage, a.microbatch) not in split)):
+                held -= 1
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 def _codes(orders: Sequence[Sequence[Action]], steps: bool) -> list[list[tuple[int, int, int]]]:
@@ -249,21 +266,20 @@ def simulate_actions(orders: Sequence[Sequence[Action]], times: StageTimes, *,
                      keep_ops: bool = True) -> Timeline:
     """Simulate any action lists (one per rank) on per-stage ``times``."""
     m = 1 + max((a.microbatch for order in orders for a in order), default=0)
-    program = compile_program(orders, m)
-    if len(times.fwd_s) != program.stages:
-        raise ValueError(f"the actions use {program.stages} stages, the times list "
-                         f"{len(times.fwd_s)}; give one time per stage")
-    comm = list(times.p2p_s) if times.p2p_s is not None else [0.0] * program.stages
-    return replay(program, times.durations(), comm, keep_ops)
+    return _simulate(compile_program(orders, m), times, keep_ops, "the actions use")
 
 
 def simulate_schedule(name: str, p: int, m: int, times: StageTimes, *, v: int = 1,
                       steps: bool = False, keep_ops: bool = True) -> Timeline:
     """Simulate the named schedule on per-stage ``times`` (STEPs priced when ``steps``)."""
-    program = schedule_program(name, p, m, v, steps)
+    return _simulate(schedule_program(name, p, m, v, steps), times, keep_ops,
+                     f"schedule {name} with pp {p} runs")
+
+
+def _simulate(program: Program, times: StageTimes, keep_ops: bool, what: str) -> Timeline:
     if len(times.fwd_s) != program.stages:
-        raise ValueError(f"schedule {name} with pp {p} runs {program.stages} stages, the times "
-                         f"list {len(times.fwd_s)}; give one time per stage")
+        raise ValueError(f"{what} {program.stages} stages, the times list {len(times.fwd_s)}; "
+                         "give one time per stage")
     comm = list(times.p2p_s) if times.p2p_s is not None else [0.0] * program.stages
     return replay(program, times.durations(), comm, keep_ops)
 

@@ -11,15 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshmorph.schedule.action import COMMS, Action, Kind
+from meshmorph.schedule.action import COMMS, Action, DeadlockError, Kind, ScheduleError
+from meshmorph.schedule.simulator import compile_program
 
-
-class ScheduleError(ValueError):
-    """Action lists that are not a valid pipeline step; the message names the broken rule."""
-
-
-class DeadlockError(ScheduleError):
-    """Every unfinished rank waits on an action no rank can run next."""
+__all__ = ["DeadlockError", "ScheduleError", "check_schedule", "with_comms"]
 
 
 def with_comms(orders: Sequence[Sequence[Action]], ranks: Sequence[int]) -> list[list[Action]]:
@@ -45,30 +40,15 @@ def with_comms(orders: Sequence[Sequence[Action]], ranks: Sequence[int]) -> list
     return out
 
 
-def peak_activations(orders: Sequence[Sequence[Action]]) -> tuple[int, ...]:
-    """Per rank, the most micro-batch activations held at once: one per F, released at its B,
-    or at its W when the backward is split (the weight gradient still needs the inputs)."""
-    split = {(a.stage, a.microbatch) for order in orders for a in order if a.kind == Kind.W}
-    peaks = []
-    for order in orders:
-        held = peak = 0
-        for a in order:
-            if a.kind == Kind.F:
-                held += 1
-                peak = max(peak, held)
-            elif (a.kind == Kind.B or (a.kind == Kind.W)
-                  or (a.kind == Kind.I and (a.stage, a.microbatch) not in split)):
-                held -= 1
-        peaks.append(peak)
-    return tuple(peaks)
-
-
 def check_schedule(orders: Sequence[Sequence[Action]], ranks: Sequence[int], m: int) -> None:
     """Raise ScheduleError naming the first broken rule; return None for a valid step."""
     _check_complete(orders, ranks, m)
     if any(a.kind in COMMS for order in orders for a in order):
         _check_pairs(orders, ranks)
-    _check_progress(orders, ranks)
+    # the ranks finish: the simulator's sweep raises DeadlockError otherwise (a receive blocks
+    # as the action right after it does, so the sweep runs without them)
+    compile_program([[a for a in order if a.kind not in COMMS] for order in orders], m,
+                    stages=len(ranks))
 
 
 def _check_complete(orders: Sequence[Sequence[Action]], ranks: Sequence[int], m: int) -> None:
@@ -78,6 +58,8 @@ def _check_complete(orders: Sequence[Sequence[Action]], ranks: Sequence[int], m:
             if ranks[a.stage] != r:
                 raise ScheduleError(f"rank {r} runs {a} but stage {a.stage} lives on rank "
                                     f"{ranks[a.stage]}")
+            if not 0 <= a.microbatch < m:
+                raise ScheduleError(f"rank {r} runs {a} but the step has {m} micro-batches")
             if (a.kind, a.stage, a.microbatch) in seen and a.kind != Kind.STEP:
                 raise ScheduleError(f"rank {r} runs {a} twice")
             seen[a.kind, a.stage, a.microbatch] = i
@@ -114,31 +96,3 @@ def _check_pairs(orders: Sequence[Sequence[Action]], ranks: Sequence[int]) -> No
             if (position[a] > position[maker]) != before:
                 raise ScheduleError(f"rank {r}: {a} must come {'after' if before else 'before'}"
                                     f" {maker}")
-
-
-def _check_progress(orders: Sequence[Sequence[Action]], ranks: Sequence[int]) -> None:
-    """Run every rank's list with blocking receives (implicit ones where the list has none)."""
-    done: set[tuple[Kind, int, int]] = set()
-    pos = [0] * len(orders)
-    last = len(ranks) - 1
-    while any(pos[r] < len(order) for r, order in enumerate(orders)):
-        progressed = False
-        for r, order in enumerate(orders):
-            while pos[r] < len(order):
-                a = order[pos[r]]
-                s, j = a.stage, a.microbatch
-                if a.kind in (Kind.F, Kind.RECV_F) and s > 0 and (Kind.F, s - 1, j) not in done:
-                    break
-                if a.kind in (Kind.B, Kind.I, Kind.RECV_B):
-                    if s < last and (Kind.B, s + 1, j) not in done:
-                        break
-                    if s == last and (Kind.F, s, j) not in done:
-                        break
-                done.add((Kind.B if a.kind == Kind.I else a.kind, s, j))
-                pos[r] += 1
-                progressed = True
-        if not progressed:
-            waiting = {r: str(order[pos[r]]) for r, order in enumerate(orders)
-                       if pos[r] < len(order)}
-            raise DeadlockError(f"the action lists deadlock: every unfinished rank waits "
-                                f"(rank: next action) {waiting}")

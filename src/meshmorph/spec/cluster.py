@@ -32,10 +32,8 @@ class NodeGroup:
 
     def __post_init__(self) -> None:
         if self.num_nodes <= 0 or self.gpus_per_node <= 0:
-            raise ValueError(
-                f"a node group needs at least one node of at least one GPU, got "
-                f"{self.num_nodes}x{self.gpus_per_node}"
-            )
+            raise ValueError(f"a node group needs at least one node of at least one GPU, got "
+                             f"{self.num_nodes}x{self.gpus_per_node}")
 
     @property
     def num_gpus(self) -> int:

@@ -130,17 +130,11 @@ def _group(entry: Any, index: int, path: Path, catalog: dict[str, GPUSpec],
     transient = entry.get("transient", False)
     if not isinstance(transient, bool):
         raise ValueError(f"{path}: transient in {where} must be true or false, got {transient!r}")
-    price = None
-    if "price_per_gpu_hour" in entry:
-        price = _number(entry, "price_per_gpu_hour", path, where, allow_zero=True)
-    return NodeGroup(
-        gpu=spec,
-        num_nodes=_positive_int(entry, "nodes", path, where),
-        gpus_per_node=_positive_int(entry, "gpus_per_node", path, where),
-        intra_link=intra,
-        transient=transient,
-        price_per_gpu_hour=price,
-    )
+    price = (_number(entry, "price_per_gpu_hour", path, where, allow_zero=True)
+             if "price_per_gpu_hour" in entry else None)
+    return NodeGroup(gpu=spec, num_nodes=_positive_int(entry, "nodes", path, where),
+                     gpus_per_node=_positive_int(entry, "gpus_per_node", path, where),
+                     intra_link=intra, transient=transient, price_per_gpu_hour=price)
 
 
 def _inter_link(data: dict[str, Any], groups: tuple[NodeGroup, ...], path: Path,

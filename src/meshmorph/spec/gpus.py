@@ -124,25 +124,29 @@ class GPUSpec:
         return self.memory_gib * 2**30
 
 
+_GCP_2017 = {"price_date": "2017-12",
+             "price_source": "GCP launch list price of an attached GPU (transient-cloud reference)"}
+_V100 = GPUSpec(name="v100-16g", sm_count=80, description="NVIDIA Tesla V100 SXM2 16GB", memory_gib=16,
+                hbm_gbps=900, peak_tflops={"fp32": 15.7, "fp16": 125.0},
+                intra_node_link="nvlink2", inter_node_link="ib-edr", price_per_hour=2.48)
+_A100 = GPUSpec(name="a100-40g", sm_count=108, description="NVIDIA A100 SXM4 40GB", memory_gib=40, hbm_gbps=1555,
+                peak_tflops={"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+                intra_node_link="nvlink3", inter_node_link="ib-hdr", price_per_hour=3.67)
+_H100 = GPUSpec(name="h100", sm_count=132, description="NVIDIA H100 SXM5 80GB", memory_gib=80, hbm_gbps=3350,
+                peak_tflops={"fp32": 67.0, "tf32": 494.5, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
+                intra_node_link="nvlink4", inter_node_link="ib-ndr", price_per_hour=6.98)
+
 GPU_CATALOG: dict[str, GPUSpec] = {
     gpu.name: gpu
     for gpu in (
         GPUSpec(name="k80", sm_count=13, description="NVIDIA Tesla K80 (one GK210 of two)", memory_gib=12,
-                hbm_gbps=240, peak_tflops={"fp32": 4.37, "fp16": 4.37},
-                intra_node_link="pcie3", inter_node_link="eth-25g", price_per_hour=0.44,
-                spot_price_per_hour=0.22, price_date="2017-12",
-                price_source="GCP launch list price of an attached GPU (transient-cloud reference)"),
+                hbm_gbps=240, peak_tflops={"fp32": 4.37, "fp16": 4.37}, intra_node_link="pcie3",
+                inter_node_link="eth-25g", price_per_hour=0.44, spot_price_per_hour=0.22, **_GCP_2017),
         GPUSpec(name="p100", sm_count=56, description="NVIDIA Tesla P100 SXM2 16GB", memory_gib=16, hbm_gbps=732,
                 peak_tflops={"fp32": 10.6, "fp16": 21.2}, intra_node_link="nvlink1",
-                inter_node_link="ib-edr", price_per_hour=1.46, spot_price_per_hour=0.73,
-                price_date="2017-12",
-                price_source="GCP launch list price of an attached GPU (transient-cloud reference)"),
-        GPUSpec(name="v100-16g", sm_count=80, description="NVIDIA Tesla V100 SXM2 16GB", memory_gib=16,
-                hbm_gbps=900, peak_tflops={"fp32": 15.7, "fp16": 125.0},
-                intra_node_link="nvlink2", inter_node_link="ib-edr", price_per_hour=2.48),
-        GPUSpec(name="v100-32g", sm_count=80, description="NVIDIA Tesla V100 SXM2 32GB", memory_gib=32,
-                hbm_gbps=900, peak_tflops={"fp32": 15.7, "fp16": 125.0},
-                intra_node_link="nvlink2", inter_node_link="ib-edr", price_per_hour=3.06),
+                inter_node_link="ib-edr", price_per_hour=1.46, spot_price_per_hour=0.73, **_GCP_2017),
+        _V100,
+        replace(_V100, name="v100-32g", description="NVIDIA Tesla V100 SXM2 32GB", memory_gib=32, price_per_hour=3.06),
         GPUSpec(name="t4", sm_count=40, description="NVIDIA T4", memory_gib=16, hbm_gbps=320,
                 peak_tflops={"fp32": 8.1, "fp16": 65.0}, intra_node_link="pcie3",
                 inter_node_link="eth-100g", price_per_hour=0.35),
@@ -152,18 +156,12 @@ GPU_CATALOG: dict[str, GPUSpec] = {
         GPUSpec(name="l4", sm_count=58, description="NVIDIA L4", memory_gib=24, hbm_gbps=300,
                 peak_tflops={"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0, "fp8": 242.5},
                 intra_node_link="pcie4", inter_node_link="eth-100g", price_per_hour=0.80),
-        GPUSpec(name="a100-40g", sm_count=108, description="NVIDIA A100 SXM4 40GB", memory_gib=40, hbm_gbps=1555,
-                peak_tflops={"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
-                intra_node_link="nvlink3", inter_node_link="ib-hdr", price_per_hour=3.67),
-        GPUSpec(name="a100-80g", sm_count=108, description="NVIDIA A100 SXM4 80GB", memory_gib=80, hbm_gbps=2039,
-                peak_tflops={"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
-                intra_node_link="nvlink3", inter_node_link="ib-hdr", price_per_hour=4.10),
-        GPUSpec(name="h100", sm_count=132, description="NVIDIA H100 SXM5 80GB", memory_gib=80, hbm_gbps=3350,
-                peak_tflops={"fp32": 67.0, "tf32": 494.5, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
-                intra_node_link="nvlink4", inter_node_link="ib-ndr", price_per_hour=6.98),
-        GPUSpec(name="h200", sm_count=132, description="NVIDIA H200 SXM 141GB", memory_gib=141, hbm_gbps=4800,
-                peak_tflops={"fp32": 67.0, "tf32": 494.5, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
-                intra_node_link="nvlink4", inter_node_link="ib-ndr", price_per_hour=8.50),
+        _A100,
+        replace(_A100, name="a100-80g", description="NVIDIA A100 SXM4 80GB", memory_gib=80, hbm_gbps=2039,
+                price_per_hour=4.10),
+        _H100,  # the H200: an H100 with more and faster memory
+        replace(_H100, name="h200", description="NVIDIA H200 SXM 141GB", memory_gib=141, hbm_gbps=4800,
+                price_per_hour=8.50),
         GPUSpec(name="mi300x", sm_count=304, description="AMD Instinct MI300X", memory_gib=192, hbm_gbps=5300,
                 peak_tflops={"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9},
                 intra_node_link="xgmi3", inter_node_link="ib-ndr", price_per_hour=6.00),
@@ -178,9 +176,7 @@ def gpu(name: str) -> GPUSpec:
     try:
         return GPU_CATALOG[name.lower()]
     except KeyError:
-        raise ValueError(
-            f"unknown GPU {name!r}; known: {', '.join(GPU_CATALOG)}"
-        ) from None
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPU_CATALOG)}") from None
 
 
 def link(name: str) -> LinkSpec:

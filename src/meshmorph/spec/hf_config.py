@@ -46,7 +46,9 @@ def from_hf_config(path: Path | str, seq_len: int | None = None) -> ModelSpec:
     """A ModelSpec from a Hugging Face ``config.json``, at the config's context length
     (``n_positions`` / ``max_position_embeddings``) or at ``seq_len``."""
     path = Path(path)
-    config = _read(path)
+    config = read_document(path, what="model config", fmt="json", way_out=(
+        "pass the path of a Hugging Face config.json, a catalog name (meshmorph models) or a "
+        "package.module:function factory"))
     if "n_layer" in config:
         read = _gpt_shape
     elif "num_hidden_layers" in config:
@@ -59,12 +61,6 @@ def from_hf_config(path: Path | str, seq_len: int | None = None) -> ModelSpec:
         message = str(exc)
         raise ValueError(message if message.startswith(str(path)) else f"{path}: {message}") from None
     return build_transformer(shape)
-
-
-def _read(path: Path) -> dict[str, Any]:
-    return read_document(path, what="model config", fmt="json", way_out=(
-        "pass the path of a Hugging Face config.json, a catalog name (meshmorph models) or a "
-        "package.module:function factory"))
 
 
 def _name(config: dict[str, Any], path: Path) -> str:
@@ -145,18 +141,11 @@ def _gpt_shape(config: dict[str, Any], path: Path, seq_len: int | None) -> Trans
     if inner is not None and (not isinstance(inner, int) or isinstance(inner, bool) or inner <= 0):
         raise ValueError(f"{path}: n_inner must be a positive integer or null, got {inner!r}")
     return TransformerShape(
-        name=_name(config, path),
-        arch="gpt",
-        num_layers=config["n_layer"],
-        hidden_size=config["n_embd"],
-        num_heads=config["n_head"],
-        vocab_size=config["vocab_size"],
-        seq_len=s,
-        ffn_hidden_size=inner,
+        name=_name(config, path), arch="gpt", num_layers=config["n_layer"],
+        hidden_size=config["n_embd"], num_heads=config["n_head"], vocab_size=config["vocab_size"],
+        seq_len=s, ffn_hidden_size=inner,
         tied_embeddings=_tied(config, path, True),  # HF's GPT-2 default
-        flash_attention=_flash(config, path),
-        dropout=_dropout(config, path),
-    )
+        flash_attention=_flash(config, path), dropout=_dropout(config, path))
 
 
 def _llama_shape(config: dict[str, Any], path: Path, seq_len: int | None) -> TransformerShape:
@@ -174,21 +163,12 @@ def _llama_shape(config: dict[str, Any], path: Path, seq_len: int | None) -> Tra
     kv_heads = heads if kv_heads is None else kv_heads  # absent or null: no GQA
     if not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads <= 0 \
             or heads % kv_heads:
-        raise ValueError(
-            f"{path}: num_key_value_heads {kv_heads!r} must be a positive divisor of "
-            f"num_attention_heads {heads}"
-        )
+        raise ValueError(f"{path}: num_key_value_heads {kv_heads!r} must be a positive divisor of "
+                         f"num_attention_heads {heads}")
     return TransformerShape(
-        name=_name(config, path),
-        arch="llama",
-        num_layers=config["num_hidden_layers"],
-        hidden_size=config["hidden_size"],
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        ffn_hidden_size=config["intermediate_size"],
-        vocab_size=config["vocab_size"],
+        name=_name(config, path), arch="llama", num_layers=config["num_hidden_layers"],
+        hidden_size=config["hidden_size"], num_heads=heads, num_kv_heads=kv_heads,
+        ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
         seq_len=_context(config, "max_position_embeddings", seq_len),
         tied_embeddings=_tied(config, path, False),  # HF's Llama default
-        flash_attention=_flash(config, path),
-        dropout=_dropout(config, path),
-    )
+        flash_attention=_flash(config, path), dropout=_dropout(config, path))

@@ -112,9 +112,6 @@ class LayerSpec:
     (``CostCoefficients.flash_attention_efficiency``); False: batched GEMMs over the whole s x s
     scores (Megatron-LM before flash attention), or work that is no attention at all."""
 
-    def recompute_modes(self) -> tuple[Recompute, ...]:
-        return tuple(self.activation)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
@@ -123,8 +120,7 @@ class ModelSpec:
     name: str
     """Catalog name, config path or factory the spec came from."""
     arch: Arch
-    """``gpt`` (GPT-2 style: LayerNorm, GeLU MLP, learned positions), ``llama`` (RMSNorm, SwiGLU,
-    RoPE, grouped-query attention) or ``custom`` (traced module: the runtime cannot rebuild it)."""
+    """Architecture family (``Arch``: gpt, llama, or custom for a traced module)."""
     layers: tuple[LayerSpec, ...]
     """Embedding, blocks and head, in execution order."""
     hidden_size: int

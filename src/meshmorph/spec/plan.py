@@ -19,6 +19,7 @@ from enum import IntEnum, StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
+from meshmorph.files import read_document
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import ModelSpec, Recompute
 
@@ -145,19 +146,16 @@ class StagePlan:
         if self.stop <= self.start:
             raise PlanError(f"stage [{self.start}, {self.stop}) holds no layer")
         if len(self.recompute) != self.stop - self.start:
-            raise PlanError(
-                f"stage [{self.start}, {self.stop}) lists {len(self.recompute)} recompute modes "
-                f"for {self.stop - self.start} layers"
-            )
+            raise PlanError(f"stage [{self.start}, {self.stop}) lists {len(self.recompute)} "
+                            f"recompute modes for {self.stop - self.start} layers")
         if self.layer_strategies is not None:
             object.__setattr__(self, "layer_strategies", tuple(
                 s if isinstance(s, LayerStrategy) else LayerStrategy(**s)
                 for s in self.layer_strategies))
             if len(self.layer_strategies) != self.stop - self.start:
-                raise PlanError(
-                    f"stage [{self.start}, {self.stop}) lists {len(self.layer_strategies)} layer "
-                    f"strategies for {self.stop - self.start} layers; give one per layer or none"
-                )
+                raise PlanError(f"stage [{self.start}, {self.stop}) lists "
+                                f"{len(self.layer_strategies)} layer strategies for "
+                                f"{self.stop - self.start} layers; give one per layer or none")
 
     @property
     def num_layers(self) -> int:
@@ -202,8 +200,8 @@ class Plan:
     """Megatron sequence parallelism in the tensor-parallel regions."""
     dtype: DType = DType.BF16
     """Compute dtype (``bf16``, ``fp16``, ``fp32``, or ``fp8``: bf16 with float8 GEMMs in the
-    blocks' linear layers); parameters, gradients and Adam moments are kept in fp32 whatever it
-    is (mixed precision)."""
+    blocks' linear layers, priced, not run); parameters, gradients and Adam moments are kept in
+    fp32 whatever it is (mixed precision)."""
     reduce_dtype: DType = DType.FP32
     """Dtype of data-parallel gradient reductions: ``fp32`` (meshmorph's default, FSDP2's
     ``reduce_dtype``), or a 16-bit one as Megatron-LM 2021 reduced fp16 gradients."""
@@ -213,9 +211,7 @@ class Plan:
     stages: tuple[StagePlan, ...] = ()
     """``pp * vpp`` model chunks in order."""
     weight_prediction: WeightPrediction = WeightPrediction.NONE
-    """Weights under ``schedule = "async"``: ``none`` (stale), ``stash`` (the backward uses the
-    forward's weights), ``2bw`` (PipeDream-2BW), ``sgd`` (SpecTrain's momentum-SGD prediction) or
-    ``adam`` (Adam's update direction extrapolated); must stay ``none`` with other schedules."""
+    """Weights under ``schedule = "async"`` (``WeightPrediction``); ``none`` with the others."""
     overlap_grad_reduce: bool = True
     """Data-parallel gradient reduction overlapped with the last backward, bucket by bucket
     (torch DDP's and FSDP2's default, Megatron-LM's ``--overlap-grad-reduce``); False: gradients
@@ -233,12 +229,11 @@ class Plan:
     computes, so the first forward waits only for its own unit (Megatron-LM's
     ``--overlap-param-gather``); False: each unit's gather on the critical path."""
     compile: bool = False
-    """Each transformer block compiled by ``torch.compile`` (inductor): its elementwise work fused
-    into few kernels (``CostCoefficients.elementwise_passes``, as Megatron-LM's fused kernels),
-    and pointwise results that feed no matmul recomputed in backward rather than kept. False:
-    eager PyTorch, a kernel per op (``eager_elementwise_passes``) and, under autocast, every
-    fp32 norm input and each projection's own 16-bit copy of a norm's output kept for backward
-    (``spec.model.RuntimeActivation``)."""
+    """Each transformer block compiled by ``torch.compile``: elementwise work fused into few
+    kernels (``CostCoefficients.elementwise_passes``), and pointwise results that feed no matmul
+    recomputed in backward. False: eager, a kernel per op, and under autocast every fp32 norm
+    input and each projection's own 16-bit copy of a norm's output kept for backward
+    (``RuntimeActivation``)."""
     predicted: dict[str, Any] | None = field(default=None, compare=False)
     """Predicted figures (step_time_s, tokens_per_s, ...) from the cost model, if any."""
 
@@ -246,7 +241,10 @@ class Plan:
         if not isinstance(self.model, str) or not self.model:
             raise PlanError(f"model must name a model (a catalog name such as 'gpt-tiny', a "
                             f"config.json path or a package.module:function), got {self.model!r}")
-        object.__setattr__(self, "schedule", _member("schedule", Schedule, self.schedule))
+        for name, kind in (("schedule", Schedule), ("dtype", DType), ("reduce_dtype", DType),
+                           ("fp8_scaling", Fp8Scaling), ("weight_prediction", WeightPrediction)):
+            object.__setattr__(self, name, _member(name, kind, getattr(self, name)))
+        object.__setattr__(self, "zero", _zero_stage("zero", self.zero))
         if self.predicted is not None and not isinstance(self.predicted, dict):
             raise PlanError(f"predicted must be an object of figures (the planner writes it), "
                             f"got {self.predicted!r}; leave it out")
@@ -257,29 +255,20 @@ class Plan:
                      "global_batch"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("dtype", "reduce_dtype"):
-            object.__setattr__(self, name, _member(name, DType, getattr(self, name)))
-        object.__setattr__(self, "fp8_scaling",
-                           _member("fp8_scaling", Fp8Scaling, self.fp8_scaling))
         if self.reduce_dtype == DType.FP8:
             raise PlanError("reduce_dtype fp8: gradients are reduced in fp32 or a 16-bit dtype, "
                             "float8 is for the linear layers' GEMMs; set reduce_dtype fp32")
         if self.dtype != DType.FP8 and self.fp8_scaling != Fp8Scaling.TENSORWISE:
             raise PlanError(f"fp8_scaling '{self.fp8_scaling}' applies to dtype fp8, not "
                             f"'{self.dtype}'; set dtype fp8 or leave fp8_scaling out")
-        object.__setattr__(self, "zero", _zero_stage("zero", self.zero))
         if self.global_batch != self.dp * self.micro_batch * self.num_microbatches:
-            raise PlanError(
-                f"global_batch {self.global_batch} != dp {self.dp} x micro_batch {self.micro_batch}"
-                f" x num_microbatches {self.num_microbatches}"
-                f" = {self.dp * self.micro_batch * self.num_microbatches}"
-            )
+            raise PlanError(f"global_batch {self.global_batch} != dp {self.dp} x micro_batch "
+                            f"{self.micro_batch} x num_microbatches {self.num_microbatches} = "
+                            f"{self.dp * self.micro_batch * self.num_microbatches}")
         if self.cp > 1 and self.seq_len % (2 * self.cp):
             raise PlanError(
                 f"cp {self.cp} needs seq_len {self.seq_len} to split into 2 x cp = {2 * self.cp} "
                 f"equal chunks (causal load balancing); choose a cp with 2 cp dividing seq_len")
-        object.__setattr__(self, "weight_prediction",
-                           _member("weight_prediction", WeightPrediction, self.weight_prediction))
         if self.weight_prediction != "none" and self.schedule != Schedule.ASYNC:
             raise PlanError(f"weight_prediction '{self.weight_prediction}' applies only to "
                             f"schedule 'async', not '{self.schedule}'; set schedule 'async' or "
@@ -290,37 +279,34 @@ class Plan:
                             f"vpp 2, not {self.vpp}")
         if fixed == 1 and self.vpp > 1:
             raise PlanError(f"vpp {self.vpp} > 1 needs schedule 'interleaved', not '{self.schedule}'")
-        if self.sequence_parallel and self.tp == 1:
+        if self.tp == 1:  # nothing to split: both switches mean nothing
             object.__setattr__(self, "sequence_parallel", False)
-        if self.tp_comm_overlap and self.tp == 1:
             object.__setattr__(self, "tp_comm_overlap", False)
         if self.tp_comm_overlap and not self.sequence_parallel:
             raise PlanError(f"tp_comm_overlap overlaps sequence parallelism's all-gathers and "
                             f"reduce-scatters with the GEMMs: set sequence_parallel true with "
                             f"tp {self.tp}, or tp_comm_overlap false")
         if self.stages and len(self.stages) != self.pp * self.vpp:
-            raise PlanError(
-                f"{len(self.stages)} stages listed for pp {self.pp} x vpp {self.vpp} = "
-                f"{self.pp * self.vpp} model chunks"
-            )
+            raise PlanError(f"{len(self.stages)} stages listed for pp {self.pp} x vpp {self.vpp} "
+                            f"= {self.pp * self.vpp} model chunks")
+        self._check_layer_strategies()
+
+    def _check_layer_strategies(self) -> None:
         if self.cp > 1 and any(stage.layer_strategies for stage in self.stages):
             raise PlanError(f"cp {self.cp} with per-layer strategies: layerwise plans split "
                             f"the stage's devices by tp and dp only; use cp 1 or drop the "
                             f"layer strategies")
         for index, stage in enumerate(self.stages):
             for offset, strategy in enumerate(stage.layer_strategies or ()):
+                where = f"stage {index} layer {stage.start + offset}"
                 if strategy.tp * strategy.dp != self.tp * self.dp:
-                    raise PlanError(
-                        f"stage {index} layer {stage.start + offset}: tp {strategy.tp} x dp "
-                        f"{strategy.dp} != the stage's {self.tp * self.dp} devices (plan tp x dp); "
-                        f"split the stage's devices exactly"
-                    )
+                    raise PlanError(f"{where}: tp {strategy.tp} x dp {strategy.dp} != the stage's "
+                                    f"{self.tp * self.dp} devices (plan tp x dp); split the "
+                                    f"stage's devices exactly")
                 if (self.dp * self.micro_batch) % strategy.dp:
-                    raise PlanError(
-                        f"stage {index} layer {stage.start + offset}: dp {strategy.dp} does not "
-                        f"divide the {self.dp * self.micro_batch} sequences of a micro-batch "
-                        f"(plan dp x micro_batch); choose a dp that divides them"
-                    )
+                    raise PlanError(f"{where}: dp {strategy.dp} does not divide the "
+                                    f"{self.dp * self.micro_batch} sequences of a micro-batch "
+                                    f"(plan dp x micro_batch); choose a dp that divides them")
 
     @property
     def world_size(self) -> int:
@@ -371,10 +357,8 @@ class Plan:
     def check_against(self, model: ModelSpec, world_size: int | None = None) -> None:
         """Refuse a plan this model or world cannot run; the message names the mismatch."""
         if world_size is not None and self.world_size != world_size:
-            raise PlanError(
-                f"{self.degrees()} = {self.world_size} ranks, but the "
-                f"job has {world_size}; change a degree or the number of processes"
-            )
+            raise PlanError(f"{self.degrees()} = {self.world_size} ranks, but the job has "
+                            f"{world_size}; change a degree or the number of processes")
         if not self.stages:
             raise PlanError("the plan lists no stages; use with_even_stages() or plan it")
         expected = 0
@@ -385,33 +369,22 @@ class Plan:
             for offset, mode in enumerate(stage.recompute):
                 layer = model.layers[min(stage.start + offset, model.num_layers - 1)]
                 if mode not in layer.activation:
-                    raise PlanError(
-                        f"layer {layer.name} cannot use recompute '{mode}' "
-                        f"(supported: {', '.join(layer.activation)})"
-                    )
+                    raise PlanError(f"layer {layer.name} cannot use recompute '{mode}' "
+                                    f"(supported: {', '.join(layer.activation)})")
         if expected != model.num_layers:
-            raise PlanError(
-                f"the stages cover layers [0, {expected}) but model {model.name} has "
-                f"{model.num_layers} layers (embedding + {model.num_blocks} blocks + head)"
-            )
-        if self.tp > 1:
-            if not model.tp_splittable:
-                raise PlanError(f"model {model.name} cannot be split by tensor parallelism; use tp 1")
-            for what, value in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
-                                ("ffn_hidden_size", model.ffn_hidden_size)):
-                if value % self.tp:
-                    raise PlanError(
-                        f"tp {self.tp} does not divide {what} {value} of {model.name}; "
-                        f"choose a tp that divides it"
-                    )
-        for tp in sorted({x.tp for st in self.stages for x in st.layer_strategies or ()} - {1}):
+            raise PlanError(f"the stages cover layers [0, {expected}) but model {model.name} has "
+                            f"{model.num_layers} layers (embedding + {model.num_blocks} blocks + "
+                            "head)")
+        if self.tp > 1 and not model.tp_splittable:
+            raise PlanError(f"model {model.name} cannot be split by tensor parallelism; use tp 1")
+        layer_tps = sorted({x.tp for st in self.stages for x in st.layer_strategies or ()} - {1})
+        for tp, whose, way in [(self.tp, "tp", "a tp that divides it")] * (self.tp > 1) + [
+                (t, "a layer strategy's tp", "layer tp degrees that divide it") for t in layer_tps]:
             for what, value in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
                                 ("ffn_hidden_size", model.ffn_hidden_size)):
                 if value % tp or not model.tp_splittable:
-                    raise PlanError(
-                        f"a layer strategy's tp {tp} does not divide {what} {value} of "
-                        f"{model.name}; choose layer tp degrees that divide it"
-                    )
+                    raise PlanError(f"{whose} {tp} does not divide {what} {value} of "
+                                    f"{model.name}; choose {way}")
         if self.cp > 1 and model.arch == "custom":
             raise PlanError(f"cp {self.cp}: model {model.name} is a traced module whose attention "
                             f"meshmorph cannot split over the sequence; use cp 1")
@@ -429,28 +402,21 @@ class Plan:
         least = info.min_microbatches_per_pp * self.pp
         if self.pp > 1 and self.num_microbatches < least:
             per = "" if info.min_microbatches_per_pp == 1 else f"{info.min_microbatches_per_pp} x "
-            raise PlanError(
-                f"schedule {self.schedule} needs num_microbatches >= {per}pp = {least}, got "
-                f"{self.num_microbatches}; raise the batch or use "
-                f"{'zbv' if self.schedule.v_shape else 'gpipe'}"
-            )
+            raise PlanError(f"schedule {self.schedule} needs num_microbatches >= {per}pp = "
+                            f"{least}, got {self.num_microbatches}; raise the batch or use "
+                            f"{'zbv' if self.schedule.v_shape else 'gpipe'}")
         if self.pp > 1 and info.microbatches_multiple_of_pp and self.num_microbatches % self.pp:
-            raise PlanError(
-                f"{self.schedule} needs num_microbatches ({self.num_microbatches}) to be a "
-                f"multiple of pp ({self.pp})"
-            )
+            raise PlanError(f"{self.schedule} needs num_microbatches ({self.num_microbatches}) to "
+                            f"be a multiple of pp ({self.pp})")
 
     def with_even_stages(self, model: ModelSpec,
                          recompute: Recompute = Recompute.NONE) -> Plan:
         """The same plan with the blocks split as evenly as possible over the model chunks
         (earlier chunks take the extra block), the embedding joining the first chunk and the head
         the last, as Megatron-LM splits; ``recompute`` applies to every block."""
-        chunks = self.num_chunks
-        blocks = model.num_layers - 2
+        chunks, blocks = self.num_chunks, model.num_layers - 2
         if blocks < chunks:
-            raise PlanError(
-                f"{blocks} blocks cannot fill {chunks} pipeline chunks; lower pp or vpp"
-            )
+            raise PlanError(f"{blocks} blocks cannot fill {chunks} pipeline chunks; lower pp or vpp")
         base, extra = divmod(blocks, chunks)
         stages, start = [], 0
         for index in range(chunks):
@@ -493,19 +459,14 @@ class Plan:
                             f'{{"layers": [start, stop], "recompute": [...]}}, got '
                             f"{type(listed).__name__} {str(listed)[:60]}; leave it out to split "
                             f"the layers evenly")
-        stages = tuple(
-            StagePlan(start=int(s["layers"][0]), stop=int(s["layers"][1]),
-                      recompute=tuple(Recompute(m) for m in s["recompute"]), gpu=s.get("gpu"),
-                      layer_strategies=None if s.get("layer_strategies") is None else tuple(
-                          LayerStrategy(**x) for x in s["layer_strategies"]))
-            for s in data.get("stages", [])
-        )
+        stages = tuple(StagePlan(start=int(s["layers"][0]), stop=int(s["layers"][1]),
+                                 recompute=tuple(Recompute(m) for m in s["recompute"]),
+                                 gpu=s.get("gpu"), layer_strategies=s.get("layer_strategies"))
+                       for s in listed)
         plan = cls(**kwargs, stages=stages)
         if "world_size" in data and data["world_size"] != plan.world_size:
-            raise PlanError(
-                f"plan says world_size {data['world_size']} but tp x pp x dp"
-                f"{' x cp' if plan.cp > 1 else ''} = {plan.world_size}"
-            )
+            raise PlanError(f"plan says world_size {data['world_size']} but tp x pp x dp"
+                            f"{' x cp' if plan.cp > 1 else ''} = {plan.world_size}")
         return plan
 
     def to_json(self) -> str:
@@ -517,12 +478,41 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        path = Path(path)
-        if not path.is_file():
-            raise PlanError(f"plan file {path} does not exist")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"plan file {path} is not valid JSON: {exc}") from None
-        # a `meshmorph plan --json` file holds several plans, best first: take the best
-        return cls.from_dict(data["plans"][0] if "plans" in data else data)
+        """``load_plan``: the plan in a file (the best one of a ``meshmorph plan --json`` file)."""
+        return load_plan(path)
+
+
+_INTEGERS = ("seq_len", "global_batch", "tp", "pp", "dp", "cp", "zero", "micro_batch",
+             "num_microbatches", "vpp", "world_size")
+_WAY_OUT = ("write it with 'meshmorph plan --json' or 'meshmorph estimate --json', or fix it by "
+            f"hand (keys: {', '.join(f.name for f in fields(Plan) if f.name != 'predicted')})")
+
+
+def load_plan(path: str | Path) -> Plan:
+    """The plan in ``path`` (the best one of a ``meshmorph plan --json`` file). Every way the file
+    can be wrong (empty, binary, not an object, values of the wrong type) is one PlanError, not a
+    TypeError or KeyError from deep inside."""
+    path = Path(path)
+    if path.is_dir():
+        raise PlanError(f"plan file {path} is a folder; pass the path of a plan JSON file")
+    if not path.is_file():
+        raise PlanError(f"plan file {path} does not exist; {_WAY_OUT}")
+    data = read_document(path, what="plan file", way_out=_WAY_OUT, fmt="json", error=PlanError)
+    if "plans" in data:  # `meshmorph plan --json`: the best plan first
+        plans = data["plans"]
+        if not isinstance(plans, list) or not plans:
+            raise PlanError(f"plan file {path} lists no plans under 'plans'; {_WAY_OUT}")
+        data = plans[0]
+    if not isinstance(data, dict):
+        raise PlanError(f"plan file {path} must hold a JSON object in 'plans', got "
+                        f"{type(data).__name__}; {_WAY_OUT}")
+    for key in _INTEGERS:
+        if key in data and (not isinstance(data[key], int) or isinstance(data[key], bool)):
+            raise PlanError(f"plan file {path}: {key} must be an integer, got {data[key]!r}")
+    try:
+        return Plan.from_dict(data)
+    except PlanError as exc:
+        raise PlanError(f"plan file {path}: {exc}") from None
+    except (TypeError, KeyError, IndexError, AttributeError, ValueError) as exc:
+        what = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise PlanError(f"plan file {path} does not hold a valid plan ({what}); {_WAY_OUT}") from None

@@ -13,6 +13,7 @@ fp32 cross-entropy loss, as in training. Full recompute of a block keeps only it
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -44,7 +45,7 @@ def trace_factory(target: str, seq_len: int = 512, batch: int = 1) -> ModelSpec:
 
     if seq_len <= 0 or batch <= 0:
         raise ValueError(f"seq_len and batch must be positive, got seq_len={seq_len} batch={batch}")
-    model = _build(_resolve(target), target).to(torch.bfloat16)
+    model = build_module(target).to(torch.bfloat16)
     blocks = _find_blocks(model)
     units = blocks or [child for _, child in model.named_children()] or [model]
     if blocks:
@@ -115,20 +116,23 @@ def _import(module_name: str) -> Any:
     return module
 
 
-def _build(factory: Callable[[], Any], target: str) -> torch.nn.Module:
+def build_module(target: str, *, meta: bool = True) -> torch.nn.Module:
+    """The module factory ``target`` returns, built on the meta device (or, without ``meta``,
+    where the factory puts it); a ValueError naming the way out if it is not one."""
     import torch
 
+    factory = _resolve(target)
     try:
         inspect.signature(factory).bind()
     except TypeError as exc:
         raise ValueError(f"model factory {target!r} must be callable with no arguments ({exc}); "
                          "give its parameters defaults or wrap it") from None
-    with torch.device("meta"):
+    with torch.device("meta") if meta else contextlib.nullcontext():
         model = factory()
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model factory {target!r} returned {type(model).__name__}, not an nn.Module; "
                          f"expected {_FORM}")
-    if any(not t.is_meta for t in [*model.parameters(), *model.buffers()]):
+    if meta and any(not t.is_meta for t in [*model.parameters(), *model.buffers()]):
         model = model.to("meta")  # the factory chose a device itself: drop the real storage
     return model
 

@@ -8,7 +8,6 @@ et al. 2022 Table 2, derived tensor by tensor for SwiGLU and grouped-query atten
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from meshmorph.spec.model import (
     ActivationBytes,
@@ -18,9 +17,6 @@ from meshmorph.spec.model import (
     Recompute,
     RuntimeActivation,
 )
-
-if TYPE_CHECKING:
-    pass
 
 VOCAB_MULTIPLE = 128
 """The runtime pads the vocabulary to a multiple of this (tensor-core friendly head and embedding
@@ -144,46 +140,23 @@ class TransformerShape:
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, *, seq_len: int) -> TransformerShape:
+        """The shape ``spec`` was built from, at ``seq_len``; what the blocks' figures say is read
+        back from the first block."""
+        block = next(layer for layer in spec.layers if layer.kind == LayerKind.BLOCK)
+        h = spec.hidden_size
         return cls(
-            name=spec.name,
-            arch=spec.arch,
-            num_layers=spec.num_blocks,
-            hidden_size=spec.hidden_size,
-            num_heads=spec.num_heads,
-            num_kv_heads=spec.num_kv_heads,
-            ffn_hidden_size=spec.ffn_hidden_size,
-            vocab_size=spec.vocab_size,
-            seq_len=seq_len,
-            tied_embeddings=spec.tied_embeddings,
-            flash_attention=_spec_flash(spec),
-            dropout=_spec_dropout(spec),
-            selective=_spec_selective(spec),
-            runtime=_first_block(spec).runtime is not None,
-            dtype_bytes=spec.dtype_bytes,
-            padded_vocab_size=spec.padded_vocab_size,
-        )
-
-
-def _first_block(spec: ModelSpec) -> LayerSpec:
-    return next(layer for layer in spec.layers if layer.kind == LayerKind.BLOCK)
-
-
-def _spec_flash(spec: ModelSpec) -> bool:
-    return _first_block(spec).flash_attention
-
-
-def _spec_dropout(spec: ModelSpec) -> bool:
-    # the two residual dropout masks are the only shared bytes beyond the 8h of norm and
-    # projection inputs (both archs)
-    return _first_block(spec).activation[Recompute.NONE].shared > \
-        8.0 * spec.hidden_size * spec.dtype_bytes / 2
-
-
-def _spec_selective(spec: ModelSpec) -> str:
-    # per-op selective recompute re-runs matmuls, the attention form only the attention core
-    block = _first_block(spec)
-    return "op" if block.recompute_flops_per_token[Recompute.SELECTIVE] \
-        != 4.0 * spec.seq_len * spec.hidden_size else "attention"
+            name=spec.name, arch=spec.arch, num_layers=spec.num_blocks, hidden_size=h,
+            num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+            ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size, seq_len=seq_len,
+            tied_embeddings=spec.tied_embeddings, flash_attention=block.flash_attention,
+            # the two residual dropout masks are the only shared bytes beyond the 8h of norm
+            # and projection inputs (both archs)
+            dropout=block.activation[Recompute.NONE].shared > 8.0 * h * spec.dtype_bytes / 2,
+            # per-op selective recompute re-runs matmuls, the attention form only the core
+            selective="op" if block.recompute_flops_per_token[Recompute.SELECTIVE]
+            != 4.0 * spec.seq_len * h else "attention",
+            runtime=block.runtime is not None, dtype_bytes=spec.dtype_bytes,
+            padded_vocab_size=spec.padded_vocab_size)
 
 
 def _block(shape: TransformerShape, index: int) -> LayerSpec:
@@ -191,31 +164,27 @@ def _block(shape: TransformerShape, index: int) -> LayerSpec:
     h_kv = shape.kv_heads * (h // a)
     scale = shape.dtype_bytes / 2  # Korthikanti counts 16-bit tensors (2 bytes) and 1-byte masks
     attention_flops = 4.0 * s * h  # QK^T and AV: 2*s*h each per token
-    masks = 2.0 * h if shape.dropout else 0.0  # 1-byte masks after attention and after the MLP
+    # Korthikanti: shared = 2 norm inputs 4h + qkv input 2h + MLP input 2h (+ 1-byte dropout
+    # masks after attention and after the MLP, 2h)
+    shared = 8.0 * h + (2.0 * h if shape.dropout else 0.0)
+    # softmax output 2as (+ dropout mask as + dropout output 2as); a flash kernel keeps only its
+    # output (the out-proj input) and a fp32 log-sum-exp per head and token (4a bytes, under
+    # 0.3% of the block: left out)
+    scores = 0.0 if shape.flash else (5.0 if shape.dropout else 2.0) * a * s
     if shape.arch == "gpt":
         # qkv (3h^2 + 3h), out proj (h^2 + h), fc1 (hf + f), fc2 (fh + h), two LayerNorms (4h)
         params = 4 * h * h + 2 * h * f + 9 * h + f
         replicated = 2 * h + 4 * h  # out/fc2 biases and LayerNorms are not split
         matmul_flops = 2.0 * (4 * h * h + 2 * h * f)
-        # Korthikanti: shared = LN inputs 4h + qkv input 2h + fc1 input 2h (+ 2 dropout masks 2h)
-        shared = 8.0 * h + masks
         # split = Q,K 4h + V 2h + out-proj input 2h + GeLU in 2f + GeLU out 2f
         split = 8.0 * h + 4.0 * f
-        # softmax output 2as (+ dropout mask as + dropout output 2as); a flash kernel keeps only
-        # its output (the out-proj input above) and a fp32 log-sum-exp per head and token (4a
-        # bytes, under 0.3% of the block: left out)
-        scores = 0.0 if shape.flash else (5.0 if shape.dropout else 2.0) * a * s
     else:
         # q, o: h^2 each; k, v: h*h_kv each; gate, up, down: h*f each; two RMSNorms: h each
         params = 2 * h * h + 2 * h * h_kv + 3 * h * f + 2 * h
         replicated = 2 * h
         matmul_flops = 2.0 * (2 * h * h + 2 * h * h_kv + 3 * h * f)
-        # shared = 2 RMSNorm inputs 4h + qkv input 2h + MLP input 2h = 8h (+ dropout masks 2h)
-        shared = 8.0 * h + masks
         # split = Q 2h + K,V 4*h_kv + attention output 2h + gate 2f + up 2f + silu(gate) 2f + product 2f
         split = 4.0 * h + 4.0 * h_kv + 8.0 * f
-        # softmax output 2as (+ dropout mask as + dropout output 2as)
-        scores = 0.0 if shape.flash else (5.0 if shape.dropout else 2.0) * a * s
     fwd = matmul_flops + attention_flops
     selective_flops, selective_act = attention_flops, ActivationBytes(shared * scale, split * scale)
     if shape.selective == "op":
@@ -227,16 +196,10 @@ def _block(shape: TransformerShape, index: int) -> LayerSpec:
         selective_act = ActivationBytes((2.0 * h + 2.0 * h) * scale,
                                         (2.0 * h + 2.0 * h_kv + 2.0 * h + 2.0 * f) * scale)
     return LayerSpec(
-        name=f"block.{index}",
-        kind=LayerKind.BLOCK,
-        params=params,
-        tp_split_params=params - replicated,
-        fwd_flops_per_token=fwd,
-        recompute_flops_per_token={
-            Recompute.NONE: 0.0,
-            Recompute.SELECTIVE: selective_flops,
-            Recompute.FULL: fwd,
-        },
+        name=f"block.{index}", kind=LayerKind.BLOCK, params=params,
+        tp_split_params=params - replicated, fwd_flops_per_token=fwd,
+        recompute_flops_per_token={Recompute.NONE: 0.0, Recompute.SELECTIVE: selective_flops,
+                                   Recompute.FULL: fwd},
         activation={
             Recompute.NONE: ActivationBytes(shared * scale, (split + scores) * scale),
             Recompute.SELECTIVE: selective_act,
@@ -260,12 +223,9 @@ def build_transformer(shape: TransformerShape) -> ModelSpec:
     scale = shape.dtype_bytes / 2
     positions = s * h if shape.arch == "gpt" else 0  # learned position embeddings (GPT only)
     embed = LayerSpec(
-        name="embed",
-        kind=LayerKind.EMBEDDING,
-        params=v * h + positions,
+        name="embed", kind=LayerKind.EMBEDDING, params=v * h + positions,
         tp_split_params=v * h,  # vocab-parallel embedding
-        fwd_flops_per_token=0.0,
-        recompute_flops_per_token={Recompute.NONE: 0.0},
+        fwd_flops_per_token=0.0, recompute_flops_per_token={Recompute.NONE: 0.0},
         # the embedding keeps only the token ids (int64) for its backward, and the dropout mask
         # where there is dropout; its output is the first block's input, counted there
         activation={Recompute.NONE: ActivationBytes(
@@ -274,12 +234,8 @@ def build_transformer(shape: TransformerShape) -> ModelSpec:
     )
     norm_params = 2 * h if shape.arch == "gpt" else h
     head = LayerSpec(
-        name="head",
-        kind=LayerKind.HEAD,
-        params=v * h + norm_params,
-        tp_split_params=v * h,
-        fwd_flops_per_token=2.0 * h * v,
-        recompute_flops_per_token={Recompute.NONE: 0.0},
+        name="head", kind=LayerKind.HEAD, params=v * h + norm_params, tp_split_params=v * h,
+        fwd_flops_per_token=2.0 * h * v, recompute_flops_per_token={Recompute.NONE: 0.0},
         # final-norm input 2h and head input 2h, plus the loss's fp32 log-softmax of the logits
         # (4V, vocab-parallel), kept for backward (run/model/loss.py: the logits leave the head in
         # the compute dtype and the loss writes their fp32 log-probabilities)
@@ -294,16 +250,7 @@ def build_transformer(shape: TransformerShape) -> ModelSpec:
     )
     blocks = tuple(_block(shape, i) for i in range(shape.num_layers))
     return ModelSpec(
-        name=shape.name,
-        arch=shape.arch,
-        layers=(embed, *blocks, head),
-        hidden_size=h,
-        num_heads=shape.num_heads,
-        num_kv_heads=shape.kv_heads,
-        ffn_hidden_size=shape.ffn,
-        vocab_size=shape.vocab_size,
-        padded_vocab_size=v,
-        seq_len=s,
-        tied_embeddings=shape.tied,
-        dtype_bytes=shape.dtype_bytes,
-    )
+        name=shape.name, arch=shape.arch, layers=(embed, *blocks, head), hidden_size=h,
+        num_heads=shape.num_heads, num_kv_heads=shape.kv_heads, ffn_hidden_size=shape.ffn,
+        vocab_size=shape.vocab_size, padded_vocab_size=v, seq_len=s,
+        tied_embeddings=shape.tied, dtype_bytes=shape.dtype_bytes)

@@ -26,6 +26,7 @@ published (``networkx`` Hopcroft-Karp on G'). ``max_streams`` caps the count (se
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,6 +59,24 @@ class StreamAssignment:
     def stream_of(self) -> dict[str, int]:
         """Operator -> its stream's index."""
         return {op: s for s, ops in enumerate(self.streams) for op in ops}
+
+    @property
+    def waits(self) -> dict[str, list[str]]:
+        """Operator -> the sync parents whose events its stream waits on first."""
+        waits: dict[str, list[str]] = {}
+        for u, v in self.syncs:
+            waits.setdefault(v, []).append(u)
+        return waits
+
+
+def happens_before(ops: Iterable[str], streams: Sequence[Sequence[str]],
+                   syncs: Sequence[Edge]) -> nx.DiGraph:
+    """The order every run keeps: each stream's own order plus the synced cross-stream edges."""
+    graph: nx.DiGraph = nx.DiGraph(list(syncs))
+    graph.add_nodes_from(ops)
+    for stream in streams:
+        graph.add_edges_from(zip(stream, stream[1:], strict=False))
+    return graph
 
 
 def topological_order(dag: nx.DiGraph, order: list[str] | None = None) -> list[str]:
@@ -123,11 +142,7 @@ def needed_syncs(streams: list[list[str]], reduced_edges: list[Edge]) -> list[Ed
     """
     stream_of = {op: s for s, ops in enumerate(streams) for op in ops}
     cross = [(u, v) for u, v in reduced_edges if stream_of[u] != stream_of[v]]
-    happens_before: nx.DiGraph = nx.DiGraph(cross)
-    happens_before.add_nodes_from(stream_of)
-    for ops in streams:
-        happens_before.add_edges_from(zip(ops, ops[1:], strict=False))
-    kept = nx.transitive_reduction(happens_before)
+    kept = nx.transitive_reduction(happens_before(stream_of, streams, cross))
     return [e for e in cross if kept.has_edge(*e)]
 
 

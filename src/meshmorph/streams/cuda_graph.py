@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.fx
 
 from meshmorph.streams.assign import StreamAssignment
 from meshmorph.streams.op_graph import OpGraph
@@ -35,10 +34,7 @@ class CudaStreamRunner:
             raise RuntimeError("CudaStreamRunner needs a CUDA device; on CPU use StreamExecutor")
         self.op_graph, self.assignment = op_graph, assignment
         self.streams = [torch.cuda.Stream() for _ in assignment.streams]
-        self.stream_of = assignment.stream_of
-        self.waits: dict[str, list[str]] = {}
-        for u, v in assignment.syncs:
-            self.waits.setdefault(v, []).append(u)
+        self.stream_of, self.waits = assignment.stream_of, assignment.waits
         self.events = {u: torch.cuda.Event() for u, _ in assignment.syncs}
         self.fork = torch.cuda.Event()
         self.joins = [torch.cuda.Event() for _ in self.streams]
@@ -46,13 +42,7 @@ class CudaStreamRunner:
 
     def issue(self, *inputs: torch.Tensor) -> Any:
         """Enqueue one forward on the streams; returns the output (valid on the current stream)."""
-        gm = self.op_graph.module
-        interp = torch.fx.Interpreter(gm, garbage_collect_values=False)
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        interp.env = dict(zip(placeholders, (*self.op_graph.leading_inputs, *inputs), strict=True))
-        for node in gm.graph.nodes:
-            if node.op == "get_attr":
-                interp.env[node] = interp.run_node(node)
+        interp = self.op_graph.interpreter(inputs)
         origin = torch.cuda.current_stream()
         self.fork.record(origin)
         for stream in self.streams:
@@ -70,8 +60,7 @@ class CudaStreamRunner:
         for stream, join in zip(self.streams, self.joins, strict=True):
             join.record(stream)
             origin.wait_event(join)
-        output = next(n for n in gm.graph.nodes if n.op == "output")
-        return interp.run_node(output)
+        return self.op_graph.output(interp)
 
 
 def _warm_up(step: Any, steps: int) -> None:
@@ -84,7 +73,22 @@ def _warm_up(step: Any, steps: int) -> None:
     torch.cuda.synchronize()
 
 
-class StreamGraph:
+class _Captured:
+    """A CUDA graph captured over static input buffers (``static_inputs``, ``static_output``)."""
+
+    static_inputs: tuple[torch.Tensor, ...]
+    static_output: Any
+    graph: torch.cuda.CUDAGraph
+
+    def replay(self, *inputs: torch.Tensor) -> Any:
+        """Copy ``inputs`` into the static buffers, replay, return the static output buffer."""
+        for static, new in zip(self.static_inputs, inputs, strict=True):
+            static.copy_(new)
+        self.graph.replay()
+        return self.static_output
+
+
+class StreamGraph(_Captured):
     """A forward (optionally with backward) on the assigned streams, captured once, replayed."""
 
     def __init__(self, op_graph: OpGraph, assignment: StreamAssignment,
@@ -118,15 +122,8 @@ class StreamGraph:
         with torch.cuda.graph(self.graph):
             self.static_output = step()
 
-    def replay(self, *inputs: torch.Tensor) -> Any:
-        """Copy ``inputs`` into the static buffers, replay, return the static output buffer."""
-        for static, new in zip(self.static_inputs, inputs, strict=True):
-            static.copy_(new)
-        self.graph.replay()
-        return self.static_output
 
-
-class ModuleGraph:
+class ModuleGraph(_Captured):
     """The baseline: a plain single-stream CUDA graph of ``module(*inputs)``."""
 
     def __init__(self, module: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> None:
@@ -136,10 +133,3 @@ class ModuleGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(self.graph):
             self.static_output = module(*self.static_inputs)
-
-    def replay(self, *inputs: torch.Tensor) -> Any:
-        """Copy ``inputs`` into the static buffers, replay, return the static output buffer."""
-        for static, new in zip(self.static_inputs, inputs, strict=True):
-            static.copy_(new)
-        self.graph.replay()
-        return self.static_output

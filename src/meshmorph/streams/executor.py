@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.fx
 
 from meshmorph.streams.assign import StreamAssignment
 from meshmorph.streams.op_graph import OpGraph
@@ -27,9 +26,7 @@ class ScheduleError(RuntimeError):
 
 def run_schedule(assignment: StreamAssignment, run_op: Callable[[str], None]) -> list[TraceEvent]:
     """Call ``run_op`` for every operator in stream order, interleaving streams; return the trace."""
-    waits: dict[str, list[str]] = {}
-    for u, v in assignment.syncs:
-        waits.setdefault(v, []).append(u)
+    waits = assignment.waits
     signals = {u for u, _ in assignment.syncs}
     queues = [deque(ops) for ops in assignment.streams]
     recorded: set[str] = set()
@@ -68,21 +65,10 @@ class StreamExecutor:
         self._nodes = {n.name: n for n in op_graph.module.graph.nodes}
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        gm = self.op_graph.module
-        interp = torch.fx.Interpreter(gm, garbage_collect_values=False)
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        inputs = (*self.op_graph.leading_inputs, *inputs)
-        if len(placeholders) != len(inputs):
-            raise ValueError(f"the graph takes {len(placeholders)} inputs, {len(inputs)} given "
-                             f"({len(self.op_graph.leading_inputs)} of them parameters/buffers)")
-        interp.env = dict(zip(placeholders, inputs, strict=True))
-        for node in gm.graph.nodes:
-            if node.op == "get_attr":
-                interp.env[node] = interp.run_node(node)
-
+        interp = self.op_graph.interpreter(inputs)
         # readers not yet run, per value: a value is dropped after its last reader, as eager
         # mode would (the output node counts as a reader and never runs, so outputs stay)
-        readers_left = {n: len(n.users) for n in gm.graph.nodes}
+        readers_left = {n: len(n.users) for n in self.op_graph.module.graph.nodes}
 
         def run_op(name: str) -> None:
             for member in self.op_graph.members.get(name, (name,)):
@@ -99,6 +85,4 @@ class StreamExecutor:
                         del interp.env[parent]
 
         self.last_trace = run_schedule(self.assignment, run_op)
-        output = next(n for n in gm.graph.nodes if n.op == "output")
-        return interp.run_node(output)
-
+        return self.op_graph.output(interp)

@@ -71,12 +71,25 @@ class OpGraph:
     """Training graphs: position of the loss among the outputs (updated buffers come first, then
     the loss, then one gradient per parameter in ``named_parameters`` order)."""
 
-    def node(self, name: str) -> torch.fx.Node:
-        """The fx node called ``name``."""
-        return self._nodes()[name]
+    def interpreter(self, inputs: tuple[torch.Tensor, ...]) -> torch.fx.Interpreter:
+        """An fx interpreter of ``module`` with the inputs (``leading_inputs`` first) and the
+        constants in place, every value kept until the caller drops it."""
+        placeholders = [n for n in self.module.graph.nodes if n.op == "placeholder"]
+        inputs = (*self.leading_inputs, *inputs)
+        if len(placeholders) != len(inputs):
+            given = len(inputs) - len(self.leading_inputs)
+            raise ValueError(f"{type(self.module).__name__}.forward takes "
+                             f"{len(placeholders) - len(self.leading_inputs)} inputs, {given} given")
+        interp = torch.fx.Interpreter(self.module, garbage_collect_values=False)
+        interp.env = dict(zip(placeholders, inputs, strict=True))
+        for node in self.module.graph.nodes:
+            if node.op == "get_attr":
+                interp.env[node] = interp.run_node(node)
+        return interp
 
-    def _nodes(self) -> dict[str, torch.fx.Node]:
-        return {n.name: n for n in self.module.graph.nodes}
+    def output(self, interp: torch.fx.Interpreter) -> Any:
+        """The module's output from an interpreter that has run every operator."""
+        return interp.run_node(next(n for n in self.module.graph.nodes if n.op == "output"))
 
 
 def _target_name(node: torch.fx.Node) -> str:
@@ -137,23 +150,15 @@ def build_op_graph(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], *,
             raise ValueError(f"torch.fx cannot trace {type(module).__name__} ({exc}); streams "
                              "need a module without data-dependent Python control flow") from None
     prices = time_model or TimeModel()
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(leading) + len(inputs):
-        raise ValueError(f"{type(module).__name__}.forward takes {len(placeholders) - len(leading)} "
-                         f"inputs, {len(inputs)} given")
-    interp = torch.fx.Interpreter(gm, garbage_collect_values=False)
-    interp.env = dict(zip(placeholders, (*leading, *inputs), strict=True))
-    dag: nx.DiGraph = nx.DiGraph()
-    order: list[str] = []
+    graph = OpGraph(module=gm, dag=nx.DiGraph(), leading_inputs=leading, training=training,
+                    loss_index=loss_index)
+    interp = graph.interpreter(inputs)
+    dag, order = graph.dag, graph.order
     free: set[str] = set()
     writes: dict[str, list[list[str]]] = {}
     with torch.no_grad():
         for node in gm.graph.nodes:
-            if node.op == "placeholder":
-                continue
-            if node.op not in OP_KINDS:
-                if node.op == "get_attr":
-                    interp.env[node] = interp.run_node(node)
+            if node.op not in OP_KINDS:  # inputs, constants (in place already) and the output
                 continue
             tensors_in = {p: interp.env[p] for p in node.all_input_nodes
                           if isinstance(interp.env.get(p), torch.Tensor)}
@@ -180,8 +185,7 @@ def build_op_graph(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], *,
                 if parent.op in OP_KINDS:
                     dag.add_edge(parent.name, node.name)
     add_write_edges(dag, order, writes)
-    members = {op: (op,) for op in order}
+    graph.members = {op: (op,) for op in order}
     if fold:
-        order, members = fold_free_ops(dag, order, free)
-    return OpGraph(module=gm, dag=dag, order=order, members=members, leading_inputs=leading,
-                   training=training, loss_index=loss_index)
+        graph.order, graph.members = fold_free_ops(dag, order, free)
+    return graph

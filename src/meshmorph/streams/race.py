@@ -15,7 +15,7 @@ from typing import Literal
 
 import networkx as nx
 
-from meshmorph.streams.assign import StreamAssignment
+from meshmorph.streams.assign import StreamAssignment, happens_before
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,16 +49,13 @@ def schedule_races(dag: nx.DiGraph, assignment: StreamAssignment) -> list[Race]:
     if missing:
         raise ValueError(f"the assignment and the DAG disagree on operators {sorted(missing)[:5]}; "
                          "assign the same DAG you check")
-    happens_before: nx.DiGraph = nx.DiGraph(list(assignment.syncs))
-    happens_before.add_nodes_from(dag)
-    for ops in assignment.streams:
-        happens_before.add_edges_from(zip(ops, ops[1:], strict=False))
-    if not nx.is_directed_acyclic_graph(happens_before):
+    order = happens_before(dag, assignment.streams, assignment.syncs)
+    if not nx.is_directed_acyclic_graph(order):
         return [Race(u, v, "stream order and syncs form a cycle (deadlock)")
-                for u, v in nx.find_cycle(happens_before)]
+                for u, v in nx.find_cycle(order)]
     races = []
     for u in dag:
-        after = nx.descendants(happens_before, u)
+        after = nx.descendants(order, u)
         for v in dag.successors(u):
             if v not in after:
                 where = "on the same stream after it" if stream_of[u] == stream_of[v] else (

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshmorph.viz.figure import save_figure
+from meshmorph.viz.figure import pyplot, save_figure
 
 
 def write_loss_chart(records: list[dict], out_png: Path, *, title: str = "training loss") -> Path:
     """Draw loss vs step (one point per record with ``step`` and ``loss``) into ``out_png``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     steps = [r["step"] for r in records]
     losses = [r["loss"] for r in records]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = pyplot().subplots(figsize=(7, 4))
     ax.plot(steps, losses, marker="." if len(steps) < 60 else None, linewidth=1.5)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshmorph.cost.estimate import GIB, Estimate
-from meshmorph.viz.figure import save_figure
+from meshmorph.viz.figure import pyplot, save_figure
 
 PART_COLOURS = {
     "params": "#4c78a8",
@@ -23,13 +23,8 @@ def write_memory_chart(estimate: Estimate, out_png: Path, *,
     """Draw one stacked bar per pipeline stage (GiB) with each stage's device memory as a line."""
     if not estimate.memory:
         raise ValueError("the estimate holds no stage memory")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     stages = range(len(estimate.memory))
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.6 * len(estimate.memory) + 3), 4.5))
+    fig, ax = pyplot().subplots(figsize=(max(5.0, 0.6 * len(estimate.memory) + 3), 4.5))
     bottom = [0.0] * len(estimate.memory)
     for part, colour in PART_COLOURS.items():
         heights = [getattr(m, part) / GIB for m in estimate.memory]

@@ -17,6 +17,7 @@ from meshmorph.predict.revocation import fitted_hazards, kaplan_meier
 from meshmorph.predict.simulate import RunResult
 from meshmorph.predict.spot_data import availability_set, lifetime_set
 from meshmorph.predict.traces import packaged_trace
+from meshmorph.viz.figure import pyplot, save_figure
 
 COLOURS = {"start": "#9e9e9e", "compute": "#2e7d32", "checkpoint": "#1565c0",
            "recover": "#c62828", "wait": "#ef6c00"}
@@ -24,11 +25,7 @@ COLOURS = {"start": "#9e9e9e", "compute": "#2e7d32", "checkpoint": "#1565c0",
 
 def write_timeline_chart(runs: dict[str, RunResult], path: Path, title: str) -> None:
     """One row per policy: what the job did over time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(11, 1.2 + 0.9 * len(runs)))
     for row, run in enumerate(runs.values()):
         for start, end, kind, *_ in run.timeline:
@@ -38,21 +35,13 @@ def write_timeline_chart(runs: dict[str, RunResult], path: Path, title: str) -> 
     ax.set_title(title)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
     ax.legend(handles, list(COLOURS), loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=5)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def write_hazard_chart(path: Path) -> None:
     """Fitted CDF of VM lifetimes vs the published one (CM-DARE) and ICAC 2019's Feb 2019 VMs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     data, hazards = measurements(), fitted_hazards()
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4), sharey=True)
+    fig, axes = pyplot().subplots(1, 3, figsize=(13, 4), sharey=True)
     hours = np.linspace(0, 24, 241)
     for ax, name in zip(axes, ("K80", "P100", "V100"), strict=True):
         hazard = hazards[name.lower()]
@@ -73,21 +62,13 @@ def write_hazard_chart(path: Path) -> None:
         ax.set_xlabel("hours since start")
         ax.legend(fontsize=7)
     axes[0].set_ylabel("fraction revoked (24 h cap not counted)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def write_replay_chart(report: dict, path: Path) -> None:
     """Per zone: job time and cost, P10-P90 with the P50 marked, from the fit and from the
     replay; in sample and held out."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8), sharey="row")
+    fig, axes = pyplot().subplots(2, 2, figsize=(13, 8), sharey="row")
     for col, part in enumerate(("in_sample", "held_out")):
         zones = report[part]["zones"]
         names = list(zones) + ["multi-zone"]
@@ -111,10 +92,7 @@ def write_replay_chart(report: dict, path: Path) -> None:
         axes[0][col].set_title(f"{part.replace('_', ' ')}: fit vs replay (P50 error on top)",
                                fontsize=9)
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 FIT_ZONES = ("us-central1-a", "us-east4-a", "us-west1-b", "asia-southeast1-b")
@@ -180,16 +158,8 @@ def _rate_panel(ax: Any, rates: list[tuple[str, float, float, float]]) -> None:
 
 def write_spot_fit_chart(rates: list[tuple[str, float, float, float]], path: Path) -> None:
     """The fitted capacity and lifetime processes beside the data they were fitted to."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    fig, axes = pyplot().subplots(2, 2, figsize=(13, 9))
     _capacity_panels(axes[0])
     _lifetime_panel(axes[1][0])
     _rate_panel(axes[1][1], rates)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)

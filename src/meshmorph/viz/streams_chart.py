@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshmorph.streams.assign import StreamAssignment
-from meshmorph.viz.figure import save_figure
+from meshmorph.viz.figure import pyplot, save_figure
 
 MAX_INCHES = (24.0, 40.0)
 """Largest figure (width, height) in inches; one stream column and one op row scale down past it."""
@@ -21,11 +21,7 @@ MAX_LABELLED_OPS = 150
 def write_streams_chart(assignment: StreamAssignment, out_png: Path, *, title: str = "",
                         labels: bool = True) -> Path:
     """Draw ``assignment`` to ``out_png`` (PNG) and return the path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     position = {op: i for i, op in enumerate(assignment.order)}
     stream_of = assignment.stream_of
     count = len(assignment.streams)

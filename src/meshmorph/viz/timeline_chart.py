@@ -2,7 +2,8 @@
 
 ``plan_timeline`` simulates a plan's schedule on the cost model's per-chunk times (the numbers
 the cost model prices the step with); ``draw_timelines`` draws one or more timelines stacked on
-one time axis (``meshmorph timeline --compare`` puts the predicted one over the measured one).
+one time axis (``meshmorph timeline --compare`` puts the predicted one over the measured one;
+``plan``/``estimate --chart`` draw a plan's).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from meshmorph.schedule.simulator import (
 from meshmorph.schedule.table import Schedule
 from meshmorph.schedule.trace import OpRecord
 from meshmorph.spec.plan import Plan
-from meshmorph.viz.figure import save_figure
+from meshmorph.viz.figure import pyplot, save_figure
 
 KIND_COLOURS = {"F": "#4c78a8", "B": "#59a14f", "I": "#76b7b2", "W": "#f28e2b", "STEP": "#b07aa1"}
 """Forward, full backward, input-gradient backward, weight gradient, optimizer step."""
@@ -59,6 +60,19 @@ def plan_timeline(plan: Plan, cost: CostModel, schedule: str | None = None) -> T
     return simulate_schedule(name, plan.pp, plan.num_microbatches, times, v=v)
 
 
+def plan_title(plan: Plan, schedule: str | None = None) -> str:
+    """``tp T pp P dp D, SCHEDULE[ vV], B x M micro-batches``: what a plan's timeline shows."""
+    return (f"tp {plan.tp} pp {plan.pp} dp {plan.dp}, {schedule or plan.schedule}"
+            f"{f' v{plan.vpp}' if plan.vpp > 1 else ''}, {plan.micro_batch} x "
+            f"{plan.num_microbatches} micro-batches")
+
+
+def write_plan_pipeline_chart(plan: Plan, cost: CostModel, out_png: Path) -> Path:
+    """Simulate ``plan`` and draw its timeline into ``out_png``."""
+    return draw_timelines([Lane(f"{plan.model}: {plan_title(plan)}",
+                                plan_timeline(plan, cost).ops)], out_png)
+
+
 @dataclass(frozen=True, slots=True)
 class Lane:
     """One timeline to draw."""
@@ -72,16 +86,12 @@ class Lane:
 def draw_timelines(lanes: Sequence[Lane], out_png: Path) -> Path:
     """Draw every lane as one Gantt chart (rank 0 on top) on a shared time axis; the idle time
     of each rank up to its lane's last action is hatched (the bubble)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
     ranks = [1 + max(op[0] for op in lane.ops) for lane in lanes]
     end_s = max(op[5] for lane in lanes for op in lane.ops)
     scale, unit = (1e3, "ms") if end_s < 10 else (1.0, "s")
-    fig, axes = plt.subplots(len(lanes), 1, sharex=True, squeeze=False,
+    fig, axes = pyplot().subplots(len(lanes), 1, sharex=True, squeeze=False,
                              figsize=(12, sum(0.55 * p + 1.0 for p in ranks) + 0.6))
     kinds: set[str] = set()
     for ax, lane, p in zip(axes[:, 0], lanes, ranks, strict=True):

@@ -36,8 +36,7 @@ from meshmorph.run.launch.console import Relay, last_step
 from meshmorph.run.launch.host_memory import check_host_memory
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.model import ModelSpec
-from meshmorph.spec.plan import Plan, PlanError
-from meshmorph.spec.plan_file import load_plan
+from meshmorph.spec.plan import Plan, PlanError, load_plan
 from meshmorph.spec.runnable import refuse_context_parallel
 
 STOP_GRACE_S = 300.0

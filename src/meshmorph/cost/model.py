@@ -21,26 +21,10 @@ from meshmorph.cost import comm
 from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.estimate import Estimate, StageMemory
 from meshmorph.cost.layer_cost import LayerCoster, PieceCost
-from meshmorph.cost.pipeline import (
-    Timeline,
-    async_steady_step,
-    known_warmup,
-    simulate,
-)
+from meshmorph.cost.pipeline import Timeline, async_steady_step, known_warmup, simulate
 from meshmorph.cost.profile import Profile
-from meshmorph.cost.rank_terms import (
-    rank_memory_terms,
-    tail_overlap_window_s,
-)
-from meshmorph.cost.segments import (
-    LayerPlan,
-    Segment,
-    autocast_stream,
-    chunk_segments,
-    fsdp_units,
-    is_layerwise,
-    uniform_segments,
-)
+from meshmorph.cost.rank_terms import rank_memory_terms, tail_overlap_window_s
+from meshmorph.cost.segments import LayerPlan, Segment, autocast_stream, chunk_segments, fsdp_units
 from meshmorph.cost.state import (
     DataParallelTraffic,
     HeldBytes,
@@ -55,6 +39,7 @@ from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.gpus import GPUSpec, LinkSpec, flops_dtype
 from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.plan import Plan, PlanError, StagePlan
+from meshmorph.spec.runnable import lists_layer_strategies
 
 Parts = list[list[tuple[Segment, PieceCost]]]
 """Per model chunk, its segments with their priced figures."""
@@ -70,6 +55,11 @@ def steady_state(fwd_s: Sequence[float], bwd_s: Sequence[float], m: int) -> Time
                     rank_busy_s=busy, ops=())
 
 
+def _plus(a: PieceCost, b: PieceCost) -> PieceCost:
+    """Two pieces' figures added field by field."""
+    return PieceCost(*(x + y for x, y in zip(a, b, strict=True)))
+
+
 class CostModel:
     """Predicts time and memory of Plans for one model on one cluster."""
 
@@ -81,9 +71,8 @@ class CostModel:
         self.profile = profile or Profile()
         if self.profile.oversubscribed():  # no free core runs a collective beside compute
             self.coef = replace(self.coef, dp_overlap=0.0, zero3_overlap=0.0, tp_overlap=0.0)
-        eff = self.coef.link_efficiency
-        self.intra = {g.gpu.name: self._link(g.intra_link.name, g.intra_link, eff) for g in cluster.groups}
-        self.inter = self._link(cluster.inter_link.name, cluster.inter_link, eff)
+        self.intra = {g.gpu.name: self._link(g.intra_link) for g in cluster.groups}
+        self.inter = self._link(cluster.inter_link)
         self.efficiency = {
             g.gpu.name: self.profile.matmul_efficiency.get(
                 g.gpu.name, dict(self.coef.gpu_matmul_efficiency).get(g.gpu.name,
@@ -101,10 +90,11 @@ class CostModel:
         self.rank_layers: dict[tuple, tuple] = {}
         """The layer figures of the planner's per-rank bounds (plan/rank_bound.py)."""
 
-    def _link(self, name: str, spec: LinkSpec, efficiency: float) -> comm.Link:
-        link = comm.Link.from_spec(spec, efficiency)
-        bw = self.profile.link_bandwidth_gbps.get(name)
-        lat = self.profile.link_latency_us.get(name)
+    def _link(self, spec: LinkSpec) -> comm.Link:
+        """``spec`` at ``link_efficiency``, or as the Profile measured it."""
+        link = comm.Link.from_spec(spec, self.coef.link_efficiency)
+        bw = self.profile.link_bandwidth_gbps.get(spec.name)
+        lat = self.profile.link_latency_us.get(spec.name)
         return comm.Link(lat * 1e-6 if lat is not None else link.latency_s,
                          bw * 1e9 if bw is not None else link.bandwidth_bps)
 
@@ -181,19 +171,14 @@ class CostModel:
     # --- pieces the planner reuses ------------------------------------------------------------
     def chunk_params(self, start: int, stop: int, tp: int) -> float:
         """Parameters of layers [start, stop) on one tensor-parallel rank (memoised)."""
-        key = (start, stop, tp)
-        found = self._chunk_params.get(key)
-        if found is None:
-            found = self._chunk_params[key] = self._sum_params(start, stop, tp)
-        return found
-
-    def _sum_params(self, start: int, stop: int, tp: int) -> float:
-        """``chunk_params``, added up."""
-        total = 0.0
-        for layer in self.model.layers[start:stop]:
-            total += layer.tp_split_params / tp + (layer.params - layer.tp_split_params)
-        if start == 0 and stop == self.model.num_layers:
-            total -= self.model.layers[-1].tied_params / tp  # tied head and embedding on one rank
+        total = self._chunk_params.get((start, stop, tp))
+        if total is None:
+            total = 0.0
+            for layer in self.model.layers[start:stop]:
+                total += layer.tp_split_params / tp + (layer.params - layer.tp_split_params)
+            if start == 0 and stop == self.model.num_layers:  # tied head and embedding on one rank
+                total -= self.model.layers[-1].tied_params / tp
+            self._chunk_params[(start, stop, tp)] = total
         return total
 
     def layer_params(self, index: int, tp: int) -> float:
@@ -230,17 +215,16 @@ class CostModel:
         if plan.grad_replicas == 1:  # no data-parallel traffic inside a micro-batch
             return PieceCost(f, b, bg, wg, comp, re, tpc, cpc, z3, params)
         gathers, scatter = self.microbatch_dp_traffic(plan, params, gpu)
-        if (gathers or scatter) and self.fsdp_measured(plan):
-            # FSDP2's own per-unit work, measured (profile/fsdp_units.py): every unit (each block
-            # and the chunk's root) pays the fit's per-call time once per call
-            gathers, scatter = self.microbatch_dp_traffic(
-                plan, params, gpu, units=self.fsdp_units(start, stop) if units is None else units)
-        elif (gathers or scatter) and self.profile.collectives:
-            # measured collectives: FSDP issues one call per unit (each block and the chunk's
-            # root), so each unit pays the fitted per-call alpha, not the chunk once
-            units = self.fsdp_units(start, stop) if units is None else units
-            gathers, scatter = (units * x for x in self.microbatch_dp_traffic(
-                plan, params / units, gpu))
+        if (gathers or scatter) and self.profile.collectives:
+            # measured: FSDP2 issues one call per unit (each block and the chunk's root), so every
+            # unit pays the fitted per-call time (FSDP2's own per-unit fits where measured,
+            # profile/fsdp_units.py, else the collective's alpha), not the chunk once
+            units = fsdp_units(self.model, start, stop) if units is None else units
+            if self.fsdp_measured(plan):
+                gathers, scatter = self.microbatch_dp_traffic(plan, params, gpu, units=units)
+            else:
+                one = self.microbatch_dp_traffic(plan, params / units, gpu)
+                gathers, scatter = units * one[0], units * one[1]
         if gathers or scatter:
             ef, eb = self.zero_exposed(plan, gathers, scatter, f, b)
             f, b, bg, z3 = f + ef, b + eb, bg + eb, ef + eb
@@ -257,22 +241,15 @@ class CostModel:
         two segments whose tp differs the activation is redistributed (cost/transition.py):
         forward and backward seconds added to the chunk's, the backward in its input gradient."""
         pieces = [self.segment_time(segment, gpu) for segment in segments]
-        if len(pieces) == 1:
-            return pieces[0], pieces
-        f = b = bg = wg = comp = re = tpc = cpc = z3 = params = moved = 0.0
-        for at, (segment, t) in enumerate(zip(segments, pieces, strict=True)):
-            f, b, bg, wg = f + t.fwd_s, b + t.bwd_s, bg + t.bgrad_s, wg + t.wgrad_s
-            comp, re, tpc, cpc = comp + t.compute_s, re + t.recompute_s, tpc + t.tp_comm_s, \
-                cpc + t.cp_comm_s
-            z3, params = z3 + t.zero3_comm_s, params + t.params
-            if at:
-                step = transition(self, segments[at - 1].strategy, segment.strategy,
-                                  plan.dp * plan.micro_batch, plan.dtype, gpu,
-                                  sequence_parallel=plan.sequence_parallel)
-                f, b, bg = f + step.fwd_s, b + step.bwd_s, bg + step.bwd_s
-                moved += step.fwd_s + step.bwd_s
-        return PieceCost(f, b, bg, wg, comp, re, tpc, cpc, z3, params,
-                         transition_s=moved), pieces
+        total = pieces[0]
+        for at in range(1, len(segments)):
+            step = transition(self, segments[at - 1].strategy, segments[at].strategy,
+                              plan.dp * plan.micro_batch, plan.dtype, gpu,
+                              sequence_parallel=plan.sequence_parallel)
+            moved = PieceCost(step.fwd_s, step.bwd_s, step.bwd_s, 0.0, 0.0, 0.0, 0.0,
+                              transition_s=step.fwd_s + step.bwd_s)
+            total = _plus(_plus(total, pieces[at]), moved)
+        return total, pieces
 
     def layer_alone(self, plan: Plan, index: int, recompute: Recompute, gpu: GPUSpec, *,
                     drop_tied: bool = False) -> tuple[PieceCost, float]:
@@ -352,10 +329,6 @@ class CostModel:
             f"fsdp_all_gather/{d}" in self.profile.collectives and \
             f"fsdp_reduce_scatter/{d}" in self.profile.collectives
 
-    def fsdp_units(self, start: int, stop: int) -> int:
-        """FSDP2 units of a chunk of layers [start, stop): each block and the chunk's root."""
-        return fsdp_units(self.model, start, stop)
-
     def fsdp_calls(self, kind: str, n: int, calls: float, nbytes: float, units: int) -> float:
         """Seconds of ``calls`` FSDP2 calls of ``kind`` over each of ``units`` units sharing
         ``nbytes`` (the Profile's ``fsdp_<kind>/n`` fit: linear, so an even split is exact)."""
@@ -393,8 +366,8 @@ class CostModel:
                     gpu: GPUSpec) -> StageMemory:
         """Peak memory of one rank of pipeline rank ``pp_rank`` holding ``chunks`` (start, stop,
         recompute) under ``plan``'s own strategy (``segments_memory`` of their segments)."""
-        return self.segments_memory(plan, pp_rank, uniform_segments(
-            plan, [(a, b, tuple(r)) for a, b, r in chunks]), gpu)
+        return self.segments_memory(
+            plan, pp_rank, [Segment(a, b, plan, tuple(r)) for a, b, r in chunks], gpu)
 
     def segments_memory(self, plan: Plan, pp_rank: int, segments: Sequence[Segment],
                         gpu: GPUSpec) -> StageMemory:
@@ -406,16 +379,12 @@ class CostModel:
         (the largest layer plus a prefetch), and the rank's reserve (the head's loss buffers
         under the head's strategy)."""
         stored = working = 0.0
-        groups: list[list] = []  # per strategy (one plan object each): [plan, params, largest]
+        groups: dict[int, list] = {}  # per strategy (one plan object each): [plan, params, largest]
         tied, last = self.model.layers[-1].tied_params, self.model.num_layers - 1
         head_plan = plan
         for segment in segments:
             sub = segment.plan
-            group = groups[-1] if groups and groups[-1][0] is sub else \
-                next((g for g in groups if g[0] is sub), None)
-            if group is None:
-                group = [sub, 0.0, 0.0]
-                groups.append(group)
+            group = groups.setdefault(id(sub), [sub, 0.0, 0.0])
             layer = self.coster(sub).layer
             micro_batch, tp, sp = sub.micro_batch, sub.tp, sub.sequence_parallel
             # a tied head in a chunk of its own (the V's rank 0 holds chunks 0 and 2pp - 1) is a
@@ -440,10 +409,9 @@ class CostModel:
         # ZeRO as the runtime realises it (cost/state.py): fp32 masters, gradients and moments;
         # ZeRO-3 gathers its largest layer plus a prefetch; transient unsharded copies and whole
         # gradients between micro-batches (held.peak_extra)
-        params = grads = optimizer = extra = 0.0
-        gather = None
+        params = grads = optimizer = extra = gather = 0.0
         rank = None
-        for sub, count, largest in groups:
+        for sub, count, largest in groups.values():
             held = self.held(sub)
             terms = rank_memory_terms(self, sub, pp_rank, gpu)
             if sub is head_plan is plan:
@@ -452,13 +420,12 @@ class CostModel:
             grads += count * held.grads
             optimizer += count * held.optimizer
             extra += count * held.peak_extra
-            held_gather = largest * terms.gather_bytes_per_param
-            gather = held_gather if gather is None or held_gather > gather else gather
+            gather = max(gather, largest * terms.gather_bytes_per_param)
         if rank is None:
             rank = rank_memory_terms(self, plan, pp_rank, gpu, head_plan=head_plan)
         return StageMemory(params=params, grads=grads, optimizer=optimizer,
                            activations=rank.activation_bytes(stored, working),
-                           buffers=(gather or 0.0) + extra, reserved=rank.reserved_bytes,
+                           buffers=gather + extra, reserved=rank.reserved_bytes,
                            in_flight_microbatches=rank.in_flight)
 
     def rank_tail(self, plan: Plan, params: float, last_bwd_s: float, gpu: GPUSpec,
@@ -474,16 +441,10 @@ class CostModel:
                plan.reduce_dtype, plan.overlap_grad_reduce, plan.overlap_param_gather, params,
                last_bwd_s, gpu.name, gpu.hbm_gbps, units, least)
         found = self._rank_tails.get(key)
-        if found is None:
-            if len(self._rank_tails) > 200_000:
-                self._rank_tails.clear()
-            found = self._rank_tails[key] = self._rank_tail(plan, params, last_bwd_s, gpu,
-                                                            units, least)
-        return found
-
-    def _rank_tail(self, plan: Plan, params: float, last_bwd_s: float, gpu: GPUSpec,
-                   units: int, least: bool) -> tuple[float, float]:
-        """``rank_tail``, computed."""
+        if found is not None:
+            return found
+        if len(self._rank_tails) > 200_000:
+            self._rank_tails.clear()
         d = plan.grad_replicas
         traffic = self.dp_traffic(plan)
         link = self.group_link(gpu, plan.tp * d)
@@ -506,6 +467,7 @@ class CostModel:
         optimizer = params / shard * self.coef.optimizer_bytes_per_param / (gpu.hbm_gbps * 1e9)
         if self.profile.optimizer_s_per_param > 0:  # measured: fixed + per-parameter tail
             optimizer = self.profile.optimizer_fixed_s + params / shard * self.profile.optimizer_s_per_param
+        self._rank_tails[key] = exposed, optimizer
         return exposed, optimizer
 
     def collective(self, kind: str, n: int, nbytes: float, link: comm.Link) -> float:
@@ -552,7 +514,7 @@ class CostModel:
         if model is not self.model:
             return CostModel(model, self.cluster, self.coef, self.profile).estimate(plan)
         plan.check_against(model)
-        if plan.schedule == Schedule.ASYNC and is_layerwise(plan):
+        if plan.schedule == Schedule.ASYNC and lists_layer_strategies(plan):
             raise PlanError(f"layerwise plans run a synchronous schedule, not {plan.schedule}; "
                             "drop layer_strategies or change the schedule")
         gpus = [self.stage_gpu(stage) for stage in plan.stages]
@@ -599,7 +561,7 @@ class CostModel:
         that more recompute never shortens the step (the planner's per-stage choice relies on
         it). The tied all-reduce runs under the strategy of the end the rank holds."""
         units: list[Sequence[tuple[Segment, PieceCost]]] = [parts]
-        if parts[0][0].alone or len(parts) > 1 and any(segment.alone for segment, _ in parts):
+        if any(segment.alone for segment, _ in parts):
             units = [[part] for part in parts if part[0].alone]
             together = [part for part in parts if not part[0].alone]
             units += [together] if together else []
@@ -609,9 +571,8 @@ class CostModel:
         for unit in units:
             first, piece = unit[0]
             sub = first.plan
-            s, o = self.rank_tail(sub, piece.params if len(unit) == 1 else
-                                  sum(t.params for _, t in unit), tail_overlap_window_s(piece), gpu,
-                                  units=sum(segment.units(self.model) for segment, _ in unit)
+            s, o = self.rank_tail(sub, sum(t.params for _, t in unit), tail_overlap_window_s(piece),
+                                  gpu, units=sum(segment.units(self.model) for segment, _ in unit)
                                   if self.fsdp_measured(sub) else 1)
             sync, optimizer = sync + s, optimizer + o
             if first.start == 0 or unit[-1][0].stop == last:
@@ -634,33 +595,34 @@ class CostModel:
         added up: the planner prices many plans only to compare their steps); with ``fitting``
         also None when the plan does not fit memory (then its schedule is not simulated)."""
         p, m = plan.pp, plan.num_microbatches
-        layerwise = parts is not None and is_layerwise(plan)
+        layerwise = parts is not None and lists_layer_strategies(plan)
         if parts is None:
             parts = [[(Segment(s.start, s.stop, plan, s.recompute), times[c])]
                      for c, s in enumerate(plan.stages)]
-        rank_gpus, ranks, tails = self._rank_tails_of(plan, gpus, parts)
+        # per pipeline rank: its GPU (every rank's tp x dp GPUs share the GPU type of its first
+        # chunk), its segments with their figures, and its tail
+        chunks = [plan.chunks_of(k) for k in range(p)]
+        rank_gpus = [gpus[ids[0]] for ids in chunks]
+        ranks = [[part for c in ids for part in parts[c]] for ids in chunks]
+        tails = [self.rank_tails(plan, k, rank, gpu)
+                 for k, (rank, gpu) in enumerate(zip(ranks, rank_gpus, strict=True))]
         if plan.schedule != Schedule.ASYNC and bound < math.inf and \
                 self._busy_reaches(plan, times, tails, bound):
             return None  # some rank's own work and tail already reach the bound: no simulation
-        memory = None
-        if fitting:
-            memory = self._memory(plan, ranks, rank_gpus)
-            if memory is None:
-                return None
+        memory = self._memory(plan, ranks, rank_gpus, fitting=True) if fitting else None
+        if fitting and memory is None:
+            return None
         timeline, steps = self._timeline(plan, gpus, times)
-        ends = []
-        for k, (sync, opt, tied) in enumerate(tails):
-            if steps is not None:  # m optimizer steps, already inside the simulated window
-                tails[k] = (sync, m * steps[k], tied)
-                ends.append(timeline.rank_end_s[k] + sync)
-                continue
-            ends.append(timeline.rank_end_s[k] + sync + opt)
+        # an asynchronous plan's m optimizer steps are already inside the simulated window
+        ends = [end + sync + (opt if steps is None else 0.0)
+                for end, (sync, opt, _) in zip(timeline.rank_end_s, tails, strict=True)]
+        if steps is not None:
+            tails = [(sync, m * s, tied) for (sync, _, tied), s in zip(tails, steps, strict=True)]
         step = max(ends)
         if step >= bound:
             return None
         if memory is None:
-            memory = [self.segments_memory(plan, k, [s for s, _ in rank], gpu)
-                      for k, (rank, gpu) in enumerate(zip(ranks, rank_gpus, strict=True))]
+            memory = self._memory(plan, ranks, rank_gpus)
         crit = ends.index(step)
         tokens = plan.global_batch * plan.seq_len
         model_flops = tokens * self.model.model_flops_per_token()
@@ -683,29 +645,13 @@ class CostModel:
             stage_times_s=tuple((t.fwd_s, t.bwd_s) for t in times),
         )
 
-    def _rank_tails_of(self, plan: Plan, gpus: Sequence[GPUSpec], parts: Parts
-                       ) -> tuple[list[GPUSpec], list[list[tuple[Segment, PieceCost]]],
-                                  list[tuple[float, float, float]]]:
-        """Per pipeline rank: its GPU (every rank's tp x dp GPUs share the GPU type of its first
-        chunk), its segments with their figures, and ``rank_tails``."""
-        rank_gpus, ranks, tails = [], [], []
-        for k in range(plan.pp):
-            chunk_ids = plan.chunks_of(k)
-            gpu = gpus[chunk_ids[0]]
-            rank_gpus.append(gpu)
-            rank = parts[chunk_ids[0]] if len(chunk_ids) == 1 else \
-                [part for c in chunk_ids for part in parts[c]]
-            ranks.append(rank)
-            tails.append(self.rank_tails(plan, k, rank, gpu))
-        return rank_gpus, ranks, tails
-
     def _memory(self, plan: Plan, ranks: Sequence[Sequence[tuple[Segment, PieceCost]]],
-                rank_gpus: Sequence[GPUSpec]) -> list[StageMemory] | None:
-        """Each rank's memory, or None as soon as one rank's exceeds its GPU's."""
+                rank_gpus: Sequence[GPUSpec], *, fitting: bool = False) -> list[StageMemory] | None:
+        """Each rank's memory; with ``fitting`` None as soon as one rank's exceeds its GPU's."""
         memory = []
         for k, (rank, gpu) in enumerate(zip(ranks, rank_gpus, strict=True)):
             held = self.segments_memory(plan, k, [s for s, _ in rank], gpu)
-            if held.total > gpu.memory_bytes:
+            if fitting and held.total > gpu.memory_bytes:
                 return None
             memory.append(held)
         return memory
@@ -743,6 +689,7 @@ class CostModel:
         ``_drained``)."""
         m = plan.num_microbatches
         split = plan.schedule.split_backward
+        back = [t.bgrad_s if split else t.bwd_s for t in times]  # B, or I under a split backward
         chain = [0.0]  # micro-batch 0's forwards through chunks 0..c-1 (transfers left out)
         for t in times:
             chain.append(chain[-1] + t.fwd_s)
@@ -756,27 +703,24 @@ class CostModel:
                 work += t.fwd_s + (min(t.bwd_s, t.bgrad_s + t.wgrad_s) if split else t.bwd_s)
             busy.append(m * work)
             ends.append(chain[min(chunks)] + busy[-1])
-        ends = CostModel._filled(plan, times, chain, ends, busy)
+        ends = CostModel._filled(plan, times, chain, back, ends, busy)
         if plan.num_chunks == plan.pp:
-            ends = CostModel._drained(plan, times, chain, ends)
+            ends = CostModel._drained(plan, times, chain, back, ends)
         return ends
 
     @staticmethod
     def _filled(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
-                ends: list[float], busy: Sequence[float]) -> list[float]:
-        """``_busy_reaches``'s rank ends with the fill: rank k's first backward (B, or I under a
-        split backward) of chunk c waits for its micro-batch's forwards through every chunk and
-        backwards through the chunks after c, and only the warm-up forwards its action list runs
-        before it (``forwards_before_backward``, once the shape was simulated) can run
-        sooner."""
-        split = plan.schedule.split_backward
-        back = [t.bgrad_s if split else t.bwd_s for t in times]
-        later = [0.0] * (len(times) + 1)  # later[c]: backwards of the chunks after c - 1
-        for c in range(len(times) - 1, -1, -1):
-            later[c] = later[c + 1] + back[c]
+                back: Sequence[float], ends: list[float], busy: Sequence[float]) -> list[float]:
+        """``_busy_reaches``'s rank ends with the fill: rank k's first backward (``back``) of
+        chunk c waits for its micro-batch's forwards through every chunk and backwards through
+        the chunks after c, and only the warm-up forwards its action list runs before it
+        (``forwards_before_backward``, once the shape was simulated) can run sooner."""
         warm = known_warmup(plan.schedule, plan.pp, plan.num_microbatches, plan.vpp)
         if warm is None:  # a shape not simulated yet: its action list is not generated for this
             return ends
+        later = [0.0] * (len(times) + 1)  # later[c]: backwards of the chunks after c - 1
+        for c in range(len(times) - 1, -1, -1):
+            later[c] = later[c + 1] + back[c]
         filled = list(ends)
         for k, (first, count) in enumerate(warm):
             early = sum(n * times[c].fwd_s for c, n in enumerate(count) if n)
@@ -785,22 +729,19 @@ class CostModel:
 
     @staticmethod
     def _drained(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
-                 ends: list[float]) -> list[float]:
+                 back: Sequence[float], ends: list[float]) -> list[float]:
         """``_busy_reaches``'s rank ends of a one-chunk-per-rank pipeline with the drain: the
-        last backward (B, or I under a split backward) to end on rank j ends no sooner than
-        chain_j + m (f_j + b_j) (every F and B of rank j after the chain, each F before its B),
-        and that micro-batch's backward then passes ranks j - 1, ..., k in turn, so rank k ends
-        no sooner than that plus b_{j-1} + ... + b_k, for every j >= k."""
+        last backward (``back``) to end on rank j ends no sooner than chain_j + m (f_j + b_j)
+        (every F and B of rank j after the chain, each F before its B), and that micro-batch's
+        backward then passes ranks j - 1, ..., k in turn, so rank k ends no sooner than that
+        plus b_{j-1} + ... + b_k, for every j >= k."""
         m = plan.num_microbatches
-        split = plan.schedule.split_backward
-        back = [t.bgrad_s if split else t.bwd_s for t in times]
         drained = list(ends)
         latest = -math.inf  # max over j > k of (rank j's last B's end + b_{k+1} + ... + b_{j-1})
-        for k in range(plan.pp - 1, -1, -1):
-            if k < plan.pp - 1:
-                latest += back[k + 1] if latest > -math.inf else 0.0
-                latest = max(latest, chain[k + 1] + m * (times[k + 1].fwd_s + back[k + 1]))
-                drained[k] = max(drained[k], latest + back[k])
+        for k in range(plan.pp - 2, -1, -1):
+            latest += back[k + 1] if latest > -math.inf else 0.0
+            latest = max(latest, chain[k + 1] + m * (times[k + 1].fwd_s + back[k + 1]))
+            drained[k] = max(drained[k], latest + back[k])
         return drained
 
     @staticmethod
@@ -808,22 +749,23 @@ class CostModel:
                    tail: tuple[float, float, float], layerwise: bool) -> dict[str, float]:
         """The step's terms on the rank that ends last (``crit``), whose tail is (sync with the
         tied all-reduce, optimizer, tied all-reduce)."""
-        m = plan.num_microbatches
         crit_chunks = plan.chunks_of(crit)
-        per_mb = {name: sum(getattr(times[c], name) for c in crit_chunks) * m
-                  for name in ("compute_s", "recompute_s", "tp_comm_s", "zero3_comm_s")}
+
+        def per_step(name: str) -> float:  # a PieceCost field over the rank's chunks, m times
+            return sum(getattr(times[c], name) for c in crit_chunks) * plan.num_microbatches
+
         breakdown = {
-            "compute": per_mb["compute_s"],
-            "recompute": per_mb["recompute_s"],
-            "tp_comm": per_mb["tp_comm_s"],
-            "zero3_comm_exposed": per_mb["zero3_comm_s"],
+            "compute": per_step("compute_s"),
+            "recompute": per_step("recompute_s"),
+            "tp_comm": per_step("tp_comm_s"),
+            "zero3_comm_exposed": per_step("zero3_comm_s"),
             "pp_bubble": timeline.rank_end_s[crit] - timeline.rank_busy_s[crit],
             "dp_comm_exposed": tail[0] - tail[2],
             "embedding_sync": tail[2],
             "optimizer": tail[1],
         }
         if plan.cp > 1:  # the ring's K/V exchange beyond each step's attention block
-            breakdown["cp_comm_exposed"] = sum(times[c].cp_comm_s for c in crit_chunks) * m
+            breakdown["cp_comm_exposed"] = per_step("cp_comm_s")
         if layerwise:  # activations moved between layers of different tp
-            breakdown["transitions"] = sum(times[c].transition_s for c in crit_chunks) * m
+            breakdown["transitions"] = per_step("transition_s")
         return breakdown

@@ -15,23 +15,12 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from meshmorph.schedule.action import Kind
-from meshmorph.schedule.registry import frozen_actions, schedule_actions
+from meshmorph.schedule.registry import frozen_actions
 from meshmorph.schedule.simulator import Program, Timeline, replay, schedule_program
 from meshmorph.schedule.table import Schedule
 
-Op = tuple[str, int, int]  # (kind, chunk, micro-batch)
-
-__all__ = ["ASYNC_WARMUP_STEPS", "Op", "Timeline", "async_steady_step", "bubble_closed_form",
-           "schedule_ops", "simulate", "weight_copies"]
-
 ASYNC_WARMUP_STEPS = 2
 """Steps of ``m`` micro-batches simulated before the one an asynchronous plan is priced by."""
-
-
-def schedule_ops(schedule: Schedule, p: int, m: int, v: int = 1) -> list[list[Op]]:
-    """The op order of every pipeline rank (B is the input-gradient backward in split ones)."""
-    return [[("B" if a.kind == "I" else str(a.kind), a.stage, a.microbatch) for a in order]
-            for order in schedule_actions(str(schedule), p, m, v)]
 
 
 @lru_cache(maxsize=256)
@@ -113,15 +102,6 @@ def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: 
         return Timeline(timeline.makespan_s, timeline.rank_end_s, timeline.rank_busy_s, ops,
                         timeline.peak_activations)
     return timeline
-
-
-def bubble_closed_form(schedule: Schedule, p: int, m: int, v: int = 1) -> float:
-    """Bubble as a fraction of the ideal time for equal stages (Narayanan et al. 2021)."""
-    if p == 1:
-        return 0.0
-    if schedule == Schedule.INTERLEAVED:
-        return (p - 1) / (v * m)  # (p-1)/(v·m)
-    return (p - 1) / m  # (p-1)/m for GPipe and 1F1B
 
 
 def async_steady_step(p: int, m: int, fwd_s: Sequence[float], bwd_s: Sequence[float], *,

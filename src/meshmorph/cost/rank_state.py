@@ -82,17 +82,23 @@ from dataclasses import dataclass, field
 
 from meshmorph.cost.context_parallel import kv_bytes
 from meshmorph.cost.model import CostModel
-from meshmorph.cost.segments import Segment, chunk_segments, fsdp_sharded, is_layerwise
-from meshmorph.cost.state import compute_bytes, data_parallel_traffic, fsdp_shards
+from meshmorph.cost.segments import Segment, chunk_segments, fsdp_sharded
+from meshmorph.cost.state import (
+    ADAM_BYTES,
+    GRAD_BYTES,
+    MASTER_BYTES,
+    compute_bytes,
+    data_parallel_traffic,
+    fsdp_shards,
+)
 from meshmorph.cost.tensor_shapes import ParamTensor, layer_tensors, rank_tensors, vocab_split
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
 from meshmorph.spec.plan import Plan
+from meshmorph.spec.runnable import lists_layer_strategies
 
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "broadcast")
 """Kinds of collectives in ``comm_bytes`` (run/engine/comm_count.py counts the same)."""
-MASTER, GRAD, MOMENTS = 4, 4, 8
-"""Bytes per element of fp32 parameters, fp32 gradients, and AdamW's two fp32 moments."""
 LOSS_BYTES = 8
 """The step's loss, one float64 all-reduce over every rank."""
 NORM_CLASS_BYTES = 32
@@ -137,15 +143,11 @@ def held_state(tensors: list[ParamTensor], tp: int, dp: int, dp_rank: int, zero:
         rows, rest = _rows_rest(tensor, tp)
         whole += rows * rest
         padded += math.ceil(rows / dp) * rest
-        own = _own_rows(rows, dp, dp_rank) * rest
-        if fsdp:
-            params += MASTER * math.ceil(rows / dp) * rest
-            grads += GRAD * math.ceil(rows / dp) * rest
-            moments += MOMENTS * own
-        else:
-            params += MASTER * rows * rest
-            grads += GRAD * rows * rest
-            moments += MOMENTS * (own if zero == 1 and dp > 1 else rows * rest)
+        held = math.ceil(rows / dp) if fsdp else rows
+        params += MASTER_BYTES * held * rest
+        grads += GRAD_BYTES * held * rest
+        sharded = fsdp or zero == 1 and dp > 1
+        moments += ADAM_BYTES * (_own_rows(rows, dp, dp_rank) * rest if sharded else rows * rest)
     return params, grads, moments, whole, padded
 
 
@@ -163,15 +165,6 @@ def add_data_parallel_comm(comm: dict[str, float], plan: Plan, *, zero: int, dp:
                            + m * traffic.all_gather_per_microbatch) * dp * padded
     comm["reduce_scatter"] += (traffic.reduce_scatter_per_step
                                + m * traffic.reduce_scatter_per_microbatch) * dp * padded
-
-
-def _coords(plan: Plan, rank: int) -> tuple[int, int, int]:
-    """(pp_rank, replica rank, tp_rank) of a global rank (``Plan.coords_of``); the replica rank
-    is the rank's place in its dp x cp group (``dp_rank * cp + cp_rank``), the ZeRO shard it owns."""
-    if not 0 <= rank < plan.world_size:
-        raise ValueError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
-    pp_rank, dp_rank, cp_rank, tp_rank = plan.coords_of(rank)
-    return pp_rank, dp_rank * plan.cp + cp_rank, tp_rank
 
 
 @dataclass(slots=True)
@@ -204,9 +197,9 @@ def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, obj
     """``params_bytes``, ``grads_bytes``, ``optimizer_bytes`` and ``comm_bytes`` (by kind) of
     global ``rank`` of ``plan``, with or without layer strategies (the module docstring says
     what each counts)."""
-    pp_rank = _coords(plan, rank)[0]
+    pp_rank = plan.coords_of(rank)[0]
     model = model.with_seq_len(plan.seq_len)
-    layerwise = is_layerwise(plan)
+    layerwise = lists_layer_strategies(plan)
     state = _RankState(plan, layerwise, rank % (plan.tp * plan.cp * plan.dp))
     state.comm = dict.fromkeys(COMM_KINDS + (("all_to_all",) if layerwise
                                              and plan.sequence_parallel else ()), 0.0)
@@ -218,8 +211,10 @@ def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, obj
         stream = 4.0 if chunk == 0 else _hidden_bytes(plan)
         for at, segment in enumerate(segments):
             _held(model, state, segment)
-            if at:
-                _transition(model, state, segments[at - 1], segment, stream)
+            if at:  # the hidden state moved between the two layouts (cost/transition.py)
+                before = segments[at - 1].plan
+                _moved(state, before.tp, before.dp, segment.plan.tp, segment.plan.dp,
+                       model.hidden_size * stream, plan.sequence_parallel)
             stream = _activations(model, state, segment, stream)
         if plan.pp > 1:
             _pipeline(model, state, chunk)
@@ -254,7 +249,7 @@ def _held(model: ModelSpec, state: _RankState, segment: Segment) -> None:
             d == 1 or state.layerwise and plan.sequence_parallel and not fsdp):
         # torch: the vocabulary-parallel embedding's local gradient is a view into a storage
         # twice its size where no data-parallel reduction replaces it with a fresh tensor
-        grads += GRAD * tensors[0].local_numel(t)
+        grads += GRAD_BYTES * tensors[0].local_numel(t)
     state.params += params
     state.grads += grads
     state.between_grads += between
@@ -267,14 +262,6 @@ def _held(model: ModelSpec, state: _RankState, segment: Segment) -> None:
                            whole=whole, padded=padded, per_layer=segment.alone)
 
 
-def _transition(model: ModelSpec, state: _RankState, before: Segment, after: Segment,
-                stream: float) -> None:
-    """The hidden state moved from ``before``'s layout to ``after``'s (cost/transition.py)."""
-    a, b = before.plan, after.plan
-    _moved(state, a.tp, a.dp, b.tp, b.dp, model.hidden_size * stream,
-           state.plan.sequence_parallel)
-
-
 def _activations(model: ModelSpec, state: _RankState, segment: Segment, stream: float) -> float:
     """The tensor-parallel (and context-parallel) activation traffic of a segment's layers, per
     micro-batch of its ``b`` sequences; returns the residual stream's bytes per element after
@@ -283,11 +270,11 @@ def _activations(model: ModelSpec, state: _RankState, segment: Segment, stream: 
     t, m, s, h = sub.tp, plan.num_microbatches, plan.seq_len // plan.cp, model.hidden_size
     sp, c = plan.sequence_parallel and t > 1, compute_bytes(plan.dtype)
     bsh = sub.micro_batch * s * h
-    fsdp = fsdp_sharded(sub)
+    fsdp, casts = fsdp_sharded(sub), _casts(sub)
     for offset, index in enumerate(range(segment.start, segment.stop)):
         kind = model.layers[index].kind
         # the embedding's output, or the layer's input (cast, or as it came)
-        hidden = c if _casts(sub) else 4.0 if kind == LayerKind.EMBEDDING else stream
+        stream = c if casts else 4.0 if kind == LayerKind.EMBEDDING else stream
         full = segment.recompute[offset] == Recompute.FULL
         if plan.cp > 1 and kind == LayerKind.BLOCK:  # the ring: K, V forward (again under
             # recompute), with their gradients back
@@ -295,13 +282,12 @@ def _activations(model: ModelSpec, state: _RankState, segment: Segment, stream: 
             rings = 3 + (segment.recompute[offset] != Recompute.NONE)
             comm["send_recv"] += m * (plan.cp - 1) * rings * kv
         if t > 1:
-            _layer_tp(model, state, kind, sub, m=m, bsh=bsh, hidden=hidden, full=full)
+            _layer_tp(model, state, kind, sub, m=m, bsh=bsh, hidden=stream, full=full)
             if sp:  # norm gradients are partial sums over the sequence shards: all-reduced
                 # once per step, or by a layerwise FSDP2 layer per micro-batch in its dtype
                 norms = sum(x.local_numel(t) for x in layer_tensors(model, index, t)
                             if "norm" in x.name)
-                comm["all_reduce"] += (m * c if state.layerwise and fsdp else GRAD) * norms
-        stream = c if _casts(sub) else 4.0 if kind == LayerKind.EMBEDDING else stream
+                comm["all_reduce"] += (m * c if state.layerwise and fsdp else GRAD_BYTES) * norms
     return stream
 
 
@@ -411,7 +397,7 @@ def _rank_ends(model: ModelSpec, state: _RankState, pp_rank: int) -> None:
             (plan.tp, plan.grad_replicas, plan.zero)
         rows, rest = _rows_rest(layer_tensors(model, 0, t)[0], t)
         sharded = fsdp_shards(zero=zero, dp=d, per_layer=bool(embed))
-        comm["all_reduce"] += GRAD * (math.ceil(rows / d) if sharded else rows) * rest
+        comm["all_reduce"] += GRAD_BYTES * (math.ceil(rows / d) if sharded else rows) * rest
     if state.layerwise:
         if plan.pp == 1:
             layers = plan.stages[0].layer_strategies or ()
@@ -446,7 +432,7 @@ def predict_peak_bytes(model: ModelSpec, plan: Plan, rank: int, gpu: str) -> flo
     without the CUDA context and allocator reserve (what ``torch.cuda.max_memory_allocated``
     can see)."""
     model = model.with_seq_len(plan.seq_len)
-    pp_rank = _coords(plan, rank)[0]
+    pp_rank = plan.coords_of(rank)[0]
     cost = CostModel(model, parse_cluster(f"{gpu}:1x{plan.world_size}"))
     plans: dict = {}
     segments = [s for c in plan.chunks_of(pp_rank) for s in chunk_segments(model, plan, c, plans)]

@@ -62,16 +62,10 @@ class Segment(NamedTuple):
         return LayerStrategy(tp=self.plan.tp, dp=self.plan.dp, zero=self.plan.zero)
 
 
-def is_layerwise(plan: Plan) -> bool:
-    """Whether the engine runs ``plan`` layer by layer: some stage lists layer strategies
-    (spec/runnable.py's ``lists_layer_strategies``)."""
-    return lists_layer_strategies(plan)
-
-
 def fsdp_sharded(plan: Plan) -> bool:
     """Whether FSDP2 shards the parameters of a layer under ``plan``'s (segment's) strategy: a
     ``LayerPlan`` and every layer of a layerwise plan run as the layerwise engine runs them."""
-    per_layer = isinstance(plan, LayerPlan) or is_layerwise(plan)
+    per_layer = isinstance(plan, LayerPlan) or lists_layer_strategies(plan)
     return fsdp_shards(zero=plan.zero, dp=plan.grad_replicas, per_layer=per_layer)
 
 
@@ -129,12 +123,6 @@ def chunk_segments(model: ModelSpec, plan: Plan, chunk: int,
         out.append(Segment(index, index + 1, sub, (stage.recompute[offset],),
                            drop_tied=tied and index == model.num_layers - 1, alone=True))
     return out
-
-
-def uniform_segments(plan: Plan,
-                     chunks: list[tuple[int, int, tuple[Recompute, ...]]]) -> list[Segment]:
-    """Segments of chunks (start, stop, recompute) that run under ``plan`` itself."""
-    return [Segment(start, stop, plan, tuple(recompute)) for start, stop, recompute in chunks]
 
 
 def as_layerwise(plan: Plan) -> Plan:

@@ -54,8 +54,6 @@ class RingTime:
 
     fwd_transfer_s: float
     """The forward's cp - 1 K/V transfers, end to end."""
-    bwd_transfer_s: float
-    """The backward's cp - 1 transfers of K, V and their gradients."""
     fwd_exposed_s: float
     """What the forward's transfers add to the step: per step, the transfer beyond its block."""
     bwd_exposed_s: float
@@ -67,7 +65,7 @@ def ring_time(model: ModelSpec, *, micro_batch: int, tp: int, cp: int, element_b
     """The ring exchange of one block (module docstring); zero at cp 1. ``flops_per_s``: the
     attention kernel's achieved rate on this rank, ``link``: the cp group's link."""
     if cp <= 1:
-        return RingTime(0.0, 0.0, 0.0, 0.0)
+        return RingTime(0.0, 0.0, 0.0)
     nbytes = kv_bytes(model, micro_batch, tp, cp, element_bytes)
     transfer = comm.p2p(nbytes, link)  # send to the next rank and receive from the previous
     block = ring_step_flops(model, micro_batch, tp, cp) / flops_per_s
@@ -75,7 +73,6 @@ def ring_time(model: ModelSpec, *, micro_batch: int, tp: int, cp: int, element_b
     back = comm.p2p(2 * nbytes, link)  # K, V and dK, dV
     return RingTime(
         fwd_transfer_s=steps * transfer,
-        bwd_transfer_s=steps * back,
         fwd_exposed_s=steps * max(transfer - block, 0.0),
         bwd_exposed_s=steps * max(back - 2 * block, 0.0),
     )

@@ -70,24 +70,20 @@ def loss_bytes_per_logit(element_bytes: float) -> tuple[float, float]:
 
 def layer_classes(model: ModelSpec) -> tuple[int, ...]:
     """For each layer, the index of the first layer with the same figures."""
-    reps: list[int] = []
+    def figures(a: LayerSpec) -> tuple:
+        return (a.kind, a.params, a.tp_split_params, a.fwd_flops_per_token,
+                a.recompute_flops_per_token, a.activation, a.tp_allreduces_fwd, a.tied_params,
+                a.runtime)
+
+    seen: list[tuple[tuple, int]] = []  # (figures, first index): dicts in them cannot be hashed
     classes = []
     for index, layer in enumerate(model.layers):
-        for rep in reps:
-            if _same(model.layers[rep], layer):
-                classes.append(rep)
-                break
-        else:
-            reps.append(index)
-            classes.append(index)
+        key = figures(layer)
+        rep = next((first for other, first in seen if other == key), index)
+        if rep == index:
+            seen.append((key, index))
+        classes.append(rep)
     return tuple(classes)
-
-
-def _same(a: LayerSpec, b: LayerSpec) -> bool:
-    return (a.kind, a.params, a.tp_split_params, a.fwd_flops_per_token, a.recompute_flops_per_token,
-            a.activation, a.tp_allreduces_fwd, a.tied_params, a.runtime) == (
-        b.kind, b.params, b.tp_split_params, b.fwd_flops_per_token, b.recompute_flops_per_token,
-        b.activation, b.tp_allreduces_fwd, b.tied_params, b.runtime)
 
 
 def matmul_efficiency(coef: CostCoefficients, ceiling: float, width: float, tokens: float) -> float:

@@ -179,7 +179,7 @@ def rank_tail_s(cost: CostModel, plan: Plan, time: PieceCost, gpu: GPUSpec) -> f
 def least_rank_tail_s(cost: CostModel, plan: Plan, params: float, gpu: GPUSpec) -> float:
     """The least tail a rank holding ``params`` can have whatever its layers (the sync hidden as
     far as ``dp_overlap`` allows), plus the least exposed part of its per-micro-batch ZeRO
-    traffic (``comm.exposed`` never hides more than the overlap share): affine in ``params``.
+    traffic (``comm.overlapped`` never hides more than the overlap share): affine in ``params``.
     Memoised on ``cost`` by the plan fields it reads (many configurations share them)."""
     key = (type(plan), plan.tp, plan.dp, plan.cp, plan.pp, plan.zero, plan.dtype,
            plan.reduce_dtype, plan.num_microbatches, plan.overlap_grad_reduce,

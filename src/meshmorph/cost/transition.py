@@ -75,22 +75,6 @@ class Transition:
 NONE = Transition(0.0, 0.0, "none", "none", 1, 0.0)
 
 
-def sequence_all_to_all(low: int, high: int, nbytes: float) -> tuple[int, float]:
-    """(peers, bytes) of the busiest rank in the all-to-all that moves a sequence-split buffer of
-    ``nbytes`` per rank between tp ``low`` and tp ``high`` (module docstring)."""
-    k = high // low
-    if low == 1:
-        return k - 1, (k - 1) / k * nbytes
-    return k, nbytes
-
-
-def _p2p_messages(peers: int, nbytes: float, link: comm.Link) -> float:
-    """``peers`` messages of ``nbytes`` together, in the alpha-beta model: peers alpha + M / beta."""
-    if peers <= 0 or nbytes <= 0:
-        return 0.0
-    return peers * link.latency_s + nbytes / link.bandwidth_bps
-
-
 def activation_bytes(cost: CostModel, sequences: float, dtype: str) -> float:
     """Bytes of ``sequences`` sequences of hidden state: sequences x s x h x c."""
     scale = 2 if dtype == "fp32" else 1
@@ -113,8 +97,9 @@ def transition(cost: CostModel, a: LayerStrategy, b: LayerStrategy, stage_sequen
     link = cost.group_link(gpu, high)
     if sequence_parallel:  # B s h c / D on every rank, either way: one all-to-all each way
         nbytes = activation_bytes(cost, stage_sequences / (a.tp * a.dp), dtype)
-        peers, moved = sequence_all_to_all(low, high, nbytes)
-        both = _p2p_messages(peers, moved, link)
+        # the busiest rank's messages and bytes (module docstring): peers alpha + moved / beta
+        peers, moved = (k - 1, (k - 1) / k * nbytes) if low == 1 else (k, nbytes)
+        both = peers * link.latency_s + moved / link.bandwidth_bps if moved > 0 else 0.0
         return Transition(both, both, "all_to_all", "all_to_all", k, nbytes, moved, moved)
     if b.tp < a.tp:  # dp grows: slice forward, gather the gradient backward
         nbytes = activation_bytes(cost, stage_sequences / a.dp, dtype)

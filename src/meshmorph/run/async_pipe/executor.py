@@ -6,14 +6,10 @@ Pipeline stage ``k`` is rank ``k`` of the default process group, one stage per r
 go forward and gradients back by ``isend`` (kept until complete) and a blocking ``recv``: every
 send is posted without waiting, so the 1F1B order cannot deadlock. The forward runs the stage
 through ``torch.func.functional_call`` with a set of leaf tensors standing for its parameters,
-and the backward's weight gradients are added to the real parameters' ``.grad``:
-
-- ``none``: the leaves alias the parameters' storage (``param.data``, which has its own version
-  counter), so the backward sees the weights as they are when it runs: stale, unstashed;
-- ``stash``: a copy taken at the forward; ``2bw``: one copy per weight version (at most two live);
-- ``sgd`` / ``adam``: the predicted weights ``s`` updates ahead (``async_prediction``), ``s``
-  read from the action list; the gradient taken there is applied to the current weights;
-- synchronous 1F1B: aliases (no update happens inside a step).
+and the backward's weight gradients are added to the real parameters' ``.grad``; which leaves
+each mode hands out is ``run/async_pipe/weights.py``'s (``none`` and synchronous 1F1B alias the
+parameters; a prediction's ``s`` updates ahead are read from the action list, and the gradient
+taken there is applied to the current weights).
 
 The guard (prediction modes) measures, at each backward, how far the prediction missed; once per
 ``guard_every`` micro-batches every stage agrees on the worst window mean (all-reduce MAX on a
@@ -91,12 +87,11 @@ class AsyncPipeline:
         if config.optimizer == "sgd":
             self.optimizer: torch.optim.Optimizer = torch.optim.SGD(
                 self.params, lr=config.lr, momentum=config.momentum)
-        elif config.optimizer == "adamw":
-            self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas,
-                                               eps=config.eps, weight_decay=config.weight_decay)
         else:
-            self.optimizer = torch.optim.Adam(self.params, lr=config.lr, betas=config.betas,
-                                              eps=config.eps)
+            adamw = config.optimizer == "adamw"
+            self.optimizer = (torch.optim.AdamW if adamw else torch.optim.Adam)(
+                self.params, lr=config.lr, betas=config.betas, eps=config.eps,
+                weight_decay=config.weight_decay if adamw else 0.0)
         guarded = config.predicts and config.guard_threshold is not None
         self.guard = PredictionGuard(threshold=config.guard_threshold or 0.0) if guarded else None
         self.guard_group = dist.new_group(backend="gloo") if guarded else None

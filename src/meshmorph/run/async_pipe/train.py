@@ -66,11 +66,6 @@ def async_config(plan: Plan, optim: OptimConfig) -> AsyncPipelineConfig:
         weight_decay=0.0 if sgd else optim.weight_decay, guard_threshold=None)
 
 
-def updates_per_step(plan: Plan) -> int:
-    """Optimizer updates of each stage per logged step."""
-    return 1 if plan.weight_prediction == "2bw" else plan.num_microbatches
-
-
 def train_async(*, model: ModelSpec, plan: Plan, optim: OptimConfig, batch_of_step:
                 Callable[[int], torch.Tensor], steps: int, seed: int, out_dir: Path,
                 device: torch.device) -> list[float]:
@@ -85,7 +80,9 @@ def train_async(*, model: ModelSpec, plan: Plan, optim: OptimConfig, batch_of_st
     chunk = build_chunk(model, stage.start, stage.stop, seed=seed, device=device)
     last = rank == plan.pp - 1
     config = async_config(plan, optim)
-    per_step = updates_per_step(plan)
+    # the executor's batches (and each stage's updates) per logged step: one batch of m
+    # micro-batches under 2bw, else m batches of one micro-batch
+    per_step = 1 if plan.weight_prediction == "2bw" else plan.num_microbatches
     autocast: Callable[[], contextlib.AbstractContextManager[object]] = (
         (lambda: torch.autocast(device.type, dtype=TORCH_DTYPES[plan.dtype]))
         if plan.dtype != "fp32" else contextlib.nullcontext)
@@ -94,12 +91,11 @@ def train_async(*, model: ModelSpec, plan: Plan, optim: OptimConfig, batch_of_st
         feature_shapes=[(plan.seq_len,)] + [(plan.seq_len, model.hidden_size)] * (plan.pp - 1),
         loss_fn=token_cross_entropy, lr_at=lambda version: optim.lr_at(version // per_step),
         forward_context=autocast)
-    batches_per_step = 1 if plan.weight_prediction == "2bw" else plan.num_microbatches
-    rows = plan.global_batch // batches_per_step
+    rows = plan.global_batch // per_step
     cache: dict[int, torch.Tensor] = {}
 
     def batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        step, piece = divmod(index, batches_per_step)
+        step, piece = divmod(index, per_step)
         if step not in cache:
             cache.clear()
             cache[step] = batch_of_step(step).to(device)
@@ -114,19 +110,19 @@ def train_async(*, model: ModelSpec, plan: Plan, optim: OptimConfig, batch_of_st
 
     def on_loss(index: int, loss: float) -> None:
         pending.append(loss)
-        if len(pending) < batches_per_step:
+        if len(pending) < per_step:
             return
         step = len(losses) + 1
         now = time.perf_counter()
         # the loss of a batch of micro-batches is already their mean (the executor divides)
-        losses.append(sum(pending) / len(pending) if batches_per_step > 1 else pending[0])
+        losses.append(sum(pending) / len(pending) if per_step > 1 else pending[0])
         pending.clear()
         metrics.log(step=step, loss=losses[-1], lr=optim.lr_at(step - 1), grad_norm=math.nan,
                     step_time_s=now - clock[0], consumed_samples=step * plan.global_batch)
         clock[0] = now
 
     try:
-        pipeline.train(batch, steps * batches_per_step, rows, on_loss=on_loss)
+        pipeline.train(batch, steps * per_step, rows, on_loss=on_loss)
     finally:
         metrics.close()
     return losses

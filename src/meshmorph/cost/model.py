@@ -283,37 +283,10 @@ class CostModel:
                 comm.overlapped([(gathers / 2, gather_share), (scatter, scatter_share)], bwd_s,
                                 slow))
 
-    def grad_sync_s(self, plan: Plan, reduce_s: float, window_s: float, grad_bytes: float, *,
-                    last_bucket: bool = True) -> float:
-        """Seconds the step's gradient reduction (``reduce_s``) adds after the last backward
-        whose compute lasts ``window_s``. ``overlap_grad_reduce`` off: all of it. On: buckets
-        reduce while the backward runs, up to ``dp_overlap`` of it and the window, but the last
-        bucket (``grad_bucket_bytes`` of the ``grad_bytes`` reduced) waits for the last gradient; what hides
-        slows the backward by ``overlap_slowdown``. ``last_bucket`` False leaves that floor out
-        (a lower bound affine in ``reduce_s``, for the planner)."""
-        if not plan.overlap_grad_reduce or reduce_s <= 0:
-            return max(reduce_s, 0.0)
-        return self._bucketed(reduce_s, self.coef.dp_overlap, window_s, grad_bytes, last_bucket)
-
-    def param_gather_s(self, plan: Plan, gather_s: float, window_s: float, gather_bytes: float, *,
-                       first_bucket: bool = True) -> float:
-        """Seconds the once-per-step parameter all-gather of ZeRO-1/2 (``gather_s``) adds before
-        or beside the first forward, whose compute lasts ``window_s``. ``overlap_param_gather``
-        on, FSDP2's units of a whole chunk: each unit's gather runs while the unit before it
-        computes, up to ``zero3_overlap`` of it and the window, but the first unit's
-        (``grad_bucket_bytes`` of the ``gather_bytes`` gathered) waits in front of the first
-        forward; what hides slows the compute by ``overlap_slowdown``. Off, or a layer run alone
-        (a ``LayerPlan``: its gather, or ShardedAdamW's, on the critical path): all of it.
-        ``first_bucket`` False leaves that floor out (a lower bound, for the planner)."""
-        if gather_s <= 0 or not plan.overlap_param_gather or isinstance(plan, LayerPlan):
-            return max(gather_s, 0.0)
-        return self._bucketed(gather_s, self.coef.zero3_overlap, window_s, gather_bytes,
-                              first_bucket)
-
     def _bucketed(self, seconds: float, share: float, window_s: float, nbytes: float,
                   one_bucket_exposed: bool) -> float:
         """Exposed seconds of a collective moving ``nbytes`` bucket by bucket beside compute
-        lasting ``window_s``: up to ``share`` of it hides, slowing the compute by
+        lasting ``window_s``: up to ``share`` of it hides (0: none), slowing the compute by
         ``overlap_slowdown``; with ``one_bucket_exposed`` one ``grad_bucket_bytes`` bucket's
         share (the last gradients', the first unit's parameters) never hides."""
         floor = seconds * min(1.0, self.coef.grad_bucket_bytes / max(nbytes, 1.0)) \
@@ -431,12 +404,13 @@ class CostModel:
     def rank_tail(self, plan: Plan, params: float, last_bwd_s: float, gpu: GPUSpec,
                   units: int = 1, least: bool = False) -> tuple[float, float]:
         """(exposed data-parallel sync, optimizer step) of a rank's step beyond its compute: the
-        gradient reduction after the last backward (``grad_sync_s``) and the once-per-step
-        parameter all-gather of ZeRO-1/2 before the next forward (``param_gather_s``, whose
-        window is the first forward: half the backward ``last_bwd_s``); ``units``: the rank's
-        FSDP2 units (priced per unit where the Profile measured them); ``least``: without the
-        first and last buckets' floors, for the planner's bounds. Gradients are reduced over
-        dp x cp (``Plan.grad_replicas``). Memoised by the plan fields it reads."""
+        gradient reduction after the last backward (whose compute lasts ``last_bwd_s``) and the
+        once-per-step parameter all-gather of ZeRO-1/2 before or beside the next forward (half
+        the backward), each hidden as far as the plan's overlap switches allow; ``units``: the
+        rank's FSDP2 units (priced per unit where the Profile measured them); ``least``: without
+        the first and last buckets' floors (a lower bound affine in the traffic, for the
+        planner). Gradients are reduced over dp x cp (``Plan.grad_replicas``). Memoised by the
+        plan fields it reads."""
         key = (type(plan), plan.tp, plan.dp, plan.cp, plan.pp, plan.zero, plan.dtype,
                plan.reduce_dtype, plan.overlap_grad_reduce, plan.overlap_param_gather, params,
                last_bwd_s, gpu.name, gpu.hbm_gbps, units, least)
@@ -459,8 +433,15 @@ class CostModel:
                                       params * traffic.reduce_scatter_per_step, link)
             gather = self.collective("all_gather", d, gathered, link)
         grad_bytes = params * (traffic.all_reduce_per_step + traffic.reduce_scatter_per_step)
-        exposed = self.grad_sync_s(plan, reduce, last_bwd_s, grad_bytes, last_bucket=not least) \
-            + self.param_gather_s(plan, gather, last_bwd_s / 2, gathered, first_bucket=not least)
+        # overlap_grad_reduce: buckets reduce while the last backward runs, but the last one
+        # waits for the last gradient; overlap_param_gather (FSDP2's units of a whole chunk, not
+        # a LayerPlan's layer run alone): each unit's gather runs while the unit before it
+        # computes in the first forward, but the first unit's waits in front of it
+        gather_hides = plan.overlap_param_gather and not isinstance(plan, LayerPlan)
+        exposed = self._bucketed(reduce, self.coef.dp_overlap if plan.overlap_grad_reduce else 0.0,
+                                 last_bwd_s, grad_bytes, not least) \
+            + self._bucketed(gather, self.coef.zero3_overlap if gather_hides else 0.0,
+                             last_bwd_s / 2, gathered, not least)
         if self.profile.collectives:  # the step's two scalar all-reduces (loss, gradient norm)
             exposed += 2 * (self.profile.collective_s("all_reduce", plan.world_size, 8.0) or 0.0)
         shard = d if plan.zero >= 1 else 1
@@ -606,9 +587,12 @@ class CostModel:
         ranks = [[part for c in ids for part in parts[c]] for ids in chunks]
         tails = [self.rank_tails(plan, k, rank, gpu)
                  for k, (rank, gpu) in enumerate(zip(ranks, rank_gpus, strict=True))]
-        if plan.schedule != Schedule.ASYNC and bound < math.inf and \
-                self._busy_reaches(plan, times, tails, bound):
-            return None  # some rank's own work and tail already reach the bound: no simulation
+        # some rank's own work and tail already reach the bound: no simulation (with a margin
+        # for the simulation's rounding, so that a step proven not below ``bound`` never is)
+        if plan.schedule != Schedule.ASYNC and bound < math.inf and any(
+                end * (1.0 - 1e-9) + sync + opt >= bound
+                for end, (sync, opt, _) in zip(self._rank_ends(plan, times), tails, strict=True)):
+            return None
         memory = self._memory(plan, ranks, rank_gpus, fitting=True) if fitting else None
         if fitting and memory is None:
             return None
@@ -674,14 +658,6 @@ class CostModel:
         return False
 
     @staticmethod
-    def _busy_reaches(plan: Plan, times: Sequence[PieceCost],
-                      tails: Sequence[tuple[float, float, float]], bound: float) -> bool:
-        """Whether some rank's ``_rank_ends`` plus its tail reaches ``bound``, with a margin for
-        the simulation's rounding, so that a step it proves not below ``bound`` never is."""
-        return any(end * (1.0 - 1e-9) + sync + opt >= bound for end, (sync, opt, _)
-                   in zip(CostModel._rank_ends(plan, times), tails, strict=True))
-
-    @staticmethod
     def _rank_ends(plan: Plan, times: Sequence[PieceCost]) -> list[float]:
         """No simulated rank ends sooner: it starts no action before micro-batch 0's forwards
         through the chunks before its first one, then runs its m forwards and backwards one
@@ -711,10 +687,10 @@ class CostModel:
     @staticmethod
     def _filled(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
                 back: Sequence[float], ends: list[float], busy: Sequence[float]) -> list[float]:
-        """``_busy_reaches``'s rank ends with the fill: rank k's first backward (``back``) of
-        chunk c waits for its micro-batch's forwards through every chunk and backwards through
-        the chunks after c, and only the warm-up forwards its action list runs before it
-        (``forwards_before_backward``, once the shape was simulated) can run sooner."""
+        """``_rank_ends`` with the fill: rank k's first backward (``back``) of chunk c waits for
+        its micro-batch's forwards through every chunk and backwards through the chunks after c,
+        and only the warm-up forwards its action list runs before it (``forwards_before_backward``,
+        once the shape was simulated) can run sooner."""
         warm = known_warmup(plan.schedule, plan.pp, plan.num_microbatches, plan.vpp)
         if warm is None:  # a shape not simulated yet: its action list is not generated for this
             return ends
@@ -730,11 +706,11 @@ class CostModel:
     @staticmethod
     def _drained(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
                  back: Sequence[float], ends: list[float]) -> list[float]:
-        """``_busy_reaches``'s rank ends of a one-chunk-per-rank pipeline with the drain: the
-        last backward (``back``) to end on rank j ends no sooner than chain_j + m (f_j + b_j)
-        (every F and B of rank j after the chain, each F before its B), and that micro-batch's
-        backward then passes ranks j - 1, ..., k in turn, so rank k ends no sooner than that
-        plus b_{j-1} + ... + b_k, for every j >= k."""
+        """``_rank_ends`` of a one-chunk-per-rank pipeline with the drain: the last backward
+        (``back``) to end on rank j ends no sooner than chain_j + m (f_j + b_j) (every F and B of
+        rank j after the chain, each F before its B), and that micro-batch's backward then passes
+        ranks j - 1, ..., k in turn, so rank k ends no sooner than that plus b_{j-1} + ... + b_k,
+        for every j >= k."""
         m = plan.num_microbatches
         drained = list(ends)
         latest = -math.inf  # max over j > k of (rank j's last B's end + b_{k+1} + ... + b_{j-1})

@@ -1,78 +1,38 @@
 """What one rank of a Plan holds at the end of backward and sends in one step, in bytes: the
 prediction the run's ``state`` line puts beside its measurement (run/engine/state_line.py), for
-plans with and without layer strategies.
+plans with and without layer strategies. docs/cost-model.md, "State and traffic", says what each
+figure counts and where torch departs from the textbook; the functions below say how.
 
 Held (end of backward, before the optimizer step), per distinct tensor the rank allocates
 (cost/tensor_shapes.py; ``r`` its tensor-parallel-local dim-0 rows, ``k`` the rest of its
 elements, ``d`` = dp, ``c`` the compute dtype's bytes; cost/state.py for the table by stage):
+whole fp32 parameters and gradients ``4 r k`` (ZeRO 0 or dp 1, a layerwise plan's ZeRO-1 layers),
+or FSDP2's shards padded to ``ceil(r / d)`` rows, plus the unsharded copy ``c ceil(r/d) d k`` for
+ZeRO-1/2 without pipeline parallelism; moments ``8 r_i k`` on the rows ``r_i`` the rank owns
+(DTensor's Shard(0) rule) where ZeRO shards them, else ``8 r k``. At its peak
+(``peak_state_bytes``, pp 1) ZeRO-1 of a whole chunk over several micro-batches holds the whole
+gradients in the reduce dtype in place of their shard.
 
-- ZeRO 0 (or dp 1), and a layerwise plan's ZeRO-1 layers: parameters ``4 r k``, gradients
-  ``4 r k`` (DDP's buckets, FSDP2 ``replicate``'s reduced gradients, or the layerwise engine's
-  summed ones); ZeRO-1's moments ``8 r_i k`` on the rank's own rows ``r_i`` (DTensor's Shard(0)
-  rule: ``ceil(r / d)`` rows each, the last ranks fewer), ZeRO-0's ``8 r k``.
-- FSDP2 (ZeRO 1/2/3 of a whole chunk, ZeRO 2/3 of a layer run alone): sharded parameters and
-  gradients padded to ``ceil(r / d)`` rows (``4 ceil(r/d) k`` each), plus for ZeRO-1/2 without
-  pipeline parallelism the unsharded copy ``c ceil(r/d) d k``; moments ``8 r_i k`` (unpadded
-  local shard).
+Sent per step (run/engine/comm_count.py: each collective's input buffer on this rank; a receive
+sends nothing): data-parallel traffic (cost/state.py) on padded shards, the tied embedding's
+gradient across the two end ranks, tensor-parallel activations as DTensor lays them out
+(run/parallel/parallelize.py), the pipeline's hidden state to each neighbour chunk on another
+rank with torch's first-step handshake, and meshmorph's own loss and norm reductions. Under
+context parallelism (priced, not run) ``d`` is dp x cp (shard index ``dp_rank * cp + cp_rank``),
+activations count the rank's ``s / cp`` tokens, and each block sends its K and V round the ring
+(cost/context_parallel.py).
 
-At its peak (``peak_state_bytes``, pp 1: the most parameter, gradient and moment bytes at the end
-of any micro-batch's backward) a rank holds the same, except under ZeRO-1 of a whole chunk with
-more than one micro-batch: between micro-batches FSDP2 accumulates the whole gradients, ``q r k``
-in the reduce dtype's ``q`` bytes, in place of their shard (cost/state.py: 6 + 12/d bytes per
-parameter under bf16).
-
-Sent per step (run/engine/comm_count.py: each collective's input buffer on this rank; a receive sends
-nothing), ``m`` micro-batches of ``b`` sequences of ``s`` tokens:
-
-- data parallel: cost/state.py's traffic (``data_parallel_traffic``) applied to padded shards;
-- the tied embedding's gradient, summed over the first and last pipeline ranks (its local, and
-  under FSDP2 sharded, gradient) where they are two ranks (under a V both copies sit on rank 0,
-  in chunks 0 and 2pp - 1, and are summed there without a collective);
-- tensor parallel activations per micro-batch (DTensor as run/parallel/parallelize.py lays it out):
-  without sequence parallelism, an all-reduce of ``b s h`` after the vocabulary-parallel
-  embedding and after each row-parallel layer (2 per block) in forward, one per column-parallel
-  layer's input gradient in backward (q, k, v and the first MLP projection(s)), one for the
-  head's input gradient, and loss_parallel's three fp32 all-reduces of ``b s`` values over the
-  vocabulary-sharded logits (no gather of the logits); with sequence
-  parallelism the row-parallel all-reduces become reduce-scatters of ``b s h`` and the block
-  inputs all-gathers of ``b s/t h`` (forward and backward), and the norms' gradients are
-  all-reduced once per step;
-- pipeline: each micro-batch's hidden state ``b s h`` (``s/t`` under sequence parallelism) to
-  the next chunk and its gradient to the previous one, plus torch's one 4-byte handshake per
-  neighbour in the first step, for each neighbour chunk on another rank (``remote_neighbours``:
-  the V's turn, chunks pp - 1 and pp on rank pp - 1, passes both locally);
-- meshmorph's own reductions: the loss and the global gradient norm (8 bytes each).
-
-Context parallelism (``cp`` > 1; priced, not run): ``d`` is dp x cp (``Plan.grad_replicas``:
-parameters are replicated over both, the shard index is ``dp_rank * cp + cp_rank``), every
-activation figure above counts the rank's ``s / cp`` tokens, and each block sends its K and V
-(``2 b (s/cp) h_kv / t`` elements in the compute dtype) ``cp - 1`` times per micro-batch in
-forward and K, V and their gradients ``cp - 1`` times in backward (cost/context_parallel.py),
-the forward's ring again under recompute.
-
-Layer strategies (a plan whose stages list ``layer_strategies``, run by the layerwise engine,
-run/parallel/segments.py): the rank's chunks are walked segment by segment
-(cost/segments.py: one per layer, under the layer's own tp, dp and ZeRO; rank ``r`` of a stage is
-tp rank ``r % tp_i`` of data-parallel block ``r // tp_i``), with the rules above applied at each
-layer's degrees and what that engine does differently:
-
-- every layer is its own unit: its gradients reduced on its own group once per micro-batch
-  (ZeRO 0/1: one flat buffer per step; a ZeRO-2 layer under a split-backward schedule, zb, zbv
-  or dualpipev, reduce-scatters once per step, run/engine/layerwise_pipeline.py), a ZeRO-2
-  layer keeps its gathered copy under a pipeline too, and a vocabulary-parallel embedding outside
-  FSDP2 keeps torch's double-size gradient with sequence parallelism as well as at dp 1;
-- the residual stream's dtype is followed layer by layer (fp32 from the embedding under
-  autocast, 16-bit from the first layer FSDP2's mixed precision casts on);
-- between neighbours whose tp differs (run/parallel/layerwise_redistribute.py): the forward
-  all-gather input ``(B / dp_a) s h`` when tp grows, the backward all-gather of the gradient
-  ``(B / dp_b) s h`` when it shrinks; with sequence parallelism one all-to-all each way;
-- the head all-gathers its ``b s V / tp_i`` logits and all-reduces its input gradient (no
-  ``loss_parallel``); norm gradients of a sequence-parallel FSDP2 layer are all-reduced per
-  micro-batch in the compute dtype;
-- the data: token ids (int64) all-gathered into the first layer's layout when its tp is larger,
-  labels into the last layer's; with pp > 1 each chunk's input and output moved between the
-  plan's data layout and its first and last layer's;
-- meshmorph's own reductions: the loss and one float64 squared gradient norm, 8 bytes each.
+Layer strategies (run by the layerwise engine, run/parallel/segments.py): the rank's chunks are
+walked segment by segment (cost/segments.py: one per layer under its own tp, dp and ZeRO; rank
+``r`` of a stage is tp rank ``r % tp_i`` of data-parallel block ``r // tp_i``), with these rules
+at each layer's degrees and what that engine does differently: every layer reduces its gradients
+on its own group (once per micro-batch; ZeRO 0/1 one flat buffer per step, a ZeRO-2 layer under a
+split backward once per step), a ZeRO-2 layer keeps its gathered copy under a pipeline too, and a
+vocabulary-parallel embedding outside FSDP2 keeps torch's double-size gradient under sequence
+parallelism as at dp 1; the residual stream's dtype is followed layer by layer; activations move
+between neighbours whose tp differs (run/parallel/redistribute.py); the head all-gathers its
+logits (no ``loss_parallel``); token ids and labels are gathered into the first and last layers'
+layouts; the norm is one float64 sum of squares.
 """
 
 from __future__ import annotations
@@ -107,7 +67,8 @@ the rank holds dp-sharded gradients (FSDP2) and over tp when it holds tp-split o
 NORM_PP_BYTES = 8
 """run/engine/grad_norm.py: the float64 norm, all-reduced over pp when pp > 1."""
 NORM_BYTES = 8
-"""run/engine/layerwise_grads.py: one float64 sum of squares, all-reduced over the stage."""
+"""run/engine/grad_norm.py (a layerwise plan): one float64 sum of squares, all-reduced over the
+job."""
 HANDSHAKE_BYTES = 4
 """torch pipelining's first-step neighbour check: one float32 per neighbouring stage."""
 TOKEN_BYTES = 8
@@ -256,7 +217,7 @@ def _held(model: ModelSpec, state: _RankState, segment: Segment) -> None:
     state.moments += moments
     # the uniform engine reduces FSDP2 once per step under a pipeline (torch's pipelining);
     # the layerwise engine per micro-batch, but once per step for a ZeRO-2 layer under a
-    # split backward (run/engine/layerwise_pipeline.py)
+    # split backward (run/engine/train_engine.py)
     once = plan.pp > 1 and (not state.layerwise or plan.schedule.split_backward and zero == 2)
     add_data_parallel_comm(state.comm, plan, zero=zero, dp=d, pp=plan.pp if once else 1,
                            whole=whole, padded=padded, per_layer=segment.alone)
@@ -371,7 +332,7 @@ def _pipeline(model: ModelSpec, state: _RankState, chunk: int) -> None:
 def _moved(state: _RankState, tp_a: int, dp_a: int, tp_b: int, dp_b: int, width: float,
            sequence: bool) -> None:
     """Activations of ``width`` bytes per position moved from layout (tp_a, dp_a) to
-    (tp_b, dp_b) of a stage's devices (run/parallel/layerwise_redistribute.py): between two
+    (tp_b, dp_b) of a stage's devices (run/parallel/redistribute.py): between two
     layers, or between the data layout and a layerwise chunk's ends."""
     plan, comm = state.plan, state.comm
     m, s, sequences = plan.num_microbatches, plan.seq_len, plan.dp * plan.micro_batch

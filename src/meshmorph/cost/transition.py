@@ -1,39 +1,21 @@
-"""Redistributing activations between two neighbouring layers whose strategies differ.
+"""Redistributing activations between two neighbouring layers whose strategies differ
+(docs/layerwise.md, "Cost", has the table and the measurement).
 
-A stage of D devices runs each layer under its own split D = tp x dp (ranks numbered with tp
-innermost, as everywhere in meshmorph). A micro-batch of the stage carries B sequences (plan dp x
-micro_batch); under (tp, dp) data-parallel group j = rank // tp holds sequences
-[j B / dp, (j + 1) B / dp), replicated on its tp ranks (a tensor-parallel block's output is
-all-reduced, without sequence parallelism). Going from layer a = (tp_a, dp_a) to layer
-b = (tp_b, dp_b), with tp's that nest (one divides the other), k = the ratio of the two tp's and
-c = bytes of one activation element (16-bit, 4 under fp32):
+A stage of D devices runs each layer under its own split D = tp x dp (tp innermost); a
+micro-batch of the stage carries B sequences (plan dp x micro_batch), data-parallel group j
+holding sequences [j B / dp, (j + 1) B / dp) on its tp ranks. Between tp's that nest (k = their
+ratio, c = bytes of an activation element): growing tp all-gathers the forward's (B / dp_b) s h c
+bytes over k ranks, shrinking it all-gathers the gradient's (B / dp_a) s h c, and the other
+direction is a local slice; both on the link ``CostModel.group_link`` gives a group spanning the
+larger tp, priced by ``comm.all_gather``. ZeRO stages do not move activations; tp's that do not
+nest (2 and 3 on six devices) would need an all-to-all and are refused.
 
-| from a to b | forward (activation) | backward (its gradient) |
-| --- | --- | --- |
-| tp_b = tp_a | nothing | nothing |
-| tp_b < tp_a (dp grows k x) | local slice: each rank keeps 1/k of its sequences, 0 bytes | all-gather over k ranks of the input gradient, gathered buffer (B / dp_a) s h c bytes |
-| tp_b > tp_a (dp shrinks k x) | all-gather over k ranks, gathered buffer (B / dp_b) s h c bytes | local slice, 0 bytes |
-
-Both all-gathers run among k consecutive ranks, on the link ``CostModel.group_link`` gives a
-group spanning max(tp_a, tp_b) ranks, priced by ``comm.all_gather`` (ring, M = gathered
-buffer). ZeRO stages do not change where activations live, so they need no transition. Two tp's
-that do not nest (2 and 3 on six devices) would need an all-to-all; they are refused.
-
-With sequence parallelism a layer's input and output are split along the sequence over its tp
-ranks (a layer at tp 1 holds whole sequences), so every rank holds M = B s h c / D bytes whatever
-its split. Between tp's L < H that nest (k = H / L) the runtime (run/parallel/layerwise_redistribute.py,
-``redistribute_sequence``) moves it by one all-to-all over the H layout's tp group, forward and
-again backward: each rank cuts its buffer into k pieces of M / k for k distinct ranks of that
-group. With L = 1 one of the k is the rank itself on every rank, so each rank sends and receives
-(k - 1) / k M; with L > 1 some ranks keep none of their buffer (position p keeps a piece only
-when p // k = p % L) and send all k pieces, M bytes, and some receive k pieces. The slowest rank
-sets the time: ``peers`` x alpha + moved / beta with (peers, moved) = (k - 1, (k - 1) / k M) for
-L = 1 and (k, M) for L > 1, the alpha-beta model of cost/comm.py (with L = 1 it is the ring
-all-to-all's (k - 1) alpha + (k - 1) / k M / beta).
-
-``Transition.fwd_bytes`` and ``bwd_bytes`` are the bytes the busiest rank of the stage sends to,
-or receives from, other ranks in each direction: for the all-gathers (k - 1) / k of the gathered
-buffer (what every rank receives, and the ring sends), for the all-to-alls the figures above.
+With sequence parallelism every rank holds M = B s h c / D bytes whatever its split, and a change
+of tp is one all-to-all over the larger tp's group each way
+(run/parallel/redistribute.py). With the smaller tp 1 each rank sends (k - 1) / k M to
+k - 1 peers; otherwise some ranks keep none of their buffer and send all of M to k. The slowest
+rank sets the time, peers x alpha + bytes / beta (cost/comm.py's model). ``Transition.fwd_bytes``
+and ``bwd_bytes`` are the busiest rank's bytes each way ((k - 1) / k of a gathered buffer).
 """
 
 from __future__ import annotations

@@ -129,10 +129,8 @@ class CostModel:
                 for group in self.cluster.groups:
                     group.gpu.peak_flops("fp8")
             coster = self._costers[key] = LayerCoster(
-                self.model, self.coef, dtype=dtype, efficiency=self.efficiency,
-                tp_link=self.intra, profile=self.profile, cp=cp, inter_link=self.inter,
-                gpus_per_node=self.cluster.gpus_per_node, tp_comm_overlap=tp_comm_overlap,
-                compiled=compiled, stream32=stream32, fp8_scaling=fp8_scaling)
+                self, dtype=dtype, cp=cp, tp_comm_overlap=tp_comm_overlap, compiled=compiled,
+                stream32=stream32, fp8_scaling=fp8_scaling)
         return coster
 
     # --- placement --------------------------------------------------------------------------
@@ -230,17 +228,13 @@ class CostModel:
             f, b, bg, z3 = f + ef, b + eb, bg + eb, ef + eb
         return PieceCost(f, b, bg, wg, comp, re, tpc, cpc, z3, params)
 
-    def segment_time(self, segment: Segment, gpu: GPUSpec) -> PieceCost:
-        """One segment's per-micro-batch figures (``chunk_time`` under its plan)."""
-        return self.chunk_time(segment.plan, segment.start, segment.stop, segment.recompute, gpu,
-                               drop_tied=segment.drop_tied, units=1 if segment.alone else None)
-
     def stage_time(self, plan: Plan, segments: Sequence[Segment],
                    gpu: GPUSpec) -> tuple[PieceCost, list[PieceCost]]:
         """A chunk of ``plan`` from its segments: (the chunk's figures, each segment's). Between
         two segments whose tp differs the activation is redistributed (cost/transition.py):
         forward and backward seconds added to the chunk's, the backward in its input gradient."""
-        pieces = [self.segment_time(segment, gpu) for segment in segments]
+        pieces = [self.chunk_time(s.plan, s.start, s.stop, s.recompute, gpu, drop_tied=s.drop_tied,
+                                  units=1 if s.alone else None) for s in segments]
         total = pieces[0]
         for at in range(1, len(segments)):
             step = transition(self, segments[at - 1].strategy, segments[at].strategy,
@@ -424,14 +418,14 @@ class CostModel:
         link = self.group_link(gpu, plan.tp * d)
         reduce = self.collective("all_reduce", d, params * traffic.all_reduce_per_step, link)
         gathered = params * traffic.all_gather_per_step * d  # the buffer the gathers fill
-        if self.fsdp_measured(plan):  # ZeRO-1/2/3: FSDP2's per-step gathers and reduce-scatters
-            reduce += self.fsdp_calls("reduce_scatter", d, 1.0,
-                                      params * traffic.reduce_scatter_per_step, units)
-            gather = self.fsdp_calls("all_gather", d, 1.0, gathered, units)
-        else:
-            reduce += self.collective("reduce_scatter", d,
-                                      params * traffic.reduce_scatter_per_step, link)
-            gather = self.collective("all_gather", d, gathered, link)
+        measured = self.fsdp_measured(plan)  # ZeRO-1/2/3: FSDP2's per-step calls, measured
+
+        def priced(kind: str, nbytes: float) -> float:
+            return self.fsdp_calls(kind, d, 1.0, nbytes, units) if measured \
+                else self.collective(kind, d, nbytes, link)
+
+        reduce += priced("reduce_scatter", params * traffic.reduce_scatter_per_step)
+        gather = priced("all_gather", gathered)
         grad_bytes = params * (traffic.all_reduce_per_step + traffic.reduce_scatter_per_step)
         # overlap_grad_reduce: buckets reduce while the last backward runs, but the last one
         # waits for the last gradient; overlap_param_gather (FSDP2's units of a whole chunk, not

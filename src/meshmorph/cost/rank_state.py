@@ -112,22 +112,6 @@ def held_state(tensors: list[ParamTensor], tp: int, dp: int, dp_rank: int, zero:
     return params, grads, moments, whole, padded
 
 
-def add_data_parallel_comm(comm: dict[str, float], plan: Plan, *, zero: int, dp: int, pp: int,
-                           whole: float, padded: float, per_layer: bool = False) -> None:
-    """Add to ``comm`` the bytes one rank sends per step for data parallelism over ``dp`` ranks
-    at ``zero`` (``per_layer``: a layer run alone): cost/state.py's multiples applied to
-    ``whole`` local elements (all-reduce) and to the ``padded`` dim-0 shards torch moves (an
-    all-gather sends a padded shard, a reduce-scatter dp of them)."""
-    traffic = data_parallel_traffic(zero=zero, dp=dp, pp=pp, dtype=plan.dtype,
-                                    reduce_dtype=plan.reduce_dtype, per_layer=per_layer)
-    m = plan.num_microbatches
-    comm["all_reduce"] += traffic.all_reduce_per_step * whole
-    comm["all_gather"] += (traffic.all_gather_per_step
-                           + m * traffic.all_gather_per_microbatch) * dp * padded
-    comm["reduce_scatter"] += (traffic.reduce_scatter_per_step
-                               + m * traffic.reduce_scatter_per_microbatch) * dp * padded
-
-
 @dataclass(slots=True)
 class _RankState:
     """What one rank holds and sends, added up segment by segment."""
@@ -215,12 +199,19 @@ def _held(model: ModelSpec, state: _RankState, segment: Segment) -> None:
     state.grads += grads
     state.between_grads += between
     state.moments += moments
-    # the uniform engine reduces FSDP2 once per step under a pipeline (torch's pipelining);
-    # the layerwise engine per micro-batch, but once per step for a ZeRO-2 layer under a
-    # split backward (run/engine/train_engine.py)
+    # cost/state.py's traffic: all-reduces of the whole local tensors, all-gathers of a padded
+    # shard, reduce-scatters of dp of them. The uniform engine reduces FSDP2 once per step under
+    # a pipeline (torch's pipelining); the layerwise engine per micro-batch, but once per step
+    # for a ZeRO-2 layer under a split backward (run/engine/train_engine.py)
     once = plan.pp > 1 and (not state.layerwise or plan.schedule.split_backward and zero == 2)
-    add_data_parallel_comm(state.comm, plan, zero=zero, dp=d, pp=plan.pp if once else 1,
-                           whole=whole, padded=padded, per_layer=segment.alone)
+    traffic = data_parallel_traffic(zero=zero, dp=d, pp=plan.pp if once else 1, dtype=plan.dtype,
+                                    reduce_dtype=plan.reduce_dtype, per_layer=segment.alone)
+    m, comm = plan.num_microbatches, state.comm
+    comm["all_reduce"] += traffic.all_reduce_per_step * whole
+    comm["all_gather"] += (traffic.all_gather_per_step
+                           + m * traffic.all_gather_per_microbatch) * d * padded
+    comm["reduce_scatter"] += (traffic.reduce_scatter_per_step
+                               + m * traffic.reduce_scatter_per_microbatch) * d * padded
 
 
 def _activations(model: ModelSpec, state: _RankState, segment: Segment, stream: float) -> float:

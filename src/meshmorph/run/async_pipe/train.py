@@ -1,22 +1,15 @@
 """``meshmorph run`` of a plan with ``schedule = "async"``: the job's model and data through the
-asynchronous pipeline executor (``run/async_pipe/executor.py``), one model chunk per rank.
+asynchronous pipeline executor (``run/async_pipe/executor.py``), one model chunk per rank
+(docs/pipelines.md, "Run by ``meshmorph run``", says what a logged step is and what is left out).
 
 Pipeline rank ``k`` builds chunk ``k`` of the plan (``build_chunk``: the weights the whole model
-would hold) and trains it without flush: 1F1B across step boundaries, each stage stepping its
-optimizer as soon as a backward is done. What one logged step is:
-
-- ``none``, ``stash``, ``sgd``, ``adam``: every micro-batch is an update of every stage (PipeDream),
-  so a step of ``m`` micro-batches is ``m`` updates; the step's loss is the mean of its ``m``
-  micro-batch losses, each computed with the weights its forward saw;
-- ``2bw``: a step is one batch of ``m`` micro-batches with one update per stage (PipeDream-2BW).
-
-The optimizer is the job's AdamW (``sgd`` prediction: momentum SGD with momentum ``beta1`` and no
-weight decay, SpecTrain's rule); the learning rate of update ``u`` is the job's schedule at step
-``u // m`` (at step ``u`` under ``2bw``). What the synchronous engine adds and an asynchronous
-pipeline has no place for is left out and said so: gradient clipping and the global gradient norm
-(no moment where every stage holds the same step's gradients; ``grad_norm`` is logged as NaN),
-the sum of a tied embedding's two gradients (the head's copy trains as its own matrix), and
-checkpoints. The metrics are written by the last pipeline rank, which sees the losses.
+would hold) and trains it without flush. Under ``none``, ``stash``, ``sgd`` and ``adam`` every
+micro-batch is an update of every stage, so a logged step of ``m`` micro-batches is ``m``
+updates and its loss the mean of theirs; under ``2bw`` a step is one update per stage. The
+optimizer is the job's AdamW (``sgd`` prediction: momentum SGD, momentum ``beta1``, no weight
+decay), update ``u`` at the learning rate of step ``u // m`` (step ``u`` under ``2bw``). No
+gradient clipping or norm (``grad_norm`` is logged as NaN), no sum of a tied embedding's two
+gradients, no checkpoints; the last pipeline rank writes the metrics.
 """
 
 from __future__ import annotations

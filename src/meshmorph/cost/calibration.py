@@ -76,10 +76,9 @@ def _cluster_text(entry: dict[str, Any]) -> str:
     total = hw["total_gpus"]
     if "V100" in hw["gpu"]:
         gpu, per_node = "v100-32g", 16  # DGX-2: 16 V100 32GB on NVSwitch
-    elif "80GB" in hw["gpu"] or "Table 1" in str(entry["source"]):
+    elif "80GB" in hw["gpu"] or "Table 1" in str(entry["source"]) \
+            or entry["source"].get("date", "") >= "2021":  # Selene, 2021: memory not stated
         gpu, per_node = "a100-80g", 8
-    elif entry["source"].get("date", "") >= "2021":
-        gpu, per_node = "a100-80g", 8  # Selene, 2021: A100-80GB (memory not stated in the README)
     else:
         gpu, per_node = "a100-40g", 8  # DGX A100 of 2020: 40GB
     nodes, per = (1, total) if total <= per_node else (total // per_node, per_node)
@@ -103,12 +102,9 @@ def _run(entry: dict[str, Any], source: str) -> PublishedRun:
     micro = par.get("micro_batch") or (per_rank if entry["source"].get("date", "") < "2021"
                                        and "paper" not in entry["source"] else 1)
     m = per_rank // micro
-    schedule, vpp = Schedule.ONE_F_ONE_B, 1
-    if pp > 1:
-        for v in range(2, 7):
-            if model.num_blocks % (pp * v) == 0 and m % pp == 0:
-                schedule, vpp = Schedule.INTERLEAVED, v
-                break
+    vpp = next((v for v in range(2, 7) if model.num_blocks % (pp * v) == 0 and m % pp == 0), 1) \
+        if pp > 1 else 1
+    schedule = Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B
     plan = Plan(model=entry["id"], seq_len=seq, global_batch=batch, tp=tp, pp=pp, dp=dp,
                 micro_batch=micro, num_microbatches=m, schedule=schedule, vpp=vpp, dtype="fp16",
                 reduce_dtype="fp16",

@@ -65,24 +65,20 @@ class CostModel:
 
     def __init__(self, model: ModelSpec, cluster: Cluster,
                  coefficients: CostCoefficients | None = None, profile: Profile | None = None):
-        self.model = model
-        self.cluster = cluster
+        self.model, self.cluster = model, cluster
         self.coef = coefficients or CostCoefficients()
         self.profile = profile or Profile()
         if self.profile.oversubscribed():  # no free core runs a collective beside compute
             self.coef = replace(self.coef, dp_overlap=0.0, zero3_overlap=0.0, tp_overlap=0.0)
         self.intra = {g.gpu.name: self._link(g.intra_link) for g in cluster.groups}
         self.inter = self._link(cluster.inter_link)
-        self.efficiency = {
-            g.gpu.name: self.profile.matmul_efficiency.get(
-                g.gpu.name, dict(self.coef.gpu_matmul_efficiency).get(g.gpu.name,
-                                                                      self.coef.matmul_efficiency))
-            for g in cluster.groups
-        }
+        ceilings = dict(self.coef.gpu_matmul_efficiency)  # GPU name -> GEMM ceiling
+        self.efficiency = {g.gpu.name: self.profile.matmul_efficiency.get(
+            g.gpu.name, ceilings.get(g.gpu.name, self.coef.matmul_efficiency))
+            for g in cluster.groups}
         self._costers: dict[tuple, LayerCoster] = {}
         self._plan_costers: dict[int, tuple[Plan, LayerCoster]] = {}
         self._timelines: dict[tuple, Timeline] = {}
-        self._layer_params: dict[int, list[float]] = {}
         self._chunk_params: dict[tuple[int, int, int], float] = {}
         self._rank_tails: dict[tuple, tuple[float, float]] = {}
         self.least_tails: dict[tuple, float] = {}
@@ -178,15 +174,6 @@ class CostModel:
                 total -= self.model.layers[-1].tied_params / tp
             self._chunk_params[(start, stop, tp)] = total
         return total
-
-    def layer_params(self, index: int, tp: int) -> float:
-        """Parameters of layer ``index`` on one tensor-parallel rank (``chunk_params`` of the
-        layer alone), memoised."""
-        params = self._layer_params.get(tp)
-        if params is None:
-            params = self._layer_params[tp] = [self.chunk_params(i, i + 1, tp)
-                                               for i in range(self.model.num_layers)]
-        return params[index]
 
     def chunk_time(self, plan: Plan, start: int, stop: int, recompute: Sequence[Recompute],
                    gpu: GPUSpec, *, drop_tied: bool = False, units: int | None = None) -> PieceCost:
@@ -365,7 +352,7 @@ class CostModel:
                 stored += cost.activation_bytes
                 if cost.working_bytes > working:
                     working = cost.working_bytes
-                own = self.layer_params(index, tp)
+                own = self.chunk_params(index, index + 1, tp)
                 if segment.drop_tied and index == last:
                     own -= tied / tp
                 if own > largest:

@@ -30,13 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from meshmorph.run.async_pipe.actions import (
-    async_1f1b,
-    drain_point,
-    staleness,
-    sync_1f1b,
-    two_bw,
-)
+from meshmorph.run.async_pipe.actions import async_1f1b, drain_point, staleness, sync_1f1b, two_bw
 from meshmorph.run.async_pipe.config import AsyncPipelineConfig
 from meshmorph.run.async_pipe.prediction import PredictionGuard
 from meshmorph.run.async_pipe.weights import WeightSource

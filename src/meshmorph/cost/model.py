@@ -95,11 +95,10 @@ class CostModel:
                          bw * 1e9 if bw is not None else link.bandwidth_bps)
 
     def coster(self, plan: Plan) -> LayerCoster:
-        """Per-layer costs of ``plan``'s layers (a segment's plan for its own layers): in its
-        dtype, each sequence split over its ``cp`` ranks, tensor-parallel communication beside
-        the GEMMs where ``tp_comm_overlap``, eager or compiled (``Plan.compile``), over an fp32
-        residual stream where autocast runs without FSDP2's cast (``autocast_stream``).
-        Memoised per plan object (held, so its id is not reused while cached)."""
+        """Per-layer costs of ``plan``'s layers (a segment's plan for its own layers), with the
+        plan's flags (``layer_coster``; an fp32 residual stream where autocast runs without
+        FSDP2's cast, ``autocast_stream``). Memoised per plan object (held, so its id is not
+        reused while cached)."""
         found = self._plan_costers.get(id(plan))
         if found is not None and found[0] is plan:
             return found[1]
@@ -115,9 +114,11 @@ class CostModel:
     def layer_coster(self, dtype: str, *, cp: int = 1, tp_comm_overlap: bool = False,
                      compiled: bool = True, stream32: bool = False,
                      fp8_scaling: str = "tensorwise") -> LayerCoster:
-        """Per-layer costs in ``dtype``, each sequence split over ``cp`` ranks; by default as
-        fused kernels over a 16-bit stream keep and run them (Korthikanti's counts, Megatron-LM);
-        ``coster`` picks the flags of a plan."""
+        """Per-layer costs in ``dtype``, each sequence split over ``cp`` ranks, tensor-parallel
+        communication beside the GEMMs where ``tp_comm_overlap``, eager or compiled kernels
+        (``Plan.compile``), over an fp32 stream where ``stream32``, float8 scaled as
+        ``fp8_scaling``; by default as fused kernels over a 16-bit stream keep and run them
+        (Korthikanti's counts, Megatron-LM). ``coster`` picks the flags of a plan."""
         key = (dtype, cp, tp_comm_overlap, compiled, stream32, fp8_scaling)
         coster = self._costers.get(key)
         if coster is None:
@@ -293,11 +294,9 @@ class CostModel:
     def microbatch_dp_traffic(self, plan: Plan, params: float, gpu: GPUSpec,
                               units: int = 0) -> tuple[float, float]:
         """(all-gather, reduce-scatter) seconds of the data-parallel collectives inside one
-        micro-batch over ``params`` (ZeRO-3's gathers in forward and backward, ZeRO-2/3's
-        gradient reduce-scatter; none under pipeline parallelism, see cost/state.py). ``units``
-        > 0 prices them as that many FSDP2 units from the Profile's measured per-unit fits.
-        The group is dp x cp (``Plan.grad_replicas``: context-parallel ranks hold the same
-        parameters)."""
+        micro-batch over ``params`` (cost/state.py: ZeRO-3's gathers, ZeRO-2/3's gradient
+        reduce-scatter) over dp x cp (``Plan.grad_replicas``); ``units`` > 0 prices them as that
+        many FSDP2 units from the Profile's measured per-unit fits."""
         d = plan.grad_replicas
         traffic = self.dp_traffic(plan)
         if d == 1:
@@ -325,13 +324,9 @@ class CostModel:
 
     def segments_memory(self, plan: Plan, pp_rank: int, segments: Sequence[Segment],
                         gpu: GPUSpec) -> StageMemory:
-        """Peak memory of one rank of pipeline rank ``pp_rank`` holding ``segments``, added up
-        from ``rank_memory_terms`` (cost/rank_terms.py), the terms the planner's bounds read,
-        per strategy: its parameters' state (cost/state.py: fp32 masters, gradients and moments
-        as the runtime holds them, transient copies at the peak), the activations of the
-        micro-batches in flight and one recomputing layer's working set, ZeRO-3's gather buffers
-        (the largest layer plus a prefetch), and the rank's reserve (the head's loss buffers
-        under the head's strategy)."""
+        """Peak memory of one rank of pipeline rank ``pp_rank`` holding ``segments``, added up per
+        strategy from ``rank_memory_terms`` (cost/rank_terms.py), the terms the planner's bounds
+        read; the head's loss buffers are reserved under the head's strategy."""
         stored = working = 0.0
         groups: dict[int, list] = {}  # per strategy (one plan object each): [plan, params, largest]
         tied, last = self.model.layers[-1].tied_params, self.model.num_layers - 1
@@ -360,9 +355,7 @@ class CostModel:
             group[2] = largest
             if segment.stop == last + 1:
                 head_plan = sub
-        # ZeRO as the runtime realises it (cost/state.py): fp32 masters, gradients and moments;
-        # ZeRO-3 gathers its largest layer plus a prefetch; transient unsharded copies and whole
-        # gradients between micro-batches (held.peak_extra)
+        # ZeRO as the runtime realises it (cost/state.py); ZeRO-3 gathers its largest layer
         params = grads = optimizer = extra = gather = 0.0
         rank = None
         for sub, count, largest in groups.values():

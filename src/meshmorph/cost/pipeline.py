@@ -1,12 +1,11 @@
 """The cost model's view of pipeline schedules: a thin wrapper over ``meshmorph.schedule``.
 
-The op orders are the schedule package's action lists (torch's orders: GPipe, 1F1B, interleaved
-1F1B, ZB-H1, and any other name ``schedule.registry`` knows) and the timing is its one event
-simulator (``schedule.simulator``: a memoised max-plus replay, so the makespan never decreases
-when a stage gets slower; the planner's bounds rely on it). Here an op is (kind, chunk,
-micro-batch) with kind F, B or W; in zero-bubble schedules B is the input-gradient backward
-(the schedule package's I) and W the weight gradient. With F = B = W and m >= p, ZB-H1 gives the
-paper's bubble (p - 1)(F + B - W), a third of 1F1B's.
+The op orders are the schedule package's action lists (torch's orders) and the timing is its one
+event simulator (``schedule.simulator``: a memoised max-plus replay, so the makespan never
+decreases when a stage gets slower; the planner's bounds rely on it). In zero-bubble schedules
+the backward priced as B is the input gradient (the schedule package's I) and W the weight
+gradient; with F = B = W and m >= p, ZB-H1 gives the paper's bubble (p - 1)(F + B - W), a third
+of 1F1B's.
 """
 
 from __future__ import annotations
@@ -123,8 +122,7 @@ def async_steady_step(p: int, m: int, fwd_s: Sequence[float], bwd_s: Sequence[fl
     durations = list(fwd_s) + list(bwd_s) + [0.0] * (2 * p) + steps
     comm = list(p2p_s) if p2p_s is not None else [0.0] * p
     ops = replay(program, durations, comm, keep_ops=True).ops
-    opened: list[float] = [0.0] * p
-    closed: list[float] = [0.0] * p
+    opened, closed = [0.0] * p, [0.0] * p
     for rank, kind, _, j, _, end in ops:
         if kind == "STEP":
             if j == first:

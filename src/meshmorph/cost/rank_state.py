@@ -315,8 +315,7 @@ def _pipeline(model: ModelSpec, state: _RankState, chunk: int) -> None:
     else:
         _moved(state, plan.tp, plan.dp, first.tp, first.dp, h * hidden, sp)
     end = chunk == plan.num_chunks - 1
-    logits = 4.0 if plan.dtype == "fp32" else compute_bytes(plan.dtype)
-    width = model.vocab_size * logits if end else h * hidden
+    width = model.vocab_size * compute_bytes(plan.dtype) if end else h * hidden
     _moved(state, last.tp, last.dp, plan.tp, plan.dp, width, sp and not end)
 
 

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -132,8 +133,7 @@ class AsyncPipeline:
         self.segments = [(0, 0, per, cfg.synchronous)]
         result = AsyncResult()
         self._in_flight: dict[int, tuple] = {}
-        self._batch_cache: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._batches, self._loss_sum = batches, 0.0
+        self._batches, self._loss_sum = lru_cache(maxsize=1)(batches), 0.0
         mode = cfg.weight_prediction
         dist.barrier()
         start = time.perf_counter()
@@ -171,11 +171,9 @@ class AsyncPipeline:
     def _micro_batch(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         first_mb, first_batch, per, _ = self._segment(j)
         batch = first_batch + (j - first_mb) // per
-        if self._batch_cache is None or self._batch_cache[0] != batch:
-            self._batch_cache = (batch, self._batches(batch))
         micro = self.batch_size // per
         piece = slice((j - first_mb) % per * micro, ((j - first_mb) % per + 1) * micro)
-        x, y = self._batch_cache[1]
+        x, y = self._batches(batch)
         return x[piece], y[piece]
 
     def _forward(self, j: int, mode: str, steps: int) -> None:

@@ -18,6 +18,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -85,14 +86,11 @@ def train_async(*, model: ModelSpec, plan: Plan, optim: OptimConfig, batch_of_st
         loss_fn=token_cross_entropy, lr_at=lambda version: optim.lr_at(version // per_step),
         forward_context=autocast)
     rows = plan.global_batch // per_step
-    cache: dict[int, torch.Tensor] = {}
+    step_batch = lru_cache(maxsize=1)(lambda step: batch_of_step(step).to(device))
 
     def batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
         step, piece = divmod(index, per_step)
-        if step not in cache:
-            cache.clear()
-            cache[step] = batch_of_step(step).to(device)
-        tokens = cache[step][piece * rows:(piece + 1) * rows]
+        tokens = step_batch(step)[piece * rows:(piece + 1) * rows]
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     metrics = MetricsLogger(out_dir, enabled=last, total_steps=steps, start_step=0,
@@ -107,8 +105,9 @@ def train_async(*, model: ModelSpec, plan: Plan, optim: OptimConfig, batch_of_st
             return
         step = len(losses) + 1
         now = time.perf_counter()
-        # the loss of a batch of micro-batches is already their mean (the executor divides)
-        losses.append(sum(pending) / len(pending) if per_step > 1 else pending[0])
+        # the mean of the step's batches (a batch of micro-batches is already their mean: the
+        # executor divides)
+        losses.append(sum(pending) / len(pending))
         pending.clear()
         metrics.log(step=step, loss=losses[-1], lr=optim.lr_at(step - 1), grad_norm=math.nan,
                     step_time_s=now - clock[0], consumed_samples=step * plan.global_batch)

@@ -181,9 +181,9 @@ def test_link_from_catalog_applies_efficiency_and_microseconds() -> None:
 
 
 def test_exposed_communication_hides_at_most_the_overlap_share_and_the_compute() -> None:
-    assert comm.exposed(10.0, 100.0, 0.8) == pytest.approx(2.0)  # overlap-limited
-    assert comm.exposed(10.0, 3.0, 0.8) == pytest.approx(7.0)  # compute-limited
-    assert comm.exposed(10.0, 100.0, 0.0) == 10.0
+    assert comm.overlapped([(10.0, 0.8)], 100.0, 0.0) == pytest.approx(2.0)  # overlap-limited
+    assert comm.overlapped([(10.0, 0.8)], 3.0, 0.0) == pytest.approx(7.0)  # compute-limited
+    assert comm.overlapped([(10.0, 0.0)], 100.0, 0.0) == 10.0
 
 
 # --- FLOPs: Narayanan et al. 2021 ---------------------------------------------------------------

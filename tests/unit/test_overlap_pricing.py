@@ -39,7 +39,7 @@ def test_overlap_formula_by_hand() -> None:
     assert comm.overlapped([(10.0, 0.0)], 30.0, 0.2) == pytest.approx(10.0)  # off: all exposed
     for window in (0.0, 2.0, 5.0, 100.0):  # one part, no slowdown: the old exposed()
         assert comm.overlapped([(4.0, 0.7)], window, 0.0) == pytest.approx(
-            comm.exposed(4.0, window, 0.7))
+            max(4.0 * (1.0 - 0.7), 4.0 - window, 0.0))
 
 
 def test_gradient_reduction_off_is_fully_exposed_and_on_follows_the_bucket_formula() -> None:

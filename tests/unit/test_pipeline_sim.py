@@ -9,8 +9,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshmorph.cost.pipeline import bubble_closed_form, schedule_ops, simulate
+from meshmorph.cost.pipeline import simulate
+from meshmorph.schedule.registry import schedule_actions
 from meshmorph.schedule.table import Schedule
+
+
+def schedule_ops(schedule: Schedule, p: int, m: int, v: int = 1) -> list[list[tuple[str, int, int]]]:
+    """The (kind, chunk, micro-batch) order of every pipeline rank (B is the input-gradient
+    backward in split ones)."""
+    return [[("B" if a.kind == "I" else str(a.kind), a.stage, a.microbatch) for a in order]
+            for order in schedule_actions(str(schedule), p, m, v)]
+
+
+def bubble_closed_form(schedule: Schedule, p: int, m: int, v: int = 1) -> float:
+    """Bubble as a fraction of the ideal time for equal stages (Narayanan et al. 2021)."""
+    if p == 1:
+        return 0.0
+    if schedule == Schedule.INTERLEAVED:
+        return (p - 1) / (v * m)  # (p-1)/(v·m)
+    return (p - 1) / m  # (p-1)/m for GPipe and 1F1B
 
 
 @pytest.mark.parametrize("schedule", [Schedule.GPIPE, Schedule.ONE_F_ONE_B])

@@ -1,29 +1,17 @@
-"""The cost model against every published run it can be checked on, with its error told honestly.
+"""The cost model against every published run it can be checked on, with its error told honestly
+(docs/cost-model.md, "Calibration, in sample and leave-one-out", has the sources, the
+inferences and the errors).
 
-Published runs (package data, copied from the project's reference folder): Narayanan et al. 2021
-Table 1 (GPT, 1.7B-1T, A100-80GB) and the Megatron-LM README tables of 2020-09 (GPT 1.2B-8.3B on
-one DGX-2 V100 node and DGX A100 nodes, model- and data-parallel scaling) and 2021-01 (the same
-sizes as Table 1 with earlier software). Each run is estimated as Megatron-LM ran it: fp16, fp16
-gradient all-reduce, attention that keeps its s x s scores, dropout, full recompute, micro-batch 1
-with gradient accumulation where the source states no micro-batch and the run accumulates (2021
-tables), one micro-batch of the whole per-rank batch where the 2020 tables ran without
-accumulation, interleaved 1F1B with the smallest v in
-2..6 that splits the blocks evenly under pipeline parallelism (the sources do not state v).
-The figure compared is hardware TFLOP/s per GPU as Narayanan Eq. 3 counts it (recompute included).
-
-torchtitan's published runs (``torchtitan_runs.json``: FSDP2, TP and async TP on 64 A100-80GB and
-on 8 to 128 H100 96GB HBM2e at 500 W, described in ``data/h100_96g_hbm2e_500w.toml``) are
-estimated as torchtitan ran them (``_torchtitan_run``): Llama blocks with a flash attention kernel
-(SDPA) and no dropout, FSDP2 resharding after forward (ZeRO-3) over the FSDP degree, bf16
-parameters and fp32 gradient reduce-scatters, the whole local batch one micro-batch, DTensor
-tensor parallelism with sequence parallelism, async TP priced as tensor-parallel communication
-overlapped with its GEMMs (``Plan.tp_comm_overlap``), full, per-layer (every second block) or
-per-op selective checkpointing (``TransformerShape.selective = "op"``), and memory-bound ops
-unfused (``Plan.compile`` false: ``CostCoefficients.eager_elementwise_passes``) unless the run
-used torch.compile. They
-publish tokens per second per GPU; the TFLOP/s compared is the step's hardware FLOPs as meshmorph
-counts them over the published step time, so its error is the error of the predicted throughput.
-Their out-of-memory rows are kept apart (``published_oom_runs``): they must be predicted not to fit.
+Published runs (package data): Narayanan et al. 2021 Table 1 and the Megatron-LM README tables of
+2020-09 and 2021-01, each estimated as Megatron-LM ran it (``_run``: fp16 with fp16 gradient
+all-reduce, attention that keeps its s x s scores, dropout, full recompute, micro-batch 1 where
+the source states none and the run accumulates, interleaved 1F1B with the smallest v in 2..6
+that splits the blocks evenly); and torchtitan's runs (``torchtitan_runs.json``: FSDP2, TP and
+async TP on A100s and on 500 W H100s described in ``data/h100_96g_hbm2e_500w.toml``), estimated
+as torchtitan ran them (``_torchtitan_run``). The figure compared is hardware TFLOP/s per GPU as
+Narayanan Eq. 3 counts it; torchtitan publishes tokens per second, turned into the step's
+hardware FLOPs as meshmorph counts them over the published step time. Out-of-memory rows are kept
+apart (``published_oom_runs``): they must be predicted not to fit.
 
 ``fit`` chooses the named coefficients by least squares on log(predicted / published);
 ``leave_one_out`` refits without each run and predicts it, the honest error of the fitted model.
@@ -88,10 +76,9 @@ def _cluster_text(entry: dict[str, Any]) -> str:
     total = hw["total_gpus"]
     if "V100" in hw["gpu"]:
         gpu, per_node = "v100-32g", 16  # DGX-2: 16 V100 32GB on NVSwitch
-    elif "80GB" in hw["gpu"] or "Table 1" in str(entry["source"]):
+    elif "80GB" in hw["gpu"] or "Table 1" in str(entry["source"]) \
+            or entry["source"].get("date", "") >= "2021":  # Selene, 2021: memory not stated
         gpu, per_node = "a100-80g", 8
-    elif entry["source"].get("date", "") >= "2021":
-        gpu, per_node = "a100-80g", 8  # Selene, 2021: A100-80GB (memory not stated in the README)
     else:
         gpu, per_node = "a100-40g", 8  # DGX A100 of 2020: 40GB
     nodes, per = (1, total) if total <= per_node else (total // per_node, per_node)
@@ -115,12 +102,9 @@ def _run(entry: dict[str, Any], source: str) -> PublishedRun:
     micro = par.get("micro_batch") or (per_rank if entry["source"].get("date", "") < "2021"
                                        and "paper" not in entry["source"] else 1)
     m = per_rank // micro
-    schedule, vpp = Schedule.ONE_F_ONE_B, 1
-    if pp > 1:
-        for v in range(2, 7):
-            if model.num_blocks % (pp * v) == 0 and m % pp == 0:
-                schedule, vpp = Schedule.INTERLEAVED, v
-                break
+    vpp = next((v for v in range(2, 7) if model.num_blocks % (pp * v) == 0 and m % pp == 0), 1) \
+        if pp > 1 else 1
+    schedule = Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B
     plan = Plan(model=entry["id"], seq_len=seq, global_batch=batch, tp=tp, pp=pp, dp=dp,
                 micro_batch=micro, num_microbatches=m, schedule=schedule, vpp=vpp, dtype="fp16",
                 reduce_dtype="fp16",

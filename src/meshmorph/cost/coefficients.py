@@ -100,26 +100,21 @@ class CostCoefficients:
     """Bytes taken by the CUDA context, communicator buffers and workspace per device."""
 
     def __post_init__(self) -> None:
-        for name in ("matmul_efficiency", "link_efficiency"):
-            value = getattr(self, name)
-            if not 0 < value <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {value}")
-        for name in ("zero3_overlap", "overlap_slowdown", "memory_reserve_fraction"):
-            value = getattr(self, name)
-            if not 0 <= value < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {value}")
-        for name in ("dp_overlap", "tp_overlap"):
-            value = getattr(self, name)
-            if not 0 <= value <= 1:
-                raise ValueError(f"{name} must be in [0, 1], got {value}")
-        for name in ("grad_bucket_bytes", "tp_overlap_buffers"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        rules = (  # (fields, whether a value is in range, the range)
+            (("matmul_efficiency", "link_efficiency"), lambda v: 0 < v <= 1, "in (0, 1]"),
+            (("zero3_overlap", "overlap_slowdown", "memory_reserve_fraction"),
+             lambda v: 0 <= v < 1, "in [0, 1)"),
+            (("dp_overlap", "tp_overlap"), lambda v: 0 <= v <= 1, "in [0, 1]"),
+            (("grad_bucket_bytes", "tp_overlap_buffers", "elementwise_passes",
+              "eager_elementwise_passes", "efficiency_half_width", "efficiency_half_tokens"),
+             lambda v: not v < 0, ">= 0"),
+        )
+        for names, ok, bounds in rules:
+            for name in names:
+                if not ok(getattr(self, name)):
+                    raise ValueError(f"{name} must be {bounds}, got {getattr(self, name)}")
         for name, value in self.gpu_matmul_efficiency:
             if not 0 < value <= 1:
                 raise ValueError(f"gpu_matmul_efficiency of {name} must be in (0, 1], got {value}")
-        for name in ("elementwise_passes", "eager_elementwise_passes", "efficiency_half_width", "efficiency_half_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.gemm_tile < 0:
             raise ValueError(f"gemm_tile must be >= 0 (0: no wave quantisation), got {self.gemm_tile}")

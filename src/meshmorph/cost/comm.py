@@ -49,19 +49,13 @@ def p2p(nbytes: float, link: Link) -> float:
     return link.latency_s + nbytes / link.bandwidth_bps
 
 
-def exposed(comm_s: float, compute_s: float, overlap: float) -> float:
-    """Communication left on the critical path: at most ``overlap`` of it hides, and never more
-    than the compute it overlaps with."""
-    return max(comm_s * (1.0 - overlap), comm_s - compute_s, 0.0)
-
-
 def overlapped(parts: Sequence[tuple[float, float]], window_s: float, slowdown: float,
                least_exposed_s: float = 0.0) -> float:
     """Seconds communication adds beside ``window_s`` of compute: each part ``(seconds, share)``
     hides at most its share, all of them together at most the window and all but
     ``least_exposed_s`` (a last bucket that waits for the last gradient); every hidden second
     slows the compute beside it by ``slowdown`` (the SMs the collective holds). One part with
-    ``slowdown`` 0 and no floor is ``exposed``."""
+    ``slowdown`` 0 and no floor leaves max(comm (1 - share), comm - compute, 0) exposed."""
     total = sum(seconds for seconds, _ in parts)
     hidden = min(sum(seconds * share for seconds, share in parts), max(window_s, 0.0),
                  max(total - least_exposed_s, 0.0))

@@ -1,24 +1,16 @@
-"""Context parallelism: one block's ring-attention exchange and what each rank holds of a sequence.
+"""Context parallelism: one block's ring-attention exchange and what each rank holds of a sequence
+(docs/cost-model.md, "Context parallelism for long sequences", has the sources).
 
-A plan with ``cp`` > 1 splits every sequence over cp ranks as Megatron-Core's context parallel
-and torch's ``context_parallel`` do (Liu et al. 2023, Ring Attention; the Llama 3 paper's CP for
-128K tokens): with causal load balancing each rank holds two chunks of ``s / (2 cp)`` tokens, so
-every rank keeps ``b s / cp`` tokens of activations and does ``1 / cp`` of every layer's work,
-attention included (the two chunks pair an early and a late part of the sequence, so the causal
-mask leaves each rank the same share). Only attention needs the other ranks' tokens: its keys and
-values go round the ring in ``cp - 1`` steps per block,
-
-- forward: each step sends this rank's K and V (``2 b (s/cp) h_kv / t`` elements) to the next rank
-  while its queries attend to the block it holds (an ``s/cp`` x ``s/cp`` block of which the
-  causal, load-balanced mask leaves half: ``2 b (s/cp)^2 h / t`` FLOPs);
-- backward: each step moves K, V and their gradients (twice the bytes) while it does the block's
-  backward (twice the FLOPs);
-
-so a step's transfer is exposed only where it is longer than its attention block. Recompute
-(selective or full) runs the forward's ring again inside the backward. The receive buffers (the
-next K/V block and its gradients, ``2 x kv_bytes``) are the same for every block: a constant of
-the rank (cost/rank_terms.ring_buffer_bytes), not a layer's working set. The ring's link is the
-node's own while ``tp x cp`` ranks fit in a node (tp innermost, then cp), else the NIC's.
+A plan with ``cp`` > 1 splits every sequence over cp ranks with causal load balancing (Liu et al.
+2023, Ring Attention): each rank holds two chunks of ``s / (2 cp)`` tokens, an early and a late
+one, so it keeps ``b s / cp`` tokens of activations and does ``1 / cp`` of every layer's work,
+attention included. Keys and values go round the ring in ``cp - 1`` steps per block: forward,
+this rank's K and V (``2 b (s/cp) h_kv / t`` elements) beside its queries' attention to the block
+held (half an ``s/cp`` x ``s/cp`` block after the mask: ``2 b (s/cp)^2 h / t`` FLOPs); backward,
+K, V and their gradients beside twice the FLOPs. A step's transfer is exposed only beyond its
+block; recompute runs the forward's ring again. The receive buffers (``2 x kv_bytes``) are a
+constant of the rank (cost/rank_terms.ring_buffer_bytes), not a layer's working set. The ring's
+link is the node's while ``tp x cp`` ranks fit in a node (tp innermost, then cp), else the NIC's.
 """
 
 from __future__ import annotations
@@ -54,8 +46,6 @@ class RingTime:
 
     fwd_transfer_s: float
     """The forward's cp - 1 K/V transfers, end to end."""
-    bwd_transfer_s: float
-    """The backward's cp - 1 transfers of K, V and their gradients."""
     fwd_exposed_s: float
     """What the forward's transfers add to the step: per step, the transfer beyond its block."""
     bwd_exposed_s: float
@@ -67,7 +57,7 @@ def ring_time(model: ModelSpec, *, micro_batch: int, tp: int, cp: int, element_b
     """The ring exchange of one block (module docstring); zero at cp 1. ``flops_per_s``: the
     attention kernel's achieved rate on this rank, ``link``: the cp group's link."""
     if cp <= 1:
-        return RingTime(0.0, 0.0, 0.0, 0.0)
+        return RingTime(0.0, 0.0, 0.0)
     nbytes = kv_bytes(model, micro_batch, tp, cp, element_bytes)
     transfer = comm.p2p(nbytes, link)  # send to the next rank and receive from the previous
     block = ring_step_flops(model, micro_batch, tp, cp) / flops_per_s
@@ -75,7 +65,6 @@ def ring_time(model: ModelSpec, *, micro_batch: int, tp: int, cp: int, element_b
     back = comm.p2p(2 * nbytes, link)  # K, V and dK, dV
     return RingTime(
         fwd_transfer_s=steps * transfer,
-        bwd_transfer_s=steps * back,
         fwd_exposed_s=steps * max(transfer - block, 0.0),
         bwd_exposed_s=steps * max(back - 2 * block, 0.0),
     )

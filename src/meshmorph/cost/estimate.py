@@ -67,13 +67,9 @@ class Estimate:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "step_time_s": self.step_time_s,
-            "tokens_per_s": self.tokens_per_s,
-            "tflops_per_gpu": self.tflops_per_gpu,
-            "model_tflops_per_gpu": self.model_tflops_per_gpu,
-            "mfu": self.mfu,
-            "bubble_fraction": self.bubble_fraction,
-            "peak_memory_gib": self.peak_memory_gib,
+            **{name: getattr(self, name) for name in (
+                "step_time_s", "tokens_per_s", "tflops_per_gpu", "model_tflops_per_gpu", "mfu",
+                "bubble_fraction", "peak_memory_gib")},
             "memory_budget_gib": [b / GIB for b in self.memory_budget_bytes],
             "fits": self.fits,
             "breakdown_s": dict(self.breakdown_s),

@@ -1,12 +1,12 @@
-"""Float8 linear layers (dtype ``fp8``): what torchao's float8 training adds to a block's GEMMs.
+"""Float8 linear layers (dtype ``fp8``): what torchao's float8 training adds to a block's GEMMs
+(docs/cost-model.md, "Float8 linear layers", has what is not priced and the check against
+torchtitan's published pair).
 
-Each ``nn.Linear`` of a transformer block becomes a float8 linear (torchtitan converts every
-block linear and leaves the output head in bf16). Its three GEMMs (output, input gradient,
-weight gradient) multiply float8 operands at the GPU's fp8 peak and write bf16 results; the
-operands are scaled and cast on the fly from the bf16 tensors, which stay what the model keeps.
-A cast is memory-bound: per element of each GEMM operand it reads the bf16 tensor for its
-scale (an absolute-max reduction), reads it again and writes the float8 copy in each layout the
-GEMMs need (row- and column-major). Bytes per element, compiled (inductor fuses each step):
+Each linear of a transformer block (torchtitan converts those and leaves the output head bf16)
+multiplies float8 operands at the GPU's fp8 peak into bf16 results; its operands are scaled and
+cast on the fly from the bf16 tensors the model keeps. A cast is memory-bound: per element of each
+GEMM operand it reads the bf16 tensor for its scale (an absolute maximum), reads it again and
+writes float8 in each layout the GEMMs need. Bytes per element, compiled:
 
 ================== ============================ ================ ======================
 scaling            input (M x K)                weight (K x N)   grad output (M x N)
@@ -17,13 +17,9 @@ rowwise_with_gw_hp 3 (one layout)               3 + 3 = 6        3 (one layout)
 ================== ============================ ================ ======================
 
 Rowwise scales lie along the GEMM's reduction, so the column-major copy is transposed in bf16
-first (the 2 + 2 and 2 + 1 steps); ``rowwise_with_gw_hp`` runs the weight gradient's GEMM in
-bf16 and casts each tensor once. Eager PyTorch runs each step of a cast as its own kernels
-(abs, max, scale, clamp, convert): ``eager_elementwise_passes / elementwise_passes`` times the
-bytes. The input's and the weight's forward casts fall in the forward, the rest in the backward.
-GEMMs merged in ``cost.gemm.layer_gemms`` (QKV; SwiGLU's gate and up) cast their shared input
-once. Gathers and tensor-parallel collectives stay 16-bit (torchtitan's float8 all-gather
-options are not priced).
+first; ``rowwise_with_gw_hp`` runs the weight gradient's GEMM in bf16 and casts each tensor once.
+Eager kernels move ``eager_elementwise_passes / elementwise_passes`` times the bytes. The input's
+and the weight's forward casts fall in the forward, the rest in the backward.
 """
 
 from __future__ import annotations

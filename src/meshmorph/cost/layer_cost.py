@@ -7,15 +7,17 @@ costs as little to evaluate as a 3-layer one.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from meshmorph.cost import comm, context_parallel
 from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.fp8 import cast_seconds, weight_grad_in_fp8
 from meshmorph.cost.gemm import layer_efficiency, layer_gemms
-from meshmorph.cost.profile import Profile
 from meshmorph.spec.gpus import GPUSpec, flops_dtype
 from meshmorph.spec.model import ActivationBytes, LayerKind, LayerSpec, ModelSpec, Recompute
+
+if TYPE_CHECKING:  # the CostModel builds its LayerCosters: no import cycle at run time
+    from meshmorph.cost.model import CostModel
 
 
 class PieceCost(NamedTuple):
@@ -70,24 +72,20 @@ def loss_bytes_per_logit(element_bytes: float) -> tuple[float, float]:
 
 def layer_classes(model: ModelSpec) -> tuple[int, ...]:
     """For each layer, the index of the first layer with the same figures."""
-    reps: list[int] = []
+    def figures(a: LayerSpec) -> tuple:
+        return (a.kind, a.params, a.tp_split_params, a.fwd_flops_per_token,
+                a.recompute_flops_per_token, a.activation, a.tp_allreduces_fwd, a.tied_params,
+                a.runtime)
+
+    seen: list[tuple[tuple, int]] = []  # (figures, first index): dicts in them cannot be hashed
     classes = []
     for index, layer in enumerate(model.layers):
-        for rep in reps:
-            if _same(model.layers[rep], layer):
-                classes.append(rep)
-                break
-        else:
-            reps.append(index)
-            classes.append(index)
+        key = figures(layer)
+        rep = next((first for other, first in seen if other == key), index)
+        if rep == index:
+            seen.append((key, index))
+        classes.append(rep)
     return tuple(classes)
-
-
-def _same(a: LayerSpec, b: LayerSpec) -> bool:
-    return (a.kind, a.params, a.tp_split_params, a.fwd_flops_per_token, a.recompute_flops_per_token,
-            a.activation, a.tp_allreduces_fwd, a.tied_params, a.runtime) == (
-        b.kind, b.params, b.tp_split_params, b.fwd_flops_per_token, b.recompute_flops_per_token,
-        b.activation, b.tp_allreduces_fwd, b.tied_params, b.runtime)
 
 
 def matmul_efficiency(coef: CostCoefficients, ceiling: float, width: float, tokens: float) -> float:
@@ -99,30 +97,23 @@ def matmul_efficiency(coef: CostCoefficients, ceiling: float, width: float, toke
 
 
 class LayerCoster:
-    """Per-layer costs for one model, cached by (layer class, GPU, shape, parallelism)."""
+    """Per-layer costs for one model on a CostModel's cluster (its GPU ceilings, links and
+    Profile: measured layer times replace FLOPs / (peak x efficiency)), cached by (layer class,
+    GPU, shape, parallelism); ``CostModel.layer_coster`` says what the flags mean."""
 
-    def __init__(self, model: ModelSpec, coef: CostCoefficients, *, dtype: str,
-                 efficiency: dict[str, float], tp_link: dict[str, comm.Link],
-                 profile: Profile | None = None, cp: int = 1,
-                 inter_link: comm.Link | None = None, gpus_per_node: int = 0,
-                 tp_comm_overlap: bool = False, compiled: bool = False,
-                 stream32: bool = False, fp8_scaling: str = "tensorwise"):
-        self.model = model
-        self.fp8_scaling = fp8_scaling  # Plan.fp8_scaling, under dtype fp8 (cost/fp8.py)
-        self.compiled = compiled  # Plan.compile: fused elementwise kernels, fewer kept results
-        self.stream32 = stream32  # autocast over an fp32 residual stream (no FSDP2 cast)
-        self.passes = coef.elementwise_passes if compiled else coef.eager_elementwise_passes
-        self.tp_comm_overlap = tp_comm_overlap  # Plan.tp_comm_overlap: TP collectives beside GEMMs
-        self.coef = coef
-        self.dtype = dtype
+    def __init__(self, cost: CostModel, *, dtype: str, cp: int, tp_comm_overlap: bool,
+                 compiled: bool, stream32: bool, fp8_scaling: str):
+        self.model, self.coef, self.profile = cost.model, cost.coef, cost.profile
+        self.efficiency = cost.efficiency  # GPU name -> ceiling
+        self.tp_link = cost.intra  # GPU name -> intra-node link
+        self.inter_link = cost.inter  # the cp ring's link once tp x cp spans nodes
+        self.gpus_per_node = cost.cluster.gpus_per_node
+        self.dtype, self.cp, self.fp8_scaling = dtype, cp, fp8_scaling
+        self.tp_comm_overlap, self.compiled, self.stream32 = tp_comm_overlap, compiled, stream32
+        self.passes = self.coef.elementwise_passes if compiled \
+            else self.coef.eager_elementwise_passes
         self.act_scale = 2.0 if dtype == "fp32" else 1.0  # ModelSpec counts 16-bit activations
-        self.efficiency = efficiency  # GPU name -> ceiling
-        self.tp_link = tp_link  # GPU name -> intra-node link
-        self.classes = layer_classes(model)
-        self.profile = profile  # measured layer times replace FLOPs / (peak x efficiency)
-        self.cp = cp  # context parallel: each rank holds b s / cp tokens of every micro-batch
-        self.inter_link = inter_link  # the cp ring's link once tp x cp spans nodes
-        self.gpus_per_node = gpus_per_node
+        self.classes = layer_classes(self.model)
         self.gpus: dict[str, GPUSpec] = {}
         self.cost = lru_cache(maxsize=None)(self._cost)
 
@@ -134,7 +125,7 @@ class LayerCoster:
     def cp_link(self, gpu_name: str, tp: int) -> comm.Link:
         """The context-parallel ring's link: the node's while the tp x cp ranks it spans (tp
         innermost, then cp) fit in one node, else the NIC's."""
-        if self.inter_link is None or tp * self.cp <= self.gpus_per_node:
+        if tp * self.cp <= self.gpus_per_node:
             return self.tp_link[gpu_name]
         return self.inter_link
 
@@ -242,7 +233,7 @@ class LayerCoster:
         re_c = re_flops / (peak * eff) + re_mem + (cast_f * re_flops / fwd_flops if fwd_flops
                                                    else 0.0)
         measured = self.profile.layer_time(self.model.name, self.model.seq_len, micro_batch,
-                                           self.dtype, index) if self.profile else None
+                                           self.dtype, index)
         if measured is not None:
             # measured at tp = 1: tensor parallelism splits every GEMM of the layer tp ways;
             # recompute repeats the share of the forward its FLOPs say
@@ -253,26 +244,25 @@ class LayerCoster:
             cast_f = cast_b = 0.0
         fwd_comm, bwd_comm = self._tp_comm(layer, gpu, tokens, tp, recompute, fwd_c,
                                            igrad_c + wgrad_c + re_c)
-        # context parallel: the ring's K/V exchange beyond each step's attention block
-        ring = context_parallel.ring_time(
-            self.model, micro_batch=micro_batch, tp=tp, cp=self.cp, element_bytes=element_bytes,
-            flops_per_s=peak * eff16, link=self.cp_link(gpu.name, tp)) \
-            if self.cp > 1 and layer.kind == LayerKind.BLOCK else None
         ring_f = ring_b = 0.0
-        if ring is not None:
+        if self.cp > 1 and layer.kind == LayerKind.BLOCK:  # the ring's K/V exchange beyond each
+            # step's attention block, again in backward under recompute
+            ring = context_parallel.ring_time(
+                self.model, micro_batch=micro_batch, tp=tp, cp=self.cp,
+                element_bytes=element_bytes, flops_per_s=peak * eff16,
+                link=self.cp_link(gpu.name, tp))
             ring_f = ring.fwd_exposed_s
             ring_b = ring.bwd_exposed_s + (ring_f if recompute != Recompute.NONE else 0.0)
         bgrad = igrad_c + cast_b + re_c + bwd_comm + ring_b + loss_b
-        wgrad = wgrad_c
         act = (layer.activation[recompute].per_rank(tp, sp) * self.act_scale
                + self._runtime_bytes(layer, recompute, tp, sp)) * tokens
         full = (layer.activation[Recompute.NONE].per_rank(tp, sp) * self.act_scale
                 + self._runtime_bytes(layer, Recompute.NONE, tp, sp)) * tokens
         return PieceCost(
             fwd_s=fwd_c + cast_f + loss_f + fwd_comm + ring_f,
-            bwd_s=bgrad + wgrad,
+            bwd_s=bgrad + wgrad_c,
             bgrad_s=bgrad,
-            wgrad_s=wgrad,
+            wgrad_s=wgrad_c,
             compute_s=fwd_c + cast_f + loss_f + igrad_c + cast_b + wgrad_c + loss_b,
             recompute_s=re_c,
             tp_comm_s=fwd_comm + bwd_comm,

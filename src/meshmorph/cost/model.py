@@ -21,26 +21,10 @@ from meshmorph.cost import comm
 from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.estimate import Estimate, StageMemory
 from meshmorph.cost.layer_cost import LayerCoster, PieceCost
-from meshmorph.cost.pipeline import (
-    Timeline,
-    async_steady_step,
-    known_warmup,
-    simulate,
-)
+from meshmorph.cost.pipeline import Timeline, async_steady_step, known_warmup, simulate
 from meshmorph.cost.profile import Profile
-from meshmorph.cost.rank_terms import (
-    rank_memory_terms,
-    tail_overlap_window_s,
-)
-from meshmorph.cost.segments import (
-    LayerPlan,
-    Segment,
-    autocast_stream,
-    chunk_segments,
-    fsdp_units,
-    is_layerwise,
-    uniform_segments,
-)
+from meshmorph.cost.rank_terms import rank_memory_terms, tail_overlap_window_s
+from meshmorph.cost.segments import LayerPlan, Segment, autocast_stream, chunk_segments, fsdp_units
 from meshmorph.cost.state import (
     DataParallelTraffic,
     HeldBytes,
@@ -55,6 +39,7 @@ from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.gpus import GPUSpec, LinkSpec, flops_dtype
 from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.plan import Plan, PlanError, StagePlan
+from meshmorph.spec.runnable import lists_layer_strategies
 
 Parts = list[list[tuple[Segment, PieceCost]]]
 """Per model chunk, its segments with their priced figures."""
@@ -70,30 +55,30 @@ def steady_state(fwd_s: Sequence[float], bwd_s: Sequence[float], m: int) -> Time
                     rank_busy_s=busy, ops=())
 
 
+def _plus(a: PieceCost, b: PieceCost) -> PieceCost:
+    """Two pieces' figures added field by field."""
+    return PieceCost(*(x + y for x, y in zip(a, b, strict=True)))
+
+
 class CostModel:
     """Predicts time and memory of Plans for one model on one cluster."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster,
                  coefficients: CostCoefficients | None = None, profile: Profile | None = None):
-        self.model = model
-        self.cluster = cluster
+        self.model, self.cluster = model, cluster
         self.coef = coefficients or CostCoefficients()
         self.profile = profile or Profile()
         if self.profile.oversubscribed():  # no free core runs a collective beside compute
             self.coef = replace(self.coef, dp_overlap=0.0, zero3_overlap=0.0, tp_overlap=0.0)
-        eff = self.coef.link_efficiency
-        self.intra = {g.gpu.name: self._link(g.intra_link.name, g.intra_link, eff) for g in cluster.groups}
-        self.inter = self._link(cluster.inter_link.name, cluster.inter_link, eff)
-        self.efficiency = {
-            g.gpu.name: self.profile.matmul_efficiency.get(
-                g.gpu.name, dict(self.coef.gpu_matmul_efficiency).get(g.gpu.name,
-                                                                      self.coef.matmul_efficiency))
-            for g in cluster.groups
-        }
+        self.intra = {g.gpu.name: self._link(g.intra_link) for g in cluster.groups}
+        self.inter = self._link(cluster.inter_link)
+        ceilings = dict(self.coef.gpu_matmul_efficiency)  # GPU name -> GEMM ceiling
+        self.efficiency = {g.gpu.name: self.profile.matmul_efficiency.get(
+            g.gpu.name, ceilings.get(g.gpu.name, self.coef.matmul_efficiency))
+            for g in cluster.groups}
         self._costers: dict[tuple, LayerCoster] = {}
         self._plan_costers: dict[int, tuple[Plan, LayerCoster]] = {}
         self._timelines: dict[tuple, Timeline] = {}
-        self._layer_params: dict[int, list[float]] = {}
         self._chunk_params: dict[tuple[int, int, int], float] = {}
         self._rank_tails: dict[tuple, tuple[float, float]] = {}
         self.least_tails: dict[tuple, float] = {}
@@ -101,19 +86,19 @@ class CostModel:
         self.rank_layers: dict[tuple, tuple] = {}
         """The layer figures of the planner's per-rank bounds (plan/rank_bound.py)."""
 
-    def _link(self, name: str, spec: LinkSpec, efficiency: float) -> comm.Link:
-        link = comm.Link.from_spec(spec, efficiency)
-        bw = self.profile.link_bandwidth_gbps.get(name)
-        lat = self.profile.link_latency_us.get(name)
+    def _link(self, spec: LinkSpec) -> comm.Link:
+        """``spec`` at ``link_efficiency``, or as the Profile measured it."""
+        link = comm.Link.from_spec(spec, self.coef.link_efficiency)
+        bw = self.profile.link_bandwidth_gbps.get(spec.name)
+        lat = self.profile.link_latency_us.get(spec.name)
         return comm.Link(lat * 1e-6 if lat is not None else link.latency_s,
                          bw * 1e9 if bw is not None else link.bandwidth_bps)
 
     def coster(self, plan: Plan) -> LayerCoster:
-        """Per-layer costs of ``plan``'s layers (a segment's plan for its own layers): in its
-        dtype, each sequence split over its ``cp`` ranks, tensor-parallel communication beside
-        the GEMMs where ``tp_comm_overlap``, eager or compiled (``Plan.compile``), over an fp32
-        residual stream where autocast runs without FSDP2's cast (``autocast_stream``).
-        Memoised per plan object (held, so its id is not reused while cached)."""
+        """Per-layer costs of ``plan``'s layers (a segment's plan for its own layers), with the
+        plan's flags (``layer_coster``; an fp32 residual stream where autocast runs without
+        FSDP2's cast, ``autocast_stream``). Memoised per plan object (held, so its id is not
+        reused while cached)."""
         found = self._plan_costers.get(id(plan))
         if found is not None and found[0] is plan:
             return found[1]
@@ -129,9 +114,11 @@ class CostModel:
     def layer_coster(self, dtype: str, *, cp: int = 1, tp_comm_overlap: bool = False,
                      compiled: bool = True, stream32: bool = False,
                      fp8_scaling: str = "tensorwise") -> LayerCoster:
-        """Per-layer costs in ``dtype``, each sequence split over ``cp`` ranks; by default as
-        fused kernels over a 16-bit stream keep and run them (Korthikanti's counts, Megatron-LM);
-        ``coster`` picks the flags of a plan."""
+        """Per-layer costs in ``dtype``, each sequence split over ``cp`` ranks, tensor-parallel
+        communication beside the GEMMs where ``tp_comm_overlap``, eager or compiled kernels
+        (``Plan.compile``), over an fp32 stream where ``stream32``, float8 scaled as
+        ``fp8_scaling``; by default as fused kernels over a 16-bit stream keep and run them
+        (Korthikanti's counts, Megatron-LM). ``coster`` picks the flags of a plan."""
         key = (dtype, cp, tp_comm_overlap, compiled, stream32, fp8_scaling)
         coster = self._costers.get(key)
         if coster is None:
@@ -139,10 +126,8 @@ class CostModel:
                 for group in self.cluster.groups:
                     group.gpu.peak_flops("fp8")
             coster = self._costers[key] = LayerCoster(
-                self.model, self.coef, dtype=dtype, efficiency=self.efficiency,
-                tp_link=self.intra, profile=self.profile, cp=cp, inter_link=self.inter,
-                gpus_per_node=self.cluster.gpus_per_node, tp_comm_overlap=tp_comm_overlap,
-                compiled=compiled, stream32=stream32, fp8_scaling=fp8_scaling)
+                self, dtype=dtype, cp=cp, tp_comm_overlap=tp_comm_overlap, compiled=compiled,
+                stream32=stream32, fp8_scaling=fp8_scaling)
         return coster
 
     # --- placement --------------------------------------------------------------------------
@@ -181,29 +166,15 @@ class CostModel:
     # --- pieces the planner reuses ------------------------------------------------------------
     def chunk_params(self, start: int, stop: int, tp: int) -> float:
         """Parameters of layers [start, stop) on one tensor-parallel rank (memoised)."""
-        key = (start, stop, tp)
-        found = self._chunk_params.get(key)
-        if found is None:
-            found = self._chunk_params[key] = self._sum_params(start, stop, tp)
-        return found
-
-    def _sum_params(self, start: int, stop: int, tp: int) -> float:
-        """``chunk_params``, added up."""
-        total = 0.0
-        for layer in self.model.layers[start:stop]:
-            total += layer.tp_split_params / tp + (layer.params - layer.tp_split_params)
-        if start == 0 and stop == self.model.num_layers:
-            total -= self.model.layers[-1].tied_params / tp  # tied head and embedding on one rank
+        total = self._chunk_params.get((start, stop, tp))
+        if total is None:
+            total = 0.0
+            for layer in self.model.layers[start:stop]:
+                total += layer.tp_split_params / tp + (layer.params - layer.tp_split_params)
+            if start == 0 and stop == self.model.num_layers:  # tied head and embedding on one rank
+                total -= self.model.layers[-1].tied_params / tp
+            self._chunk_params[(start, stop, tp)] = total
         return total
-
-    def layer_params(self, index: int, tp: int) -> float:
-        """Parameters of layer ``index`` on one tensor-parallel rank (``chunk_params`` of the
-        layer alone), memoised."""
-        params = self._layer_params.get(tp)
-        if params is None:
-            params = self._layer_params[tp] = [self.chunk_params(i, i + 1, tp)
-                                               for i in range(self.model.num_layers)]
-        return params[index]
 
     def chunk_time(self, plan: Plan, start: int, stop: int, recompute: Sequence[Recompute],
                    gpu: GPUSpec, *, drop_tied: bool = False, units: int | None = None) -> PieceCost:
@@ -230,49 +201,37 @@ class CostModel:
         if plan.grad_replicas == 1:  # no data-parallel traffic inside a micro-batch
             return PieceCost(f, b, bg, wg, comp, re, tpc, cpc, z3, params)
         gathers, scatter = self.microbatch_dp_traffic(plan, params, gpu)
-        if (gathers or scatter) and self.fsdp_measured(plan):
-            # FSDP2's own per-unit work, measured (profile/fsdp_units.py): every unit (each block
-            # and the chunk's root) pays the fit's per-call time once per call
-            gathers, scatter = self.microbatch_dp_traffic(
-                plan, params, gpu, units=self.fsdp_units(start, stop) if units is None else units)
-        elif (gathers or scatter) and self.profile.collectives:
-            # measured collectives: FSDP issues one call per unit (each block and the chunk's
-            # root), so each unit pays the fitted per-call alpha, not the chunk once
-            units = self.fsdp_units(start, stop) if units is None else units
-            gathers, scatter = (units * x for x in self.microbatch_dp_traffic(
-                plan, params / units, gpu))
+        if (gathers or scatter) and self.profile.collectives:
+            # measured: FSDP2 issues one call per unit (each block and the chunk's root), so every
+            # unit pays the fitted per-call time (FSDP2's own per-unit fits where measured,
+            # profile/fsdp_units.py, else the collective's alpha), not the chunk once
+            units = fsdp_units(self.model, start, stop) if units is None else units
+            if self.fsdp_measured(plan):
+                gathers, scatter = self.microbatch_dp_traffic(plan, params, gpu, units=units)
+            else:
+                one = self.microbatch_dp_traffic(plan, params / units, gpu)
+                gathers, scatter = units * one[0], units * one[1]
         if gathers or scatter:
             ef, eb = self.zero_exposed(plan, gathers, scatter, f, b)
             f, b, bg, z3 = f + ef, b + eb, bg + eb, ef + eb
         return PieceCost(f, b, bg, wg, comp, re, tpc, cpc, z3, params)
-
-    def segment_time(self, segment: Segment, gpu: GPUSpec) -> PieceCost:
-        """One segment's per-micro-batch figures (``chunk_time`` under its plan)."""
-        return self.chunk_time(segment.plan, segment.start, segment.stop, segment.recompute, gpu,
-                               drop_tied=segment.drop_tied, units=1 if segment.alone else None)
 
     def stage_time(self, plan: Plan, segments: Sequence[Segment],
                    gpu: GPUSpec) -> tuple[PieceCost, list[PieceCost]]:
         """A chunk of ``plan`` from its segments: (the chunk's figures, each segment's). Between
         two segments whose tp differs the activation is redistributed (cost/transition.py):
         forward and backward seconds added to the chunk's, the backward in its input gradient."""
-        pieces = [self.segment_time(segment, gpu) for segment in segments]
-        if len(pieces) == 1:
-            return pieces[0], pieces
-        f = b = bg = wg = comp = re = tpc = cpc = z3 = params = moved = 0.0
-        for at, (segment, t) in enumerate(zip(segments, pieces, strict=True)):
-            f, b, bg, wg = f + t.fwd_s, b + t.bwd_s, bg + t.bgrad_s, wg + t.wgrad_s
-            comp, re, tpc, cpc = comp + t.compute_s, re + t.recompute_s, tpc + t.tp_comm_s, \
-                cpc + t.cp_comm_s
-            z3, params = z3 + t.zero3_comm_s, params + t.params
-            if at:
-                step = transition(self, segments[at - 1].strategy, segment.strategy,
-                                  plan.dp * plan.micro_batch, plan.dtype, gpu,
-                                  sequence_parallel=plan.sequence_parallel)
-                f, b, bg = f + step.fwd_s, b + step.bwd_s, bg + step.bwd_s
-                moved += step.fwd_s + step.bwd_s
-        return PieceCost(f, b, bg, wg, comp, re, tpc, cpc, z3, params,
-                         transition_s=moved), pieces
+        pieces = [self.chunk_time(s.plan, s.start, s.stop, s.recompute, gpu, drop_tied=s.drop_tied,
+                                  units=1 if s.alone else None) for s in segments]
+        total = pieces[0]
+        for at in range(1, len(segments)):
+            step = transition(self, segments[at - 1].strategy, segments[at].strategy,
+                              plan.dp * plan.micro_batch, plan.dtype, gpu,
+                              sequence_parallel=plan.sequence_parallel)
+            moved = PieceCost(step.fwd_s, step.bwd_s, step.bwd_s, 0.0, 0.0, 0.0, 0.0,
+                              transition_s=step.fwd_s + step.bwd_s)
+            total = _plus(_plus(total, pieces[at]), moved)
+        return total, pieces
 
     def layer_alone(self, plan: Plan, index: int, recompute: Recompute, gpu: GPUSpec, *,
                     drop_tied: bool = False) -> tuple[PieceCost, float]:
@@ -306,37 +265,10 @@ class CostModel:
                 comm.overlapped([(gathers / 2, gather_share), (scatter, scatter_share)], bwd_s,
                                 slow))
 
-    def grad_sync_s(self, plan: Plan, reduce_s: float, window_s: float, grad_bytes: float, *,
-                    last_bucket: bool = True) -> float:
-        """Seconds the step's gradient reduction (``reduce_s``) adds after the last backward
-        whose compute lasts ``window_s``. ``overlap_grad_reduce`` off: all of it. On: buckets
-        reduce while the backward runs, up to ``dp_overlap`` of it and the window, but the last
-        bucket (``grad_bucket_bytes`` of the ``grad_bytes`` reduced) waits for the last gradient; what hides
-        slows the backward by ``overlap_slowdown``. ``last_bucket`` False leaves that floor out
-        (a lower bound affine in ``reduce_s``, for the planner)."""
-        if not plan.overlap_grad_reduce or reduce_s <= 0:
-            return max(reduce_s, 0.0)
-        return self._bucketed(reduce_s, self.coef.dp_overlap, window_s, grad_bytes, last_bucket)
-
-    def param_gather_s(self, plan: Plan, gather_s: float, window_s: float, gather_bytes: float, *,
-                       first_bucket: bool = True) -> float:
-        """Seconds the once-per-step parameter all-gather of ZeRO-1/2 (``gather_s``) adds before
-        or beside the first forward, whose compute lasts ``window_s``. ``overlap_param_gather``
-        on, FSDP2's units of a whole chunk: each unit's gather runs while the unit before it
-        computes, up to ``zero3_overlap`` of it and the window, but the first unit's
-        (``grad_bucket_bytes`` of the ``gather_bytes`` gathered) waits in front of the first
-        forward; what hides slows the compute by ``overlap_slowdown``. Off, or a layer run alone
-        (a ``LayerPlan``: its gather, or ShardedAdamW's, on the critical path): all of it.
-        ``first_bucket`` False leaves that floor out (a lower bound, for the planner)."""
-        if gather_s <= 0 or not plan.overlap_param_gather or isinstance(plan, LayerPlan):
-            return max(gather_s, 0.0)
-        return self._bucketed(gather_s, self.coef.zero3_overlap, window_s, gather_bytes,
-                              first_bucket)
-
     def _bucketed(self, seconds: float, share: float, window_s: float, nbytes: float,
                   one_bucket_exposed: bool) -> float:
         """Exposed seconds of a collective moving ``nbytes`` bucket by bucket beside compute
-        lasting ``window_s``: up to ``share`` of it hides, slowing the compute by
+        lasting ``window_s``: up to ``share`` of it hides (0: none), slowing the compute by
         ``overlap_slowdown``; with ``one_bucket_exposed`` one ``grad_bucket_bytes`` bucket's
         share (the last gradients', the first unit's parameters) never hides."""
         floor = seconds * min(1.0, self.coef.grad_bucket_bytes / max(nbytes, 1.0)) \
@@ -352,10 +284,6 @@ class CostModel:
             f"fsdp_all_gather/{d}" in self.profile.collectives and \
             f"fsdp_reduce_scatter/{d}" in self.profile.collectives
 
-    def fsdp_units(self, start: int, stop: int) -> int:
-        """FSDP2 units of a chunk of layers [start, stop): each block and the chunk's root."""
-        return fsdp_units(self.model, start, stop)
-
     def fsdp_calls(self, kind: str, n: int, calls: float, nbytes: float, units: int) -> float:
         """Seconds of ``calls`` FSDP2 calls of ``kind`` over each of ``units`` units sharing
         ``nbytes`` (the Profile's ``fsdp_<kind>/n`` fit: linear, so an even split is exact)."""
@@ -366,11 +294,9 @@ class CostModel:
     def microbatch_dp_traffic(self, plan: Plan, params: float, gpu: GPUSpec,
                               units: int = 0) -> tuple[float, float]:
         """(all-gather, reduce-scatter) seconds of the data-parallel collectives inside one
-        micro-batch over ``params`` (ZeRO-3's gathers in forward and backward, ZeRO-2/3's
-        gradient reduce-scatter; none under pipeline parallelism, see cost/state.py). ``units``
-        > 0 prices them as that many FSDP2 units from the Profile's measured per-unit fits.
-        The group is dp x cp (``Plan.grad_replicas``: context-parallel ranks hold the same
-        parameters)."""
+        micro-batch over ``params`` (cost/state.py: ZeRO-3's gathers, ZeRO-2/3's gradient
+        reduce-scatter) over dp x cp (``Plan.grad_replicas``); ``units`` > 0 prices them as that
+        many FSDP2 units from the Profile's measured per-unit fits."""
         d = plan.grad_replicas
         traffic = self.dp_traffic(plan)
         if d == 1:
@@ -393,29 +319,21 @@ class CostModel:
                     gpu: GPUSpec) -> StageMemory:
         """Peak memory of one rank of pipeline rank ``pp_rank`` holding ``chunks`` (start, stop,
         recompute) under ``plan``'s own strategy (``segments_memory`` of their segments)."""
-        return self.segments_memory(plan, pp_rank, uniform_segments(
-            plan, [(a, b, tuple(r)) for a, b, r in chunks]), gpu)
+        return self.segments_memory(
+            plan, pp_rank, [Segment(a, b, plan, tuple(r)) for a, b, r in chunks], gpu)
 
     def segments_memory(self, plan: Plan, pp_rank: int, segments: Sequence[Segment],
                         gpu: GPUSpec) -> StageMemory:
-        """Peak memory of one rank of pipeline rank ``pp_rank`` holding ``segments``, added up
-        from ``rank_memory_terms`` (cost/rank_terms.py), the terms the planner's bounds read,
-        per strategy: its parameters' state (cost/state.py: fp32 masters, gradients and moments
-        as the runtime holds them, transient copies at the peak), the activations of the
-        micro-batches in flight and one recomputing layer's working set, ZeRO-3's gather buffers
-        (the largest layer plus a prefetch), and the rank's reserve (the head's loss buffers
-        under the head's strategy)."""
+        """Peak memory of one rank of pipeline rank ``pp_rank`` holding ``segments``, added up per
+        strategy from ``rank_memory_terms`` (cost/rank_terms.py), the terms the planner's bounds
+        read; the head's loss buffers are reserved under the head's strategy."""
         stored = working = 0.0
-        groups: list[list] = []  # per strategy (one plan object each): [plan, params, largest]
+        groups: dict[int, list] = {}  # per strategy (one plan object each): [plan, params, largest]
         tied, last = self.model.layers[-1].tied_params, self.model.num_layers - 1
         head_plan = plan
         for segment in segments:
             sub = segment.plan
-            group = groups[-1] if groups and groups[-1][0] is sub else \
-                next((g for g in groups if g[0] is sub), None)
-            if group is None:
-                group = [sub, 0.0, 0.0]
-                groups.append(group)
+            group = groups.setdefault(id(sub), [sub, 0.0, 0.0])
             layer = self.coster(sub).layer
             micro_batch, tp, sp = sub.micro_batch, sub.tp, sub.sequence_parallel
             # a tied head in a chunk of its own (the V's rank 0 holds chunks 0 and 2pp - 1) is a
@@ -429,7 +347,7 @@ class CostModel:
                 stored += cost.activation_bytes
                 if cost.working_bytes > working:
                     working = cost.working_bytes
-                own = self.layer_params(index, tp)
+                own = self.chunk_params(index, index + 1, tp)
                 if segment.drop_tied and index == last:
                     own -= tied / tp
                 if own > largest:
@@ -437,13 +355,10 @@ class CostModel:
             group[2] = largest
             if segment.stop == last + 1:
                 head_plan = sub
-        # ZeRO as the runtime realises it (cost/state.py): fp32 masters, gradients and moments;
-        # ZeRO-3 gathers its largest layer plus a prefetch; transient unsharded copies and whole
-        # gradients between micro-batches (held.peak_extra)
-        params = grads = optimizer = extra = 0.0
-        gather = None
+        # ZeRO as the runtime realises it (cost/state.py); ZeRO-3 gathers its largest layer
+        params = grads = optimizer = extra = gather = 0.0
         rank = None
-        for sub, count, largest in groups:
+        for sub, count, largest in groups.values():
             held = self.held(sub)
             terms = rank_memory_terms(self, sub, pp_rank, gpu)
             if sub is head_plan is plan:
@@ -452,60 +367,62 @@ class CostModel:
             grads += count * held.grads
             optimizer += count * held.optimizer
             extra += count * held.peak_extra
-            held_gather = largest * terms.gather_bytes_per_param
-            gather = held_gather if gather is None or held_gather > gather else gather
+            gather = max(gather, largest * terms.gather_bytes_per_param)
         if rank is None:
             rank = rank_memory_terms(self, plan, pp_rank, gpu, head_plan=head_plan)
         return StageMemory(params=params, grads=grads, optimizer=optimizer,
                            activations=rank.activation_bytes(stored, working),
-                           buffers=(gather or 0.0) + extra, reserved=rank.reserved_bytes,
+                           buffers=gather + extra, reserved=rank.reserved_bytes,
                            in_flight_microbatches=rank.in_flight)
 
     def rank_tail(self, plan: Plan, params: float, last_bwd_s: float, gpu: GPUSpec,
                   units: int = 1, least: bool = False) -> tuple[float, float]:
         """(exposed data-parallel sync, optimizer step) of a rank's step beyond its compute: the
-        gradient reduction after the last backward (``grad_sync_s``) and the once-per-step
-        parameter all-gather of ZeRO-1/2 before the next forward (``param_gather_s``, whose
-        window is the first forward: half the backward ``last_bwd_s``); ``units``: the rank's
-        FSDP2 units (priced per unit where the Profile measured them); ``least``: without the
-        first and last buckets' floors, for the planner's bounds. Gradients are reduced over
-        dp x cp (``Plan.grad_replicas``). Memoised by the plan fields it reads."""
+        gradient reduction after the last backward (whose compute lasts ``last_bwd_s``) and the
+        once-per-step parameter all-gather of ZeRO-1/2 before or beside the next forward (half
+        the backward), each hidden as far as the plan's overlap switches allow; ``units``: the
+        rank's FSDP2 units (priced per unit where the Profile measured them); ``least``: without
+        the first and last buckets' floors (a lower bound affine in the traffic, for the
+        planner). Gradients are reduced over dp x cp (``Plan.grad_replicas``). Memoised by the
+        plan fields it reads."""
         key = (type(plan), plan.tp, plan.dp, plan.cp, plan.pp, plan.zero, plan.dtype,
                plan.reduce_dtype, plan.overlap_grad_reduce, plan.overlap_param_gather, params,
                last_bwd_s, gpu.name, gpu.hbm_gbps, units, least)
         found = self._rank_tails.get(key)
-        if found is None:
-            if len(self._rank_tails) > 200_000:
-                self._rank_tails.clear()
-            found = self._rank_tails[key] = self._rank_tail(plan, params, last_bwd_s, gpu,
-                                                            units, least)
-        return found
-
-    def _rank_tail(self, plan: Plan, params: float, last_bwd_s: float, gpu: GPUSpec,
-                   units: int, least: bool) -> tuple[float, float]:
-        """``rank_tail``, computed."""
+        if found is not None:
+            return found
+        if len(self._rank_tails) > 200_000:
+            self._rank_tails.clear()
         d = plan.grad_replicas
         traffic = self.dp_traffic(plan)
         link = self.group_link(gpu, plan.tp * d)
         reduce = self.collective("all_reduce", d, params * traffic.all_reduce_per_step, link)
         gathered = params * traffic.all_gather_per_step * d  # the buffer the gathers fill
-        if self.fsdp_measured(plan):  # ZeRO-1/2/3: FSDP2's per-step gathers and reduce-scatters
-            reduce += self.fsdp_calls("reduce_scatter", d, 1.0,
-                                      params * traffic.reduce_scatter_per_step, units)
-            gather = self.fsdp_calls("all_gather", d, 1.0, gathered, units)
-        else:
-            reduce += self.collective("reduce_scatter", d,
-                                      params * traffic.reduce_scatter_per_step, link)
-            gather = self.collective("all_gather", d, gathered, link)
+        measured = self.fsdp_measured(plan)  # ZeRO-1/2/3: FSDP2's per-step calls, measured
+
+        def priced(kind: str, nbytes: float) -> float:
+            return self.fsdp_calls(kind, d, 1.0, nbytes, units) if measured \
+                else self.collective(kind, d, nbytes, link)
+
+        reduce += priced("reduce_scatter", params * traffic.reduce_scatter_per_step)
+        gather = priced("all_gather", gathered)
         grad_bytes = params * (traffic.all_reduce_per_step + traffic.reduce_scatter_per_step)
-        exposed = self.grad_sync_s(plan, reduce, last_bwd_s, grad_bytes, last_bucket=not least) \
-            + self.param_gather_s(plan, gather, last_bwd_s / 2, gathered, first_bucket=not least)
+        # overlap_grad_reduce: buckets reduce while the last backward runs, but the last one
+        # waits for the last gradient; overlap_param_gather (FSDP2's units of a whole chunk, not
+        # a LayerPlan's layer run alone): each unit's gather runs while the unit before it
+        # computes in the first forward, but the first unit's waits in front of it
+        gather_hides = plan.overlap_param_gather and not isinstance(plan, LayerPlan)
+        exposed = self._bucketed(reduce, self.coef.dp_overlap if plan.overlap_grad_reduce else 0.0,
+                                 last_bwd_s, grad_bytes, not least) \
+            + self._bucketed(gather, self.coef.zero3_overlap if gather_hides else 0.0,
+                             last_bwd_s / 2, gathered, not least)
         if self.profile.collectives:  # the step's two scalar all-reduces (loss, gradient norm)
             exposed += 2 * (self.profile.collective_s("all_reduce", plan.world_size, 8.0) or 0.0)
         shard = d if plan.zero >= 1 else 1
         optimizer = params / shard * self.coef.optimizer_bytes_per_param / (gpu.hbm_gbps * 1e9)
         if self.profile.optimizer_s_per_param > 0:  # measured: fixed + per-parameter tail
             optimizer = self.profile.optimizer_fixed_s + params / shard * self.profile.optimizer_s_per_param
+        self._rank_tails[key] = exposed, optimizer
         return exposed, optimizer
 
     def collective(self, kind: str, n: int, nbytes: float, link: comm.Link) -> float:
@@ -552,7 +469,7 @@ class CostModel:
         if model is not self.model:
             return CostModel(model, self.cluster, self.coef, self.profile).estimate(plan)
         plan.check_against(model)
-        if plan.schedule == Schedule.ASYNC and is_layerwise(plan):
+        if plan.schedule == Schedule.ASYNC and lists_layer_strategies(plan):
             raise PlanError(f"layerwise plans run a synchronous schedule, not {plan.schedule}; "
                             "drop layer_strategies or change the schedule")
         gpus = [self.stage_gpu(stage) for stage in plan.stages]
@@ -599,7 +516,7 @@ class CostModel:
         that more recompute never shortens the step (the planner's per-stage choice relies on
         it). The tied all-reduce runs under the strategy of the end the rank holds."""
         units: list[Sequence[tuple[Segment, PieceCost]]] = [parts]
-        if parts[0][0].alone or len(parts) > 1 and any(segment.alone for segment, _ in parts):
+        if any(segment.alone for segment, _ in parts):
             units = [[part] for part in parts if part[0].alone]
             together = [part for part in parts if not part[0].alone]
             units += [together] if together else []
@@ -609,9 +526,8 @@ class CostModel:
         for unit in units:
             first, piece = unit[0]
             sub = first.plan
-            s, o = self.rank_tail(sub, piece.params if len(unit) == 1 else
-                                  sum(t.params for _, t in unit), tail_overlap_window_s(piece), gpu,
-                                  units=sum(segment.units(self.model) for segment, _ in unit)
+            s, o = self.rank_tail(sub, sum(t.params for _, t in unit), tail_overlap_window_s(piece),
+                                  gpu, units=sum(segment.units(self.model) for segment, _ in unit)
                                   if self.fsdp_measured(sub) else 1)
             sync, optimizer = sync + s, optimizer + o
             if first.start == 0 or unit[-1][0].stop == last:
@@ -634,33 +550,37 @@ class CostModel:
         added up: the planner prices many plans only to compare their steps); with ``fitting``
         also None when the plan does not fit memory (then its schedule is not simulated)."""
         p, m = plan.pp, plan.num_microbatches
-        layerwise = parts is not None and is_layerwise(plan)
+        layerwise = parts is not None and lists_layer_strategies(plan)
         if parts is None:
             parts = [[(Segment(s.start, s.stop, plan, s.recompute), times[c])]
                      for c, s in enumerate(plan.stages)]
-        rank_gpus, ranks, tails = self._rank_tails_of(plan, gpus, parts)
-        if plan.schedule != Schedule.ASYNC and bound < math.inf and \
-                self._busy_reaches(plan, times, tails, bound):
-            return None  # some rank's own work and tail already reach the bound: no simulation
-        memory = None
-        if fitting:
-            memory = self._memory(plan, ranks, rank_gpus)
-            if memory is None:
-                return None
+        # per pipeline rank: its GPU (every rank's tp x dp GPUs share the GPU type of its first
+        # chunk), its segments with their figures, and its tail
+        chunks = [plan.chunks_of(k) for k in range(p)]
+        rank_gpus = [gpus[ids[0]] for ids in chunks]
+        ranks = [[part for c in ids for part in parts[c]] for ids in chunks]
+        tails = [self.rank_tails(plan, k, rank, gpu)
+                 for k, (rank, gpu) in enumerate(zip(ranks, rank_gpus, strict=True))]
+        # some rank's own work and tail already reach the bound: no simulation (with a margin
+        # for the simulation's rounding, so that a step proven not below ``bound`` never is)
+        if plan.schedule != Schedule.ASYNC and bound < math.inf and any(
+                end * (1.0 - 1e-9) + sync + opt >= bound
+                for end, (sync, opt, _) in zip(self._rank_ends(plan, times), tails, strict=True)):
+            return None
+        memory = self._memory(plan, ranks, rank_gpus, fitting=True) if fitting else None
+        if fitting and memory is None:
+            return None
         timeline, steps = self._timeline(plan, gpus, times)
-        ends = []
-        for k, (sync, opt, tied) in enumerate(tails):
-            if steps is not None:  # m optimizer steps, already inside the simulated window
-                tails[k] = (sync, m * steps[k], tied)
-                ends.append(timeline.rank_end_s[k] + sync)
-                continue
-            ends.append(timeline.rank_end_s[k] + sync + opt)
+        # an asynchronous plan's m optimizer steps are already inside the simulated window
+        ends = [end + sync + (opt if steps is None else 0.0)
+                for end, (sync, opt, _) in zip(timeline.rank_end_s, tails, strict=True)]
+        if steps is not None:
+            tails = [(sync, m * s, tied) for (sync, _, tied), s in zip(tails, steps, strict=True)]
         step = max(ends)
         if step >= bound:
             return None
         if memory is None:
-            memory = [self.segments_memory(plan, k, [s for s, _ in rank], gpu)
-                      for k, (rank, gpu) in enumerate(zip(ranks, rank_gpus, strict=True))]
+            memory = self._memory(plan, ranks, rank_gpus)
         crit = ends.index(step)
         tokens = plan.global_batch * plan.seq_len
         model_flops = tokens * self.model.model_flops_per_token()
@@ -683,29 +603,13 @@ class CostModel:
             stage_times_s=tuple((t.fwd_s, t.bwd_s) for t in times),
         )
 
-    def _rank_tails_of(self, plan: Plan, gpus: Sequence[GPUSpec], parts: Parts
-                       ) -> tuple[list[GPUSpec], list[list[tuple[Segment, PieceCost]]],
-                                  list[tuple[float, float, float]]]:
-        """Per pipeline rank: its GPU (every rank's tp x dp GPUs share the GPU type of its first
-        chunk), its segments with their figures, and ``rank_tails``."""
-        rank_gpus, ranks, tails = [], [], []
-        for k in range(plan.pp):
-            chunk_ids = plan.chunks_of(k)
-            gpu = gpus[chunk_ids[0]]
-            rank_gpus.append(gpu)
-            rank = parts[chunk_ids[0]] if len(chunk_ids) == 1 else \
-                [part for c in chunk_ids for part in parts[c]]
-            ranks.append(rank)
-            tails.append(self.rank_tails(plan, k, rank, gpu))
-        return rank_gpus, ranks, tails
-
     def _memory(self, plan: Plan, ranks: Sequence[Sequence[tuple[Segment, PieceCost]]],
-                rank_gpus: Sequence[GPUSpec]) -> list[StageMemory] | None:
-        """Each rank's memory, or None as soon as one rank's exceeds its GPU's."""
+                rank_gpus: Sequence[GPUSpec], *, fitting: bool = False) -> list[StageMemory] | None:
+        """Each rank's memory; with ``fitting`` None as soon as one rank's exceeds its GPU's."""
         memory = []
         for k, (rank, gpu) in enumerate(zip(ranks, rank_gpus, strict=True)):
             held = self.segments_memory(plan, k, [s for s, _ in rank], gpu)
-            if held.total > gpu.memory_bytes:
+            if fitting and held.total > gpu.memory_bytes:
                 return None
             memory.append(held)
         return memory
@@ -728,14 +632,6 @@ class CostModel:
         return False
 
     @staticmethod
-    def _busy_reaches(plan: Plan, times: Sequence[PieceCost],
-                      tails: Sequence[tuple[float, float, float]], bound: float) -> bool:
-        """Whether some rank's ``_rank_ends`` plus its tail reaches ``bound``, with a margin for
-        the simulation's rounding, so that a step it proves not below ``bound`` never is."""
-        return any(end * (1.0 - 1e-9) + sync + opt >= bound for end, (sync, opt, _)
-                   in zip(CostModel._rank_ends(plan, times), tails, strict=True))
-
-    @staticmethod
     def _rank_ends(plan: Plan, times: Sequence[PieceCost]) -> list[float]:
         """No simulated rank ends sooner: it starts no action before micro-batch 0's forwards
         through the chunks before its first one, then runs its m forwards and backwards one
@@ -743,6 +639,7 @@ class CostModel:
         ``_drained``)."""
         m = plan.num_microbatches
         split = plan.schedule.split_backward
+        back = [t.bgrad_s if split else t.bwd_s for t in times]  # B, or I under a split backward
         chain = [0.0]  # micro-batch 0's forwards through chunks 0..c-1 (transfers left out)
         for t in times:
             chain.append(chain[-1] + t.fwd_s)
@@ -756,27 +653,24 @@ class CostModel:
                 work += t.fwd_s + (min(t.bwd_s, t.bgrad_s + t.wgrad_s) if split else t.bwd_s)
             busy.append(m * work)
             ends.append(chain[min(chunks)] + busy[-1])
-        ends = CostModel._filled(plan, times, chain, ends, busy)
+        ends = CostModel._filled(plan, times, chain, back, ends, busy)
         if plan.num_chunks == plan.pp:
-            ends = CostModel._drained(plan, times, chain, ends)
+            ends = CostModel._drained(plan, times, chain, back, ends)
         return ends
 
     @staticmethod
     def _filled(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
-                ends: list[float], busy: Sequence[float]) -> list[float]:
-        """``_busy_reaches``'s rank ends with the fill: rank k's first backward (B, or I under a
-        split backward) of chunk c waits for its micro-batch's forwards through every chunk and
-        backwards through the chunks after c, and only the warm-up forwards its action list runs
-        before it (``forwards_before_backward``, once the shape was simulated) can run
-        sooner."""
-        split = plan.schedule.split_backward
-        back = [t.bgrad_s if split else t.bwd_s for t in times]
-        later = [0.0] * (len(times) + 1)  # later[c]: backwards of the chunks after c - 1
-        for c in range(len(times) - 1, -1, -1):
-            later[c] = later[c + 1] + back[c]
+                back: Sequence[float], ends: list[float], busy: Sequence[float]) -> list[float]:
+        """``_rank_ends`` with the fill: rank k's first backward (``back``) of chunk c waits for
+        its micro-batch's forwards through every chunk and backwards through the chunks after c,
+        and only the warm-up forwards its action list runs before it (``forwards_before_backward``,
+        once the shape was simulated) can run sooner."""
         warm = known_warmup(plan.schedule, plan.pp, plan.num_microbatches, plan.vpp)
         if warm is None:  # a shape not simulated yet: its action list is not generated for this
             return ends
+        later = [0.0] * (len(times) + 1)  # later[c]: backwards of the chunks after c - 1
+        for c in range(len(times) - 1, -1, -1):
+            later[c] = later[c + 1] + back[c]
         filled = list(ends)
         for k, (first, count) in enumerate(warm):
             early = sum(n * times[c].fwd_s for c, n in enumerate(count) if n)
@@ -785,22 +679,19 @@ class CostModel:
 
     @staticmethod
     def _drained(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
-                 ends: list[float]) -> list[float]:
-        """``_busy_reaches``'s rank ends of a one-chunk-per-rank pipeline with the drain: the
-        last backward (B, or I under a split backward) to end on rank j ends no sooner than
-        chain_j + m (f_j + b_j) (every F and B of rank j after the chain, each F before its B),
-        and that micro-batch's backward then passes ranks j - 1, ..., k in turn, so rank k ends
-        no sooner than that plus b_{j-1} + ... + b_k, for every j >= k."""
+                 back: Sequence[float], ends: list[float]) -> list[float]:
+        """``_rank_ends`` of a one-chunk-per-rank pipeline with the drain: the last backward
+        (``back``) to end on rank j ends no sooner than chain_j + m (f_j + b_j) (every F and B of
+        rank j after the chain, each F before its B), and that micro-batch's backward then passes
+        ranks j - 1, ..., k in turn, so rank k ends no sooner than that plus b_{j-1} + ... + b_k,
+        for every j >= k."""
         m = plan.num_microbatches
-        split = plan.schedule.split_backward
-        back = [t.bgrad_s if split else t.bwd_s for t in times]
         drained = list(ends)
         latest = -math.inf  # max over j > k of (rank j's last B's end + b_{k+1} + ... + b_{j-1})
-        for k in range(plan.pp - 1, -1, -1):
-            if k < plan.pp - 1:
-                latest += back[k + 1] if latest > -math.inf else 0.0
-                latest = max(latest, chain[k + 1] + m * (times[k + 1].fwd_s + back[k + 1]))
-                drained[k] = max(drained[k], latest + back[k])
+        for k in range(plan.pp - 2, -1, -1):
+            latest += back[k + 1] if latest > -math.inf else 0.0
+            latest = max(latest, chain[k + 1] + m * (times[k + 1].fwd_s + back[k + 1]))
+            drained[k] = max(drained[k], latest + back[k])
         return drained
 
     @staticmethod
@@ -808,22 +699,23 @@ class CostModel:
                    tail: tuple[float, float, float], layerwise: bool) -> dict[str, float]:
         """The step's terms on the rank that ends last (``crit``), whose tail is (sync with the
         tied all-reduce, optimizer, tied all-reduce)."""
-        m = plan.num_microbatches
         crit_chunks = plan.chunks_of(crit)
-        per_mb = {name: sum(getattr(times[c], name) for c in crit_chunks) * m
-                  for name in ("compute_s", "recompute_s", "tp_comm_s", "zero3_comm_s")}
+
+        def per_step(name: str) -> float:  # a PieceCost field over the rank's chunks, m times
+            return sum(getattr(times[c], name) for c in crit_chunks) * plan.num_microbatches
+
         breakdown = {
-            "compute": per_mb["compute_s"],
-            "recompute": per_mb["recompute_s"],
-            "tp_comm": per_mb["tp_comm_s"],
-            "zero3_comm_exposed": per_mb["zero3_comm_s"],
+            "compute": per_step("compute_s"),
+            "recompute": per_step("recompute_s"),
+            "tp_comm": per_step("tp_comm_s"),
+            "zero3_comm_exposed": per_step("zero3_comm_s"),
             "pp_bubble": timeline.rank_end_s[crit] - timeline.rank_busy_s[crit],
             "dp_comm_exposed": tail[0] - tail[2],
             "embedding_sync": tail[2],
             "optimizer": tail[1],
         }
         if plan.cp > 1:  # the ring's K/V exchange beyond each step's attention block
-            breakdown["cp_comm_exposed"] = sum(times[c].cp_comm_s for c in crit_chunks) * m
+            breakdown["cp_comm_exposed"] = per_step("cp_comm_s")
         if layerwise:  # activations moved between layers of different tp
-            breakdown["transitions"] = sum(times[c].transition_s for c in crit_chunks) * m
+            breakdown["transitions"] = per_step("transition_s")
         return breakdown

@@ -1,12 +1,11 @@
 """The cost model's view of pipeline schedules: a thin wrapper over ``meshmorph.schedule``.
 
-The op orders are the schedule package's action lists (torch's orders: GPipe, 1F1B, interleaved
-1F1B, ZB-H1, and any other name ``schedule.registry`` knows) and the timing is its one event
-simulator (``schedule.simulator``: a memoised max-plus replay, so the makespan never decreases
-when a stage gets slower; the planner's bounds rely on it). Here an op is (kind, chunk,
-micro-batch) with kind F, B or W; in zero-bubble schedules B is the input-gradient backward
-(the schedule package's I) and W the weight gradient. With F = B = W and m >= p, ZB-H1 gives the
-paper's bubble (p - 1)(F + B - W), a third of 1F1B's.
+The op orders are the schedule package's action lists (torch's orders) and the timing is its one
+event simulator (``schedule.simulator``: a memoised max-plus replay, so the makespan never
+decreases when a stage gets slower; the planner's bounds rely on it). In zero-bubble schedules
+the backward priced as B is the input gradient (the schedule package's I) and W the weight
+gradient; with F = B = W and m >= p, ZB-H1 gives the paper's bubble (p - 1)(F + B - W), a third
+of 1F1B's.
 """
 
 from __future__ import annotations
@@ -15,23 +14,12 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from meshmorph.schedule.action import Kind
-from meshmorph.schedule.registry import frozen_actions, schedule_actions
+from meshmorph.schedule.registry import frozen_actions
 from meshmorph.schedule.simulator import Program, Timeline, replay, schedule_program
 from meshmorph.schedule.table import Schedule
 
-Op = tuple[str, int, int]  # (kind, chunk, micro-batch)
-
-__all__ = ["ASYNC_WARMUP_STEPS", "Op", "Timeline", "async_steady_step", "bubble_closed_form",
-           "schedule_ops", "simulate", "weight_copies"]
-
 ASYNC_WARMUP_STEPS = 2
 """Steps of ``m`` micro-batches simulated before the one an asynchronous plan is priced by."""
-
-
-def schedule_ops(schedule: Schedule, p: int, m: int, v: int = 1) -> list[list[Op]]:
-    """The op order of every pipeline rank (B is the input-gradient backward in split ones)."""
-    return [[("B" if a.kind == "I" else str(a.kind), a.stage, a.microbatch) for a in order]
-            for order in schedule_actions(str(schedule), p, m, v)]
 
 
 @lru_cache(maxsize=256)
@@ -115,15 +103,6 @@ def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: 
     return timeline
 
 
-def bubble_closed_form(schedule: Schedule, p: int, m: int, v: int = 1) -> float:
-    """Bubble as a fraction of the ideal time for equal stages (Narayanan et al. 2021)."""
-    if p == 1:
-        return 0.0
-    if schedule == Schedule.INTERLEAVED:
-        return (p - 1) / (v * m)  # (p-1)/(v·m)
-    return (p - 1) / m  # (p-1)/m for GPipe and 1F1B
-
-
 def async_steady_step(p: int, m: int, fwd_s: Sequence[float], bwd_s: Sequence[float], *,
                       p2p_s: Sequence[float] | None = None,
                       step_s: Sequence[float] | None = None) -> Timeline:
@@ -143,8 +122,7 @@ def async_steady_step(p: int, m: int, fwd_s: Sequence[float], bwd_s: Sequence[fl
     durations = list(fwd_s) + list(bwd_s) + [0.0] * (2 * p) + steps
     comm = list(p2p_s) if p2p_s is not None else [0.0] * p
     ops = replay(program, durations, comm, keep_ops=True).ops
-    opened: list[float] = [0.0] * p
-    closed: list[float] = [0.0] * p
+    opened, closed = [0.0] * p, [0.0] * p
     for rank, kind, _, j, _, end in ops:
         if kind == "STEP":
             if j == first:

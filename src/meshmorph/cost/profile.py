@@ -28,8 +28,6 @@ class LayerTime:
     """Median forward seconds (one tensor-parallel rank, tp = 1)."""
     bwd_s: float
     """Median backward seconds (input and weight gradients)."""
-    spread: float
-    """Relative half-width of the repeats' inter-quartile range, (q75 - q25) / 2 / median."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,7 +48,8 @@ class Profile:
     """``kind/group_size`` (all_reduce, all_gather, reduce_scatter, send_recv) -> the fitted
     ``alpha_s`` (seconds per call), ``beta_s_per_byte`` and ``r2`` of time = alpha + beta * bytes."""
     layer_times: dict[str, dict[str, float]] = field(default_factory=dict)
-    """``layer_key(...)`` -> ``fwd_s``, ``bwd_s``, ``spread`` (see LayerTime)."""
+    """``layer_key(...)`` -> ``fwd_s``, ``bwd_s`` (see LayerTime) and ``spread``, the relative
+    half-width of the repeats' inter-quartile range, (q75 - q25) / 2 / median."""
     optimizer_s_per_param: float = 0.0
     """Seconds per parameter of the step's tail (gradient norm, clip, AdamW, zero_grad); 0: use
     the catalog's HBM-bandwidth estimate."""
@@ -70,7 +69,7 @@ class Profile:
         row = self.layer_times.get(layer_key(model, seq_len, micro_batch, dtype, index))
         if row is None:
             return None
-        return LayerTime(row["fwd_s"], row["bwd_s"], row.get("spread", 0.0))
+        return LayerTime(row["fwd_s"], row["bwd_s"])
 
     def collective_s(self, kind: str, group_size: int, nbytes: float) -> float | None:
         """Measured seconds of one collective (alpha + beta * bytes, comm.py's M), or None where

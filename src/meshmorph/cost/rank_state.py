@@ -1,78 +1,38 @@
 """What one rank of a Plan holds at the end of backward and sends in one step, in bytes: the
 prediction the run's ``state`` line puts beside its measurement (run/engine/state_line.py), for
-plans with and without layer strategies.
+plans with and without layer strategies. docs/cost-model.md, "State and traffic", says what each
+figure counts and where torch departs from the textbook; the functions below say how.
 
 Held (end of backward, before the optimizer step), per distinct tensor the rank allocates
 (cost/tensor_shapes.py; ``r`` its tensor-parallel-local dim-0 rows, ``k`` the rest of its
 elements, ``d`` = dp, ``c`` the compute dtype's bytes; cost/state.py for the table by stage):
+whole fp32 parameters and gradients ``4 r k`` (ZeRO 0 or dp 1, a layerwise plan's ZeRO-1 layers),
+or FSDP2's shards padded to ``ceil(r / d)`` rows, plus the unsharded copy ``c ceil(r/d) d k`` for
+ZeRO-1/2 without pipeline parallelism; moments ``8 r_i k`` on the rows ``r_i`` the rank owns
+(DTensor's Shard(0) rule) where ZeRO shards them, else ``8 r k``. At its peak
+(``peak_state_bytes``, pp 1) ZeRO-1 of a whole chunk over several micro-batches holds the whole
+gradients in the reduce dtype in place of their shard.
 
-- ZeRO 0 (or dp 1), and a layerwise plan's ZeRO-1 layers: parameters ``4 r k``, gradients
-  ``4 r k`` (DDP's buckets, FSDP2 ``replicate``'s reduced gradients, or the layerwise engine's
-  summed ones); ZeRO-1's moments ``8 r_i k`` on the rank's own rows ``r_i`` (DTensor's Shard(0)
-  rule: ``ceil(r / d)`` rows each, the last ranks fewer), ZeRO-0's ``8 r k``.
-- FSDP2 (ZeRO 1/2/3 of a whole chunk, ZeRO 2/3 of a layer run alone): sharded parameters and
-  gradients padded to ``ceil(r / d)`` rows (``4 ceil(r/d) k`` each), plus for ZeRO-1/2 without
-  pipeline parallelism the unsharded copy ``c ceil(r/d) d k``; moments ``8 r_i k`` (unpadded
-  local shard).
+Sent per step (run/engine/comm_count.py: each collective's input buffer on this rank; a receive
+sends nothing): data-parallel traffic (cost/state.py) on padded shards, the tied embedding's
+gradient across the two end ranks, tensor-parallel activations as DTensor lays them out
+(run/parallel/parallelize.py), the pipeline's hidden state to each neighbour chunk on another
+rank with torch's first-step handshake, and meshmorph's own loss and norm reductions. Under
+context parallelism (priced, not run) ``d`` is dp x cp (shard index ``dp_rank * cp + cp_rank``),
+activations count the rank's ``s / cp`` tokens, and each block sends its K and V round the ring
+(cost/context_parallel.py).
 
-At its peak (``peak_state_bytes``, pp 1: the most parameter, gradient and moment bytes at the end
-of any micro-batch's backward) a rank holds the same, except under ZeRO-1 of a whole chunk with
-more than one micro-batch: between micro-batches FSDP2 accumulates the whole gradients, ``q r k``
-in the reduce dtype's ``q`` bytes, in place of their shard (cost/state.py: 6 + 12/d bytes per
-parameter under bf16).
-
-Sent per step (run/engine/comm_count.py: each collective's input buffer on this rank; a receive sends
-nothing), ``m`` micro-batches of ``b`` sequences of ``s`` tokens:
-
-- data parallel: cost/state.py's traffic (``data_parallel_traffic``) applied to padded shards;
-- the tied embedding's gradient, summed over the first and last pipeline ranks (its local, and
-  under FSDP2 sharded, gradient) where they are two ranks (under a V both copies sit on rank 0,
-  in chunks 0 and 2pp - 1, and are summed there without a collective);
-- tensor parallel activations per micro-batch (DTensor as run/parallel/parallelize.py lays it out):
-  without sequence parallelism, an all-reduce of ``b s h`` after the vocabulary-parallel
-  embedding and after each row-parallel layer (2 per block) in forward, one per column-parallel
-  layer's input gradient in backward (q, k, v and the first MLP projection(s)), one for the
-  head's input gradient, and loss_parallel's three fp32 all-reduces of ``b s`` values over the
-  vocabulary-sharded logits (no gather of the logits); with sequence
-  parallelism the row-parallel all-reduces become reduce-scatters of ``b s h`` and the block
-  inputs all-gathers of ``b s/t h`` (forward and backward), and the norms' gradients are
-  all-reduced once per step;
-- pipeline: each micro-batch's hidden state ``b s h`` (``s/t`` under sequence parallelism) to
-  the next chunk and its gradient to the previous one, plus torch's one 4-byte handshake per
-  neighbour in the first step, for each neighbour chunk on another rank (``remote_neighbours``:
-  the V's turn, chunks pp - 1 and pp on rank pp - 1, passes both locally);
-- meshmorph's own reductions: the loss and the global gradient norm (8 bytes each).
-
-Context parallelism (``cp`` > 1; priced, not run): ``d`` is dp x cp (``Plan.grad_replicas``:
-parameters are replicated over both, the shard index is ``dp_rank * cp + cp_rank``), every
-activation figure above counts the rank's ``s / cp`` tokens, and each block sends its K and V
-(``2 b (s/cp) h_kv / t`` elements in the compute dtype) ``cp - 1`` times per micro-batch in
-forward and K, V and their gradients ``cp - 1`` times in backward (cost/context_parallel.py),
-the forward's ring again under recompute.
-
-Layer strategies (a plan whose stages list ``layer_strategies``, run by the layerwise engine,
-run/parallel/segments.py): the rank's chunks are walked segment by segment
-(cost/segments.py: one per layer, under the layer's own tp, dp and ZeRO; rank ``r`` of a stage is
-tp rank ``r % tp_i`` of data-parallel block ``r // tp_i``), with the rules above applied at each
-layer's degrees and what that engine does differently:
-
-- every layer is its own unit: its gradients reduced on its own group once per micro-batch
-  (ZeRO 0/1: one flat buffer per step; a ZeRO-2 layer under a split-backward schedule, zb, zbv
-  or dualpipev, reduce-scatters once per step, run/engine/layerwise_pipeline.py), a ZeRO-2
-  layer keeps its gathered copy under a pipeline too, and a vocabulary-parallel embedding outside
-  FSDP2 keeps torch's double-size gradient with sequence parallelism as well as at dp 1;
-- the residual stream's dtype is followed layer by layer (fp32 from the embedding under
-  autocast, 16-bit from the first layer FSDP2's mixed precision casts on);
-- between neighbours whose tp differs (run/parallel/layerwise_redistribute.py): the forward
-  all-gather input ``(B / dp_a) s h`` when tp grows, the backward all-gather of the gradient
-  ``(B / dp_b) s h`` when it shrinks; with sequence parallelism one all-to-all each way;
-- the head all-gathers its ``b s V / tp_i`` logits and all-reduces its input gradient (no
-  ``loss_parallel``); norm gradients of a sequence-parallel FSDP2 layer are all-reduced per
-  micro-batch in the compute dtype;
-- the data: token ids (int64) all-gathered into the first layer's layout when its tp is larger,
-  labels into the last layer's; with pp > 1 each chunk's input and output moved between the
-  plan's data layout and its first and last layer's;
-- meshmorph's own reductions: the loss and one float64 squared gradient norm, 8 bytes each.
+Layer strategies (run by the layerwise engine, run/parallel/segments.py): the rank's chunks are
+walked segment by segment (cost/segments.py: one per layer under its own tp, dp and ZeRO; rank
+``r`` of a stage is tp rank ``r % tp_i`` of data-parallel block ``r // tp_i``), with these rules
+at each layer's degrees and what that engine does differently: every layer reduces its gradients
+on its own group (once per micro-batch; ZeRO 0/1 one flat buffer per step, a ZeRO-2 layer under a
+split backward once per step), a ZeRO-2 layer keeps its gathered copy under a pipeline too, and a
+vocabulary-parallel embedding outside FSDP2 keeps torch's double-size gradient under sequence
+parallelism as at dp 1; the residual stream's dtype is followed layer by layer; activations move
+between neighbours whose tp differs (run/parallel/redistribute.py); the head all-gathers its
+logits (no ``loss_parallel``); token ids and labels are gathered into the first and last layers'
+layouts; the norm is one float64 sum of squares.
 """
 
 from __future__ import annotations
@@ -82,17 +42,23 @@ from dataclasses import dataclass, field
 
 from meshmorph.cost.context_parallel import kv_bytes
 from meshmorph.cost.model import CostModel
-from meshmorph.cost.segments import Segment, chunk_segments, fsdp_sharded, is_layerwise
-from meshmorph.cost.state import compute_bytes, data_parallel_traffic, fsdp_shards
+from meshmorph.cost.segments import Segment, chunk_segments, fsdp_sharded
+from meshmorph.cost.state import (
+    ADAM_BYTES,
+    GRAD_BYTES,
+    MASTER_BYTES,
+    compute_bytes,
+    data_parallel_traffic,
+    fsdp_shards,
+)
 from meshmorph.cost.tensor_shapes import ParamTensor, layer_tensors, rank_tensors, vocab_split
 from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
 from meshmorph.spec.plan import Plan
+from meshmorph.spec.runnable import lists_layer_strategies
 
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "broadcast")
 """Kinds of collectives in ``comm_bytes`` (run/engine/comm_count.py counts the same)."""
-MASTER, GRAD, MOMENTS = 4, 4, 8
-"""Bytes per element of fp32 parameters, fp32 gradients, and AdamW's two fp32 moments."""
 LOSS_BYTES = 8
 """The step's loss, one float64 all-reduce over every rank."""
 NORM_CLASS_BYTES = 32
@@ -101,7 +67,8 @@ the rank holds dp-sharded gradients (FSDP2) and over tp when it holds tp-split o
 NORM_PP_BYTES = 8
 """run/engine/grad_norm.py: the float64 norm, all-reduced over pp when pp > 1."""
 NORM_BYTES = 8
-"""run/engine/layerwise_grads.py: one float64 sum of squares, all-reduced over the stage."""
+"""run/engine/grad_norm.py (a layerwise plan): one float64 sum of squares, all-reduced over the
+job."""
 HANDSHAKE_BYTES = 4
 """torch pipelining's first-step neighbour check: one float32 per neighbouring stage."""
 TOKEN_BYTES = 8
@@ -137,41 +104,12 @@ def held_state(tensors: list[ParamTensor], tp: int, dp: int, dp_rank: int, zero:
         rows, rest = _rows_rest(tensor, tp)
         whole += rows * rest
         padded += math.ceil(rows / dp) * rest
-        own = _own_rows(rows, dp, dp_rank) * rest
-        if fsdp:
-            params += MASTER * math.ceil(rows / dp) * rest
-            grads += GRAD * math.ceil(rows / dp) * rest
-            moments += MOMENTS * own
-        else:
-            params += MASTER * rows * rest
-            grads += GRAD * rows * rest
-            moments += MOMENTS * (own if zero == 1 and dp > 1 else rows * rest)
+        held = math.ceil(rows / dp) if fsdp else rows
+        params += MASTER_BYTES * held * rest
+        grads += GRAD_BYTES * held * rest
+        sharded = fsdp or zero == 1 and dp > 1
+        moments += ADAM_BYTES * (_own_rows(rows, dp, dp_rank) * rest if sharded else rows * rest)
     return params, grads, moments, whole, padded
-
-
-def add_data_parallel_comm(comm: dict[str, float], plan: Plan, *, zero: int, dp: int, pp: int,
-                           whole: float, padded: float, per_layer: bool = False) -> None:
-    """Add to ``comm`` the bytes one rank sends per step for data parallelism over ``dp`` ranks
-    at ``zero`` (``per_layer``: a layer run alone): cost/state.py's multiples applied to
-    ``whole`` local elements (all-reduce) and to the ``padded`` dim-0 shards torch moves (an
-    all-gather sends a padded shard, a reduce-scatter dp of them)."""
-    traffic = data_parallel_traffic(zero=zero, dp=dp, pp=pp, dtype=plan.dtype,
-                                    reduce_dtype=plan.reduce_dtype, per_layer=per_layer)
-    m = plan.num_microbatches
-    comm["all_reduce"] += traffic.all_reduce_per_step * whole
-    comm["all_gather"] += (traffic.all_gather_per_step
-                           + m * traffic.all_gather_per_microbatch) * dp * padded
-    comm["reduce_scatter"] += (traffic.reduce_scatter_per_step
-                               + m * traffic.reduce_scatter_per_microbatch) * dp * padded
-
-
-def _coords(plan: Plan, rank: int) -> tuple[int, int, int]:
-    """(pp_rank, replica rank, tp_rank) of a global rank (``Plan.coords_of``); the replica rank
-    is the rank's place in its dp x cp group (``dp_rank * cp + cp_rank``), the ZeRO shard it owns."""
-    if not 0 <= rank < plan.world_size:
-        raise ValueError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
-    pp_rank, dp_rank, cp_rank, tp_rank = plan.coords_of(rank)
-    return pp_rank, dp_rank * plan.cp + cp_rank, tp_rank
 
 
 @dataclass(slots=True)
@@ -204,9 +142,9 @@ def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, obj
     """``params_bytes``, ``grads_bytes``, ``optimizer_bytes`` and ``comm_bytes`` (by kind) of
     global ``rank`` of ``plan``, with or without layer strategies (the module docstring says
     what each counts)."""
-    pp_rank = _coords(plan, rank)[0]
+    pp_rank = plan.coords_of(rank)[0]
     model = model.with_seq_len(plan.seq_len)
-    layerwise = is_layerwise(plan)
+    layerwise = lists_layer_strategies(plan)
     state = _RankState(plan, layerwise, rank % (plan.tp * plan.cp * plan.dp))
     state.comm = dict.fromkeys(COMM_KINDS + (("all_to_all",) if layerwise
                                              and plan.sequence_parallel else ()), 0.0)
@@ -218,8 +156,10 @@ def predict_rank_state(model: ModelSpec, plan: Plan, rank: int) -> dict[str, obj
         stream = 4.0 if chunk == 0 else _hidden_bytes(plan)
         for at, segment in enumerate(segments):
             _held(model, state, segment)
-            if at:
-                _transition(model, state, segments[at - 1], segment, stream)
+            if at:  # the hidden state moved between the two layouts (cost/transition.py)
+                before = segments[at - 1].plan
+                _moved(state, before.tp, before.dp, segment.plan.tp, segment.plan.dp,
+                       model.hidden_size * stream, plan.sequence_parallel)
             stream = _activations(model, state, segment, stream)
         if plan.pp > 1:
             _pipeline(model, state, chunk)
@@ -254,25 +194,24 @@ def _held(model: ModelSpec, state: _RankState, segment: Segment) -> None:
             d == 1 or state.layerwise and plan.sequence_parallel and not fsdp):
         # torch: the vocabulary-parallel embedding's local gradient is a view into a storage
         # twice its size where no data-parallel reduction replaces it with a fresh tensor
-        grads += GRAD * tensors[0].local_numel(t)
+        grads += GRAD_BYTES * tensors[0].local_numel(t)
     state.params += params
     state.grads += grads
     state.between_grads += between
     state.moments += moments
-    # the uniform engine reduces FSDP2 once per step under a pipeline (torch's pipelining);
-    # the layerwise engine per micro-batch, but once per step for a ZeRO-2 layer under a
-    # split backward (run/engine/layerwise_pipeline.py)
+    # cost/state.py's traffic: all-reduces of the whole local tensors, all-gathers of a padded
+    # shard, reduce-scatters of dp of them. The uniform engine reduces FSDP2 once per step under
+    # a pipeline (torch's pipelining); the layerwise engine per micro-batch, but once per step
+    # for a ZeRO-2 layer under a split backward (run/engine/train_engine.py)
     once = plan.pp > 1 and (not state.layerwise or plan.schedule.split_backward and zero == 2)
-    add_data_parallel_comm(state.comm, plan, zero=zero, dp=d, pp=plan.pp if once else 1,
-                           whole=whole, padded=padded, per_layer=segment.alone)
-
-
-def _transition(model: ModelSpec, state: _RankState, before: Segment, after: Segment,
-                stream: float) -> None:
-    """The hidden state moved from ``before``'s layout to ``after``'s (cost/transition.py)."""
-    a, b = before.plan, after.plan
-    _moved(state, a.tp, a.dp, b.tp, b.dp, model.hidden_size * stream,
-           state.plan.sequence_parallel)
+    traffic = data_parallel_traffic(zero=zero, dp=d, pp=plan.pp if once else 1, dtype=plan.dtype,
+                                    reduce_dtype=plan.reduce_dtype, per_layer=segment.alone)
+    m, comm = plan.num_microbatches, state.comm
+    comm["all_reduce"] += traffic.all_reduce_per_step * whole
+    comm["all_gather"] += (traffic.all_gather_per_step
+                           + m * traffic.all_gather_per_microbatch) * d * padded
+    comm["reduce_scatter"] += (traffic.reduce_scatter_per_step
+                               + m * traffic.reduce_scatter_per_microbatch) * d * padded
 
 
 def _activations(model: ModelSpec, state: _RankState, segment: Segment, stream: float) -> float:
@@ -283,11 +222,11 @@ def _activations(model: ModelSpec, state: _RankState, segment: Segment, stream: 
     t, m, s, h = sub.tp, plan.num_microbatches, plan.seq_len // plan.cp, model.hidden_size
     sp, c = plan.sequence_parallel and t > 1, compute_bytes(plan.dtype)
     bsh = sub.micro_batch * s * h
-    fsdp = fsdp_sharded(sub)
+    fsdp, casts = fsdp_sharded(sub), _casts(sub)
     for offset, index in enumerate(range(segment.start, segment.stop)):
         kind = model.layers[index].kind
         # the embedding's output, or the layer's input (cast, or as it came)
-        hidden = c if _casts(sub) else 4.0 if kind == LayerKind.EMBEDDING else stream
+        stream = c if casts else 4.0 if kind == LayerKind.EMBEDDING else stream
         full = segment.recompute[offset] == Recompute.FULL
         if plan.cp > 1 and kind == LayerKind.BLOCK:  # the ring: K, V forward (again under
             # recompute), with their gradients back
@@ -295,13 +234,12 @@ def _activations(model: ModelSpec, state: _RankState, segment: Segment, stream: 
             rings = 3 + (segment.recompute[offset] != Recompute.NONE)
             comm["send_recv"] += m * (plan.cp - 1) * rings * kv
         if t > 1:
-            _layer_tp(model, state, kind, sub, m=m, bsh=bsh, hidden=hidden, full=full)
+            _layer_tp(model, state, kind, sub, m=m, bsh=bsh, hidden=stream, full=full)
             if sp:  # norm gradients are partial sums over the sequence shards: all-reduced
                 # once per step, or by a layerwise FSDP2 layer per micro-batch in its dtype
                 norms = sum(x.local_numel(t) for x in layer_tensors(model, index, t)
                             if "norm" in x.name)
-                comm["all_reduce"] += (m * c if state.layerwise and fsdp else GRAD) * norms
-        stream = c if _casts(sub) else 4.0 if kind == LayerKind.EMBEDDING else stream
+                comm["all_reduce"] += (m * c if state.layerwise and fsdp else GRAD_BYTES) * norms
     return stream
 
 
@@ -377,15 +315,14 @@ def _pipeline(model: ModelSpec, state: _RankState, chunk: int) -> None:
     else:
         _moved(state, plan.tp, plan.dp, first.tp, first.dp, h * hidden, sp)
     end = chunk == plan.num_chunks - 1
-    logits = 4.0 if plan.dtype == "fp32" else compute_bytes(plan.dtype)
-    width = model.vocab_size * logits if end else h * hidden
+    width = model.vocab_size * compute_bytes(plan.dtype) if end else h * hidden
     _moved(state, last.tp, last.dp, plan.tp, plan.dp, width, sp and not end)
 
 
 def _moved(state: _RankState, tp_a: int, dp_a: int, tp_b: int, dp_b: int, width: float,
            sequence: bool) -> None:
     """Activations of ``width`` bytes per position moved from layout (tp_a, dp_a) to
-    (tp_b, dp_b) of a stage's devices (run/parallel/layerwise_redistribute.py): between two
+    (tp_b, dp_b) of a stage's devices (run/parallel/redistribute.py): between two
     layers, or between the data layout and a layerwise chunk's ends."""
     plan, comm = state.plan, state.comm
     m, s, sequences = plan.num_microbatches, plan.seq_len, plan.dp * plan.micro_batch
@@ -411,7 +348,7 @@ def _rank_ends(model: ModelSpec, state: _RankState, pp_rank: int) -> None:
             (plan.tp, plan.grad_replicas, plan.zero)
         rows, rest = _rows_rest(layer_tensors(model, 0, t)[0], t)
         sharded = fsdp_shards(zero=zero, dp=d, per_layer=bool(embed))
-        comm["all_reduce"] += GRAD * (math.ceil(rows / d) if sharded else rows) * rest
+        comm["all_reduce"] += GRAD_BYTES * (math.ceil(rows / d) if sharded else rows) * rest
     if state.layerwise:
         if plan.pp == 1:
             layers = plan.stages[0].layer_strategies or ()
@@ -446,7 +383,7 @@ def predict_peak_bytes(model: ModelSpec, plan: Plan, rank: int, gpu: str) -> flo
     without the CUDA context and allocator reserve (what ``torch.cuda.max_memory_allocated``
     can see)."""
     model = model.with_seq_len(plan.seq_len)
-    pp_rank = _coords(plan, rank)[0]
+    pp_rank = plan.coords_of(rank)[0]
     cost = CostModel(model, parse_cluster(f"{gpu}:1x{plan.world_size}"))
     plans: dict = {}
     segments = [s for c in plan.chunks_of(pp_rank) for s in chunk_segments(model, plan, c, plans)]

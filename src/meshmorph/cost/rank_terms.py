@@ -109,7 +109,11 @@ def rank_memory_terms(cost: CostModel, plan: Plan, pp_rank: int, gpu: GPUSpec, *
         # one unit in use, one more prefetched where fsdp_prefetch is on
         gather_bytes_per_param=(2 if plan.fsdp_prefetch else 1) * compute_bytes(plan.dtype)
         if gathering else 0.0,
-        reserved_bytes=device_reserve_bytes(cost, gpu) + tp_overlap_buffer_bytes(cost, plan)
+        # TransformerEngine's userbuffers under tp_comm_overlap: tp_overlap_buffers of one
+        # micro-batch's b x s x h hidden state in the compute dtype
+        reserved_bytes=device_reserve_bytes(cost, gpu)
+        + (cost.coef.tp_overlap_buffers * plan.micro_batch * cost.model.seq_len
+           * cost.model.hidden_size * compute_bytes(plan.dtype) if plan.tp_comm_overlap else 0.0)
         + head_loss_bytes(cost, plan if head_plan is None else head_plan, pp_rank)
         + ring_buffer_bytes(cost, plan),
         budget_bytes=gpu.memory_bytes,
@@ -159,15 +163,6 @@ def head_loss_bytes(cost: CostModel, plan: Plan, pp_rank: int) -> float:
     return head.transient_bytes_per_token / plan.tp * tokens
 
 
-def tp_overlap_buffer_bytes(cost: CostModel, plan: Plan) -> float:
-    """Bytes TransformerEngine's userbuffers keep on a rank of a ``tp_comm_overlap`` plan:
-    ``tp_overlap_buffers`` of one micro-batch's b x s x h hidden state in the compute dtype."""
-    if not plan.tp_comm_overlap:
-        return 0.0
-    return cost.coef.tp_overlap_buffers * plan.micro_batch * cost.model.seq_len * \
-        cost.model.hidden_size * compute_bytes(plan.dtype)
-
-
 def tail_overlap_window_s(time: PieceCost) -> float:
     """The compute the gradient sync may hide behind: the rank's last backward without
     recompute (backward = 2 x forward), so that more recompute never shortens the step."""
@@ -184,21 +179,17 @@ def rank_tail_s(cost: CostModel, plan: Plan, time: PieceCost, gpu: GPUSpec) -> f
 def least_rank_tail_s(cost: CostModel, plan: Plan, params: float, gpu: GPUSpec) -> float:
     """The least tail a rank holding ``params`` can have whatever its layers (the sync hidden as
     far as ``dp_overlap`` allows), plus the least exposed part of its per-micro-batch ZeRO
-    traffic (``comm.exposed`` never hides more than the overlap share): affine in ``params``.
+    traffic (``comm.overlapped`` never hides more than the overlap share): affine in ``params``.
     Memoised on ``cost`` by the plan fields it reads (many configurations share them)."""
     key = (type(plan), plan.tp, plan.dp, plan.cp, plan.pp, plan.zero, plan.dtype,
            plan.reduce_dtype, plan.num_microbatches, plan.overlap_grad_reduce,
            plan.overlap_param_gather, plan.fsdp_prefetch, params, gpu.name, gpu.hbm_gbps)
     found = cost.least_tails.get(key)
-    if found is None:
-        found = cost.least_tails[key] = _least_rank_tail_s(cost, plan, params, gpu)
-    return found
-
-
-def _least_rank_tail_s(cost: CostModel, plan: Plan, params: float, gpu: GPUSpec) -> float:
-    """``least_rank_tail_s``, computed."""
+    if found is not None:
+        return found
     sync, optimizer = cost.rank_tail(plan, params, float("inf"), gpu, least=True)
     gathers, scatter = cost.microbatch_dp_traffic(plan, params, gpu,
                                                   units=1 if cost.fsdp_measured(plan) else 0)
     per_microbatch = sum(cost.zero_exposed(plan, gathers, scatter, float("inf"), float("inf")))
-    return sync + optimizer + plan.num_microbatches * per_microbatch
+    found = cost.least_tails[key] = sync + optimizer + plan.num_microbatches * per_microbatch
+    return found

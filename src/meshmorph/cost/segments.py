@@ -1,25 +1,16 @@
 """A model chunk as segments: the runtime's units of data-parallel communication.
 
-The cost model prices every chunk of a Plan as a sequence of segments, runs of consecutive
-layers under one strategy (tp, dp, ZeRO) that the runtime wraps and reduces as one unit. Each
-segment is priced as ``CostModel.chunk_time`` prices layers under one plan; between two
-neighbouring segments whose tp differs the activation is redistributed (cost/transition.py).
-
-Which layers form one unit is the engine's choice, so the segments follow the engine that
-runs the plan:
-
-- a stage without layer strategies runs as a whole: its chunk is one segment under
-  the plan itself, and a rank's segments reduce their gradients together after the last
-  backward (DDP's buckets over every chunk of the rank, FSDP2's one step reduction), so every
-  uniform figure is the one the cost model gave before segments existed;
-- a stage listing ``layer_strategies`` runs on the layerwise engine, which wraps every layer
-  as its own unit (FSDP2 ``fully_shard`` of the layer alone for ZeRO-2/3, one flat gradient
-  buffer all-reduced per layer for ZeRO-0/1): one segment per layer, under the uniform plan the
-  layer sees (``layer_plan``), exposing its ZeRO traffic against its own compute and reducing
-  its gradients on its own (``Segment.alone``). Two neighbouring layers under one strategy are
-  still two units, each with its own collectives' latency and last gradient bucket. The per-layer
-  search (plan/strategy_dp.py) prices each layer by the same function (``CostModel.layer_alone``),
-  so its optimum is this model's optimum.
+The cost model prices every chunk of a Plan as segments, runs of consecutive layers under one
+strategy (tp, dp, ZeRO) that the runtime wraps and reduces as one unit, each as
+``CostModel.chunk_time`` prices layers under one plan, with the redistribution between
+neighbours whose tp differs (cost/transition.py). The segments follow the engine that runs the
+plan (docs/layerwise.md, "Cost"): a stage without layer strategies is one segment under the plan
+itself, reducing its gradients with the rank's other chunks (DDP's buckets, FSDP2's one step
+reduction); a stage listing ``layer_strategies`` runs on the layerwise engine, which wraps every
+layer as its own unit, so each layer is a segment under the uniform plan it sees (``layer_plan``)
+that exposes its ZeRO traffic against its own compute and reduces on its own (``Segment.alone``),
+even beside a neighbour under the same strategy. The per-layer search prices each layer by the
+same function (``CostModel.layer_alone``), so its optimum is this model's.
 """
 
 from __future__ import annotations
@@ -62,16 +53,10 @@ class Segment(NamedTuple):
         return LayerStrategy(tp=self.plan.tp, dp=self.plan.dp, zero=self.plan.zero)
 
 
-def is_layerwise(plan: Plan) -> bool:
-    """Whether the engine runs ``plan`` layer by layer: some stage lists layer strategies
-    (spec/runnable.py's ``lists_layer_strategies``)."""
-    return lists_layer_strategies(plan)
-
-
 def fsdp_sharded(plan: Plan) -> bool:
     """Whether FSDP2 shards the parameters of a layer under ``plan``'s (segment's) strategy: a
     ``LayerPlan`` and every layer of a layerwise plan run as the layerwise engine runs them."""
-    per_layer = isinstance(plan, LayerPlan) or is_layerwise(plan)
+    per_layer = isinstance(plan, LayerPlan) or lists_layer_strategies(plan)
     return fsdp_shards(zero=plan.zero, dp=plan.grad_replicas, per_layer=per_layer)
 
 
@@ -129,12 +114,6 @@ def chunk_segments(model: ModelSpec, plan: Plan, chunk: int,
         out.append(Segment(index, index + 1, sub, (stage.recompute[offset],),
                            drop_tied=tied and index == model.num_layers - 1, alone=True))
     return out
-
-
-def uniform_segments(plan: Plan,
-                     chunks: list[tuple[int, int, tuple[Recompute, ...]]]) -> list[Segment]:
-    """Segments of chunks (start, stop, recompute) that run under ``plan`` itself."""
-    return [Segment(start, stop, plan, tuple(recompute)) for start, stop, recompute in chunks]
 
 
 def as_layerwise(plan: Plan) -> Plan:

@@ -1,39 +1,21 @@
-"""Redistributing activations between two neighbouring layers whose strategies differ.
+"""Redistributing activations between two neighbouring layers whose strategies differ
+(docs/layerwise.md, "Cost", has the table and the measurement).
 
-A stage of D devices runs each layer under its own split D = tp x dp (ranks numbered with tp
-innermost, as everywhere in meshmorph). A micro-batch of the stage carries B sequences (plan dp x
-micro_batch); under (tp, dp) data-parallel group j = rank // tp holds sequences
-[j B / dp, (j + 1) B / dp), replicated on its tp ranks (a tensor-parallel block's output is
-all-reduced, without sequence parallelism). Going from layer a = (tp_a, dp_a) to layer
-b = (tp_b, dp_b), with tp's that nest (one divides the other), k = the ratio of the two tp's and
-c = bytes of one activation element (16-bit, 4 under fp32):
+A stage of D devices runs each layer under its own split D = tp x dp (tp innermost); a
+micro-batch of the stage carries B sequences (plan dp x micro_batch), data-parallel group j
+holding sequences [j B / dp, (j + 1) B / dp) on its tp ranks. Between tp's that nest (k = their
+ratio, c = bytes of an activation element): growing tp all-gathers the forward's (B / dp_b) s h c
+bytes over k ranks, shrinking it all-gathers the gradient's (B / dp_a) s h c, and the other
+direction is a local slice; both on the link ``CostModel.group_link`` gives a group spanning the
+larger tp, priced by ``comm.all_gather``. ZeRO stages do not move activations; tp's that do not
+nest (2 and 3 on six devices) would need an all-to-all and are refused.
 
-| from a to b | forward (activation) | backward (its gradient) |
-| --- | --- | --- |
-| tp_b = tp_a | nothing | nothing |
-| tp_b < tp_a (dp grows k x) | local slice: each rank keeps 1/k of its sequences, 0 bytes | all-gather over k ranks of the input gradient, gathered buffer (B / dp_a) s h c bytes |
-| tp_b > tp_a (dp shrinks k x) | all-gather over k ranks, gathered buffer (B / dp_b) s h c bytes | local slice, 0 bytes |
-
-Both all-gathers run among k consecutive ranks, on the link ``CostModel.group_link`` gives a
-group spanning max(tp_a, tp_b) ranks, priced by ``comm.all_gather`` (ring, M = gathered
-buffer). ZeRO stages do not change where activations live, so they need no transition. Two tp's
-that do not nest (2 and 3 on six devices) would need an all-to-all; they are refused.
-
-With sequence parallelism a layer's input and output are split along the sequence over its tp
-ranks (a layer at tp 1 holds whole sequences), so every rank holds M = B s h c / D bytes whatever
-its split. Between tp's L < H that nest (k = H / L) the runtime (run/parallel/layerwise_redistribute.py,
-``redistribute_sequence``) moves it by one all-to-all over the H layout's tp group, forward and
-again backward: each rank cuts its buffer into k pieces of M / k for k distinct ranks of that
-group. With L = 1 one of the k is the rank itself on every rank, so each rank sends and receives
-(k - 1) / k M; with L > 1 some ranks keep none of their buffer (position p keeps a piece only
-when p // k = p % L) and send all k pieces, M bytes, and some receive k pieces. The slowest rank
-sets the time: ``peers`` x alpha + moved / beta with (peers, moved) = (k - 1, (k - 1) / k M) for
-L = 1 and (k, M) for L > 1, the alpha-beta model of cost/comm.py (with L = 1 it is the ring
-all-to-all's (k - 1) alpha + (k - 1) / k M / beta).
-
-``Transition.fwd_bytes`` and ``bwd_bytes`` are the bytes the busiest rank of the stage sends to,
-or receives from, other ranks in each direction: for the all-gathers (k - 1) / k of the gathered
-buffer (what every rank receives, and the ring sends), for the all-to-alls the figures above.
+With sequence parallelism every rank holds M = B s h c / D bytes whatever its split, and a change
+of tp is one all-to-all over the larger tp's group each way
+(run/parallel/redistribute.py). With the smaller tp 1 each rank sends (k - 1) / k M to
+k - 1 peers; otherwise some ranks keep none of their buffer and send all of M to k. The slowest
+rank sets the time, peers x alpha + bytes / beta (cost/comm.py's model). ``Transition.fwd_bytes``
+and ``bwd_bytes`` are the busiest rank's bytes each way ((k - 1) / k of a gathered buffer).
 """
 
 from __future__ import annotations
@@ -75,22 +57,6 @@ class Transition:
 NONE = Transition(0.0, 0.0, "none", "none", 1, 0.0)
 
 
-def sequence_all_to_all(low: int, high: int, nbytes: float) -> tuple[int, float]:
-    """(peers, bytes) of the busiest rank in the all-to-all that moves a sequence-split buffer of
-    ``nbytes`` per rank between tp ``low`` and tp ``high`` (module docstring)."""
-    k = high // low
-    if low == 1:
-        return k - 1, (k - 1) / k * nbytes
-    return k, nbytes
-
-
-def _p2p_messages(peers: int, nbytes: float, link: comm.Link) -> float:
-    """``peers`` messages of ``nbytes`` together, in the alpha-beta model: peers alpha + M / beta."""
-    if peers <= 0 or nbytes <= 0:
-        return 0.0
-    return peers * link.latency_s + nbytes / link.bandwidth_bps
-
-
 def activation_bytes(cost: CostModel, sequences: float, dtype: str) -> float:
     """Bytes of ``sequences`` sequences of hidden state: sequences x s x h x c."""
     scale = 2 if dtype == "fp32" else 1
@@ -113,8 +79,9 @@ def transition(cost: CostModel, a: LayerStrategy, b: LayerStrategy, stage_sequen
     link = cost.group_link(gpu, high)
     if sequence_parallel:  # B s h c / D on every rank, either way: one all-to-all each way
         nbytes = activation_bytes(cost, stage_sequences / (a.tp * a.dp), dtype)
-        peers, moved = sequence_all_to_all(low, high, nbytes)
-        both = _p2p_messages(peers, moved, link)
+        # the busiest rank's messages and bytes (module docstring): peers alpha + moved / beta
+        peers, moved = (k - 1, (k - 1) / k * nbytes) if low == 1 else (k, nbytes)
+        both = peers * link.latency_s + moved / link.bandwidth_bps if moved > 0 else 0.0
         return Transition(both, both, "all_to_all", "all_to_all", k, nbytes, moved, moved)
     if b.tp < a.tp:  # dp grows: slice forward, gather the gradient backward
         nbytes = activation_bytes(cost, stage_sequences / a.dp, dtype)

@@ -2,20 +2,13 @@
 
 An action is ``F`` (forward of a micro-batch: receive the input from the previous stage, compute,
 send the output on), ``B`` (its backward: receive the output gradient, back-propagate, send the
-input gradient back) or ``U`` (this stage's optimizer step). Three orders, for ``p`` stages:
-
-- ``async_1f1b``: PipeDream's 1F1B without flush (``schedule.async_1f1b.async_one_f_one_b``).
-  Stage ``k`` runs ``w = p - 1 - k`` warm-up forwards, then alternates F(i), B(i - w), and steps
-  after every backward (each micro-batch is one optimizer step). Stage ``k``'s forward of
-  micro-batch ``j`` therefore sees the weights after ``j - w`` updates: ``w`` steps stale.
-- ``two_bw``: the same order, stepping after every ``m``-th backward (PipeDream-2BW: the
-  gradient of ``m`` micro-batches per update, the forwards never wait for it).
-- ``sync_1f1b``: 1F1B with a flush (``schedule.one_f_one_b.one_f_one_b`` per step): ``m``
-  micro-batches go through warm-up, steady state and cool-down, then every stage steps once.
-
-``staleness`` reads from a list how many of the stage's own updates fall between each forward
-and its backward: the ``s`` weight prediction extrapolates over (per micro-batch: the warm-up
-ones are less stale than the stage's worst case that ``schedule.async_1f1b.staleness`` gives).
+input gradient back) or ``U`` (this stage's optimizer step); the three orders are
+``async_1f1b`` (PipeDream), ``two_bw`` (PipeDream-2BW) and ``sync_1f1b`` (flushed). Under
+``async_1f1b`` stage ``k`` of ``p`` runs ``w = p - 1 - k`` warm-up forwards and steps after every
+backward, so its forward of micro-batch ``j`` sees the weights after ``j - w`` updates: ``w``
+steps stale. ``staleness`` reads off a list how many of the stage's own updates fall between each
+forward and its backward (per micro-batch: the warm-up ones are less stale than the worst case
+``schedule.async_1f1b.staleness`` gives), the ``s`` a weight prediction extrapolates over.
 """
 
 from __future__ import annotations

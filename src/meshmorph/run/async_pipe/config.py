@@ -79,8 +79,3 @@ class AsyncPipelineConfig:
         if self.synchronous or self.weight_prediction == "2bw":
             return self.num_microbatches
         return 1
-
-    @property
-    def label(self) -> str:
-        """A short name of the mode: ``sync`` or the weight handling."""
-        return "sync" if self.synchronous else self.weight_prediction

@@ -6,14 +6,10 @@ Pipeline stage ``k`` is rank ``k`` of the default process group, one stage per r
 go forward and gradients back by ``isend`` (kept until complete) and a blocking ``recv``: every
 send is posted without waiting, so the 1F1B order cannot deadlock. The forward runs the stage
 through ``torch.func.functional_call`` with a set of leaf tensors standing for its parameters,
-and the backward's weight gradients are added to the real parameters' ``.grad``:
-
-- ``none``: the leaves alias the parameters' storage (``param.data``, which has its own version
-  counter), so the backward sees the weights as they are when it runs: stale, unstashed;
-- ``stash``: a copy taken at the forward; ``2bw``: one copy per weight version (at most two live);
-- ``sgd`` / ``adam``: the predicted weights ``s`` updates ahead (``async_prediction``), ``s``
-  read from the action list; the gradient taken there is applied to the current weights;
-- synchronous 1F1B: aliases (no update happens inside a step).
+and the backward's weight gradients are added to the real parameters' ``.grad``; which leaves
+each mode hands out is ``run/async_pipe/weights.py``'s (``none`` and synchronous 1F1B alias the
+parameters; a prediction's ``s`` updates ahead are read from the action list, and the gradient
+taken there is applied to the current weights).
 
 The guard (prediction modes) measures, at each backward, how far the prediction missed; once per
 ``guard_every`` micro-batches every stage agrees on the worst window mean (all-reduce MAX on a
@@ -28,19 +24,14 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from meshmorph.run.async_pipe.actions import (
-    async_1f1b,
-    drain_point,
-    staleness,
-    sync_1f1b,
-    two_bw,
-)
+from meshmorph.run.async_pipe.actions import async_1f1b, drain_point, staleness, sync_1f1b, two_bw
 from meshmorph.run.async_pipe.config import AsyncPipelineConfig
 from meshmorph.run.async_pipe.prediction import PredictionGuard
 from meshmorph.run.async_pipe.weights import WeightSource
@@ -91,12 +82,11 @@ class AsyncPipeline:
         if config.optimizer == "sgd":
             self.optimizer: torch.optim.Optimizer = torch.optim.SGD(
                 self.params, lr=config.lr, momentum=config.momentum)
-        elif config.optimizer == "adamw":
-            self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas,
-                                               eps=config.eps, weight_decay=config.weight_decay)
         else:
-            self.optimizer = torch.optim.Adam(self.params, lr=config.lr, betas=config.betas,
-                                              eps=config.eps)
+            adamw = config.optimizer == "adamw"
+            self.optimizer = (torch.optim.AdamW if adamw else torch.optim.Adam)(
+                self.params, lr=config.lr, betas=config.betas, eps=config.eps,
+                weight_decay=config.weight_decay if adamw else 0.0)
         guarded = config.predicts and config.guard_threshold is not None
         self.guard = PredictionGuard(threshold=config.guard_threshold or 0.0) if guarded else None
         self.guard_group = dist.new_group(backend="gloo") if guarded else None
@@ -143,8 +133,7 @@ class AsyncPipeline:
         self.segments = [(0, 0, per, cfg.synchronous)]
         result = AsyncResult()
         self._in_flight: dict[int, tuple] = {}
-        self._batch_cache: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._batches, self._loss_sum = batches, 0.0
+        self._batches, self._loss_sum = lru_cache(maxsize=1)(batches), 0.0
         mode = cfg.weight_prediction
         dist.barrier()
         start = time.perf_counter()
@@ -182,11 +171,9 @@ class AsyncPipeline:
     def _micro_batch(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         first_mb, first_batch, per, _ = self._segment(j)
         batch = first_batch + (j - first_mb) // per
-        if self._batch_cache is None or self._batch_cache[0] != batch:
-            self._batch_cache = (batch, self._batches(batch))
         micro = self.batch_size // per
         piece = slice((j - first_mb) % per * micro, ((j - first_mb) % per + 1) * micro)
-        x, y = self._batch_cache[1]
+        x, y = self._batches(batch)
         return x[piece], y[piece]
 
     def _forward(self, j: int, mode: str, steps: int) -> None:

@@ -1,7 +1,7 @@
 """Weight prediction against staleness, and the guard that watches it.
 
 A stage whose forward of micro-batch ``j`` runs ``s`` of its own updates before that micro-batch's
-backward (``s`` from the schedule, ``async_schedule.staleness``) computes the forward with the
+backward (``s`` from the schedule, ``actions.staleness``) computes the forward with the
 weights it predicts those ``s`` updates will produce:
 
 - momentum SGD (SpecTrain, Chen et al. 2018): ``W(t+s) = W(t) - s * lr * v(t)``, ``v`` torch's

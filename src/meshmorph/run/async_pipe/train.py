@@ -1,22 +1,15 @@
 """``meshmorph run`` of a plan with ``schedule = "async"``: the job's model and data through the
-asynchronous pipeline executor (``run/async_pipe/executor.py``), one model chunk per rank.
+asynchronous pipeline executor (``run/async_pipe/executor.py``), one model chunk per rank
+(docs/pipelines.md, "Run by ``meshmorph run``", says what a logged step is and what is left out).
 
 Pipeline rank ``k`` builds chunk ``k`` of the plan (``build_chunk``: the weights the whole model
-would hold) and trains it without flush: 1F1B across step boundaries, each stage stepping its
-optimizer as soon as a backward is done. What one logged step is:
-
-- ``none``, ``stash``, ``sgd``, ``adam``: every micro-batch is an update of every stage (PipeDream),
-  so a step of ``m`` micro-batches is ``m`` updates; the step's loss is the mean of its ``m``
-  micro-batch losses, each computed with the weights its forward saw;
-- ``2bw``: a step is one batch of ``m`` micro-batches with one update per stage (PipeDream-2BW).
-
-The optimizer is the job's AdamW (``sgd`` prediction: momentum SGD with momentum ``beta1`` and no
-weight decay, SpecTrain's rule); the learning rate of update ``u`` is the job's schedule at step
-``u // m`` (at step ``u`` under ``2bw``). What the synchronous engine adds and an asynchronous
-pipeline has no place for is left out and said so: gradient clipping and the global gradient norm
-(no moment where every stage holds the same step's gradients; ``grad_norm`` is logged as NaN),
-the sum of a tied embedding's two gradients (the head's copy trains as its own matrix), and
-checkpoints. The metrics are written by the last pipeline rank, which sees the losses.
+would hold) and trains it without flush. Under ``none``, ``stash``, ``sgd`` and ``adam`` every
+micro-batch is an update of every stage, so a logged step of ``m`` micro-batches is ``m``
+updates and its loss the mean of theirs; under ``2bw`` a step is one update per stage. The
+optimizer is the job's AdamW (``sgd`` prediction: momentum SGD, momentum ``beta1``, no weight
+decay), update ``u`` at the learning rate of step ``u // m`` (step ``u`` under ``2bw``). No
+gradient clipping or norm (``grad_norm`` is logged as NaN), no sum of a tied embedding's two
+gradients, no checkpoints; the last pipeline rank writes the metrics.
 """
 
 from __future__ import annotations
@@ -25,6 +18,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -66,11 +60,6 @@ def async_config(plan: Plan, optim: OptimConfig) -> AsyncPipelineConfig:
         weight_decay=0.0 if sgd else optim.weight_decay, guard_threshold=None)
 
 
-def updates_per_step(plan: Plan) -> int:
-    """Optimizer updates of each stage per logged step."""
-    return 1 if plan.weight_prediction == "2bw" else plan.num_microbatches
-
-
 def train_async(*, model: ModelSpec, plan: Plan, optim: OptimConfig, batch_of_step:
                 Callable[[int], torch.Tensor], steps: int, seed: int, out_dir: Path,
                 device: torch.device) -> list[float]:
@@ -85,7 +74,9 @@ def train_async(*, model: ModelSpec, plan: Plan, optim: OptimConfig, batch_of_st
     chunk = build_chunk(model, stage.start, stage.stop, seed=seed, device=device)
     last = rank == plan.pp - 1
     config = async_config(plan, optim)
-    per_step = updates_per_step(plan)
+    # the executor's batches (and each stage's updates) per logged step: one batch of m
+    # micro-batches under 2bw, else m batches of one micro-batch
+    per_step = 1 if plan.weight_prediction == "2bw" else plan.num_microbatches
     autocast: Callable[[], contextlib.AbstractContextManager[object]] = (
         (lambda: torch.autocast(device.type, dtype=TORCH_DTYPES[plan.dtype]))
         if plan.dtype != "fp32" else contextlib.nullcontext)
@@ -94,16 +85,12 @@ def train_async(*, model: ModelSpec, plan: Plan, optim: OptimConfig, batch_of_st
         feature_shapes=[(plan.seq_len,)] + [(plan.seq_len, model.hidden_size)] * (plan.pp - 1),
         loss_fn=token_cross_entropy, lr_at=lambda version: optim.lr_at(version // per_step),
         forward_context=autocast)
-    batches_per_step = 1 if plan.weight_prediction == "2bw" else plan.num_microbatches
-    rows = plan.global_batch // batches_per_step
-    cache: dict[int, torch.Tensor] = {}
+    rows = plan.global_batch // per_step
+    step_batch = lru_cache(maxsize=1)(lambda step: batch_of_step(step).to(device))
 
     def batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        step, piece = divmod(index, batches_per_step)
-        if step not in cache:
-            cache.clear()
-            cache[step] = batch_of_step(step).to(device)
-        tokens = cache[step][piece * rows:(piece + 1) * rows]
+        step, piece = divmod(index, per_step)
+        tokens = step_batch(step)[piece * rows:(piece + 1) * rows]
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     metrics = MetricsLogger(out_dir, enabled=last, total_steps=steps, start_step=0,
@@ -114,19 +101,20 @@ def train_async(*, model: ModelSpec, plan: Plan, optim: OptimConfig, batch_of_st
 
     def on_loss(index: int, loss: float) -> None:
         pending.append(loss)
-        if len(pending) < batches_per_step:
+        if len(pending) < per_step:
             return
         step = len(losses) + 1
         now = time.perf_counter()
-        # the loss of a batch of micro-batches is already their mean (the executor divides)
-        losses.append(sum(pending) / len(pending) if batches_per_step > 1 else pending[0])
+        # the mean of the step's batches (a batch of micro-batches is already their mean: the
+        # executor divides)
+        losses.append(sum(pending) / len(pending))
         pending.clear()
         metrics.log(step=step, loss=losses[-1], lr=optim.lr_at(step - 1), grad_norm=math.nan,
                     step_time_s=now - clock[0], consumed_samples=step * plan.global_batch)
         clock[0] = now
 
     try:
-        pipeline.train(batch, steps * batches_per_step, rows, on_loss=on_loss)
+        pipeline.train(batch, steps * per_step, rows, on_loss=on_loss)
     finally:
         metrics.close()
     return losses

@@ -9,7 +9,7 @@ them (``torch.func.functional_call``) and the backward leaves its weight gradien
   happens inside a step);
 - ``stash``: a copy taken now (the backward uses exactly these values);
 - ``2bw``: one copy per weight version, shared by the forwards of that version;
-- ``sgd`` / ``adam``: the weights predicted ``steps`` updates ahead (``async_prediction``).
+- ``sgd`` / ``adam``: the weights predicted ``steps`` updates ahead (``prediction.predict``).
 """
 
 from __future__ import annotations

@@ -258,7 +258,7 @@ def _numerics_flags(parser: argparse.ArgumentParser) -> None:
     """--dtype, --fp8-scaling and --compile: how the plan's blocks compute (plan and estimate)."""
     parser.add_argument("--dtype", choices=DTYPES, default="bf16",
                         help="training dtype (default bf16); fp8: bf16 with the blocks' linear "
-                             "layers multiplying in float8 (torchao), priced only")
+                             "layers multiplying in float8 (torchao's float8 training)")
     parser.add_argument("--fp8-scaling", choices=tuple(Fp8Scaling), default="tensorwise",
                         help="with --dtype fp8: float8 scaling recipe (default tensorwise)")
     parser.add_argument("--compile", action="store_true",

@@ -33,7 +33,10 @@ nothing), ``m`` micro-batches of ``b`` sequences of ``s`` tokens:
   embedding and after each row-parallel layer (2 per block) in forward, one per column-parallel
   layer's input gradient in backward (q, k, v and the first MLP projection(s)), one for the
   head's input gradient, and loss_parallel's three fp32 all-reduces of ``b s`` values over the
-  vocabulary-sharded logits (no gather of the logits); with sequence
+  vocabulary-sharded logits (no gather of the logits); under dtype fp8 also the float64 absolute
+  maxima of the float8 scales whose reduction runs along a split dim (``cost.fp8.tp_amax_elements``:
+  a few scalars per linear under tensorwise scaling, a vector of ``b s`` and one of ``h`` per
+  linear under rowwise); with sequence
   parallelism the row-parallel all-reduces become reduce-scatters of ``b s h`` and the block
   inputs all-gathers of ``b s/t h`` (forward and backward), and the norms' gradients are
   all-reduced once per step;
@@ -81,6 +84,7 @@ import math
 from dataclasses import dataclass, field
 
 from meshmorph.cost.context_parallel import kv_bytes
+from meshmorph.cost.fp8 import AMAX_BYTES, tp_amax_elements
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.segments import Segment, chunk_segments, fsdp_sharded, is_layerwise
 from meshmorph.cost.state import compute_bytes, data_parallel_traffic, fsdp_shards
@@ -328,6 +332,10 @@ def _layer_tp(model: ModelSpec, state: _RankState, kind: LayerKind, sub: Plan, *
         # column-parallel input gradients (q, k, v and fc1, or w1 and w3), in the input's dtype
         up = 1 if model.arch == "gpt" else 2
         comm["all_reduce"] += (3 + up) * m * bsh * hidden
+        if plan.dtype == "fp8":  # float8 scales over split dims (cost/fp8.py)
+            comm["all_reduce"] += m * AMAX_BYTES * tp_amax_elements(
+                str(plan.fp8_scaling), tokens=bsh // model.hidden_size,
+                hidden=model.hidden_size, column=3 + up, row=2, replays=replays)
     elif split and state.layerwise:  # the head's logits gathered, its input gradient reduced
         comm["all_gather"] += m * sub.micro_batch * (plan.seq_len // plan.cp) \
             * model.padded_vocab_size // t * c

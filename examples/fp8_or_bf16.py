@@ -5,7 +5,9 @@ GEMMs multiply float8 operands at the GPU's fp8 peak, each operand is scaled and
 fly (memory-bound), the head, attention and everything kept stay bf16 (cost/fp8.py). Large
 GEMMs gain up to 2x; in small ones the casts take back most of the gain. This prints the step, MFU (against the bf16
 peak, as torchtitan reports it) and one block's forward for bf16 and each recipe, for a large
-model and a small one. Planning only: no torch; ``meshmorph run`` refuses fp8.
+model and a small one. Planning only: no torch. ``meshmorph run`` trains fp8 plans and jobs
+(examples/jobs/text-file-fp8.toml: on a CPU, without fp8 tensor cores, it trains but gains
+nothing; this script prices GPUs).
 
     python examples/fp8_or_bf16.py [--gpu h100] [--seq-len 8192] [--micro-batch 1]
 """

@@ -102,6 +102,20 @@ def test_bad_run_arguments_are_refused(tmp_path: Path, capsys: pytest.CaptureFix
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("args", "needles"), [
+    (["--plan", "auto"], ["dtype fp8", "--plan auto searches plans for the local CPU processes",
+                          "leave --plan out"]),
+    (["--elastic", "1:1"], ["dtype fp8", "an --elastic run, after a membership change",
+                            "run without --elastic"]),
+])
+def test_fp8_jobs_are_refused_the_searches_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                 args: list[str], needles: list[str]) -> None:
+    job = _write(tmp_path / "job.toml", JOB.replace("steps = 4", 'steps = 4\ndtype = "fp8"'))
+    refused(capsys, ["run", "--config", str(job), "--nproc", "2", "--out",
+                     str(tmp_path / "out"), *args], *needles)
+    assert not (tmp_path / "out").exists()
+
+
 # --- plan files --------------------------------------------------------------------------------
 PLAN_CASES = [
     ("empty", "", ["is empty", "meshmorph plan --json"]),
@@ -117,8 +131,8 @@ PLAN_CASES = [
     ("bool degree", json.dumps({**PLAN, "dp": True}), ["dp must be an integer, got True"]),
     ("unknown dtype", json.dumps({**PLAN, "dtype": "fp4"}),
      ["dtype must be one of bf16, fp16, fp32, fp8, got 'fp4'"]),
-    ("fp8 dtype", json.dumps({**PLAN, "dtype": "fp8"}),
-     ["meshmorph run does not run dtype fp8", "run dtype bf16"]),
+    ("fp8 recipe on fp32", json.dumps({**PLAN, "fp8_scaling": "rowwise"}),
+     ["fp8_scaling 'rowwise' applies to dtype fp8, not 'fp32'", "set dtype fp8"]),
     ("missing keys", json.dumps({"model": "gpt-tiny"}), ["does not hold a valid plan", "seq_len"]),
     ("no plans", json.dumps({"plans": []}), ["lists no plans"]),
     ("bad stages", json.dumps({**PLAN, "stages": [{"layers": [0]}]}), ["does not hold a valid plan"]),

@@ -48,10 +48,15 @@ def _job(old: str, new: str) -> str:
 
 
 JOB_CASES: list[tuple[str, Content, tuple[str, ...]]] = [
-    ("dtype fp8", _job("micro_batch = 2", 'micro_batch = 2\ndtype = "fp8"'),
-     ("[train] dtype fp8: meshmorph run does not run dtype fp8", "run dtype bf16")),
+    ("fp8 recipe on fp32", _job("micro_batch = 2", 'micro_batch = 2\nfp8_scaling = "rowwise"'),
+     ("[train] fp8_scaling 'rowwise' applies to dtype fp8, not 'fp32'",
+      'set dtype = "fp8" or leave fp8_scaling out')),
+    ("fp8 recipe unknown", _job("micro_batch = 2",
+                                'micro_batch = 2\ndtype = "fp8"\nfp8_scaling = "blockwise"'),
+     ("[train] fp8_scaling must be one of tensorwise, rowwise, rowwise_with_gw_hp, got "
+      "'blockwise'",)),
     ("dtype fp4", _job("micro_batch = 2", 'micro_batch = 2\ndtype = "fp4"'),
-     ("[train] dtype must be fp32, bf16 or fp16, got 'fp4'",)),
+     ("[train] dtype must be fp32, bf16, fp16 or fp8, got 'fp4'",)),
     ("checkpoint every -1", JOB + "[checkpoint]\nevery = -1\n",
      ("[checkpoint] needs every >= 0 and keep >= 1, got every -1",)),
     ("checkpoint keep 0", JOB + "[checkpoint]\nkeep = 0\n", ("keep >= 1", "keep 0")),

@@ -1,4 +1,6 @@
-"""dtype fp8: float8 linear layers priced (cost/fp8.py), refused by ``meshmorph run``."""
+"""dtype fp8: float8 linear layers priced (cost/fp8.py) and their tensor-parallel scale traffic
+predicted (cost/rank_state.py); what ``meshmorph run`` still refuses (spec/runnable.py). The
+conversion itself is tests/unit/test_float8_convert.py, real runs tests/dist/test_fp8_run.py."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 from meshmorph.cli import main as cli_main
 from meshmorph.cost import CostModel
 from meshmorph.cost.coefficients import CostCoefficients
-from meshmorph.cost.fp8 import cast_seconds
+from meshmorph.cost.fp8 import AMAX_BYTES, cast_seconds, tp_amax_elements
 from meshmorph.cost.gemm import gemm_time, layer_gemms
 from meshmorph.run.job import TrainSection
 from meshmorph.spec.catalog import load_model
@@ -17,7 +19,7 @@ from meshmorph.spec.cluster import parse_cluster
 from meshmorph.spec.gpus import gpu
 from meshmorph.spec.model import LayerKind, Recompute
 from meshmorph.spec.plan import Plan, PlanError
-from meshmorph.spec.runnable import FP8_REFUSAL, runtime_refusal
+from meshmorph.spec.runnable import fp8_job_refusal, runtime_refusal
 
 MODEL = load_model("llama3-8b", 4096)
 H100 = gpu("h100")
@@ -115,11 +117,59 @@ def test_plan_fields_and_json() -> None:
     assert "fp8_scaling" not in _plan().to_dict()
 
 
-def test_run_refuses_fp8_plans_and_jobs() -> None:
-    assert runtime_refusal(MODEL, _plan(dtype="fp8")) == FP8_REFUSAL
-    assert runtime_refusal(MODEL, _plan()) is None
-    with pytest.raises(ValueError, match=r"\[train\] dtype fp8: meshmorph run does not run"):
-        TrainSection(steps=1, global_batch=8, dtype="fp8")
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_run_accepts_fp8_plans_and_jobs_of_every_recipe(scaling: str) -> None:
+    assert runtime_refusal(MODEL, _plan(dtype="fp8", fp8_scaling=scaling)) is None
+    train = TrainSection(steps=1, global_batch=8, dtype="fp8", fp8_scaling=scaling)
+    assert (train.dtype, train.fp8_scaling) == ("fp8", scaling)
+
+
+def test_a_job_names_its_recipe_only_with_dtype_fp8() -> None:
+    with pytest.raises(ValueError, match=r"\[train\] fp8_scaling 'rowwise' applies to dtype fp8, "
+                                         r"not 'bf16'"):
+        TrainSection(steps=1, global_batch=8, dtype="bf16", fp8_scaling="rowwise")
+    with pytest.raises(ValueError, match=r"\[train\] fp8_scaling must be one of tensorwise, "
+                                         r"rowwise, rowwise_with_gw_hp, got 'blockwise'"):
+        TrainSection(steps=1, global_batch=8, dtype="fp8", fp8_scaling="blockwise")
+
+
+def test_run_refuses_fp8_without_torchao(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchao" else real(name, *a))
+    reason = runtime_refusal(MODEL, _plan(dtype="fp8"))
+    assert reason is not None and "torchao is not installed" in reason
+    assert "pip install 'meshmorph[run]'" in reason and "run dtype bf16" in reason
+    assert runtime_refusal(MODEL, _plan()) is None  # bf16 needs no torchao
+
+
+def test_fp8_jobs_are_refused_the_searches_that_price_no_float8_on_cpu() -> None:
+    auto = fp8_job_refusal("fp8", plan_auto=True, elastic=False)
+    assert auto is not None and "--plan auto" in auto and "the catalog's 'cpu' entry" in auto
+    assert "leave --plan out" in auto and "--plan FILE" in auto
+    elastic = fp8_job_refusal("fp8", plan_auto=False, elastic=True)
+    assert elastic is not None and "--elastic" in elastic and "run without --elastic" in elastic
+    assert fp8_job_refusal("fp8", plan_auto=False, elastic=False) is None
+    assert fp8_job_refusal("bf16", plan_auto=True, elastic=True) is None
+
+
+def test_tensor_parallel_float8_scales_are_all_reduced_as_measured() -> None:
+    """gpt-tiny at tp 2, micro-batch 2 x 32 tokens, one micro-batch, four blocks of 4 column-
+    and 2 row-parallel linears: CommCounter saw 96 extra float64 scalars (tensorwise), 48
+    vectors of 64 (rowwise), 32 vectors of 64 and 24 scalars (rowwise_with_gw_hp) beside the
+    bf16 step's all-reduces."""
+    blocks = 4
+    per_block = {s: tp_amax_elements(s, tokens=64, hidden=64, column=4, row=2)
+                 for s in ("tensorwise", "rowwise", "rowwise_with_gw_hp")}
+    assert blocks * per_block["tensorwise"] == 96
+    assert blocks * per_block["rowwise"] == 48 * 64
+    assert blocks * per_block["rowwise_with_gw_hp"] == 32 * 64 + 24
+    # full recompute replays the forward's casts
+    assert tp_amax_elements("tensorwise", tokens=64, hidden=64, column=4, row=2, replays=2) \
+        == per_block["tensorwise"] + 4 * 1 + 2 * 2
+    assert AMAX_BYTES == 8
 
 
 def test_the_planner_searches_fp8_plans() -> None:

@@ -16,8 +16,10 @@ gradients in the reduce dtype in place of their shard.
 Sent per step (run/engine/comm_count.py: each collective's input buffer on this rank; a receive
 sends nothing): data-parallel traffic (cost/state.py) on padded shards, the tied embedding's
 gradient across the two end ranks, tensor-parallel activations as DTensor lays them out
-(run/parallel/parallelize.py), the pipeline's hidden state to each neighbour chunk on another
-rank with torch's first-step handshake, and meshmorph's own loss and norm reductions. Under
+(run/parallel/parallelize.py) and, under fp8, the float64 maxima of the float8 scales reduced
+along a split dim (``cost.fp8.tp_amax_elements``), the pipeline's hidden state to each
+neighbour chunk on another rank with torch's first-step handshake, and meshmorph's own loss and
+norm reductions. Under
 context parallelism (priced, not run) ``d`` is dp x cp (shard index ``dp_rank * cp + cp_rank``),
 activations count the rank's ``s / cp`` tokens, and each block sends its K and V round the ring
 (cost/context_parallel.py).
@@ -41,6 +43,7 @@ import math
 from dataclasses import dataclass, field
 
 from meshmorph.cost.context_parallel import kv_bytes
+from meshmorph.cost.fp8 import AMAX_BYTES, tp_amax_elements
 from meshmorph.cost.model import CostModel
 from meshmorph.cost.segments import Segment, chunk_segments, fsdp_sharded
 from meshmorph.cost.state import (
@@ -266,6 +269,10 @@ def _layer_tp(model: ModelSpec, state: _RankState, kind: LayerKind, sub: Plan, *
         # column-parallel input gradients (q, k, v and fc1, or w1 and w3), in the input's dtype
         up = 1 if model.arch == "gpt" else 2
         comm["all_reduce"] += (3 + up) * m * bsh * hidden
+        if plan.dtype == "fp8":  # float8 scales over split dims (cost/fp8.py)
+            comm["all_reduce"] += m * AMAX_BYTES * tp_amax_elements(
+                str(plan.fp8_scaling), tokens=bsh // model.hidden_size,
+                hidden=model.hidden_size, column=3 + up, row=2, replays=replays)
     elif split and state.layerwise:  # the head's logits gathered, its input gradient reduced
         comm["all_gather"] += m * sub.micro_batch * (plan.seq_len // plan.cp) \
             * model.padded_vocab_size // t * c

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from meshmorph.run.config import OptimConfig
-from meshmorph.spec.runnable import FP8_REFUSAL
+from meshmorph.spec.plan import Fp8Scaling
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,7 +65,12 @@ class TrainSection:
     seed: int = 0
     """Seed of the model initialisation."""
     dtype: str = "fp32"
-    """Training dtype of the default and searched plans (``fp32``, ``bf16``, ``fp16``)."""
+    """Training dtype of the default and searched plans (``fp32``, ``bf16``, ``fp16``, or
+    ``fp8``: bf16 whose transformer blocks' linear layers multiply in float8, torchao's float8
+    training, run/model/float8.py)."""
+    fp8_scaling: str = "tensorwise"
+    """With dtype ``fp8``: the float8 scaling recipe of the default plan (``tensorwise``,
+    ``rowwise`` or ``rowwise_with_gw_hp``: ``Plan.fp8_scaling``)."""
     compile: bool = False
     """Compile each transformer block with ``torch.compile`` (run/parallel/compile.py): sets the
     run's ``Plan.compile``, which also compiles where this is false."""
@@ -82,10 +87,14 @@ class TrainSection:
                 f"[train] micro_batch {self.micro_batch} does not divide global_batch "
                 f"{self.global_batch}"
             )
-        if self.dtype == "fp8":
-            raise ValueError(f"[train] dtype fp8: {FP8_REFUSAL}")
-        if self.dtype not in ("fp32", "bf16", "fp16"):
-            raise ValueError(f"[train] dtype must be fp32, bf16 or fp16, got {self.dtype!r}")
+        if self.dtype not in ("fp32", "bf16", "fp16", "fp8"):
+            raise ValueError(f"[train] dtype must be fp32, bf16, fp16 or fp8, got {self.dtype!r}")
+        if self.fp8_scaling not in tuple(Fp8Scaling):
+            raise ValueError(f"[train] fp8_scaling must be one of {', '.join(Fp8Scaling)}, got "
+                             f"{self.fp8_scaling!r}")
+        if self.fp8_scaling != Fp8Scaling.TENSORWISE and self.dtype != "fp8":
+            raise ValueError(f"[train] fp8_scaling {self.fp8_scaling!r} applies to dtype fp8, "
+                             f"not {self.dtype!r}; set dtype = \"fp8\" or leave fp8_scaling out")
         if self.compile_backend not in ("inductor", "aot_eager", "eager"):
             raise ValueError(f"[train] compile_backend must be inductor, aot_eager or eager, got "
                              f"{self.compile_backend!r}")

@@ -200,7 +200,7 @@ class Plan:
     """Megatron sequence parallelism in the tensor-parallel regions."""
     dtype: DType = DType.BF16
     """Compute dtype (``bf16``, ``fp16``, ``fp32``, or ``fp8``: bf16 with float8 GEMMs in the
-    blocks' linear layers, priced, not run); parameters, gradients and Adam moments are kept in
+    blocks' linear layers, as torchao's float8 training runs them); parameters, gradients and Adam moments are kept in
     fp32 whatever it is (mixed precision)."""
     reduce_dtype: DType = DType.FP32
     """Dtype of data-parallel gradient reductions: ``fp32`` (meshmorph's default, FSDP2's

@@ -39,9 +39,13 @@ nothing else.
   optimizer step, as the cost model prices a layer run alone, so the switch refuses nothing.
 - **fp16** (``fp16_refusal``): loss scaling runs in the synchronous step of plans without
   per-layer strategies.
-- **fp8** (``fp8_refusal``): meshmorph prices float8 linear layers (cost/fp8.py), it does not
-  run them: torchao's float8 training needs fp8 tensor cores (compute capability 8.9 or newer)
-  and its scaled GEMM has no CPU kernel.
+- **fp8** (``fp8_refusal``): the runtime converts the transformer blocks' linear layers to
+  torchao's float8 training (run/model/float8.py) under every synchronous and asynchronous
+  layout it runs (data parallel, FSDP2, tensor and sequence parallel with torch's plain styles,
+  pipelines, per-layer strategies, compiled blocks); it needs torchao installed. A job in fp8
+  (``fp8_job_refusal``) runs its own plan or a plan file, not ``--plan auto`` or ``--elastic``:
+  both ask the planner for plans of the local CPU processes, and the cost model prices float8
+  GEMMs only on GPUs whose catalog entry lists an fp8 peak.
 
 A plan whose stages list layer strategies runs them layer by layer even where they all equal the
 plan's own tp, dp and zero (run/parallel/segments.py, priced so by cost/segments.py: the per-layer
@@ -50,6 +54,7 @@ search's prices add up layer by layer); the plan without the list runs each chun
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 
 from meshmorph.schedule.table import Schedule
@@ -141,17 +146,43 @@ def fp16_refusal(plan: Plan, *, layer_strategies: bool | None = None) -> str | N
     return f"{what}; run fp32 or bf16 (dtype bf16)"
 
 
-FP8_REFUSAL = (
-    "meshmorph run does not run dtype fp8: float8 linear layers (torchao's float8 training) "
-    "need a GPU with fp8 tensor cores (compute capability 8.9 or newer, e.g. H100) and torch's "
-    "scaled GEMM, which the CPU build and gloo do not have, and meshmorph's runtime does not "
-    "convert its layers; run dtype bf16 (estimate and plan price fp8 with --dtype fp8)")
-"""Why ``meshmorph run`` refuses dtype fp8 (a job's ``[train] dtype`` says the same)."""
+FP8_MODULE = "torchao"
+"""The package whose float8 training the runtime runs dtype fp8 with (run/model/float8.py)."""
 
 
 def fp8_refusal(plan: Plan) -> str | None:
-    """``FP8_REFUSAL`` for a plan in dtype fp8; None otherwise."""
-    return FP8_REFUSAL if plan.dtype == "fp8" else None
+    """Why ``meshmorph run`` cannot run ``plan``'s float8 linear layers here: torchao is not
+    installed (looked up without importing it); None for another dtype, or where it is."""
+    if plan.dtype != "fp8" or importlib.util.find_spec(FP8_MODULE) is not None:
+        return None
+    return ("dtype fp8 runs the transformer blocks' linear layers through torchao's float8 "
+            "training, and torchao is not installed; pip install 'meshmorph[run]' (or pip "
+            "install torchao), or run dtype bf16")
+
+
+FP8_SEARCH_REFUSAL = (
+    "the planner prices float8 GEMMs only on GPUs whose catalog entry lists an fp8 peak, and "
+    "{what} searches plans for the local CPU processes (the catalog's 'cpu' entry, which lists "
+    "none)")
+"""The reason of ``fp8_job_refusal``; ``{what}`` names the option."""
+
+
+def fp8_job_refusal(dtype: str, *, plan_auto: bool, elastic: bool) -> str | None:
+    """Why a job in ``dtype`` fp8 cannot run with ``--plan auto`` or ``--elastic`` (which picks
+    the next plan after a membership change through the same search), naming a way out; None
+    when it can."""
+    if dtype != "fp8" or not (plan_auto or elastic):
+        return None
+    what = "--plan auto" if plan_auto else "an --elastic run, after a membership change,"
+    way_out = ("leave --plan out (pure data parallelism over --nproc) or give --plan FILE, a "
+               "plan with dtype fp8" if plan_auto
+               else "run without --elastic (Ctrl-C and --resume still work)")
+    return (f"dtype fp8: {FP8_SEARCH_REFUSAL.format(what=what)}; {way_out}, or run dtype bf16")
+
+
+def check_fp8_job(dtype: str, *, plan_auto: bool, elastic: bool) -> None:
+    """Raise PlanError with ``fp8_job_refusal``'s reason, if any."""
+    _raise(fp8_job_refusal(dtype, plan_auto=plan_auto, elastic=elastic))
 
 
 # --- the asynchronous executor -----------------------------------------------------------------

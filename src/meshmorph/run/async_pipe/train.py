@@ -31,6 +31,7 @@ from meshmorph.run.config import OptimConfig
 from meshmorph.run.data import DataShard, SampleOrder, SampleSource
 from meshmorph.run.metrics import MetricsLogger
 from meshmorph.run.model.decoder import build_chunk
+from meshmorph.run.model.float8 import cast_inputs_under_autocast_, convert_for_plan_
 from meshmorph.run.model.loss import token_cross_entropy
 from meshmorph.run.parallel.parallelize import TORCH_DTYPES
 from meshmorph.spec.model import ModelSpec
@@ -72,6 +73,8 @@ def train_async(*, model: ModelSpec, plan: Plan, optim: OptimConfig, batch_of_st
         raise PlanError(f"schedule 'async' runs pp {plan.pp} ranks, the job has {world}")
     stage = plan.stages[rank]
     chunk = build_chunk(model, stage.start, stage.stop, seed=seed, device=device)
+    if convert_for_plan_(chunk, plan):  # dtype fp8: the blocks' linears multiply in float8
+        cast_inputs_under_autocast_(chunk)
     last = rank == plan.pp - 1
     config = async_config(plan, optim)
     # the executor's batches (and each stage's updates) per logged step: one batch of m

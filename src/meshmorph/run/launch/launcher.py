@@ -37,7 +37,7 @@ from meshmorph.run.launch.host_memory import check_host_memory
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan, PlanError, load_plan
-from meshmorph.spec.runnable import refuse_context_parallel
+from meshmorph.spec.runnable import check_fp8_job, refuse_context_parallel
 
 STOP_GRACE_S = 300.0
 """Seconds the ranks get, after the first Ctrl-C, to finish their step, save and exit before they
@@ -154,7 +154,7 @@ def default_plan(job: JobConfig, model: ModelSpec, nproc: int) -> Plan:
                 global_batch=job.train.global_batch, dp=nproc,
                 micro_batch=job.train.micro_batch,
                 num_microbatches=job.train.global_batch // per_step, dtype=job.train.dtype,
-                compile=job.train.compile)
+                fp8_scaling=job.train.fp8_scaling, compile=job.train.compile)
     return plan.with_even_stages(model)
 
 
@@ -223,6 +223,7 @@ def prepare_run(job_path: Path, *, nproc: int | None, plan_arg: str | None, resu
     model = load_model(job.model.source, job.model.seq_len)
     make_source(job, model)  # data file present, long enough, fits the vocabulary
     if plan_arg == "auto":
+        check_fp8_job(job.train.dtype, plan_auto=True, elastic=False)  # before the search
         plans, _ = searched_plans(job, model, nproc or 1)
         plan = plans[0]
     elif plan_arg:
@@ -232,6 +233,7 @@ def prepare_run(job_path: Path, *, nproc: int | None, plan_arg: str | None, resu
         plan = default_plan(job, model, nproc or 1)
     nproc = plan.world_size if nproc is None else nproc
     refuse_context_parallel(plan)  # before any process starts
+    check_fp8_job(plan.dtype, plan_auto=False, elastic=elastic is not None)
     node = parse_node(node_rank, rdzv_endpoint, rdzv_id, elastic, nproc, plan)
     check_plan_for_job(plan, job, model, plan.world_size if node else nproc)
     out_dir = out or job.out_dir()

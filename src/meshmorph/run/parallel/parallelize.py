@@ -1,5 +1,5 @@
-"""Apply a Plan to one model chunk, in a fixed order: tensor/sequence parallel, activation
-recompute, then data parallel.
+"""Apply a Plan to one model chunk, in a fixed order: float8 linear layers (dtype fp8,
+run/model/float8.py), tensor/sequence parallel, activation recompute, then data parallel.
 
 Data parallelism by ZeRO stage (what each holds and sends: cost/state.py, docs/cost-model.md):
 
@@ -73,6 +73,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshmorph.cost.state import fsdp_shards
 from meshmorph.run.model.decoder import Transformer
+from meshmorph.run.model.float8 import (
+    cast_inputs_under_autocast_,
+    check_float8_device,
+    convert_for_plan_,
+)
 from meshmorph.run.model.materialize import materialize_
 from meshmorph.run.parallel.mesh import TrainMesh
 from meshmorph.run.parallel.recompute import apply_recompute
@@ -189,8 +194,10 @@ def tie_head(chunk: Transformer, spec: ModelSpec) -> None:
         chunk.head.out.weight = chunk.embed.tok.weight
 
 
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""torch dtype of each plan dtype name."""
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                "fp8": torch.bfloat16}
+"""torch dtype of each plan dtype name as tensors are kept and computed outside the float8
+GEMMs: fp8 is bf16 mixed precision whose block linears multiply in float8 (run/model/float8.py)."""
 
 
 def uses_fsdp_precision(plan: Plan) -> bool:
@@ -332,14 +339,18 @@ def parallelize(chunk: Transformer, spec: ModelSpec, plan: Plan, index: int, mes
                 *, seed: int, device: torch.device,
                 boundary_dtype: torch.dtype | None = None) -> ParallelChunk:
     """Apply ``plan`` to ``chunk`` (the layers of ``plan.stages[index]``, built on the meta
-    device) in place, segment by segment: TP/SP, recompute, DP, and give it this rank's shards
-    (``materialize_``: after TP and FSDP2 sharding, so only the local shards are allocated;
-    before DDP, which needs real tensors). ``boundary_dtype``: a pipeline stage's output dtype
-    (``io_dtypes``), which a chunk of per-layer segments casts its output to."""
+    device) in place, segment by segment: float8 block linears (dtype fp8), TP/SP, recompute,
+    DP, and give it this rank's shards (``materialize_``: after TP and FSDP2 sharding, so only
+    the local shards are allocated; before DDP, which needs real tensors). ``boundary_dtype``:
+    a pipeline stage's output dtype (``io_dtypes``), which a chunk of per-layer segments casts
+    its output to."""
     def materialize() -> None:
         if any(p.is_meta for p in chunk.parameters()):
             materialize_(chunk, spec, seed=seed, device=device)
 
+    float8 = convert_for_plan_(chunk, plan)  # dtype fp8: block linears to float8, first
+    if float8:
+        check_float8_device(device)
     stage = plan.stages[index]
     segments = _segments(chunk, spec, plan, stage, mesh)
     per_layer = segments[0].per_layer
@@ -348,6 +359,8 @@ def parallelize(chunk: Transformer, spec: ModelSpec, plan: Plan, index: int, mes
             apply_tp(chunk, spec, segment.mesh.tp_mesh, plan.sequence_parallel,
                      layers=segment.names, vocab_parallel_loss=not per_layer, tie=False)
     tie_head(chunk, spec)
+    if float8:
+        cast_inputs_under_autocast_(chunk)  # after TP's input hooks (run/model/float8.py)
     apply_recompute(chunk, stage.start, stage.recompute)
     runner: nn.Module = chunk
     if per_layer:

@@ -4,14 +4,17 @@ One scenario per row, each on the same tiny job (gpt-tiny, 6 steps, global batch
 micro-batches, a checkpoint every 2 steps, a ZeRO-3 plan over 2 gloo processes): SIGKILL of one
 rank in the forward, backward, optimizer step, checkpoint write and reshape transfer (the
 restore of an ``--elastic`` restart); SIGTERM and SIGINT to the launcher at start-up, mid-step
-and mid-save; SIGKILL of the launcher; a node lost under ``--elastic`` (two one-process nodes).
+and mid-save; SIGKILL of the launcher; a node lost under ``--elastic`` (two one-process nodes
+sharing one run folder, as nodes share storage, then a copy of it resumed from its oldest
+checkpoint).
 Phases are hit precisely through the test-only fault hook ``MESHMORPH_FAULT``
 (``src/meshmorph/run/fault.py``): a SIGKILL of the rank itself, or a pause whose marker file
 tells this script when to signal the launcher.
 
 Where recovery is expected the job runs under ``--elastic``; where a clean stop is expected it
-runs plainly and is continued with ``--resume``. Every row checks, against an uninterrupted
-reference run of the same job and plan:
+runs plainly and is continued with ``--resume`` (without it where the stop came before any
+checkpoint, as the launcher says: ``--resume`` refuses a folder without one). Every row checks,
+against an uninterrupted reference run of the same job and plan:
 
 - outcome and exit codes (recovered: exit 0 after a restart; stopped cleanly: 130 after a signal,
   1 after a lost rank, then the resumed run exits 0);
@@ -20,8 +23,11 @@ reference run of the same job and plan:
 - every sample id consumed exactly once over the final trajectory (``MESHMORPH_SAMPLE_LOG``: a
   step's ids come from the newest launch and restart round that completed it), and each step's
   ids those of the reference;
-- the run folder consistent: no ``.tmp-`` folder, no lock or stop file, every checkpoint verifies
-  (manifest and SHA-256), ``metrics.jsonl`` has one line per step 1..N, the node store cleared;
+- the run folder consistent: no ``.tmp-`` folder, no lock or stop file (but the lost node's,
+  not held), every checkpoint verifies (manifest and SHA-256), ``metrics.jsonl`` has one line
+  per step 1..N, the node store cleared;
+- node rows: the copy resumed from the oldest checkpoint trains the reference's samples to its
+  losses from there on;
 - no orphans: every process seen below the launcher has exited;
 - the seconds the scenario took.
 
@@ -34,8 +40,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -56,7 +64,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from meshmorph.run.checkpoint import scan_checkpoints, verify_checkpoint  # noqa: E402
 from meshmorph.run.fault import FAULT_ENV  # noqa: E402
 from meshmorph.run.launch.launcher import descendants  # noqa: E402
-from meshmorph.run.launch.run_folder import LOCK_FILE, STOP_FILE  # noqa: E402
+from meshmorph.run.launch.run_folder import lock_file, plan_file  # noqa: E402
 from meshmorph.run.trainer import SAMPLE_LOG_ENV  # noqa: E402
 from results_path import Outputs, shown  # noqa: E402
 
@@ -245,7 +253,21 @@ def check_losses(rows: list[dict[str, Any]], ref: list[dict[str, Any]], exact: b
     return None, diff, bitwise
 
 
-def check_folder(run_dir: Path, store_root: Path | None) -> str | None:
+def _held(lock: Path) -> bool:
+    """Whether a process holds the lock file (a killed launcher's stays, unheld)."""
+    with lock.open("rb") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return False
+
+
+def check_folder(run_dir: Path, store_root: Path | None, lost_node: int | None = None
+                 ) -> str | None:
+    """``lost_node``: the node killed with its launcher, whose lock file (not held: the next run
+    on that node takes it over) and copy of the plan stay."""
     ckpt = run_dir / "checkpoints"
     complete, ignored = scan_checkpoints(ckpt)
     problems = [f"left behind: {', '.join(p.name for p in ignored)}"] if ignored else []
@@ -254,7 +276,10 @@ def check_folder(run_dir: Path, store_root: Path | None) -> str | None:
             verify_checkpoint(path)
         except ValueError as exc:
             problems.append(f"{path.name}: {exc}")
-    problems += [f"{name} left" for name in (LOCK_FILE, STOP_FILE) if (run_dir / name).exists()]
+    # the lost node's launcher, killed, left its lock (not held) and its copy of the plan
+    stale = {run_dir / lock_file(lost_node), run_dir / plan_file(lost_node)} if lost_node else set()
+    problems += [f"{path.name} left" for path in sorted(run_dir.glob(".meshmorph*"))
+                 if path not in stale or path.suffix == ".lock" and _held(path)]
     steps = [row["step"] for row in metric_rows(run_dir)]
     if steps != list(range(1, STEPS + 1)):
         problems.append(f"metrics.jsonl steps {steps}")
@@ -298,9 +323,10 @@ def _signal_row(sig: str, when: str) -> Scenario:
     place = {"start-up": "while the ranks start (0.5 s after the launcher says it starts them)",
              "mid-step": "in the backward of step 3", "mid-save": "while step 4's checkpoint is "
              "written (rank 0's files in the .tmp- folder, before the commit)"}[when]
-    stop = ("exit 130 before step 1, no checkpoint; --resume starts at step 0" if when ==
-            "start-up" else f"the ranks finish step {3 if when == 'mid-step' else 4}, save there "
-            "and exit; launcher exit 130; --resume continues from that step")
+    stop = ("exit 130 before step 1, no checkpoint; the same command without --resume (which "
+            "refuses a folder without a checkpoint) starts at step 0" if when == "start-up" else
+            f"the ranks finish step {3 if when == 'mid-step' else 4}, save there and exit; "
+            "launcher exit 130; --resume continues from that step")
     return Scenario(name, f"{sig} to the launcher {place}", stop, "plain", (130,), fault=fault,
                     trigger=(marker, sig, 0), exact=True,
                     markers=(marker,) if marker != "start" else ())
@@ -315,6 +341,8 @@ def _kill_row(phase: str, where: str, step: int = 3) -> Scenario:
 
 _NODE_LOST = ("node 0 re-rendezvouses alone, re-plans for 1 rank, restores step 2 from its store "
               "and the ring copy of node 1's rank, and finishes; exit 0")
+_RESUMED = ("; the checkpoints in the shared folder verify, and --resume --reshard of the oldest "
+            "on 2 plain processes trains the reference's samples and losses")
 SCENARIOS = [
     _kill_row("forward", "in the forward of the second micro-batch"),
     _kill_row("backward", "in the backward (first block's output gradient, first micro-batch)"),
@@ -335,18 +363,19 @@ SCENARIOS = [
              "--resume continues from step 3", "plain", (-9,), fault="0@3:backward:pause=3",
              trigger=(".fault-0-3-backward", "SIGKILL", 0), exact=True,
              markers=(".fault-0-3-backward",)),
-    Scenario("node-lost", "two nodes of one process (--elastic 1:2, no checkpoints); node 1 "
-             "(launcher, torchrun, worker, memory) SIGKILLed in the backward of step 3",
-             _NODE_LOST, "nodes", (0,), fault="*@3:backward:pause=30",
-             trigger=(".fault-any-3-backward", "SIGKILL", 1), every=0,
+    Scenario("node-lost", "two nodes of one process (--elastic 1:2) sharing one run folder "
+             "(checkpoints every 2 steps); node 1 (launcher, torchrun, worker, memory) SIGKILLed "
+             "in the backward of step 3; then a copy of the folder resumed from its oldest "
+             "checkpoint", _NODE_LOST + _RESUMED, "nodes", (0,), fault="*@3:backward:pause=30",
+             trigger=(".fault-any-3-backward", "SIGKILL", 1),
              markers=(".fault-any-3-backward",)),
     Scenario("node-lost-after-restart", "as node-lost, but node 1's worker is SIGKILLed in the "
              "forward of step 2 first (both nodes recover at step 1), and node 1 is lost in the "
              "optimizer step of step 2, the first step after that recovery", "node 0 restores "
              "step 1 from its store and the ring copy made at the recovery, re-planned for 1 "
-             "rank, and finishes; exit 0", "nodes", (0,),
+             "rank, and finishes; exit 0" + _RESUMED, "nodes", (0,),
              fault="*@2:forward,*@2:optimizer:pause=30",
-             trigger=(".fault-any-2-optimizer", "SIGKILL", 1), every=0,
+             trigger=(".fault-any-2-optimizer", "SIGKILL", 1),
              markers=(".fault-any-2-forward",)),
 ]
 
@@ -407,7 +436,8 @@ def fire_trigger(sc: Scenario, launch: Launch, run_dir: Path) -> str | None:
 
 
 def run_plain(sc: Scenario, ctx: Context, folder: Path) -> tuple[list[Launch], list[Path], str]:
-    """The first launch (with its fault and trigger), then ``--resume`` unless it finished."""
+    """The first launch (with its fault and trigger), then ``--resume`` unless it finished (the
+    same command without it where no checkpoint was saved)."""
     run_dir, ids = folder / "run", [folder / "ids-1", folder / "ids-2"]
     for each in ids:
         each.mkdir()
@@ -420,16 +450,20 @@ def run_plain(sc: Scenario, ctx: Context, folder: Path) -> tuple[list[Launch], l
     wait_gone(first.seen, 2 * ORPHAN_WAIT_S)
     launches = [first]
     stopped = steps_done(run_dir)
+    # what the launcher's last line says: --resume where a checkpoint was saved; where none was
+    # (stopped at start-up), the same command without it (--resume refuses a folder without one)
+    saved = bool(scan_checkpoints(run_dir / "checkpoints")[0])
     if stopped < STEPS:
-        resumed = start([*ctx.args(run_dir), "--resume"], folder / "resume.log",
-                        _env(**{SAMPLE_LOG_ENV: str(ids[1])}))
-        resumed.wait()
-        launches.append(resumed)
+        again = start([*ctx.args(run_dir), *(["--resume"] if saved else [])],
+                      folder / "resume.log", _env(**{SAMPLE_LOG_ENV: str(ids[1])}))
+        again.wait()
+        launches.append(again)
     text = launches[-1].text()
     start_at = text.split("resumed from ", 1)[1].split("(step ", 1)[1].split(",", 1)[0] \
         if "resumed from " in text else "0"
     notes = [f"first run stopped after step {stopped}",
-             f"resumed from step {start_at}" if len(launches) > 1 else "not resumed"]
+             "not resumed" if len(launches) == 1 else f"resumed from step {start_at}" if saved
+             else "no checkpoint: started again without --resume, from step 0"]
     return launches, ids, "; ".join([note, *notes] if note else notes)
 
 
@@ -452,21 +486,23 @@ def _free_port() -> int:
 
 
 def run_nodes(sc: Scenario, ctx: Context, folder: Path) -> tuple[list[Launch], list[Path], str]:
-    """Two one-process nodes (own launcher, torchrun, memory); node 1 killed at its trigger."""
+    """Two one-process nodes (own launcher, torchrun, memory) sharing one run folder, as real
+    nodes share storage; node 1 killed at its trigger; then ``resume_oldest``."""
     ids, endpoint, rdzv = folder / "ids", f"localhost:{_free_port()}", uuid.uuid4().hex[:8]
+    run_dir = folder / "run"
     ids.mkdir()
     nodes = []
     for k in (0, 1):
         env = _env(**{SAMPLE_LOG_ENV: str(ids), "MESHMORPH_STORE_ROOT": str(folder / f"memory{k}")})
         if k == 1:  # "*": whichever global rank node 1's worker gets
             env[FAULT_ENV] = sc.fault
-        nodes.append(start([*ctx.args(folder / f"node{k}", nproc=1, every=sc.every),
+        nodes.append(start([*ctx.args(run_dir, nproc=1, every=sc.every),
                             "--elastic", "1:2",
                             "--node-rank", str(k), "--rdzv-endpoint", endpoint, "--rdzv-id",
                             f"faults-{rdzv}"], folder / f"node{k}.log", env))
     assert sc.trigger is not None
     marker = sc.trigger[0]
-    found = wait_until(lambda: any((folder / "node1").glob(marker)), nodes[1], 400)
+    found = wait_until(lambda: any(run_dir.glob(marker)), nodes[1], 400)
     for pid in [*descendants(nodes[1].proc.pid), nodes[1].proc.pid]:  # the whole node at once
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -476,7 +512,47 @@ def run_nodes(sc: Scenario, ctx: Context, folder: Path) -> tuple[list[Launch], l
             path.unlink()
     nodes[0].wait()
     note = f"node 1 killed at its {marker} marker" if found else f"node 1's {marker} never appeared"
-    return nodes, [ids], note
+    resumed, at = resume_oldest(ctx, folder, run_dir)
+    return [*nodes, *([resumed] if resumed else [])], [ids], note + (
+        f"; the copy resumed from step {at}" if at is not None else "; no checkpoint to resume")
+
+
+def resume_oldest(ctx: Context, folder: Path, run_dir: Path) -> tuple[Launch | None, int | None]:
+    """A copy of the run folder cut back to its oldest checkpoint (as if the job had stopped
+    there), continued with ``--resume --reshard`` on 2 plain processes under the launched plan
+    (the checkpoint may hold the survivor's plan): the launch and the checkpoint's step."""
+    copy = folder / "resumed"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns(".meshmorph*"))
+    complete = scan_checkpoints(copy / "checkpoints")[0]
+    if not complete:
+        return None, None
+    for path in complete[1:]:
+        shutil.rmtree(path)
+    (folder / "ids-resumed").mkdir()
+    launch = start([*ctx.args(copy), "--resume", "--reshard"], folder / "resumed.log",
+                   _env(**{SAMPLE_LOG_ENV: str(folder / "ids-resumed")}))
+    launch.wait()
+    return launch, verify_checkpoint(complete[0]).step
+
+
+def check_resumed(folder: Path, launch: Launch, ctx: Context) -> str | None:
+    """``resume_oldest``'s run: it started at its checkpoint and trained every later step on the
+    reference's samples to the reference's losses (within ``TOLERANCE``: another plan sums in
+    another order)."""
+    text = launch.text()
+    if launch.code != 0 or "resumed from " not in text:
+        return f"the resumed copy ended with exit {launch.code}"
+    at = int(text.split("resumed from ", 1)[1].split("(step ", 1)[1].split(",", 1)[0])
+    rows = metric_rows(folder / "resumed")
+    if [row["step"] for row in rows] != list(range(1, STEPS + 1)):
+        return f"the resumed copy's metrics steps {[row['step'] for row in rows]}"
+    diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(rows[at:], ctx.ref_rows[at:],
+                                                            strict=True))
+    ids = trained_ids([folder / "ids-resumed"])
+    if sorted(ids) != list(range(at + 1, STEPS + 1)) or any(
+            sorted(ids[s]) != sorted(ctx.ref_ids[s]) for s in ids):
+        return f"the resumed copy trained other samples than the reference's after step {at}"
+    return f"the resumed copy's losses differ by {diff:.3g}" if diff > TOLERANCE else None
 
 
 def outcome_of(sc: Scenario, launches: list[Launch]) -> tuple[str, str | None]:
@@ -504,24 +580,21 @@ def judge(sc: Scenario, ctx: Context, folder: Path, launches: list[Launch], ids:
     """Every check of one row."""
     outcome, failed = outcome_of(sc, launches)
     checks: dict[str, str] = {"outcome": failed or "ok"}
-    if sc.mode == "nodes":
-        merged = {row["step"]: row for k in (1, 0) for row in metric_rows(folder / f"node{k}")}
-        rows, run_dir = [merged[s] for s in sorted(merged)], folder / "node0"
-    else:
-        run_dir = folder / "run"
-        rows = metric_rows(run_dir)
+    run_dir = folder / "run"  # the nodes' shared one in the node rows
+    rows = metric_rows(run_dir)
     loss_failure, diff, bitwise = check_losses(rows, ctx.ref_rows, sc.exact)
     checks["losses"] = loss_failure or "ok"
     checks["samples"] = check_samples(trained_ids(ids), ctx.ref_ids) or "ok"
     store = folder / ("memory0" if sc.mode == "nodes" else "memory")
-    folder_failure = check_folder(run_dir, store)
-    if sc.mode == "nodes" and folder_failure and folder_failure.startswith("metrics.jsonl"):
-        folder_failure = None  # rank 0 may have been node 1's worker: the merged lines count
+    folder_failure = check_folder(run_dir, store, lost_node=1 if sc.mode == "nodes" else None)
     checks["run folder"] = folder_failure or "ok"
+    if sc.mode == "nodes":
+        resumed = launches[2] if len(launches) > 2 else None
+        checks["resumed from a checkpoint"] = ("no checkpoint was saved" if resumed is None else
+                                               check_resumed(folder, resumed, ctx) or "ok")
     left = orphans(launches)
     checks["no orphans"] = f"still running: {left}" if left else "ok"
-    marker_dir = folder / ("node1" if sc.mode == "nodes" else "run")  # the faulted node's
-    missing = [m for m in sc.markers if not (marker_dir / m).exists()]
+    missing = [m for m in sc.markers if not (run_dir / m).exists()]
     checks["fault fired"] = f"no marker {missing}" if missing else "ok"
     output = "".join(launch.text() for launch in launches)
     checks["no traceback"] = "Traceback in the output" if "Traceback" in output else "ok"
@@ -563,7 +636,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
              "|---|---|---|---|---|---|---|"]
     for row in rows:
         failed = [f"{k}: {v}" for k, v in row["checks"].items() if v != "ok"]
-        checks = ("all 7 passed" if not failed else "FAILED: " + "; ".join(failed)) + \
+        checks = (f"all {len(row['checks'])} passed" if not failed else "FAILED: "
+                  + "; ".join(failed)) + \
             (" (losses bitwise)" if row["losses_bitwise"] else
              f" (losses within {row['loss_max_abs_diff']:.1g})")
         observed = f"{row['outcome']}; exit {', '.join(map(str, row['exit_codes']))}; " \
@@ -609,8 +683,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep:
         print(f"work folder kept: {work}")
     else:
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
     return 0 if result["passed"] == len(rows) else 1
 

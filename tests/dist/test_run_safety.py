@@ -1,5 +1,6 @@
 """``meshmorph run`` under signals and failures, on 2 gloo processes: Ctrl-C while the ranks are
-still starting, a second Ctrl-C, SIGKILL of torchrun, SIGKILL of one rank in a checkpoint write
+still starting, a second Ctrl-C (also in a step far longer than the others, then resumed from the
+newest checkpoint with every sample once), SIGKILL of torchrun, SIGKILL of one rank in a checkpoint write
 (``MESHMORPH_FAULT``, run/fault.py), and a data-parallel
 checkpoint resumed under a pipeline plan (the tied head's optimizer state; the run that saved it
 also shows that a free ``MASTER_PORT`` is the rendezvous port). Every case ends with every
@@ -21,11 +22,13 @@ from meshmorph.cli import main as cli_main
 from meshmorph.run.checkpoint import scan_checkpoints, verify_checkpoint
 from meshmorph.run.fault import FAULT_ENV
 from meshmorph.run.launch.launcher import descendants
+from meshmorph.run.trainer import SAMPLE_LOG_ENV
 from tests.helpers.cli import (
     ENVIRONMENT,
     ExampleRun,
     command_line,
     finish,
+    records,
     start_cli,
     steps_done,
     wait_for,
@@ -108,6 +111,71 @@ def test_second_ctrl_c_aborts_leaving_the_previous_checkpoint_intact(tmp_path: P
     complete, _ = scan_checkpoints(ckpt)
     assert complete and all(verify_checkpoint(path).step % 2 == 0 for path in complete)
     assert f"--out {run_dir} --resume" in output and "Traceback" not in output, output
+
+
+def sample_ids(folder: Path) -> dict[int, list[int]]:
+    """Step -> the sample ids the ranks logged for it (``MESHMORPH_SAMPLE_LOG``), dp order."""
+    by_step: dict[int, dict[int, list[int]]] = {}
+    for path in folder.glob("samples-rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            by_step.setdefault(row["step"], {})[row["dp_rank"]] = row["ids"]
+    return {step: [i for dp in sorted(ids) for i in ids[dp]] for step, ids in by_step.items()}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(330)
+def test_second_ctrl_c_in_a_huge_step_stops_at_once_and_the_run_resumes_exactly(
+        tmp_path: Path) -> None:
+    # step 4 takes ten minutes (rank 0 sleeps in its backward: what global_batch 65536 on two
+    # CPU processes would take); the user asks to stop, is told so, and will not wait
+    job, run_dir, log = job_file(tmp_path, steps=6, every=2), tmp_path / "run", tmp_path / "log"
+    base = ["run", "--config", str(job), "--nproc", "2", "--out", str(run_dir)]
+    ids = [tmp_path / "ids-1", tmp_path / "ids-2"]
+    for folder in ids:
+        folder.mkdir()
+    proc = start_cli(base, log, env={**ENVIRONMENT, FAULT_ENV: "0@4:backward:pause=600",
+                                     SAMPLE_LOG_ENV: str(ids[0])})
+    wait_for(lambda: (run_dir / ".fault-0-4-backward").exists(), proc, log, 240)
+    ranks = list(ranks_of(proc).values())
+    first = [row["loss"] for row in records(run_dir)]
+    assert len(first) == 3 and len(ranks) == 2, log.read_text()
+    os.killpg(proc.pid, signal.SIGINT)
+    wait_for(lambda: "press Ctrl-C again" in log.read_text(), proc, log, 10)
+    said = log.read_text()
+    assert "meshmorph: stopping: the ranks finish step 4 (running " in said, said
+    assert "longer than the last step's" in said and "(the newest checkpoint, step-2, is kept)" \
+        in said, said
+    time.sleep(1)  # still in step 4: the first Ctrl-C waits for it
+    assert proc.poll() is None and not (run_dir / "checkpoints" / "step-4").exists()
+    sent = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # the second: at once
+    code = finish(proc, log, 30)
+    took, output = time.monotonic() - sent, log.read_text()
+    assert code == 130 and took < 10, f"{took:.1f} s\n{output}"
+    assert "aborted: every rank was killed" in output and "Traceback" not in output, output
+    gone_within(ranks, 5)  # no orphan
+    assert not (run_dir / ".meshmorph.lock").exists() and not (run_dir / ".meshmorph.stop").exists()
+    complete, _ = scan_checkpoints(run_dir / "checkpoints")
+    assert [verify_checkpoint(path).step for path in complete] == [2], output
+    assert f"--out {run_dir} --resume" in output, output
+
+    resumed = start_cli([*base, "--resume"], tmp_path / "log2",
+                        env={**ENVIRONMENT, SAMPLE_LOG_ENV: str(ids[1])})
+    assert finish(resumed, tmp_path / "log2", 150) == 0, (tmp_path / "log2").read_text()
+    again = (tmp_path / "log2").read_text()
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-2'} (step 2, 16 samples consumed)" \
+        in again, again
+    rows = records(run_dir)
+    assert [row["step"] for row in rows] == list(range(1, 7))  # one line per step, none twice
+    assert [row["consumed_samples"] for row in rows] == [8 * step for step in range(1, 7)]
+    assert rows[2]["loss"] == pytest.approx(first[2], rel=1e-6, abs=0)  # step 3 trained again
+    before, after = sample_ids(ids[0]), sample_ids(ids[1])
+    assert sorted(before) == [1, 2, 3] and sorted(after) == [3, 4, 5, 6]
+    assert after[3] == before[3]  # the same samples from the checkpoint's data position
+    trajectory = [i for step in (1, 2) for i in before[step]] + \
+        [i for step in (3, 4, 5, 6) for i in after[step]]
+    assert len(trajectory) == len(set(trajectory)) == 6 * 8  # none lost, none repeated
 
 
 @pytest.mark.dist

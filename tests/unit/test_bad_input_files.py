@@ -157,6 +157,20 @@ JOB_CASES: list[tuple[str, Content, tuple[str, ...]]] = [
      ("[train] must be a table, got list",)),
     ("compile_backend int", _job("micro_batch = 2", "micro_batch = 2\ncompile_backend = 1"),
      ("[train] compile_backend must be str, got 1",)),
+    # absurd values that can only be typos: each bound named, with the way out
+    ("absurd lr", _job("lr = 0.001", "lr = 1e10"),
+     ("[optim] lr = 1e10 is above 10, a rate no model trains at", "e.g. lr = 3e-4")),
+    ("lr just above the bound", _job("lr = 0.001", "lr = 10.5"), ("[optim] lr = 10.5 is above 10",)),
+    ("absurd steps", _job("steps = 4", "steps = 10000000000000000"),
+     ("[train] steps = 10,000,000,000,000,000 is above 1,000,000,000",
+      "give the number of optimizer steps")),
+    ("steps as 1e16", _job("steps = 4", "steps = 1e16"), ("[train] steps must be int, got 1e+16",)),
+    ("absurd warmup", _job("grad_clip = 1.0", "warmup_steps = 99999999999"),
+     ("[optim] warmup_steps = 99,999,999,999 is above 1,000,000,000",)),
+    ("absurd decay_steps", _job("grad_clip = 1.0", "decay_steps = 1000000000000"),
+     ("[optim] decay_steps = 1,000,000,000,000 is above 1,000,000,000",)),
+    ("absurd timeout", JOB + "[run]\ncollective_timeout_s = 1e300\n",
+     ("[run] collective_timeout_s = 1e+300 is above 86,400 s (a day)", "leave it out (120)")),
 ]
 
 
@@ -487,6 +501,23 @@ GPU_CASES: list[tuple[str, Content, tuple[str, ...]]] = [
      ("latency_us must be a number >= 0, got nan",)),
     ("link bandwidth a string", '[links.nvlink4]\nbandwidth_gbps = "fast"\n',
      ("bandwidth_gbps must be a number >= 0, got 'fast'",)),
+    # figures far beyond any hardware: typos that would make every estimate wrong
+    ("absurd memory", "[gpus.h100]\nmemory_gib = 1e300\n",
+     ("GPU 'h100': memory_gib = 1e+300 is above 1,000,000 GiB, far beyond any hardware",
+      "give the data-sheet figure in GiB")),
+    ("absurd memory of a new GPU", NEW_GPU.replace("memory_gib = 80", "memory_gib = 80000000"),
+     ("GPU 'x': memory_gib = 8e+07 is above 1,000,000 GiB",)),
+    ("absurd hbm", "[gpus.h100]\nhbm_gbps = 3.35e12\n",
+     ("GPU 'h100': hbm_gbps = 3.35e+12 is above 100,000,000 GB/s",)),
+    ("absurd peak", "[gpus.h100]\npeak_tflops = {bf16 = 989e12}\n",
+     ("GPU 'h100': peak_tflops.bf16 = 9.89e+14 is above 10,000,000 TFLOP/s",
+      "give the data-sheet figure in TFLOP/s")),
+    ("absurd sm count", "[gpus.h100]\nsm_count = 1e300\n",
+     ("GPU 'h100': sm_count = 1e+300 is above 10,000,000 cores",)),
+    ("absurd link bandwidth", "[links.nvlink4]\nbandwidth_gbps = 450e9\n",
+     ("link 'nvlink4': bandwidth_gbps = 4.5e+11 is above 10,000,000 GB/s",)),
+    ("absurd link latency", "[links.x]\nbandwidth_gbps = 1\nlatency_us = 1e300\n",
+     ("link 'x': latency_us = 1e+300 is above 1,000,000 us",)),
 ]
 
 

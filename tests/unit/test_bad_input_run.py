@@ -97,6 +97,32 @@ def test_an_interrupted_save_alone_also_marks_the_folder_as_taken(
             "holds checkpoints of an earlier run (step-2.tmp-dead")
 
 
+@pytest.mark.parametrize("folder", ["missing", "empty", "records only", "cut-short saves only",
+                                    "empty checkpoint folder"])
+def test_resume_where_no_checkpoint_lies_is_refused_naming_the_folder_and_the_way_out(
+        tmp_path: Path, capsys: pytest.CaptureFixture, folder: str) -> None:
+    # a typo in --out must not start a new run from step 0 that passes for the resumed one
+    job, run_dir = fake_run(tmp_path, steps=())
+    if folder == "missing":
+        run_dir = tmp_path / "rnu"
+    elif folder == "empty":
+        for path in run_dir.iterdir():
+            path.unlink()
+    elif folder == "cut-short saves only":
+        (run_dir / "checkpoints" / "step-2.tmp-dead").mkdir(parents=True)
+    elif folder == "empty checkpoint folder":
+        (run_dir / "checkpoints").mkdir()
+    where = (f"run folder {run_dir} does not exist, so there is no checkpoint" if folder == "missing"
+             else f"run folder {run_dir} holds no checkpoint to continue from (searched "
+             f"{run_dir / 'checkpoints'}")
+    err = refused(capsys, run_dir, resume(job, run_dir), f"--resume: {where}", "check --out",
+                  "run without --resume to start from step 0")
+    assert err.startswith("meshmorph: error: ") and err.count("\n") == 1, err
+    assert not (tmp_path / "rnu").exists()  # nothing created for the typo
+    if folder == "cut-short saves only":
+        assert "only saves cut short, never loaded: step-2.tmp-dead" in err, err
+
+
 @pytest.mark.parametrize(("damage", "needles"), [
     ("flip", ["step-4 is corrupted: file __1_0.distcp does not match its SHA-256"]),
     ("truncate", ["step-4 is corrupted: file __1_0.distcp has 100 bytes, the manifest says 1000"]),

@@ -5,6 +5,26 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+MAX_LR = 10.0
+"""The highest peak learning rate a job takes: AdamW's peak rates lie far below it (about 1e-4
+to 1e-2); a higher one is a typo that would train to NaN or noise."""
+MAX_STEPS = 10**9
+"""The most steps a job (``[train] steps``, ``[optim] warmup_steps`` and ``decay_steps``) takes:
+a billion optimizer steps, hundreds of times the longest published runs (a few million)."""
+
+
+def check_steps(key: str, value: int) -> None:
+    """Refuse a step count above ``MAX_STEPS`` (a typo: a run that would never end)."""
+    if value > MAX_STEPS:
+        raise ValueError(f"{key} = {_shown(value)} is above {MAX_STEPS:,}, hundreds of times the "
+                         "longest published training runs (a few million steps); give the "
+                         "number of optimizer steps")
+
+
+def _shown(value: float) -> str:
+    """A figure as a user would have typed it: ``1e10``, ``0.001``, ``10,000,000``."""
+    return f"{value:,}" if isinstance(value, int) else f"{value:g}".replace("e+", "e")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OptimConfig:
@@ -41,9 +61,15 @@ class OptimConfig:
             raise ValueError(f"[optim] needs 0 <= min_lr <= lr and lr > 0, got lr {self.lr}, "
                              f"min_lr {self.min_lr}; set min_lr at most lr, or leave it out "
                              f"(lr / 10)")
+        if self.lr > MAX_LR:
+            raise ValueError(f"[optim] lr = {_shown(self.lr)} is above {MAX_LR:g}, a rate no "
+                             "model trains at (AdamW's peak rates lie about 1e-4 to 1e-2); give "
+                             "the peak learning rate, e.g. lr = 3e-4")
         if self.warmup_steps < 0 or self.decay_steps < 1:
             raise ValueError(f"[optim] warmup_steps must be >= 0 and decay_steps >= 1, got "
                              f"{self.warmup_steps} and {self.decay_steps}")
+        for name in ("warmup_steps", "decay_steps"):
+            check_steps(f"[optim] {name}", getattr(self, name))
         if self.grad_clip < 0:
             raise ValueError(f"[optim] grad_clip must be >= 0 (0 disables clipping), got "
                              f"{self.grad_clip}")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from meshmorph.run.config import OptimConfig
+from meshmorph.run.config import OptimConfig, check_steps
 from meshmorph.spec.plan import Fp8Scaling
 
 
@@ -82,6 +82,7 @@ class TrainSection:
         for name in ("steps", "global_batch", "micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"[train] {name} must be at least 1, got {getattr(self, name)}")
+        check_steps("[train] steps", self.steps)
         if self.global_batch % self.micro_batch:
             raise ValueError(
                 f"[train] micro_batch {self.micro_batch} does not divide global_batch "
@@ -125,6 +126,11 @@ class CheckpointSection:
             )
 
 
+MAX_COLLECTIVE_TIMEOUT_S = 86400.0
+"""The longest ``[run] collective_timeout_s``: a day (longer is a hang, and a figure such as 1e300
+overflows the ranks' timeout)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunSection:
     """``[run]``: where the run writes."""
@@ -142,6 +148,12 @@ class RunSection:
             raise ValueError(
                 f"[run] collective_timeout_s must be a positive number of seconds, got "
                 f"{self.collective_timeout_s}"
+            )
+        if self.collective_timeout_s > MAX_COLLECTIVE_TIMEOUT_S:
+            raise ValueError(
+                f"[run] collective_timeout_s = {self.collective_timeout_s:g} is above "
+                f"{MAX_COLLECTIVE_TIMEOUT_S:,.0f} s (a day): a collective waiting that long is a "
+                "hang, not a slow step; give seconds, e.g. 600, or leave it out (120)"
             )
 
 

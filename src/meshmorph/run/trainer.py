@@ -183,8 +183,10 @@ class RankRun:
 def _engine_at_start(job: JobConfig, plan: Plan, model: ModelSpec, device: torch.device, *,
                      resume: bool, elastic: Any, ckpt_dir: Path) -> tuple[Any, Plan, int, int, Any]:
     """(engine, plan, step, consumed samples, reshape event or None): restored from the node
-    stores after an elastic restart, resumed from the newest checkpoint, or fresh; compiled
-    where the job asks."""
+    stores after an elastic restart (whatever ``resume`` says: a restart before the first step
+    boundary finds the stores empty and starts fresh, or from the checkpoint ``resume`` named),
+    resumed from the newest checkpoint (``resume``: refused where there is none), or fresh;
+    compiled where the job asks."""
     from meshmorph.run.engine.train_engine import build_engine
 
     rank = dist.get_rank()
@@ -205,15 +207,14 @@ def _engine_at_start(job: JobConfig, plan: Plan, model: ModelSpec, device: torch
         compile_blocks(engine.model_parts, choice.backend)
     if restored is None and resume:
         info = find_resume_point(ckpt_dir)
-        if info is None:
-            if rank == 0:
-                print(f"no checkpoint in {ckpt_dir}; starting from step 0", flush=True)
-        else:
-            load_checkpoint(engine, info)
-            step, consumed = info.step, info.consumed_samples
-            if rank == 0:
-                print(f"resumed from {info.path} (step {step}, {consumed} samples consumed)",
-                      flush=True)
+        if info is None:  # meshmorph run refuses this before launch; the rank program does too
+            raise ValueError(f"--resume: no checkpoint in {ckpt_dir} to continue from; check "
+                             "--out, or run without --resume to start from step 0")
+        load_checkpoint(engine, info)
+        step, consumed = info.step, info.consumed_samples
+        if rank == 0:
+            print(f"resumed from {info.path} (step {step}, {consumed} samples consumed)",
+                  flush=True)
     return engine, plan, step, consumed, reshape
 
 
@@ -286,7 +287,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--plan", required=True, type=Path, help="plan file (JSON)")
     parser.add_argument("--out", required=True, type=Path, help="run folder")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest complete checkpoint of the run folder")
+                        help="continue from the newest complete checkpoint of the run folder "
+                             "(refused where there is none)")
     parser.add_argument("--elastic-run-id", default=None,
                         help="keep state in the node-local store under this id (run --elastic)")
     parser.add_argument("--inject-failure", default=None, metavar="RANK@STEP",

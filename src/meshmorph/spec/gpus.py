@@ -15,6 +15,26 @@ from typing import Any
 
 from meshmorph.files import read_document
 
+BOUNDS: dict[str, tuple[float, str, str]] = {
+    "memory_gib": (1e6, "GiB", "the largest devices hold a few hundred GiB"),
+    "hbm_gbps": (1e8, "GB/s", "5 times a wafer-scale chip's on-chip bandwidth"),
+    "peak_tflops": (1e7, "TFLOP/s", "80 times a wafer-scale chip's peak"),
+    "sm_count": (1e7, "cores", "10 times a wafer-scale chip's cores"),
+    "bandwidth_gbps": (1e7, "GB/s", "10,000 times NVLink 5 per GPU"),
+    "latency_us": (1e6, "us", "a second for a small message"),
+}
+"""Plausibility bounds of the figures a GPU or link takes: (limit, unit, what the limit is
+against). No hardware comes near them; a figure above one is a typo (a unit slip, a missing
+decimal point) that would make every estimate wrong, so it is refused (``check_bound``)."""
+
+
+def check_bound(owner: str, key: str, value: float) -> None:
+    """Refuse ``value`` of ``key`` (a ``BOUNDS`` key, or ``peak_tflops.DTYPE``) above its bound."""
+    limit, unit, against = BOUNDS[key.split(".")[0]]
+    if value > limit:
+        raise ValueError(f"{owner}: {key} = {value:g} is above {limit:,.0f} {unit}, far beyond "
+                         f"any hardware ({against}); give the data-sheet figure in {unit}")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LinkSpec:
@@ -34,6 +54,8 @@ class LinkSpec:
         if not (math.isfinite(self.latency_us) and self.latency_us >= 0):
             raise ValueError(f"link {self.name!r}: latency_us must be a finite number >= 0, got "
                              f"{self.latency_us!r}")
+        for key in ("bandwidth_gbps", "latency_us"):
+            check_bound(f"link {self.name!r}", key, getattr(self, key))
 
 
 LINKS: dict[str, LinkSpec] = {
@@ -93,6 +115,7 @@ class GPUSpec:
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"GPU {self.name!r}: {key} must be a finite number > 0, got "
                                  f"{value!r}; give the part's data-sheet figure")
+            check_bound(f"GPU {self.name!r}", key, value)
         if not self.peak_tflops:
             raise ValueError(f"GPU {self.name!r} lists no peak_tflops; give at least one dtype, "
                              "e.g. { bf16 = 989.4 }")
@@ -100,9 +123,11 @@ class GPUSpec:
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"GPU {self.name!r}: peak_tflops.{dtype} must be a finite number "
                                  f"> 0, got {value!r}; leave out a dtype the part does not run")
+            check_bound(f"GPU {self.name!r}", f"peak_tflops.{dtype}", value)
         if not (math.isfinite(self.sm_count) and self.sm_count >= 0):
             raise ValueError(f"GPU {self.name!r}: sm_count must be >= 0 (0: unknown), got "
                              f"{self.sm_count!r}")
+        check_bound(f"GPU {self.name!r}", "sm_count", self.sm_count)
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for a training dtype; a 16-bit dtype falls back to the other 16-bit

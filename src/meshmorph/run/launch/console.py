@@ -112,8 +112,8 @@ def recovered_line(step: int, world: int, old_world: int, sources: list[str] | N
     return f"{RECOVERED}{step} from memory ({where}), continuing on {world} ranks{was}"
 
 
-def last_step(metrics: Path) -> int | None:
-    """The newest step of a metrics.jsonl (None: no file or no step line)."""
+def last_step_record(metrics: Path) -> dict[str, Any] | None:
+    """The newest step line of a metrics.jsonl (None: no file or no step line)."""
     try:
         lines = metrics.read_text().splitlines()
     except OSError:
@@ -121,8 +121,14 @@ def last_step(metrics: Path) -> int | None:
     for line in reversed(lines):
         record = parse_line(line)
         if record is not None and "step" in record and "event" not in record:
-            return int(record["step"])
+            return record
     return None
+
+
+def last_step(metrics: Path) -> int | None:
+    """The newest step of a metrics.jsonl (None: no file or no step line)."""
+    record = last_step_record(metrics)
+    return None if record is None else int(record["step"])
 
 
 class Relay:

@@ -2,12 +2,13 @@
 
 Everything that can be refused is refused before any process starts or any file is written: the
 job file, the data, the plan against the model and the number of processes, a run folder that
-holds another run's checkpoints (without ``--resume``), and the checkpoint to resume from (its
-files, and its model, data and plan fingerprint; another plan only with ``--reshard``). Then the
-run folder is locked for the run's lifetime, the plan is written into it, and torchrun
-(``run/launch/agent.py``) starts the ranks in a session of its own. The first Ctrl-C (or SIGTERM) asks
-the ranks to stop after the current step and save; the second kills them, leaving the previous
-checkpoint as it was. Afterwards the exact command to resume is printed. An ``--elastic`` run's
+holds another run's checkpoints (without ``--resume``), one that holds none (with ``--resume``),
+and the checkpoint to resume from (its files, and its model, data and plan fingerprint; another
+plan only with ``--reshard``). Then the run folder is locked for the run's lifetime, the plan
+is written into it, and torchrun (``run/launch/agent.py``) starts the ranks in a session of its
+own. The first Ctrl-C (or SIGTERM) asks the ranks to stop after the current step and save, and
+says which step that is and how long it should take still; the second kills them at once,
+leaving the newest complete checkpoint as it was. Afterwards the exact command to resume is printed. An ``--elastic`` run's
 stderr passes through the launcher (``run/launch/console.py``): a failure torchrun's agent
 restarts and the workers recover from shows as one line per event, torch's output of it kept in
 a log under the run folder.
@@ -30,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshmorph.plan.runnable_plans import runnable_plans
-from meshmorph.run.checkpoint import CheckpointInfo
+from meshmorph.run.checkpoint import PREFIX, TMP_INFIX, CheckpointInfo, scan_checkpoints
 from meshmorph.run.job import JobConfig, load_job
-from meshmorph.run.launch.console import Relay, last_step
+from meshmorph.run.launch.console import Relay, last_step, last_step_record
 from meshmorph.run.launch.host_memory import check_host_memory
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.model import ModelSpec
@@ -40,8 +41,9 @@ from meshmorph.spec.plan import Plan, PlanError, load_plan
 from meshmorph.spec.runnable import check_fp8_job, refuse_context_parallel
 
 STOP_GRACE_S = 300.0
-"""Seconds the ranks get, after the first Ctrl-C, to finish their step, save and exit before they
-are terminated (a second Ctrl-C kills them at once)."""
+"""Seconds the ranks get, after the first Ctrl-C and beyond what their step is expected to take
+still (``stopping_line``), to finish it, save and exit before they are killed (a second Ctrl-C
+kills them at once)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,7 +65,8 @@ class PreparedRun:
     resume: bool
     """Continue from the newest checkpoint."""
     resume_from: CheckpointInfo | None = None
-    """The checkpoint a resumed run continues from (None: start at step 0)."""
+    """The checkpoint a resumed run continues from (None: a run without ``--resume``, from step
+    0)."""
     reshard: bool = False
     """The checkpoint was saved under another plan; DCP reshards it on load."""
     elastic: str | None = None
@@ -192,15 +195,17 @@ def check_plan_for_job(plan: Plan, job: JobConfig, model: ModelSpec, nproc: int)
 
 
 def check_resume_point(job: JobConfig, model: ModelSpec, plan: Plan, out_dir: Path, *,
-                       reshard: bool) -> tuple[CheckpointInfo | None, bool]:
+                       reshard: bool) -> tuple[CheckpointInfo, bool]:
     """The verified newest checkpoint of the run folder, checked to belong to this model, data
-    and (unless ``reshard``) plan; and whether loading it reshards."""
+    and (unless ``reshard``) plan; and whether loading it reshards. A folder without one is
+    refused: ``--resume`` never starts from step 0."""
     from meshmorph.run.checkpoint import latest_checkpoint
     from meshmorph.run.fingerprint import RunFingerprint, check_resume, run_fingerprint
+    from meshmorph.run.launch.run_folder import check_resumable
 
+    check_resumable(out_dir, job.checkpoint_dir(out_dir))  # none at all: refused, not step 0
     info = latest_checkpoint(job.checkpoint_dir(out_dir))  # a damaged newest one is refused here
-    if info is None:
-        return None, False
+    assert info is not None  # check_resumable found a step-N folder, verified or refused above
     differs = check_resume(RunFingerprint.from_dict(info.fingerprint),
                            run_fingerprint(job, model, plan), where=str(info.path), reshard=reshard)
     return info, differs
@@ -240,7 +245,7 @@ def prepare_run(job_path: Path, *, nproc: int | None, plan_arg: str | None, resu
     info, differs = None, False
     if resume:
         info, differs = check_resume_point(job, model, plan, out_dir, reshard=reshard)
-    else:
+    elif node is None or node.rank == 0:  # node K > 0 joins the folder node 0 checked
         check_fresh(out_dir, job.checkpoint_dir(out_dir))
     if elastic is not None or inject_failure is not None:
         if elastic is not None:
@@ -376,8 +381,6 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 def _newest(run: PreparedRun) -> Path | None:
-    from meshmorph.run.checkpoint import scan_checkpoints
-
     complete, _ = scan_checkpoints(run.job.checkpoint_dir(run.out_dir))
     return complete[-1] if complete else None
 
@@ -444,6 +447,42 @@ def _relay(run: PreparedRun, proc: subprocess.Popen[bytes]) -> tuple[Relay, thre
     return relay, thread
 
 
+def _seconds(value: float) -> str:
+    return f"{value:.1f} s" if value < 10 else f"{value:,.0f} s"
+
+
+def stopping_line(run: PreparedRun, newest: Path | None, now: float) -> tuple[str, float]:
+    """What the first Ctrl-C says (the step the ranks finish, how long it should take still, from
+    the last step's time in metrics.jsonl, what a second Ctrl-C does) and those seconds (0:
+    unknown or overdue); ``now`` is the wall clock (``time.time``)."""
+    from meshmorph.run.metrics import METRICS_FILE
+
+    metrics = run.out_dir / METRICS_FILE
+    record = last_step_record(metrics)
+    left = 0.0
+    if record is None or not isinstance(record.get("step_time_s"), int | float):
+        step = 1 if record is None else int(record["step"]) + 1
+        timing = "its length is unknown: no step has finished yet"
+    else:
+        step, took = int(record["step"]) + 1, float(record["step_time_s"])
+        try:
+            running = max(0.0, now - metrics.stat().st_mtime)  # since the last step line
+        except OSError:
+            running = 0.0
+        left = max(0.0, took - running)
+        timing = (f"about {_seconds(left)} more: the last step took {_seconds(took)}" if left
+                  else f"running {_seconds(running)}, longer than the last step's "
+                  f"{_seconds(took)}")
+    saving = "save a checkpoint, " if run.job.checkpoint.every else ""
+    kept = (f"the newest checkpoint, {newest.name}, is kept" if newest is not None else
+            "no checkpoint is saved yet")
+    again = f"; press Ctrl-C again to stop at once ({kept})"
+    cut = scan_checkpoints(run.job.checkpoint_dir(run.out_dir))[1]
+    if any(path.name.startswith(f"{PREFIX}{step - 1}{TMP_INFIX}") for path in cut):  # saving
+        return f"stopping: the ranks finish saving step {step - 1}'s checkpoint and exit{again}", 0.0
+    return f"stopping: the ranks finish step {step} ({timing}), {saving}and exit{again}", left
+
+
 def _watch(run: PreparedRun, proc: subprocess.Popen[bytes]) -> tuple[int, str, float]:
     """Wait for torchrun; (its exit code, how it ended: ``done``, ``stopped``, ``aborted``,
     when the first Ctrl-C came)."""
@@ -464,15 +503,14 @@ def _watch(run: PreparedRun, proc: subprocess.Popen[bytes]) -> tuple[int, str, f
             if deadline is None:
                 request_stop(run.out_dir)
                 asked = time.monotonic()
-                deadline = asked + STOP_GRACE_S
-                saving = "save a checkpoint, " if run.job.checkpoint.every else ""
-                _say(f"stopping: the ranks finish their current step, {saving}and exit; "
-                     "press Ctrl-C again to abort at once")
+                line, left = stopping_line(run, _newest(run), time.time())
+                deadline = asked + left + STOP_GRACE_S  # a long step is not cut short
+                _say(line)
                 continue
-            kill_tree(proc)
+            kill_tree(proc)  # the second Ctrl-C: at once, whatever the step is doing
             return proc.returncode, "aborted", asked
         except subprocess.TimeoutExpired:
-            _say(f"the ranks did not stop within {STOP_GRACE_S:.0f} s; killing them")
+            _say(f"the ranks did not stop within {deadline - asked:,.0f} s; killing them")
             kill_tree(proc)
             return proc.returncode, "aborted", asked
 
@@ -485,21 +523,23 @@ def launch(run: PreparedRun, *, quiet: bool = False) -> int:
         check_fresh,
         clear_stop,
         make_folder,
+        plan_file,
         set_aside_earlier_run,
     )
 
     rendezvous = master_port_args(dict(os.environ))
     make_folder(run.out_dir)
-    with RunLock(run.out_dir) as lock:
-        if not run.resume:  # checked again under the lock: another run may have saved meanwhile
-            check_fresh(run.out_dir, run.job.checkpoint_dir(run.out_dir))
+    joins = run.node is not None and run.node.rank > 0  # node 0 owns a shared run folder
+    with RunLock(run.out_dir, run.node.rank if run.node else None) as lock:
+        if not run.resume and not joins:  # checked again under the lock: another run may have
+            check_fresh(run.out_dir, run.job.checkpoint_dir(run.out_dir))  # saved meanwhile
             aside = set_aside_earlier_run(run.out_dir)
             if aside is not None and not quiet:
                 print(f"meshmorph: run folder {run.out_dir} held an earlier run's records and no "
                       f"checkpoint; they were moved to {aside}", flush=True)
         clear_stop(run.out_dir)
-        plan_path = run.out_dir / "plan.json"
-        staging = plan_path.with_name("plan.json.partial")
+        plan_path = run.out_dir / plan_file(run.node.rank if run.node else None)
+        staging = plan_path.with_name(plan_path.name + ".partial")
         staging.write_text(run.plan.to_json() + "\n")
         staging.replace(plan_path)
         if not quiet:
@@ -523,6 +563,8 @@ def launch(run: PreparedRun, *, quiet: bool = False) -> int:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             clear_stop(run.out_dir)
+            if joins:  # node K's copy of the plan; plan.json is node 0's record
+                plan_path.unlink(missing_ok=True)
             if relay is not None:  # what is still held did not recover: the console's
                 relay[1].join(RELAY_DRAIN_S)
                 relay[0].close()

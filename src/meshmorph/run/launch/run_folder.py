@@ -1,8 +1,14 @@
 """The run folder: refused when it holds another run, locked while a run uses it.
 
 A run without ``--resume`` never starts in a folder that holds checkpoints (it would mix two runs
-and prune one of them). While a run is going, an exclusive lock on ``.meshmorph.lock`` (held by the
-launcher and inherited by torchrun) keeps a second run out; the refusal names the holder's pid.
+and prune one of them), and a run with ``--resume`` never starts where no checkpoint lies (a typo
+in ``--out`` would start a new run from step 0 that the user takes for the old one). While a run
+is going, an exclusive lock on ``.meshmorph.lock`` (held by the launcher and inherited by
+torchrun) keeps a second run out; the refusal names the holder's pid.
+The nodes of one multi-node ``--elastic`` run share the run folder (shared storage, or one
+machine standing in for several): node 0 owns it (the checks of a new run, the earlier run's
+records, ``plan.json``, the lock above), node K > 0 joins it under a lock of its own,
+``.meshmorph.node-K.lock``, its ranks reading the plan from ``.meshmorph.node-K.plan.json``.
 The launcher asks the ranks to stop by creating ``.meshmorph.stop``: they look for it at every
 step boundary, so a request made while they are still starting is not lost.
 """
@@ -14,12 +20,25 @@ import fcntl
 import os
 from pathlib import Path
 
-from meshmorph.run.checkpoint import PREFIX
+from meshmorph.run.checkpoint import PREFIX, scan_checkpoints, step_folders
 from meshmorph.run.launch.console import LOG_FOLDER
 from meshmorph.run.metrics import LOSS_CHART, METRICS_FILE
 
 LOCK_FILE = ".meshmorph.lock"
 STOP_FILE = ".meshmorph.stop"
+
+
+def lock_file(node: int | None = None) -> str:
+    """The lock's name for a plain run or node 0 (``LOCK_FILE``), or for node ``node`` > 0 of a
+    multi-node run sharing the folder."""
+    return LOCK_FILE if not node else f".meshmorph.node-{node}.lock"
+
+
+def plan_file(node: int | None = None) -> str:
+    """Where the launcher writes the plan its ranks read: ``plan.json`` (a plain run, node 0),
+    or for node ``node`` > 0 a file of its own, removed when it ends (``plan.json`` is node 0's
+    record, which it may set aside as an earlier run's while node K starts)."""
+    return "plan.json" if not node else f".meshmorph.node-{node}.plan.json"
 
 
 class RunFolderError(ValueError):
@@ -38,6 +57,22 @@ def check_fresh(out_dir: Path, ckpt_dir: Path) -> None:
             f"continue that run with --resume, or start a new one in another folder (--out NEW); "
             f"nothing in it was changed"
         )
+
+
+def check_resumable(out_dir: Path, ckpt_dir: Path) -> None:
+    """Refuse ``--resume`` where no checkpoint lies (``step-N`` folders are then verified by
+    ``latest_checkpoint``): it would start from step 0 while the user believes it continues."""
+    if step_folders(ckpt_dir):
+        return
+    way_out = "check --out (or [run] out_dir), or run without --resume to start from step 0"
+    if not out_dir.exists():
+        raise RunFolderError(f"--resume: run folder {out_dir} does not exist, so there is no "
+                             f"checkpoint to continue from; {way_out}")
+    _, cut = scan_checkpoints(ckpt_dir)
+    only = (f" (only saves cut short, never loaded: {', '.join(p.name for p in cut[:3])}"
+            + (f" and {len(cut) - 3} more" if len(cut) > 3 else "") + ")") if cut else ""
+    raise RunFolderError(f"--resume: run folder {out_dir} holds no checkpoint to continue from "
+                         f"(searched {ckpt_dir}{only}); {way_out}; nothing in it was changed")
 
 
 EARLIER_RECORDS = (METRICS_FILE, "plan.json", LOSS_CHART, "trace.json", LOG_FOLDER)
@@ -79,8 +114,8 @@ def make_folder(out_dir: Path) -> None:
 class RunLock:
     """An exclusive, non-blocking lock on the run folder for the lifetime of a run."""
 
-    def __init__(self, out_dir: Path) -> None:
-        self.path = out_dir / LOCK_FILE
+    def __init__(self, out_dir: Path, node: int | None = None) -> None:
+        self.path = out_dir / lock_file(node)
         self.fd: int | None = None
 
     def acquire(self) -> RunLock:

@@ -42,8 +42,8 @@ from meshmorph.predict.measurements import measurements
 from meshmorph.predict.revocation import revocation_report
 from meshmorph.predict.spot_data import fit_report, preemption_rates
 from meshmorph.spec.gpus import gpu
-from meshmorph.viz.predict_charts import write_hazard_chart, write_spot_fit_chart
 from results_path import Outputs, wrote
+from spot_charts import write_hazard_chart, write_spot_fit_chart
 
 OUTPUTS = Outputs("bench/results/cmdare_fit.json", "bench/results/cmdare_fit.png",
                   "bench/results/revocation_fit.json", "bench/results/revocation_hazard.png",

@@ -35,8 +35,8 @@ from meshmorph.predict.traces import SpotTrace, load_trace
 from meshmorph.predict.training_job import TrainingJob, default_global_batch, steps_for_tokens
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.cluster import parse_cluster
-from meshmorph.viz.predict_charts import write_replay_chart
 from results_path import Outputs, wrote
+from spot_charts import write_replay_chart
 
 OUTPUTS = Outputs("bench/results/spot_replay.json", "docs/img/spot_replay.png")
 RUNS = 40

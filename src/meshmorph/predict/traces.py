@@ -25,7 +25,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from meshmorph.predict.spot_import import DIGITS
+DIGITS = "0123456789abcdefg"
+"""One base-17 digit per probe round of ``data/spot_data.json``'s H100 availability (how many
+of 16 spot VMs launched, 0-16; scripts/spot_import.py writes them)."""
 
 PACKAGED = ("h100-gcp-2025-10", "l4-aws-2025-12")
 """Trace names shipped in ``data/spot_data.json``."""

@@ -1,5 +1,5 @@
 """Build ``data/spot_data.json`` from the public spot references (run by a maintainer, never at
-run time): ``python -m meshmorph.predict.spot_import SPOT_DIR TRANSIENT_DIR``.
+run time): ``python scripts/spot_import.py SPOT_DIR TRANSIENT_DIR``.
 
 ``SPOT_DIR`` holds the SkyNomad (NSDI '27, Apache-2.0) and Bamboo (NSDI '23, MIT) files,
 ``TRANSIENT_DIR`` the spot-trace summaries derived from skypilot-org/spot-traces (statistics only:
@@ -28,8 +28,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-DIGITS = "0123456789abcdefg"
-"""Launched-of-16 counts as one character each (0-16)."""
+from meshmorph.predict.traces import DIGITS
+
 SKYNOMAD = ("andylizf/skynomad-artifact @ 62b9aaa (SkyNomad, NSDI '27), Apache-2.0; "
             "the traces are released under the same licence (its NOTICE)")
 BAMBOO = "uclasystem/bamboo @ 8080929 (Bamboo, NSDI '23), MIT, Copyright (c) 2022 UCLASystem"
@@ -195,8 +195,8 @@ def import_reference(spot: Path, transient: Path) -> dict[str, Any]:
     v100_avail, v100_lives = skypilot_summaries(transient)
     return {
         "about": "Compact tables derived from public spot measurements for meshmorph.predict; "
-                 "each entry names its source and licence. Rebuild: python -m "
-                 "meshmorph.predict.spot_import SPOT_DIR TRANSIENT_DIR",
+                 "each entry names its source and licence. Rebuild: python "
+                 "scripts/spot_import.py SPOT_DIR TRANSIENT_DIR",
         "availability": {"h100-gcp-2025-10": h100_probes(spot), "l4-aws-2025-12": l4_avail,
                          "v100-aws-2023-02": v100_avail},
         "lifetimes": {

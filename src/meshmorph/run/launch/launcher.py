@@ -367,13 +367,31 @@ def _signal(pids: list[int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
+KILL_WAIT_S = 5.0
+"""How long ``kill_tree`` waits for the killed processes below torchrun to end (SIGKILL is
+delivered asynchronously; orphans are reaped by init, not by us)."""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still exists and is not a zombie (Linux /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # field 3: the state
+
+
 def kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL torchrun and every process below it."""
+    """SIGKILL torchrun and every process below it; returns once they have ended (or after
+    ``KILL_WAIT_S``), so that no rank outlives the launcher's exit."""
     tree = descendants(proc.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     _signal([proc.pid, *tree], signal.SIGKILL)
     proc.wait()
+    deadline = time.monotonic() + KILL_WAIT_S
+    while any(_running(pid) for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

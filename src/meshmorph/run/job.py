@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from meshmorph.run.config import OptimConfig, check_steps
-from meshmorph.spec.plan import Fp8Scaling
+from meshmorph.spec.plan import DType, Fp8Scaling
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,12 +88,12 @@ class TrainSection:
                 f"[train] micro_batch {self.micro_batch} does not divide global_batch "
                 f"{self.global_batch}"
             )
-        if self.dtype not in ("fp32", "bf16", "fp16", "fp8"):
+        if self.dtype not in tuple(DType):
             raise ValueError(f"[train] dtype must be fp32, bf16, fp16 or fp8, got {self.dtype!r}")
         if self.fp8_scaling not in tuple(Fp8Scaling):
             raise ValueError(f"[train] fp8_scaling must be one of {', '.join(Fp8Scaling)}, got "
                              f"{self.fp8_scaling!r}")
-        if self.fp8_scaling != Fp8Scaling.TENSORWISE and self.dtype != "fp8":
+        if self.fp8_scaling != Fp8Scaling.TENSORWISE and self.dtype != DType.FP8:
             raise ValueError(f"[train] fp8_scaling {self.fp8_scaling!r} applies to dtype fp8, "
                              f"not {self.dtype!r}; set dtype = \"fp8\" or leave fp8_scaling out")
         if self.compile_backend not in ("inductor", "aot_eager", "eager"):

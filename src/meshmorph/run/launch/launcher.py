@@ -35,6 +35,17 @@ from meshmorph.run.checkpoint import PREFIX, TMP_INFIX, CheckpointInfo, scan_che
 from meshmorph.run.job import JobConfig, load_job
 from meshmorph.run.launch.console import Relay, last_step, last_step_record
 from meshmorph.run.launch.host_memory import check_host_memory
+from meshmorph.run.launch.run_folder import (
+    RunLock,
+    check_fresh,
+    check_resumable,
+    clear_stop,
+    make_folder,
+    plan_file,
+    request_stop,
+    set_aside_earlier_run,
+)
+from meshmorph.run.metrics import METRICS_FILE
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan, PlanError, load_plan
@@ -201,7 +212,6 @@ def check_resume_point(job: JobConfig, model: ModelSpec, plan: Plan, out_dir: Pa
     refused: ``--resume`` never starts from step 0."""
     from meshmorph.run.checkpoint import latest_checkpoint
     from meshmorph.run.fingerprint import RunFingerprint, check_resume, run_fingerprint
-    from meshmorph.run.launch.run_folder import check_resumable
 
     check_resumable(out_dir, job.checkpoint_dir(out_dir))  # none at all: refused, not step 0
     info = latest_checkpoint(job.checkpoint_dir(out_dir))  # a damaged newest one is refused here
@@ -216,7 +226,6 @@ def prepare_run(job_path: Path, *, nproc: int | None, plan_arg: str | None, resu
                 inject_failure: str | None = None, node_rank: int | None = None,
                 rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> PreparedRun:
     """Every check a run needs, with no process started and nothing written."""
-    from meshmorph.run.launch.run_folder import check_fresh
     from meshmorph.run.trainer import make_source
 
     if nproc is not None and nproc < 1:
@@ -336,18 +345,24 @@ def torchrun_command(run: PreparedRun, plan_path: Path,
     return command + (["--resume"] if run.resume else [])
 
 
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...); None when the
+    process is gone (Linux /proc)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def _process_tree(root: int) -> dict[int, list[int]]:
     """Children of every process below ``root`` (Linux /proc)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])  # field 4 of /proc/PID/stat: ppid
-        children.setdefault(parent, []).append(int(entry.name))
+        fields = _stat_fields(entry.name)
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))  # field 4: ppid
     return children
 
 
@@ -373,12 +388,9 @@ delivered asynchronously; orphans are reaped by init, not by us)."""
 
 
 def _running(pid: int) -> bool:
-    """Whether ``pid`` still exists and is not a zombie (Linux /proc)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # field 3: the state
+    """Whether ``pid`` still exists and is not a zombie."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"  # field 3: the state
 
 
 def kill_tree(proc: subprocess.Popen[bytes]) -> None:
@@ -426,7 +438,6 @@ def _start(run: PreparedRun, plan_path: Path, rendezvous: list[str], lock_fd: in
 def _relay(run: PreparedRun, proc: subprocess.Popen[bytes]) -> tuple[Relay, threading.Thread]:
     """Relay torchrun's stderr (its agent's and its workers') to ours through a ``Relay``, on a
     thread of its own, until every writer has closed it."""
-    from meshmorph.run.metrics import METRICS_FILE
 
     def step_now() -> int | None:
         done = last_step(run.out_dir / METRICS_FILE)
@@ -473,7 +484,6 @@ def stopping_line(run: PreparedRun, newest: Path | None, now: float) -> tuple[st
     """What the first Ctrl-C says (the step the ranks finish, how long it should take still, from
     the last step's time in metrics.jsonl, what a second Ctrl-C does) and those seconds (0:
     unknown or overdue); ``now`` is the wall clock (``time.time``)."""
-    from meshmorph.run.metrics import METRICS_FILE
 
     metrics = run.out_dir / METRICS_FILE
     record = last_step_record(metrics)
@@ -504,7 +514,6 @@ def stopping_line(run: PreparedRun, newest: Path | None, now: float) -> tuple[st
 def _watch(run: PreparedRun, proc: subprocess.Popen[bytes]) -> tuple[int, str, float]:
     """Wait for torchrun; (its exit code, how it ended: ``done``, ``stopped``, ``aborted``,
     when the first Ctrl-C came)."""
-    from meshmorph.run.launch.run_folder import request_stop
 
     deadline: float | None = None
     asked = time.monotonic()
@@ -536,14 +545,6 @@ def _watch(run: PreparedRun, proc: subprocess.Popen[bytes]) -> tuple[int, str, f
 def launch(run: PreparedRun, *, quiet: bool = False) -> int:
     """Lock the run folder, write the plan into it, run torchrun, and return its exit code
     (130 after Ctrl-C or SIGTERM, once every rank has stopped)."""
-    from meshmorph.run.launch.run_folder import (
-        RunLock,
-        check_fresh,
-        clear_stop,
-        make_folder,
-        plan_file,
-        set_aside_earlier_run,
-    )
 
     rendezvous = master_port_args(dict(os.environ))
     make_folder(run.out_dir)

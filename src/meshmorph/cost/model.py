@@ -21,7 +21,13 @@ from meshmorph.cost import comm
 from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.estimate import Estimate, StageMemory
 from meshmorph.cost.layer_cost import LayerCoster, PieceCost
-from meshmorph.cost.pipeline import Timeline, async_steady_step, known_warmup, simulate
+from meshmorph.cost.pipeline import (
+    Timeline,
+    async_steady_step,
+    known_drain,
+    known_warmup,
+    simulate,
+)
 from meshmorph.cost.profile import Profile
 from meshmorph.cost.rank_terms import rank_memory_terms, tail_overlap_window_s
 from meshmorph.cost.segments import LayerPlan, Segment, autocast_stream, chunk_segments, fsdp_units
@@ -681,17 +687,24 @@ class CostModel:
     def _drained(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
                  back: Sequence[float], ends: list[float]) -> list[float]:
         """``_rank_ends`` of a one-chunk-per-rank pipeline with the drain: the last backward
-        (``back``) to end on rank j ends no sooner than chain_j + m (f_j + b_j) (every F and B of
-        rank j after the chain, each F before its B), and that micro-batch's backward then passes
-        ranks j - 1, ..., k in turn, so rank k ends no sooner than that plus b_{j-1} + ... + b_k,
-        for every j >= k."""
-        m = plan.num_microbatches
+        (``back``) to end on rank j ends no sooner than chain_j + m (f_j + b_j) + the weight
+        passes its action list runs before it (every F and B of rank j after the chain, each F
+        before its B), and that micro-batch's backward then passes ranks j - 1, ..., k in turn,
+        so rank k ends no sooner than that plus b_{j-1} + ... + b_k and the weight passes rank k
+        runs after its last backward, for every j >= k (``known_drain``)."""
+        m, p = plan.num_microbatches, plan.pp
+        drain = known_drain(plan.schedule, p, m, plan.vpp) if plan.schedule.split_backward \
+            else None
+        weights = [(0.0, 0.0)] * p if drain is None else [
+            (before * t.wgrad_s, after * t.wgrad_s) for (before, after), t in zip(drain, times,
+                                                                                 strict=True)]
         drained = list(ends)
         latest = -math.inf  # max over j > k of (rank j's last B's end + b_{k+1} + ... + b_{j-1})
-        for k in range(plan.pp - 2, -1, -1):
+        for k in range(p - 2, -1, -1):
             latest += back[k + 1] if latest > -math.inf else 0.0
-            latest = max(latest, chain[k + 1] + m * (times[k + 1].fwd_s + back[k + 1]))
-            drained[k] = max(drained[k], latest + back[k])
+            latest = max(latest, chain[k + 1] + m * (times[k + 1].fwd_s + back[k + 1])
+                         + weights[k + 1][0])
+            drained[k] = max(drained[k], latest + back[k] + weights[k][1])
         return drained
 
     @staticmethod

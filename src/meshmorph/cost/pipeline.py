@@ -35,37 +35,64 @@ def _shape(schedule: Schedule, p: int, m: int, v: int) -> tuple[Program, int, bo
 
 
 Warmup = tuple[tuple[int, tuple[int, ...]], ...]
-_WARMUPS: dict[tuple[str, int, int, int], Warmup] = {}
+Drain = tuple[tuple[int, int], ...]
+_WARMUPS: dict[tuple[str, int, int, int], tuple[Warmup, Drain]] = {}
 
 
 def known_warmup(schedule: Schedule, p: int, m: int, v: int = 1) -> Warmup | None:
     """``forwards_before_backward`` of a shape already simulated (its action list at hand),
     else None: a bound that reads it never generates a schedule it would not simulate."""
-    return _WARMUPS.get((str(schedule), p, m, v))
+    known = _WARMUPS.get((str(schedule), p, m, v))
+    return known[0] if known is not None else None
+
+
+def known_drain(schedule: Schedule, p: int, m: int, v: int = 1) -> Drain | None:
+    """Per rank of a shape already simulated, (W passes its action list runs before its last
+    backward, W passes after it), else None; zeros when the backward is not split."""
+    known = _WARMUPS.get((str(schedule), p, m, v))
+    return known[1] if known is not None else None
+
+
+def deferred_weight_passes(schedule: Schedule, p: int, m: int, v: int = 1) -> tuple[int, ...]:
+    """Per rank, the weight-gradient (W) passes its action list runs after its last backward
+    (``known_drain``, the list generated when not at hand): under a split backward the rest,
+    m - that, run before the last input gradient. Zeros when the backward is not split."""
+    if not Schedule(schedule).split_backward:
+        return (0,) * p
+    forwards_before_backward(schedule, p, m, v)
+    drain = known_drain(schedule, p, m, v)
+    assert drain is not None
+    return tuple(after for _, after in drain)
 
 
 def forwards_before_backward(schedule: Schedule, p: int, m: int, v: int = 1) -> Warmup:
     """Per rank, the stage (model chunk) of the first backward (B, or I under a split backward)
-    its action list runs, and how many forwards of each stage it runs before it: its warm-up."""
+    its action list runs, and how many forwards of each stage it runs before it: its warm-up.
+    The same walk records ``known_drain``."""
     key = (str(schedule), p, m, v)
     known = _WARMUPS.get(key)
     if known is not None:
-        return known
-    out = []
+        return known[0]
+    out, drain = [], []
     stages = p * v
+    backward = (Kind.B, Kind.I)
     for order in frozen_actions(str(schedule), p, m, v, False):
         first, count = stages - 1, [0] * stages
         for action in order:
-            if action.kind in (Kind.B, Kind.I):
+            if action.kind in backward:
                 first = action.stage
                 break
             if action.kind == Kind.F:
                 count[action.stage] += 1
         out.append((first, tuple(count)))
+        last = max((i for i, a in enumerate(order) if a.kind in backward), default=len(order))
+        weights = [i for i, a in enumerate(order) if a.kind == Kind.W]
+        after = sum(1 for i in weights if i > last)
+        drain.append((len(weights) - after, after))
     if len(_WARMUPS) > 1024:
         _WARMUPS.clear()
-    warmup = _WARMUPS[key] = tuple(out)
-    return warmup
+    _WARMUPS[key] = (tuple(out), tuple(drain))
+    return _WARMUPS[key][0]
 
 
 def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: Sequence[float],

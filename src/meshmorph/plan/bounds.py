@@ -26,6 +26,7 @@ the least over stage partitions of the largest rank bound, plan/partition_bounds
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -41,8 +42,14 @@ from meshmorph.cost.rank_terms import (
 from meshmorph.cost.segments import autocast_stream, layer_plan
 from meshmorph.plan.block_run import BlockRun, block_run
 from meshmorph.plan.fastest_layers import cluster_gpu, fastest_layer_times, unique_gpus
-from meshmorph.plan.partition_bounds import rest_bounds
-from meshmorph.plan.rank_bound import FillKind, RankBound, SplitTable, least_max, rank_tail_line
+from meshmorph.plan.partition_bounds import deferred_passes, rest_bounds, warmup_forwards
+from meshmorph.plan.rank_bound import (
+    FillKind,
+    RankBound,
+    SplitTable,
+    least_max,
+    rank_tail_line,
+)
 from meshmorph.plan.relaxations import MemoryRelaxation, filled_share
 from meshmorph.plan.space import Config
 from meshmorph.plan.strategy_dp import TermsCache, stage_choices, stage_lower_bound_s
@@ -192,19 +199,18 @@ class ConfigBounds:
         # in 1F1B and GPipe the last backward must also go back to rank 0 (which the tail
         # overlaps, so that variant leaves the tail out); in zero-bubble the last B goes back
         # after the rank's F and B ops (its W ops need not precede it)
-        kinds = (FillKind.WITH_TAIL, FillKind.FB_OPS if plan.schedule == Schedule.ZERO_BUBBLE
-                 else FillKind.WORK)
-        for kind in kinds:
+        for kind, left_out in fill_kinds(plan)[:2]:  # the chains that run forward
             per_block = min(r.block_chain(kind) for r in ranks)
             entry = ranks[0].fixed_chain(kind)
             hops = hop * (1 if kind == FillKind.WITH_TAIL else 2)  # forward only, or both ways
 
             def feasible(step: float, per_block: float = per_block, entry: float = entry,
-                         hops: float = hops, kind: FillKind = kind) -> bool:
+                         hops: float = hops, kind: FillKind = kind,
+                         left_out: tuple[int, ...] = left_out) -> bool:
                 placed = 0.0
                 for k, rank in enumerate(ranks):
                     room = step - per_block * placed - (entry + hops * k if k else 0.0)
-                    n = rank.capacity(room, run.count, kind)
+                    n = rank.capacity(room, run.count, kind, left_out[k])
                     if n < least[k]:
                         return False
                     # no more than the blocks left after the later ranks' least
@@ -226,13 +232,10 @@ class ConfigBounds:
         return bound
 
     def integer_fill_bound(self, config: Config, floor: float) -> float:
-        """``fill_bound`` over whole blocks: the least step T for which some split into whole
-        blocks n_0.., n_p-1 meets every rank's fill constraint c x (blocks before s) + K_s +
-        h_s(n_s) <= T (for each kind of ``fill_bound``), without the linear interpolation of h
-        or the greedy (so any number of micro-batches). For a given T the split counts reachable
-        after ranks 0..s form an interval (h grows with n), found rank by rank for a grid of T
-        at once; the grid is refined three times. ``floor`` is a known lower bound; returns at
-        least it."""
+        """``fill_bound`` over whole blocks, for any number of micro-batches, with each rank's
+        warm-up and drain: the least over splits into whole blocks of the largest of every
+        rank's constraints at once (``_DrainTables.joint``). ``floor`` is a known lower bound;
+        returns at least it."""
         run = block_run(self.cost.model)
         plan = config.plan
         p = plan.pp
@@ -240,53 +243,9 @@ class ConfigBounds:
                 or plan.schedule not in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.GPIPE)):
             return floor
         ranks = [self._rank(plan, run, k, config.rank_gpus[k]) for k in range(p)]
-        least = run.least_blocks(p)
-        count = run.count
-        reserve = [sum(least[k + 1:]) for k in range(p)]
         hop = min(self.cost.p2p_time(plan, cluster_gpu(self.cost, g)) for g in config.rank_gpus)
-        blocks = np.arange(count + 1)
-        bound = floor
-        kinds = (FillKind.WITH_TAIL, FillKind.FB_OPS if plan.schedule == Schedule.ZERO_BUBBLE
-                 else FillKind.WORK)
-        for kind in kinds:
-            per_block = min(r.block_chain(kind) for r in ranks)
-            entry = ranks[0].fixed_chain(kind)
-            hops = hop * (1 if kind == FillKind.WITH_TAIL else 2)
-            times = [r.values(kind, count) for r in ranks]
-            # the most blocks before rank k for which n blocks on it fit: P <= (T - K - t) / c
-            # and P <= count - reserve - n, capped by what ranks before can place
-            caps = [np.where(blocks >= least[k], count - reserve[k] - blocks, -1)
-                    for k in range(p)]
-
-            def feasible(steps: np.ndarray, per_block: float = per_block, entry: float = entry,
-                         hops: float = hops, times: list = times, caps: list = caps
-                         ) -> np.ndarray:
-                lo = np.zeros(len(steps), dtype=np.int64)
-                hi = np.zeros(len(steps), dtype=np.int64)
-                ok = np.ones(len(steps), dtype=bool)
-                for k in range(p):
-                    room = steps[:, None] - (entry + hops * k if k else 0.0) - times[k][None, :]
-                    with np.errstate(invalid="ignore", divide="ignore"):
-                        most = np.floor(room / per_block) if per_block > 0 else \
-                            np.where(room >= 0, count, -1)
-                    most = np.where(room >= 0, np.minimum(most, hi[:, None]), -1)
-                    most = np.minimum(most, caps[k][None, :])
-                    valid = most >= lo[:, None]
-                    top = np.where(valid, most + blocks[None, :], -1).max(axis=1)
-                    ok &= valid[:, least[k]]
-                    lo, hi = lo + least[k], top.astype(np.int64)
-                return ok & (lo <= count) & (hi >= count)
-
-            lo_s, hi_s = bound, bound + per_block * count + (entry + hops) * p
-            for _ in range(3):
-                grid = np.linspace(lo_s, hi_s, 33)
-                fits = feasible(grid)
-                if fits[0] or not fits[-1]:
-                    break  # no better than the bound so far (or some h infinite everywhere)
-                first = int(np.argmax(fits))
-                lo_s, hi_s = float(grid[first - 1]), float(grid[first])
-            bound = max(bound, lo_s)
-        return bound
+        drain = _DrainTables(ranks, run.least_blocks(p), run.count, hop, fill_kinds(plan))
+        return max(floor, drain.joint())
 
     def split_table(self, config: Config) -> SplitTable | None:
         """For the stage search: per pipeline rank k, the least max h over ranks k.. holding any
@@ -322,17 +281,16 @@ class ConfigBounds:
             return ()
         count = run.count
         hop = min(self.cost.p2p_time(plan, cluster_gpu(self.cost, g)) for g in config.rank_gpus)
-        kinds = (FillKind.WITH_TAIL, FillKind.FB_OPS if plan.schedule == Schedule.ZERO_BUBBLE
-                 else FillKind.WORK)
+        kinds = fill_kinds(plan)
         blocks = np.arange(count + 1)
         # rest[n, j] = n - j: the blocks the later ranks hold when this one holds j of n
         rest = blocks[:, None] - blocks[None, :]
         out = []
-        for kind in kinds:
+        for kind, left_out in kinds[:2]:
             per_block = min(r.block_chain(kind) for r in ranks)
             hops = hop * (1 if kind == FillKind.WITH_TAIL else 2)
-            own = [np.where(blocks >= least[k], r.values(kind, count), math.inf) + hops * k
-                   for k, r in enumerate(ranks)]
+            own = [np.where(blocks >= least[k], r.values(kind, count, left_out[k]), math.inf)
+                   + hops * k for k, r in enumerate(ranks)]
             table = [np.full(count + 1, math.inf) for _ in range(p)]
             table[p - 1] = own[p - 1]
             for k in range(p - 2, -1, -1):
@@ -340,6 +298,9 @@ class ConfigBounds:
                 table[k] = np.maximum(own[k][None, :], per_block * blocks[None, :] + later).min(
                     axis=1)
             out.append((kind == FillKind.WITH_TAIL, [list(map(float, t)) for t in table]))
+        back, between = _DrainTables(ranks, least, count, hop, kinds).tables()
+        out.append((True, [list(map(float, t)) for t in back]))  # from the forward chain on
+        out.append((False, [list(map(float, t)) for t in between]))
         return tuple(out)
 
     def _rank(self, plan: Plan, run: BlockRun, k: int, gpu_name: str) -> RankBound:
@@ -419,6 +380,134 @@ class ConfigBounds:
         timeline = simulate(plan.schedule, plan.pp, plan.num_microbatches, fwd, bwd, v=plan.vpp,
                             p2p_s=(send,) * plan.num_chunks, wgrad_s=wgrad if split else None)
         return max(timeline.rank_end_s[k] + tails[k] for k in range(plan.pp))
+
+
+def fill_kinds(plan: Plan) -> tuple[tuple[FillKind, tuple[int, ...]], ...]:
+    """The three fill bounds of a one-chunk pipeline, each with the ops every rank's value
+    leaves out (``RankBound.value``): the forward chain with the tail; the chain there and
+    back with the work (zero-bubble: less the W ops after the last input gradient); and the
+    chain to the loss and back with h less the warm-up forwards (``_DrainTables``)."""
+    p, m = plan.pp, plan.num_microbatches
+    zb = plan.schedule == Schedule.ZERO_BUBBLE
+    warm = tuple(m if w is None else w for w in warmup_forwards(plan))
+    return ((FillKind.WITH_TAIL, (0,) * p),
+            (FillKind.FB_OPS if zb else FillKind.WORK, deferred_passes(plan)),
+            (FillKind.AFTER_WARMUP, warm))
+
+
+class _DrainTables:
+    """The fill bounds that read each rank's warm-up and drain, for one configuration of
+    one-chunk ranks (``ranks``, rank k holding at least ``least[k]`` of the ``count`` blocks):
+
+    - back: rank s's first backward waits for micro-batch 0's forward through every layer and
+      its backward through the ranks after s; only its warm-up forwards run before it;
+    - between: its last backward must then still go back through the ranks before s, and
+      between its first and last backward it runs its other backwards, its forwards after the
+      warm-up and the W ops it does not defer.
+
+    A backward's chain through a rank carries the recompute its memory forces on every
+    micro-batch (``RankBound.work``'s relaxation), so chains are summed rank by rank, each sum
+    at its least over the splits of the blocks (``_least_sums``); the forward hops are counted
+    from rank 0, as the other fill tables count them."""
+
+    def __init__(self, ranks: list[RankBound], least: list[int], count: int, hop: float,
+                 kinds: tuple[tuple[FillKind, tuple[int, ...]], ...]):
+        self.p, self.count, self.hop = len(ranks), count, hop
+        chain_kind, deferred = kinds[1]
+        warm = kinds[2][1]
+        split = chain_kind == FillKind.FB_OPS
+        blocks = np.arange(count + 1)
+        self.after = blocks[:, None] - blocks[None, :]  # [n, j]: the later ranks' share
+        fwd, back = [], []
+        self.back = back
+        self.h, self.fb, self.warmed, self.between = [], [], [], []
+        for k, r in enumerate(ranks):
+            work = r.values(FillKind.WORK, count)
+            fits = np.isfinite(work) & (blocks >= least[k])
+            f = r.fixed_fwd + blocks * r.block_fwd
+            block_b, fixed_b = r.back_chain(split)
+            with np.errstate(invalid="ignore"):
+                recompute = np.where(fits, work / r.m - (r.fixed_work + blocks * r.block_work),
+                                     0.0)
+            b = fixed_b + blocks * block_b + recompute
+            fb = r.values(chain_kind, count, deferred[k])
+            fwd.append(np.where(fits, f, math.inf))
+            back.append(np.where(fits, b, math.inf))
+            self.h.append(np.where(fits, r.values(FillKind.WITH_TAIL, count), math.inf))
+            self.fb.append(np.where(fits, fb, math.inf))
+            self.warmed.append(np.where(fits, r.values(FillKind.AFTER_WARMUP, count, warm[k]),
+                                        math.inf))
+            with np.errstate(invalid="ignore"):  # inf - inf where the blocks do not fit
+                self.between.append(np.where(fits, fb - warm[k] * f - b, math.inf))
+        both = [x + y for x, y in zip(fwd, back, strict=True)]
+        self.fwd_pre, self.fwd_suf = self._least_sums(fwd)
+        self.back_pre, self.back_suf = self._least_sums(back)
+        self.both_pre, self.both_suf = self._least_sums(both)
+        self.forward_all = self.fwd_suf[0][count] + hop * (self.p - 1)
+
+    def _least_sums(self, values: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(pre, suf): pre[k][n] the least sum of ``values`` over the ranks before k holding the
+        first n blocks, suf[k][n] over the ranks k.. holding the last n (k = 0..p)."""
+        p, count = self.p, self.count
+        empty = np.where(np.arange(count + 1) == 0, 0.0, math.inf)
+        take = np.clip(self.after, 0, count)
+
+        def step(acc: np.ndarray, value: np.ndarray) -> np.ndarray:
+            later = np.where(self.after >= 0, acc[take], math.inf)
+            return (value[None, :] + later).min(axis=1)
+
+        pre, suf = [empty], [empty]
+        for k in range(p):
+            pre.append(step(pre[-1], values[k]))
+            suf.append(step(suf[-1], values[p - 1 - k]))
+        return pre, suf[::-1]
+
+    def _min_max(self, own: list[np.ndarray]) -> list[np.ndarray]:
+        """table[k][n]: the least over the splits of the last n blocks among ranks k.. of the
+        largest own[s][n, n_s] (own[s] indexed by the blocks of ranks s.. and of rank s)."""
+        p, count = self.p, self.count
+        inner = np.where(np.arange(count + 1) == 0, 0.0, math.inf)
+        take = np.clip(self.after, 0, count)
+        tables = [inner] * (p + 1)
+        for k in range(p - 1, -1, -1):
+            later = np.where(self.after >= 0, inner[take], math.inf)
+            inner = tables[k] = np.maximum(own[k], later).min(axis=1)
+        return tables
+
+    def _back_own(self, k: int) -> np.ndarray:
+        p, take = self.p, np.clip(self.after, 0, self.count)
+        chain = np.where(self.after >= 0, self.back_suf[k + 1][take], math.inf)
+        return chain + self.hop * (p - 1 - k) + self.warmed[k][None, :]
+
+    def _between_own(self, k: int) -> np.ndarray:
+        return np.broadcast_to(self.between[k][None, :], self.after.shape)
+
+    def tables(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """For the stage search (``SplitTable.fill``): the back table, from micro-batch 0's
+        forward reaching rank k on (forward-only), and the between table, past the chain there
+        and back through the ranks before k."""
+        p = self.p
+        back = self._min_max([self._back_own(k) for k in range(p)])
+        between = self._min_max([self._between_own(k) for k in range(p)])
+        return ([back[k] + self.fwd_suf[k] + self.hop * (p - 1) for k in range(p)],
+                [between[k] + self.both_suf[k] + 2 * self.hop * (p - 1) for k in range(p)])
+
+    def joint(self) -> float:
+        """No step is shorter: every rank's fill, chain-there-and-back, back and between
+        constraints of one split at once, least over the splits."""
+        p, count, hop = self.p, self.count, self.hop
+        before = np.broadcast_to((count - np.arange(count + 1))[:, None], self.after.shape)
+        take = np.clip(self.after, 0, count)
+        own = []
+        for k in range(p):
+            chain_after = np.where(self.after >= 0, self.back_suf[k + 1][take], math.inf)
+            own.append(functools.reduce(np.maximum, [
+                self.fwd_pre[k][before] + hop * k + self.h[k][None, :],
+                self.both_pre[k][before] + 2 * hop * k + self.fb[k][None, :],
+                self.forward_all + self._back_own(k),
+                self.forward_all + hop * (p - 1) + self.back_pre[k][before] + chain_after
+                + (self.back[k] + self.between[k])[None, :]]))
+        return float(self._min_max(own)[0][count])
 
 
 def rank_chunks(plan: Plan, k: int) -> list[tuple[int, int]]:

@@ -24,12 +24,13 @@ import numpy as np
 
 from meshmorph.cost.layer_cost import PieceCost
 from meshmorph.cost.model import steady_state
-from meshmorph.cost.pipeline import simulate
+from meshmorph.cost.pipeline import deferred_weight_passes, forwards_before_backward, simulate
 from meshmorph.plan.fastest_layers import fastest_layer_times, unique_gpus
 from meshmorph.plan.relaxations import MemoryRelaxation, filled_share
 from meshmorph.plan.stage_recompute import StageChoice, StageSolver
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec.model import LayerKind
+from meshmorph.spec.plan import Plan
 
 if TYPE_CHECKING:
     from meshmorph.plan.rank_bound import SplitTable
@@ -38,20 +39,50 @@ if TYPE_CHECKING:
 Chosen = Sequence[tuple[int, int, StageChoice]]
 
 
+FILL_PAIRS = 8192
+"""Largest pp x micro-batches whose action list the bounds read (each rank's warm-up forwards
+and the W ops after its last input gradient); larger shapes take m for both, a weaker bound."""
+
+
+def warmup_forwards(plan: Plan) -> tuple[int, ...] | tuple[None, ...]:
+    """Per rank of a one-chunk pipeline, the forwards its action list runs before its first
+    backward (``rank_step_bound``'s ``warm``); None each for shapes above the fill bounds'
+    limit (``FILL_PAIRS``) and asynchronous plans."""
+    p, m = plan.pp, plan.num_microbatches
+    if plan.schedule == Schedule.ASYNC or p * m > FILL_PAIRS or plan.num_chunks != p:
+        return (None,) * p
+    return tuple(sum(count) for _, count in forwards_before_backward(plan.schedule, p, m))
+
+
+def deferred_passes(plan: Plan) -> tuple[int, ...]:
+    """Per rank of a zero-bubble pipeline, the W ops its action list may run after its last
+    input gradient (m each above ``FILL_PAIRS``); 0 each for other schedules."""
+    p, m = plan.pp, plan.num_microbatches
+    if plan.schedule != Schedule.ZERO_BUBBLE:
+        return (0,) * p
+    return deferred_weight_passes(plan.schedule, p, m) if p * m <= FILL_PAIRS else (m,) * p
+
+
 def rank_step_bound(schedule: Schedule, zb: bool, m: int, p: int, k: int, prefix_f: float,
                     prefix_b: float, f: float, b: float, b_whole: float, tail: float,
-                    after: float) -> float:
+                    after: float, warm: int | None = None, w_before: float = 0.0) -> float:
     """No step is shorter, from pipeline rank k alone, holding one stage with forward ``f``,
     backward ``b_whole`` of which ``b`` is what the chain waits for (the input gradient under
     zero-bubble, ``zb``), and tail ``tail``; ``prefix_f`` and ``prefix_b`` are micro-batch 0's
     forward and backward chains through the ranks before it and ``after`` the least chain of
     the ranks after it. After rank k's last backward its tail and the backward chain to rank 0
-    run side by side; under zero-bubble its W ops may also run after its last B."""
+    run side by side; under zero-bubble its W ops may also run after its last B. With ``warm``
+    (the forwards its action list runs before its first backward): that backward waits for
+    micro-batch 0's chain to the loss and back, and only those forwards run before it.
+    ``w_before``: the W ops (zero-bubble) its action list runs before its last B."""
     if schedule == Schedule.ASYNC:  # no fill or drain: its own steady-state work
         return m * (f + b_whole) + tail
+    back = 0.0 if warm is None else prefix_f + after + m * (f + b_whole) - (warm - 1) * f + max(
+        tail, w_before + prefix_b - m * (b_whole - b))  # to the loss, back; then tail or drain
     if zb:
-        return max(prefix_f + m * (f + b_whole) + tail, prefix_f + m * (f + b) + prefix_b)
-    generic = prefix_f + m * (f + b_whole) + max(tail, prefix_b)
+        return max(prefix_f + m * (f + b_whole) + tail,
+                   prefix_f + m * (f + b) + w_before + prefix_b, back)
+    generic = max(prefix_f + m * (f + b_whole) + max(tail, prefix_b), back)
     if schedule != Schedule.ONE_F_ONE_B:
         return generic
     # 1F1B: rank k runs m forwards and m - w backwards before its last forward ends, then
@@ -71,8 +102,12 @@ class PartitionBounds:
         self.p, self.m = plan.pp, plan.num_microbatches
         self.schedule = plan.schedule
         self.zb = solver.zb
+        self.warm = warmup_forwards(plan)
+        self.deferred = deferred_passes(plan)
+        self.w_before = tuple(self.m - n if self.zb else 0 for n in self.deferred)
         self.table = table
         self.p2p = [cost.p2p_time(plan, g) for g in solver.gpus]
+        self.hop = min(self.p2p)  # as plan/bounds.py's fill tables count a hop
         L = solver.L
         fastest = fastest_layer_times(cost, plan, unique_gpus(cost, (g.name for g in solver.gpus)))
         # least_after[i]: the smallest one-layer stage among layers i.., per op kind (a stage
@@ -106,9 +141,12 @@ class PartitionBounds:
 
     def own(self, k: int, prefix_f: float, prefix_b: float, t: PieceCost, tail: float,
             after: float) -> float:
-        """``rank_step_bound`` of rank k holding a stage of times ``t`` and tail ``tail``."""
+        """``rank_step_bound`` of rank k holding a stage of times ``t`` and tail ``tail``;
+        ``prefix_b`` may be any least time from rank k's last backward to the step's end
+        through the ranks before it (``rest``'s ``back``)."""
         return rank_step_bound(self.schedule, self.zb, self.m, self.p, k, prefix_f, prefix_b,
-                               t.fwd_s, t.bgrad_s if self.zb else t.bwd_s, t.bwd_s, tail, after)
+                               t.fwd_s, t.bgrad_s if self.zb else t.bwd_s, t.bwd_s, tail, after,
+                               self.warm[k], self.w_before[k] * t.wgrad_s)
 
     def flow_shop(self, prefix: float, max_f: float, max_b: float, t: PieceCost,
                   after: float) -> float:
@@ -119,16 +157,28 @@ class PartitionBounds:
         return prefix + t.fwd_s + t.bwd_s + after + (self.m - 1) * (
             max(max_f, t.fwd_s) + max(max_b, t.bwd_s))
 
-    def rest(self, k: int, stop: int, prefix_f: float, prefix_b: float, t: PieceCost) -> float:
+    def drain_after(self, k: int, t: PieceCost, tail: float) -> float:
+        """What rank k, holding a stage of times ``t`` and tail ``tail``, still runs after its
+        last backward: its tail, and under zero-bubble the W ops its action list defers; less
+        the k hops back to rank 0 that a chain ending on rank k does not take (the fill tables
+        count every hop to rank 0)."""
+        return tail + self.deferred[k] * t.wgrad_s - k * self.hop
+
+    def rest(self, k: int, stop: int, prefix_f: float, prefix_b: float, t: PieceCost,
+             back: float | None = None) -> float:
         """Lower bound from the ranks after k holding layers [stop, L), rank k's stage having
-        times ``t`` and the ranks before it the chains ``prefix_f`` and ``prefix_b``."""
-        m, left = self.m, self.p - 1 - k
+        times ``t`` and the ranks before it the chains ``prefix_f`` and ``prefix_b``; ``back``
+        (default: the backward chain through ranks k..0): the least time from a later rank's
+        last backward to the end of the step (the chain back to each rank r <= k, then what r
+        runs after it, ``drain_after``)."""
         step_b = self.step_b(t)
+        back = prefix_b + step_b if back is None else back
+        m, left = self.m, self.p - 1 - k
         # a later rank s: at least the forward chain up to it plus m x its work (plus, without
         # zero-bubble, the backward chain back from it); micro-batch 0's whole chain
         heaviest = max(self.suffix_min[stop] / left,
                        -(-self.blocks_after[stop] // left) * self.block_time)
-        upstream = 0.0 if self.zb else prefix_b + step_b
+        upstream = 0.0 if self.zb else back
         spread = self.suffix_chain[stop] / filled_share(m, left)
         rest = max(prefix_f + t.fwd_s + m * heaviest + upstream,
                    prefix_f + prefix_b + t.fwd_s + step_b + max(self.suffix_chain[stop], spread))
@@ -139,8 +189,7 @@ class PartitionBounds:
             rest = max(rest, self.table.rest[k + 1][n])
             for forward_only, fill in self.table.fill:
                 # the chain through ranks 0..k as chosen, then the later ranks' own fill
-                chain = prefix_f + t.fwd_s if forward_only else \
-                    prefix_f + prefix_b + t.fwd_s + step_b
+                chain = prefix_f + t.fwd_s + (0.0 if forward_only else back)
                 rest = max(rest, chain + fill[k + 1][n])
         return rest
 

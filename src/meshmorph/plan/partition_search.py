@@ -84,7 +84,7 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
 
     def dfs(k: int, start: int, prefix_f: float, prefix_b: float, lower: float,
             chosen: Choices, max_f: float = 0.0, max_b: float = 0.0,
-            node_bound: float = 0.0) -> None:
+            node_bound: float = 0.0, back: float = 0.0) -> None:
         visited[0] += 1
         if max_nodes is not None and visited[0] > max_nodes:
             open_bound[0] = min(open_bound[0], node_bound)  # this branch stays unexplored
@@ -93,7 +93,7 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
             choice = solver.stage(k, start, L)
             if choice is None:
                 return
-            own = bounds.own(k, prefix_f, prefix_b, choice.time, choice.tail_s, 0.0)
+            own = bounds.own(k, prefix_f, back, choice.time, choice.tail_s, 0.0)
             own = max(own, bounds.flow_shop(prefix_f + prefix_b, max_f, max_b, choice.time, 0.0))
             if max(lower, own) < cut[0]:
                 evaluate([*chosen, (start, L, choice)])
@@ -103,7 +103,7 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
             choice = solver.stage(k, start, stop)
             if choice is None:
                 break  # more layers never need less memory
-            if bounds.own(k, prefix_f, prefix_b, choice.time, choice.tail_s, 0.0) >= cut[0]:
+            if bounds.own(k, prefix_f, back, choice.time, choice.tail_s, 0.0) >= cut[0]:
                 break  # longer stages only take longer
             candidates.append((stop, choice))
         if target is not None:  # nearest the balanced split first
@@ -111,16 +111,19 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
         for stop, choice in candidates:
             t = choice.time
             after = bounds.suffix_chain[stop]
-            own = bounds.own(k, prefix_f, prefix_b, t, choice.tail_s, after)
+            own = bounds.own(k, prefix_f, back, t, choice.tail_s, after)
             own = max(own, bounds.flow_shop(prefix_f + prefix_b, max_f, max_b, t, after))
-            rest = bounds.rest(k, stop, prefix_f, prefix_b, t)
+            # from a later rank's last backward: back to each rank r <= k, then r's own drain
+            back_next = bounds.step_b(t) + max(back, bounds.drain_after(k, t, choice.tail_s))
+            rest = bounds.rest(k, stop, prefix_f, prefix_b, t, back_next)
             if max(lower, own, rest) >= cut[0] or not reach.can_finish(k + 1, stop):
                 continue
             extended = [*chosen, (start, stop, choice)]
             if bounds.simulates and bounds.simulated(extended, stop) >= cut[0]:
                 continue
             dfs(k + 1, stop, prefix_f + t.fwd_s, prefix_b + bounds.step_b(t), max(lower, own),
-                extended, max(max_f, t.fwd_s), max(max_b, t.bwd_s), max(lower, own, rest))
+                extended, max(max_f, t.fwd_s), max(max_b, t.bwd_s), max(lower, own, rest),
+                back_next)
 
     # balanced partitions first, for a good incumbent (simulated only if it could win)
     target = table.stops() if table is not None else None

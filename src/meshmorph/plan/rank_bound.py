@@ -34,7 +34,11 @@ class FillKind(StrEnum):
     WORK = "work"
     """h without the tail (1F1B, GPipe: the last backward must still go back to rank 0)."""
     FB_OPS = "fb"
-    """Only its F and B ops (zero-bubble: its W ops need not precede the last B going back)."""
+    """Without the W ops it runs after its last input gradient (zero-bubble: those need not
+    precede the last B going back); ``left_out``: how many."""
+    AFTER_WARMUP = "back"
+    """h without its warm-up forwards (``left_out``: how many), which alone may run before its
+    first backward: that waits for micro-batch 0's chain through every layer and back to it."""
 
 
 class RankBound:
@@ -62,7 +66,7 @@ class RankBound:
         self.m = plan.num_microbatches
         self.tail0, self.tail1 = tail_line or rank_tail_line(cost, plan, gpu)
         self._h: dict[int, float] = {}
-        self._values: dict[tuple[FillKind, int], np.ndarray] = {}
+        self._values: dict[tuple[FillKind, int, int], np.ndarray] = {}
 
     def h(self, n: int) -> float:
         value = self._h.get(n)
@@ -70,54 +74,48 @@ class RankBound:
             value = self._h[n] = self._value(n)
         return value
 
-    def capacity(self, room: float, most: int, kind: FillKind = FillKind.WITH_TAIL) -> float:
+    def capacity(self, room: float, most: int, kind: FillKind = FillKind.WITH_TAIL,
+                 left_out: int = 0) -> float:
         """Most blocks (a real number: the function interpolated linearly between whole
         blocks) whose time of ``kind`` is at most ``room``, at most ``most``; -1 when not even
         zero blocks fit."""
-        h = {FillKind.WITH_TAIL: self.h, FillKind.WORK: self.work, FillKind.FB_OPS: self.fb}[kind]
-        if h(0) > room:
+        h = self.values(kind, most, left_out)
+        if h[0] > room:
             return -1.0
-        lo, hi = 0, most
-        if h(most) <= room:
+        if h[most] <= room:
             return float(most)
-        while hi - lo > 1:  # h(lo) <= room < h(hi)
-            mid = (lo + hi) // 2
-            if h(mid) <= room:
-                lo = mid
-            else:
-                hi = mid
-        step = h(hi) - h(lo)
-        return lo + ((room - h(lo)) / step if step < math.inf else 0.0)
+        lo = int(np.searchsorted(h, room, side="right")) - 1  # h[lo] <= room < h[lo + 1]
+        step = h[lo + 1] - h[lo]
+        return lo + ((room - h[lo]) / step if step < math.inf else 0.0)
 
-    def work(self, n: int) -> float:
-        """h(n) without the tail (gradient sync, optimizer, ZeRO-3 traffic)."""
-        value = self.h(n)
-        if value == math.inf:
-            return value
-        return value - self.tail0 - self.tail1 * (self.fixed_params + n * self.block_params)
-
-    def fb(self, n: int) -> float:
-        """work(n) without the weight-gradient ops (zero-bubble's W)."""
-        return self.work(n) - self.m * (self.fixed_wgrad + n * self.block_wgrad)
-
-    def value(self, kind: FillKind, n: int) -> float:
-        """h(n), work(n) or fb(n), by ``kind``."""
-        if kind == FillKind.WITH_TAIL:
-            return self.h(n)
-        return self.work(n) if kind == FillKind.WORK else self.fb(n)
-
-    def values(self, kind: FillKind, most: int) -> np.ndarray:
-        """``value(kind, n)`` for n = 0..most, memoised (ranks with the same figures share one
-        RankBound)."""
-        key = (kind, most)
+    def values(self, kind: FillKind, most: int, left_out: int = 0) -> np.ndarray:
+        """For n = 0..most: h(n), work(n) (h without the tail: gradient sync, optimizer,
+        ZeRO-3 traffic), work(n) less ``left_out`` W ops, or h(n) less ``left_out`` forwards,
+        by ``kind`` (a block's forward is the same under every recompute mode); memoised
+        (ranks with the same figures share one RankBound)."""
+        key = (kind, most, left_out)
         found = self._values.get(key)
-        if found is None:
-            found = self._values[key] = np.array([self.value(kind, n) for n in range(most + 1)])
+        if found is not None:
+            return found
+        n = np.arange(most + 1)
+        h = self._values.get((FillKind.WITH_TAIL, most, 0))
+        if h is None:
+            h = self._values[(FillKind.WITH_TAIL, most, 0)] = self._all(most)
+        if kind == FillKind.WITH_TAIL:
+            found = h
+        elif kind == FillKind.AFTER_WARMUP:
+            found = h - left_out * (self.fixed_fwd + n * self.block_fwd)
+        else:
+            with np.errstate(invalid="ignore"):  # inf - a finite tail stays inf
+                found = h - self.tail0 - self.tail1 * (self.fixed_params + n * self.block_params)
+            if kind == FillKind.FB_OPS:
+                found = found - left_out * (self.fixed_wgrad + n * self.block_wgrad)
+        self._values[key] = found
         return found
 
     def block_chain(self, kind: FillKind) -> float:
         """One block's share of micro-batch 0's chain in the fill bound of ``kind``: its forward,
-        forward and backward, or forward and input gradient."""
+        forward and backward, or forward and input gradient (``AFTER_WARMUP``: ``back_chain``)."""
         return {FillKind.WITH_TAIL: self.block_fwd, FillKind.WORK: self.block_work,
                 FillKind.FB_OPS: self.block_work - self.block_wgrad}[kind]
 
@@ -125,6 +123,44 @@ class RankBound:
         """The fixed layers' share of that chain."""
         return {FillKind.WITH_TAIL: self.fixed_fwd, FillKind.WORK: self.fixed_work,
                 FillKind.FB_OPS: self.fixed_work - self.fixed_wgrad}[kind]
+
+    def back_chain(self, split: bool) -> tuple[float, float]:
+        """(one block's, the fixed layers') backward that micro-batch 0's chain back from the loss
+        waits for: B, or the input gradient under a ``split`` backward."""
+        return (self.block_work - self.block_fwd - (self.block_wgrad if split else 0.0),
+                self.fixed_work - self.fixed_fwd - (self.fixed_wgrad if split else 0.0))
+
+    def _all(self, most: int) -> np.ndarray:
+        """h(n) for n = 0..most: ``_value`` over an array, the same operations in the same
+        order (so the same figures)."""
+        terms = self.terms
+        n = np.arange(most + 1)
+        params = self.fixed_params + n * self.block_params
+        largest = np.where(n > 0, max(self.biggest_fixed, self.block_params), self.biggest_fixed)
+        stored = self.fixed_stored + n * self.block_stored
+        need = (params * terms.bytes_per_param + (terms.in_flight * stored + 0.0)
+                + largest * terms.gather_bytes_per_param + terms.reserved_bytes) \
+            - terms.budget_bytes
+        over = need > 0
+        extra = np.zeros(most + 1)
+        if over.any():
+            # least_extra_time on the hull, per block count
+            with np.errstate(divide="ignore", invalid="ignore"):
+                x = (need + self.working) / n
+            xs = np.array([p[0] for p in self.hull])
+            ys = np.array([p[1] for p in self.hull])
+            seg = np.clip(np.searchsorted(xs, x, side="left"), 1, max(len(xs) - 1, 1))
+            if len(xs) > 1:
+                x1, x2, y1, y2 = xs[seg - 1], xs[seg], ys[seg - 1], ys[seg]
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    inside = n * (y1 + (y2 - y1) * (x - x1) / (x2 - x1))
+                inside = np.where((n > 0) & (x <= xs[-1]), inside, math.inf)
+            else:
+                inside = np.full(most + 1, math.inf)
+            extra = np.where(over, inside, 0.0)
+        with np.errstate(invalid="ignore"):
+            return self.m * (self.fixed_work + n * self.block_work + extra) \
+                + self.tail0 + self.tail1 * params
 
     def _value(self, n: int) -> float:
         # CostModel.rank_memory's terms (RankMemoryTerms.total) and least_extra_time, inline:

@@ -66,7 +66,7 @@ class SearchOptions:
     """Optimality gap: branches whose lower bound is within this fraction of the best step found
     are cut, so the result is at most this much slower than the optimum (0 = exact; near-ties
     between pipeline partitions make exact search slow on deep pipelines)."""
-    max_nodes: int | None = 300
+    max_nodes: int | None = 1000
     """Branch-and-bound nodes per configuration before its open branches are left with their
     bound (the result then reports its proven optimality gap); None: search to the end."""
     tp_degrees: tuple[int, ...] | None = None

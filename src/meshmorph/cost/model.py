@@ -661,8 +661,8 @@ class CostModel:
             ends.append(chain[min(chunks)] + busy[-1])
         ends = CostModel._filled(plan, times, chain, back, ends, busy)
         if plan.num_chunks == plan.pp:
-            ends = CostModel._drained(plan, times, chain, back, ends)
-        return ends
+            return CostModel._drained(plan, times, chain, back, ends)
+        return CostModel._drained_chunks(plan, times, chain, back, ends)
 
     @staticmethod
     def _filled(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
@@ -696,8 +696,8 @@ class CostModel:
         drain = known_drain(plan.schedule, p, m, plan.vpp) if plan.schedule.split_backward \
             else None
         weights = [(0.0, 0.0)] * p if drain is None else [
-            (before * t.wgrad_s, after * t.wgrad_s) for (before, after), t in zip(drain, times,
-                                                                                 strict=True)]
+            (rank.w_before * t.wgrad_s, rank.w_after * t.wgrad_s)
+            for rank, t in zip(drain, times, strict=True)]
         drained = list(ends)
         latest = -math.inf  # max over j > k of (rank j's last B's end + b_{k+1} + ... + b_{j-1})
         for k in range(p - 2, -1, -1):
@@ -705,6 +705,46 @@ class CostModel:
             latest = max(latest, chain[k + 1] + m * (times[k + 1].fwd_s + back[k + 1])
                          + weights[k + 1][0])
             drained[k] = max(drained[k], latest + back[k] + weights[k][1])
+        return drained
+
+    @staticmethod
+    def _drained_chunks(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
+                        back: Sequence[float], ends: list[float]) -> list[float]:
+        """``_drained`` for ranks of several chunks, once the shape was simulated
+        (``known_drain``): rank j's last backward, of chunk c_j, ends no sooner than the chain
+        to its first chunk plus every action its list runs up to it; that micro-batch's
+        backward then passes chunks c_j - 1, ..., 0 in turn, so the rank of each such chunk
+        ends no sooner than its arrival there (and, where that is the rank's own last
+        backward and every rank's last backward is of one micro-batch, what it runs after)."""
+        drain = known_drain(plan.schedule, plan.pp, plan.num_microbatches, plan.vpp)
+        if drain is None:
+            return ends
+        split = plan.schedule.split_backward
+
+        def run_s(counts: Sequence[tuple[int, int, int, int, int]]) -> float:
+            total = 0.0
+            for c, f, b, i, w in counts:
+                t = times[c]
+                total += f * t.fwd_s + b * (t.bgrad_s + t.wgrad_s if split else t.bwd_s) \
+                    + i * t.bgrad_s + w * t.wgrad_s
+            return total
+
+        one_batch = len({rank.microbatch for rank in drain}) == 1
+        last_end = [0.0] * (len(times) + 1)  # by chunk: the latest last backward ending there
+        for k, rank in enumerate(drain):
+            end = chain[min(plan.chunks_of(k))] + run_s(rank.before)
+            last_end[rank.chunk] = max(last_end[rank.chunk], end)
+        drained = list(ends)
+        latest = -math.inf  # the latest arrival of such a chain at chunk c's backward end
+        for c in range(len(times) - 1, -1, -1):
+            latest = max(latest + back[c], last_end[c + 1] + back[c]) if c + 1 < len(times) \
+                else -math.inf
+            if latest == -math.inf:
+                continue
+            k = plan.pp_rank_of_chunk(c)
+            own = drain[k]
+            tail = run_s(own.after) if one_batch and own.chunk == c else 0.0
+            drained[k] = max(drained[k], latest + tail)
         return drained
 
     @staticmethod

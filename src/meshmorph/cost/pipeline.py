@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import NamedTuple
 
 from meshmorph.schedule.action import Kind
 from meshmorph.schedule.registry import frozen_actions
@@ -35,7 +36,26 @@ def _shape(schedule: Schedule, p: int, m: int, v: int) -> tuple[Program, int, bo
 
 
 Warmup = tuple[tuple[int, tuple[int, ...]], ...]
-Drain = tuple[tuple[int, int], ...]
+
+
+class RankDrain(NamedTuple):
+    """What one rank's action list runs around its last backward (B, or I)."""
+
+    w_before: int
+    """W passes before it."""
+    w_after: int
+    """W passes after it."""
+    chunk: int
+    """Its model chunk."""
+    microbatch: int
+    """Its micro-batch."""
+    before: tuple[tuple[int, int, int, int, int], ...]
+    """(chunk, F, B, I, W) counts of the actions up to and including it, per chunk of the rank."""
+    after: tuple[tuple[int, int, int, int, int], ...]
+    """The same for the actions after it."""
+
+
+Drain = tuple[RankDrain, ...]
 _WARMUPS: dict[tuple[str, int, int, int], tuple[Warmup, Drain]] = {}
 
 
@@ -47,8 +67,8 @@ def known_warmup(schedule: Schedule, p: int, m: int, v: int = 1) -> Warmup | Non
 
 
 def known_drain(schedule: Schedule, p: int, m: int, v: int = 1) -> Drain | None:
-    """Per rank of a shape already simulated, (W passes its action list runs before its last
-    backward, W passes after it), else None; zeros when the backward is not split."""
+    """Per rank of a shape already simulated, what its action list runs around its last
+    backward (``RankDrain``), else None."""
     known = _WARMUPS.get((str(schedule), p, m, v))
     return known[1] if known is not None else None
 
@@ -62,7 +82,7 @@ def deferred_weight_passes(schedule: Schedule, p: int, m: int, v: int = 1) -> tu
     forwards_before_backward(schedule, p, m, v)
     drain = known_drain(schedule, p, m, v)
     assert drain is not None
-    return tuple(after for _, after in drain)
+    return tuple(rank.w_after for rank in drain)
 
 
 def forwards_before_backward(schedule: Schedule, p: int, m: int, v: int = 1) -> Warmup:
@@ -85,14 +105,29 @@ def forwards_before_backward(schedule: Schedule, p: int, m: int, v: int = 1) -> 
             if action.kind == Kind.F:
                 count[action.stage] += 1
         out.append((first, tuple(count)))
-        last = max((i for i, a in enumerate(order) if a.kind in backward), default=len(order))
-        weights = [i for i, a in enumerate(order) if a.kind == Kind.W]
-        after = sum(1 for i in weights if i > last)
-        drain.append((len(weights) - after, after))
+        last = max((i for i, a in enumerate(order) if a.kind in backward), default=len(order) - 1)
+        drain.append(_rank_drain(order, last))
     if len(_WARMUPS) > 1024:
         _WARMUPS.clear()
     _WARMUPS[key] = (tuple(out), tuple(drain))
     return _WARMUPS[key][0]
+
+
+_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W)
+
+
+def _rank_drain(order: Sequence, last: int) -> RankDrain:
+    """``RankDrain`` of one rank's action list whose last backward is ``order[last]``."""
+    chunks = sorted({a.stage for a in order})
+    counts = [{c: [0, 0, 0, 0] for c in chunks}, {c: [0, 0, 0, 0] for c in chunks}]
+    for i, action in enumerate(order):
+        if action.kind in _KINDS:
+            counts[i > last][action.stage][_KINDS.index(action.kind)] += 1
+    before, after = ([(c, *n[c]) for c in chunks] for n in counts)
+    at = order[last] if order else None
+    return RankDrain(sum(n[4] for n in before), sum(n[4] for n in after),
+                     at.stage if at else 0, at.microbatch if at else 0,
+                     tuple(before), tuple(after))
 
 
 def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: Sequence[float],

@@ -419,7 +419,6 @@ class _DrainTables:
         blocks = np.arange(count + 1)
         self.after = blocks[:, None] - blocks[None, :]  # [n, j]: the later ranks' share
         fwd, back = [], []
-        self.back = back
         self.h, self.fb, self.warmed, self.between = [], [], [], []
         for k, r in enumerate(ranks):
             work = r.values(FillKind.WORK, count)
@@ -439,28 +438,30 @@ class _DrainTables:
                                         math.inf))
             with np.errstate(invalid="ignore"):  # inf - inf where the blocks do not fit
                 self.between.append(np.where(fits, fb - warm[k] * f - b, math.inf))
-        both = [x + y for x, y in zip(fwd, back, strict=True)]
-        self.fwd_pre, self.fwd_suf = self._least_sums(fwd)
-        self.back_pre, self.back_suf = self._least_sums(back)
-        self.both_pre, self.both_suf = self._least_sums(both)
-        self.forward_all = self.fwd_suf[0][count] + hop * (self.p - 1)
+        self._series = {"fwd": fwd, "back": back,
+                        "both": [x + y for x, y in zip(fwd, back, strict=True)]}
+        self._sums: dict[tuple[str, bool], list[np.ndarray]] = {}
+        # every layer's least forward: the ranks' fixed layers and the blocks at their least
+        self.forward_all = sum(r.fixed_fwd for r in ranks) + count * min(
+            r.block_fwd for r in ranks) + hop * (self.p - 1)
 
-    def _least_sums(self, values: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """(pre, suf): pre[k][n] the least sum of ``values`` over the ranks before k holding the
-        first n blocks, suf[k][n] over the ranks k.. holding the last n (k = 0..p)."""
-        p, count = self.p, self.count
-        empty = np.where(np.arange(count + 1) == 0, 0.0, math.inf)
+    def _least_sums(self, series: str, *, suffix: bool) -> list[np.ndarray]:
+        """table[k][n]: the least sum of the ``series`` figures over the ranks k.. holding the
+        last n blocks (``suffix``), or over the ranks before k holding the first n (k = 0..p);
+        computed once, when first read."""
+        found = self._sums.get((series, suffix))
+        if found is not None:
+            return found
+        p, count, values = self.p, self.count, self._series[series]
+        acc = np.where(np.arange(count + 1) == 0, 0.0, math.inf)
         take = np.clip(self.after, 0, count)
-
-        def step(acc: np.ndarray, value: np.ndarray) -> np.ndarray:
-            later = np.where(self.after >= 0, acc[take], math.inf)
-            return (value[None, :] + later).min(axis=1)
-
-        pre, suf = [empty], [empty]
+        tables = [acc]
         for k in range(p):
-            pre.append(step(pre[-1], values[k]))
-            suf.append(step(suf[-1], values[p - 1 - k]))
-        return pre, suf[::-1]
+            later = np.where(self.after >= 0, acc[take], math.inf)
+            acc = (values[p - 1 - k if suffix else k][None, :] + later).min(axis=1)
+            tables.append(acc)
+        found = self._sums[(series, suffix)] = tables[::-1] if suffix else tables
+        return found
 
     def _min_max(self, own: list[np.ndarray]) -> list[np.ndarray]:
         """table[k][n]: the least over the splits of the last n blocks among ranks k.. of the
@@ -475,12 +476,12 @@ class _DrainTables:
         return tables
 
     def _back_own(self, k: int) -> np.ndarray:
-        p, take = self.p, np.clip(self.after, 0, self.count)
-        chain = np.where(self.after >= 0, self.back_suf[k + 1][take], math.inf)
-        return chain + self.hop * (p - 1 - k) + self.warmed[k][None, :]
-
-    def _between_own(self, k: int) -> np.ndarray:
-        return np.broadcast_to(self.between[k][None, :], self.after.shape)
+        """[n, j]: rank k holding j of the last n blocks, from micro-batch 0's forward reaching
+        the loss: the backward chain of the ranks after it, the hops back, then its h less the
+        warm-up."""
+        later = self._least_sums("back", suffix=True)[k + 1]
+        chain = np.where(self.after >= 0, later[np.clip(self.after, 0, self.count)], math.inf)
+        return chain + self.hop * (self.p - 1 - k) + self.warmed[k][None, :]
 
     def tables(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """For the stage search (``SplitTable.fill``): the back table, from micro-batch 0's
@@ -488,9 +489,12 @@ class _DrainTables:
         and back through the ranks before k."""
         p = self.p
         back = self._min_max([self._back_own(k) for k in range(p)])
-        between = self._min_max([self._between_own(k) for k in range(p)])
-        return ([back[k] + self.fwd_suf[k] + self.hop * (p - 1) for k in range(p)],
-                [between[k] + self.both_suf[k] + 2 * self.hop * (p - 1) for k in range(p)])
+        between = self._min_max([np.broadcast_to(self.between[k][None, :], self.after.shape)
+                                 for k in range(p)])
+        return ([back[k] + self._least_sums("fwd", suffix=True)[k] + self.hop * (p - 1)
+                 for k in range(p)],
+                [between[k] + self._least_sums("both", suffix=True)[k] + 2 * self.hop * (p - 1)
+                 for k in range(p)])
 
     def joint(self) -> float:
         """No step is shorter: every rank's fill, chain-there-and-back, back and between
@@ -498,15 +502,18 @@ class _DrainTables:
         p, count, hop = self.p, self.count, self.hop
         before = np.broadcast_to((count - np.arange(count + 1))[:, None], self.after.shape)
         take = np.clip(self.after, 0, count)
+        fwd_pre, both_pre, back_pre = (self._least_sums(series, suffix=False)
+                                       for series in ("fwd", "both", "back"))
+        back_suf = self._least_sums("back", suffix=True)
         own = []
         for k in range(p):
-            chain_after = np.where(self.after >= 0, self.back_suf[k + 1][take], math.inf)
+            chain_after = np.where(self.after >= 0, back_suf[k + 1][take], math.inf)
             own.append(functools.reduce(np.maximum, [
-                self.fwd_pre[k][before] + hop * k + self.h[k][None, :],
-                self.both_pre[k][before] + 2 * hop * k + self.fb[k][None, :],
+                fwd_pre[k][before] + hop * k + self.h[k][None, :],
+                both_pre[k][before] + 2 * hop * k + self.fb[k][None, :],
                 self.forward_all + self._back_own(k),
-                self.forward_all + hop * (p - 1) + self.back_pre[k][before] + chain_after
-                + (self.back[k] + self.between[k])[None, :]]))
+                self.forward_all + hop * (p - 1) + back_pre[k][before] + chain_after
+                + (self._series["back"][k] + self.between[k])[None, :]]))
         return float(self._min_max(own)[0][count])
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pickle
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from meshmorph.elastic.live.local_state import (
 from meshmorph.elastic.moves.build_counts import build_counts
 from meshmorph.elastic.moves.layout import Layout, layout_of
 from meshmorph.elastic.moves.move_plan import DEFAULT_STAGING_BYTES, MovePlan, plan_move
-from meshmorph.elastic.moves.move_time import MoveTime, MoveTimeModel, move_time
+from meshmorph.elastic.moves.move_time import MoveTime, MoveTimeModel, cpu_cluster, move_time
 from meshmorph.plan.runnable_plans import runnable_plans
 from meshmorph.run.config import OptimConfig
 from meshmorph.run.engine.train_engine import build_engine
@@ -207,14 +207,12 @@ def _agree(request: ReshapeRequest, state: LocalState | None, root: int, members
         start = time.perf_counter()
         move, layout_a, process_of = plan_the_move(request)
         processes_b = [process_of[move.placement[r]] for r in range(request.plan_b.world_size)]
-        cluster = parse_cluster(request.cluster or f"cpu:1x{max(move.devices, default=0) + 1}")
+        cluster = parse_cluster(request.cluster) if request.cluster else cpu_cluster(move)
         shapes = {k: tuple(t.shape) for k, t in layout_a.tensors.items()}
-        small = SmallState(**{f.name: getattr(state.small, f.name) for f in fields(SmallState)})
-        small.rng = torch.empty(0, dtype=torch.uint8)  # each rank keeps its own stream
-        model = request.time_model or MoveTimeModel()
+        small = replace(state.small, rng=torch.empty(0, dtype=torch.uint8))  # ranks keep theirs
         plan_s = time.perf_counter() - start
-        if request.time_model is not None:
-            model = replace(model, plan_s=plan_s)
+        model = (replace(request.time_model, plan_s=plan_s) if request.time_model is not None
+                 else MoveTimeModel())
         group_b = int(processes_b != members)
         agree_bytes = len(pickle.dumps((move, process_of, shapes, small)))
         predicted = move_time(move, cluster, model=model, groups=formed + group_b,

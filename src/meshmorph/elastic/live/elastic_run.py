@@ -43,7 +43,7 @@ from meshmorph.elastic.live.store_pull import (
 from meshmorph.elastic.moves.choose_plan import choose_plan
 from meshmorph.elastic.moves.layout import layout_of
 from meshmorph.elastic.moves.move_plan import plan_move
-from meshmorph.elastic.moves.move_time import predict_move_time_s
+from meshmorph.elastic.moves.move_time import cpu_cluster, predict_move_time_s
 from meshmorph.run import fault
 from meshmorph.run.engine.train_engine import build_engine
 from meshmorph.run.fault import Fault
@@ -202,8 +202,7 @@ class ElasticSession:
                   "to": plan_b.to_dict(), "bytes_moved": move.bytes_moved,
                   "lower_bound_bytes": move.lower_bound_bytes, "naive_bytes": move.naive_bytes,
                   "busiest_device_bytes": move.busiest_device_bytes,
-                  "predicted_time_s": predict_move_time_s(
-                      move, parse_cluster(f"cpu:1x{max(move.devices, default=0) + 1}")),
+                  "predicted_time_s": predict_move_time_s(move, cpu_cluster(move)),
                   "measured_time_s": time.perf_counter() - start,
                   "sources": report.bytes_from, "sources_all_ranks": by_source,
                   "survivors": survivors, "lost": sorted(set(range(plan_a.world_size))

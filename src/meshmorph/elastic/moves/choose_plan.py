@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from meshmorph.cost.model import CostModel
 from meshmorph.elastic.moves.layout import layout_of
 from meshmorph.elastic.moves.move_plan import plan_move
-from meshmorph.elastic.moves.move_time import MoveTimeModel, move_time
+from meshmorph.elastic.moves.move_time import MoveTimeModel, cpu_cluster, move_time
 from meshmorph.elastic.moves.placement import ReshapeError
 from meshmorph.plan.runnable_plans import runnable_plans
 from meshmorph.spec.cluster import Cluster, parse_cluster
@@ -67,7 +67,7 @@ def rank_choices(model: ModelSpec, plan_a: Plan, candidates: Sequence[tuple[Plan
         joining = max(0, plan.world_size - len(survivors))
         new = list(range(plan_a.world_size, plan_a.world_size + joining))
         move = plan_move(layout_a, layout_b, survivors, new)
-        where = cluster or parse_cluster(f"cpu:1x{max(move.devices, default=0) + 1}")
+        where = cluster or cpu_cluster(move)
         seconds = move_time(move, where, model=time_model).total_s
         choices.append(PlanChoice(plan, step_s, seconds, move.bytes_moved, steps_left))
     return sorted(choices, key=lambda c: (c.total_s, c.move_time_s))

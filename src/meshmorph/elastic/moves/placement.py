@@ -89,12 +89,15 @@ def receive_matrix(layout_a: Layout, layout_b: Layout,
     return matrix
 
 
+def _check_devices(needed: int, available: int) -> None:
+    if available < needed:
+        raise ReshapeError(f"the new plan needs {needed} devices but only {available} are "
+                           "available; choose a smaller plan or add devices")
+
+
 def best_placement(receive: np.ndarray, devices: Sequence[int]) -> dict[int, int]:
     """New rank -> device minimising the total bytes received (``linear_sum_assignment``)."""
-    ranks, columns = receive.shape
-    if columns < ranks:
-        raise ReshapeError(f"the new plan needs {ranks} devices but only {columns} are available;"
-                           " choose a smaller plan or add devices")
+    _check_devices(*receive.shape)
     rows, cols = linear_sum_assignment(receive)
     return {int(r): int(devices[c]) for r, c in zip(rows, cols, strict=True)}
 
@@ -102,9 +105,7 @@ def best_placement(receive: np.ndarray, devices: Sequence[int]) -> dict[int, int
 def rank_order_placement(layout_b: Layout, devices: Sequence[int]) -> dict[int, int]:
     """The naive (Megatron-style) placement: new rank ``r`` on the ``r``-th device in id order."""
     ordered = sorted(devices)
-    if len(ordered) < layout_b.world_size:
-        raise ReshapeError(f"the new plan needs {layout_b.world_size} devices but only "
-                           f"{len(ordered)} are available; choose a smaller plan or add devices")
+    _check_devices(layout_b.world_size, len(ordered))
     return {rank: ordered[rank] for rank in range(layout_b.world_size)}
 
 

@@ -19,7 +19,7 @@ import torch
 
 from meshmorph.elastic.live.execute import is_tensor_key
 from meshmorph.elastic.live.local_state import HeldPiece, ReshapeError, SmallState, install_state
-from meshmorph.elastic.live.store import NodeStore, StoredState
+from meshmorph.elastic.live.store import NodeStore, StoredState, newest_common
 from meshmorph.elastic.moves.box import Box
 from meshmorph.elastic.moves.layout import Layout, layout_of
 from meshmorph.spec.model import ModelSpec
@@ -139,11 +139,5 @@ def restore_from_store(store: NodeStore, *, new_rank: int, old_rank: int | None,
 
 def restore_step(store: NodeStore, old_ranks: list[int]) -> int | None:
     """The newest step every old rank stored on this node (or in its ring copy)."""
-    steps = store.steps()
-    ring = store.steps(store.replicas) if store.replicas.is_dir() else {}
-    common = None
-    for rank in old_ranks:
-        have = set(steps.get(rank, [])) | set(ring.get(rank, []))
-        common = have if common is None else common & have
-    return max(common) if common else None
+    return newest_common(old_ranks, store.steps(), store.steps(store.replicas))
 

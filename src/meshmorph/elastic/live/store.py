@@ -14,6 +14,7 @@ import math
 import os
 import re
 import shutil
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ def store_root() -> Path:
     """``MESHMORPH_STORE_ROOT`` if set, else ``/dev/shm``."""
     root = os.environ.get(STORE_ROOT_ENV)
     return Path(root) if root else SHM_ROOT
+
+
 _FILE = re.compile(r"^rank(\d+)-step(\d+)\.pt$")
 
 
@@ -48,6 +51,14 @@ class StoredState:
     """The plan the pieces are laid out by."""
     state: LocalState
     """Its pieces and small state."""
+
+
+def newest_common(ranks: Iterable[int], *holdings: Mapping[int, list[int]]) -> int | None:
+    """The newest step stored for every rank of ``ranks`` in one of ``holdings`` (rank ->
+    steps); None: there is none."""
+    held = [{s for steps in holdings for s in steps.get(r, [])} for r in ranks]
+    common = set.intersection(*held) if held else set()
+    return max(common) if common else None
 
 
 def _safe(text: str) -> str:
@@ -102,14 +113,13 @@ class NodeStore:
         """Write one rank's serialised state for ``step`` atomically; prune older steps."""
         folder = folder or self.dir
         folder.mkdir(parents=True, exist_ok=True)
-        final = folder / f"rank{rank}-step{step}.pt"
+        final = self.path(rank, step, folder)
         staging = folder / f".rank{rank}-step{step}.{os.getpid()}.partial"
         staging.write_bytes(data)
         os.replace(staging, final)
         for old in self.steps(folder).get(rank, [])[:-self.keep]:
-            if old in self.pinned and folder == self.dir:
-                continue
-            (folder / f"rank{rank}-step{old}.pt").unlink(missing_ok=True)
+            if old not in self.pinned or folder != self.dir:
+                self.path(rank, old, folder).unlink(missing_ok=True)
         return final
 
     def save(self, rank: int, step: int, plan_json: str, state: LocalState) -> Path:
@@ -128,9 +138,7 @@ class NodeStore:
 
     def newest_common_step(self, ranks: list[int]) -> int | None:
         """The newest step stored for every rank of ``ranks`` (None: there is none)."""
-        stored = self.steps()
-        common = set.intersection(*(set(stored.get(r, [])) for r in ranks)) if ranks else set()
-        return max(common) if common else None
+        return newest_common(ranks, self.steps())
 
     def path(self, rank: int, step: int, folder: Path | None = None) -> Path:
         return (folder or self.dir) / f"rank{rank}-step{step}.pt"

@@ -98,9 +98,8 @@ class ReshapeReport:
     processes_b: tuple[int, ...]
     """Process of each rank of Plan B."""
     times_s: dict[str, float] = field(default_factory=dict)
-    """Wall time of each part of the move on this process, named as ``move_time.PARTS`` names
-    the predicted ones (extract, group, plan, agree, transfer, group_b, build, install; and
-    checkpoint where pieces are read from one)."""
+    """Wall time of each part of the move on this process, named as ``move_time.PARTS`` (and
+    ``checkpoint`` where pieces are read from one)."""
     consumed_samples: int | None = None
     """The data position the move carried (None on a process that took no part)."""
     predicted: MoveTime | None = None
@@ -148,13 +147,10 @@ def clear_mesh_caches() -> None:
 def regroup(store_dir: Path, tag: str, me: int, members: Sequence[int],
             timeout_s: float = 120.0) -> bool:
     """Leave the current default process group and, if ``me`` is in ``members``, join a new one
-    whose rank ``i`` is process ``members[i]``; whether ``me`` joined.
-
-    The new group's first act is a barrier: gloo connects every pair while the group is formed,
-    and a member that went on (and left, or exited) as soon as its own connections were up
-    would close them while a slower peer still finishes its handshake with it, and that peer
-    fails with "Connection closed by peer". After the barrier every member is past the
-    formation."""
+    whose rank ``i`` is process ``members[i]``; whether ``me`` joined. The new group's first act
+    is a barrier: gloo connects every pair while forming it, and a member that went on (and left
+    or exited) as soon as its own connections were up would close them under a slower peer
+    still in its handshake ("Connection closed by peer")."""
     if dist.is_initialized():
         dist.destroy_process_group()
     clear_mesh_caches()
@@ -195,11 +191,10 @@ def _current_group_is(processes: Sequence[int], me: int) -> bool:
 def _agree(request: ReshapeRequest, state: LocalState | None, root: int, members: list[int],
            formed: int
            ) -> tuple[MovePlan, dict[int, int], dict[str, tuple[int, ...]], SmallState, MoveTime]:
-    """The MovePlan, device -> process, global shapes, small state and predicted time, computed
-    on the group's rank ``root`` (the first survivor) and broadcast: every process then follows
-    the same plan, and the pure planning runs once instead of once per process. ``formed``:
-    process groups formed so far (the prediction adds Plan B's where it needs its own); the
-    prediction's ``plan_s`` is the planning time just measured."""
+    """The MovePlan, device -> process, global shapes, small state, predicted time and planning
+    seconds, computed once on the group's rank ``root`` (the first survivor) and broadcast, so
+    every process follows the same plan. ``formed``: process groups formed so far (the
+    prediction adds Plan B's where it needs its own)."""
     box: list[Any] = [None]
     if dist.get_rank() == root:
         if state is None:
@@ -245,10 +240,8 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
                       ) -> tuple[Any, ReshapeReport]:
     """Move this process's part of the job from ``engine`` (None on a joining process) to an
     engine of Plan B; returns it (None where this process hosts no rank of Plan B) and the
-    report. Collective over every process of the request. Where the default process group
-    spans exactly Plan A's processes in rank order (and nobody joins), the move runs over it;
-    where the move's group already has Plan B's processes in Plan B's rank order, Plan B runs
-    over it too: no process group is formed that need not be."""
+    report. Collective over every process of the request; no process group is formed that need
+    not be (the module docstring's steps 2 and 4)."""
     times: dict[str, float] = {}
     clock = time.perf_counter()
 

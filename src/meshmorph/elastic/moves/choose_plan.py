@@ -63,12 +63,8 @@ def rank_choices(model: ModelSpec, plan_a: Plan, candidates: Sequence[tuple[Plan
     layout_a = layout_of(model, plan_a)
     choices = []
     for plan, step_s in candidates:
-        layout_b = layout_of(model, plan)
-        joining = max(0, plan.world_size - len(survivors))
-        new = list(range(plan_a.world_size, plan_a.world_size + joining))
-        move = plan_move(layout_a, layout_b, survivors, new)
-        where = cluster or cpu_cluster(move)
-        seconds = move_time(move, where, model=time_model).total_s
+        move = plan_move(layout_a, layout_of(model, plan), survivors)
+        seconds = move_time(move, cluster or cpu_cluster(move), model=time_model).total_s
         choices.append(PlanChoice(plan, step_s, seconds, move.bytes_moved, steps_left))
     return sorted(choices, key=lambda c: (c.total_s, c.move_time_s))
 

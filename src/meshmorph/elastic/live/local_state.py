@@ -1,11 +1,9 @@
 """The training state one rank holds, as pieces: taken out of a live engine, put into a new one.
 
-A piece is a box of one state tensor, keyed as ``Layout`` keys them (``param/<fqn>``,
-``exp_avg/<fqn>``, ``exp_avg_sq/<fqn>``). Torch says which box a rank holds
-(``compute_local_shape_and_global_offset``, DCP's rule: FSDP2's dim-0 shards without padding, TP
-splits, ZeRO-1's strided moment shards), so no sharding rule is repeated here; the live tensors
-are the state dicts' views under the parameters' original names, as a checkpoint saves them.
-``SmallState`` travels beside the pieces.
+A piece is a box of one state tensor, keyed as ``Layout`` keys them. Torch says which box a
+rank holds (``compute_local_shape_and_global_offset``, DCP's rule), so no sharding rule is
+repeated here; the live tensors are the state dicts' views under the parameters' original
+names, as a checkpoint saves them. ``SmallState`` travels beside the pieces.
 
 ``content_hash`` is position-keyed: the wrapping int64 sum over elements of a mix of (global
 element index, value bits), so the hashes of pieces that tile a tensor add up to the whole

@@ -1,11 +1,10 @@
 """Rebuild a job's state after workers restart, from the node-local store, under a new Plan.
 
-Every file of a node's store lives in that node's shared memory, so each worker of the node can
-read what any of the node's old ranks held: a new rank reads, for each piece Layout B gives it,
-the overlapping boxes of the old ranks that Layout A says held them (its own old file first, then
-the lowest old rank), and fills its freshly built engine from them (``install_state``). Pieces
-of old ranks whose files are not on this node come from the ring copy (``NodeStore.replicas``)
-where there is one; none of either is refused with the way out (the newest checkpoint).
+A node's store is in its shared memory, so each of its workers can read any of its old ranks'
+files: for each piece Layout B gives it, a new rank reads the overlapping boxes of the old ranks
+Layout A says held them (its own old file first, then the lowest old rank) and fills its new
+engine from them (``install_state``). Old ranks whose files are not on this node come from the
+ring copy (``NodeStore.replicas``); with neither, the way out is the newest checkpoint.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """What every node's store holds, agreed by all workers, and stored files pulled between nodes.
 
-After a restart each worker sees only its own node's store. ``gather_inventories`` tells every
-worker what every node holds, so all agree on the step to restore (``common_step``) and on who
-takes up which old rank (``claim_old_ranks``). A file a worker's node lacks (its node lost its
-memory, or it is the ring copy kept elsewhere) comes point to point from a worker of a node
-that holds it (``pull_files``: size and CRC-32, then the bytes), never from another node's
-folder.
+After a restart each worker sees only its own node's store; the inventories let all agree on
+the step to restore and on who takes up which old rank. A file a worker's node lacks comes
+point to point from a worker of a node that holds it (``pull_files``), never from another
+node's folder.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Choose the new Plan after a membership change knowing what the move to it costs.
 
-The planner's fastest plan for the new device set is not always the best next plan: a plan
-whose layout is far from the running one moves more bytes, and over the few steps left its
-faster steps may not pay for the longer move. Every candidate (the planner's best few plans
-for the new device set that the runtime accepts) is priced as
-
-    time to finish = predicted move time (MovePlan from the running layout, ``move_time``)
-                     + steps left * predicted step time (the cost model's estimate)
-
-and the smallest wins: the throughput over the steps left minus the move's cost, in seconds.
-Pure (no torch.distributed); ``candidate_plans`` runs the planner.
+The planner's fastest plan for the new device set is not always the best next plan: a layout
+far from the running one moves more bytes, and over the few steps left faster steps may not
+pay for the longer move. Each candidate (the planner's best few runnable plans) is priced as
+``move_time + steps_left * step_time`` and the smallest wins. Pure (no torch.distributed).
 """
 
 from __future__ import annotations

@@ -1,18 +1,16 @@
 """Layout: which rank holds which box of every piece of training state under a Plan.
 
-A pure function of (ModelSpec, Plan), derived from ``cost/tensor_shapes.py`` (the one description
-of what the runtime allocates) and from how ``run/`` shards it:
+A pure function of (ModelSpec, Plan), from ``cost/tensor_shapes.py`` (what the runtime
+allocates) and how ``run/`` shards it:
 
-- pipeline: pipeline rank ``p`` holds the chunks ``plan.chunks_of(p)``; a tied head on a later
-  pipeline rank holds a replica of the embedding, moments included;
-- tensor parallelism: each tensor split along its ``tp_dim`` (column-parallel weights by dim 0,
+- pipeline rank ``p`` holds the chunks ``plan.chunks_of(p)``; a tied head on a later pipeline
+  rank holds a replica of the embedding, moments included;
+- tensor parallelism splits each tensor along its ``tp_dim`` (column-parallel by dim 0,
   row-parallel by dim 1, embedding and head by vocabulary where tp divides it), else whole;
-- ZeRO 0 replicates; ZeRO 1-3 (FSDP2) shard the fp32 masters and both AdamW moments as FSDP2
-  does at a step boundary: dim 0 of the tp-local tensor in ``ceil(n / dp)`` rows per rank
-  (``torch.chunk``; the last ranks fewer or none, ``Piece.pad_rows`` the padding FSDP2
-  allocates). Gathered copies and gradients are freed at a step boundary: not state;
-- every rank holds the optimizer ``step``, ``lr_scheduler`` and ``data`` (consumed samples), and
-  ``rng/<rank>`` its own generator state.
+- ZeRO 0 replicates; ZeRO 1-3 (FSDP2) shard the fp32 masters and both moments by dim 0 of the
+  tp-local tensor (``_dp_piece``); gathered copies and gradients are not state at a step
+  boundary;
+- every rank holds ``step``, ``lr_scheduler``, ``data`` (consumed samples) and ``rng/<rank>``.
 
 All state tensors are fp32 (the masters are fp32 in every precision).
 """

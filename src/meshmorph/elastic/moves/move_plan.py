@@ -1,16 +1,12 @@
 """MovePlan: the transfers that turn Layout A into Layout B on the devices still alive, with the
 fewest bytes, the busiest sender sending as little as possible, batched under a staging bound.
 
-A destination builds each piece of its new rank from ``local_copies`` (what it already held),
-``batches`` (from other live devices, at most ``staging_bytes`` per batch), ``from_checkpoint``
-(parts no live device holds) and ``fresh_keys`` (state Layout A never had: created).
-
 ``plan_move``: the receive matrix and ``linear_sum_assignment`` give the placement, whose total
 is the lower bound (placement.py); each needed region is cut into cells with a definite set of
 live senders (box_cells.py); a linear program (HiGHS) splits each sender set's bytes to
-minimise the busiest sender, and cells are cut by rows where it says, so the busiest sender
-exceeds the LP optimum by at most one row per cut. Every needed byte is sent once:
-``bytes_moved`` equals ``lower_bound_bytes`` (the tests check it).
+minimise the busiest sender, and cells are cut by rows where it says (at most one row over the
+LP optimum per cut). Every needed byte is sent once: ``bytes_moved`` equals
+``lower_bound_bytes`` (the tests check it).
 """
 
 from __future__ import annotations

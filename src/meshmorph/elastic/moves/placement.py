@@ -2,10 +2,8 @@
 on (the placement that leaves the fewest bytes to receive: ``scipy.optimize.linear_sum_assignment``
 on the receive matrix), and which live replica sends each needed cell (``balance_senders``).
 
-``receive[r, j]``: bytes new rank ``r`` needs that device ``j`` does not already hold, i.e. the
-sum over the pieces of ``r`` under Layout B of ``bytes(piece) - bytes(piece ∩ what j holds of
-the same tensor under Layout A)``. A device that joins holds nothing. A new rank's bytes do not
-depend on where the others go, so the total is a sum over (rank, device) pairs and the
+``receive[r, j]``: bytes new rank ``r`` needs that device ``j`` does not already hold (a device
+that joins holds nothing). A new rank's bytes do not depend on where the others go, so the
 assignment problem's optimum is exactly the lower bound on the bytes any placement must move.
 """
 

@@ -1,8 +1,8 @@
 """The training state one rank holds, as pieces: taken out of a live engine, put into a new one.
 
 A piece is a box of one state tensor, keyed as ``Layout`` keys them. Torch says which box a
-rank holds (``compute_local_shape_and_global_offset``, DCP's rule), so no sharding rule is
-repeated here; the live tensors are the state dicts' views under the parameters' original
+rank holds (``compute_local_shape_and_global_offset``, DCP's rule: FSDP2's unpadded dim-0
+shards, TP splits, ZeRO-1's strided moment shards), so no sharding rule is repeated here; the live tensors are the state dicts' views under the parameters' original
 names, as a checkpoint saves them. ``SmallState`` travels beside the pieces.
 
 ``content_hash`` is position-keyed: the wrapping int64 sum over elements of a mix of (global

@@ -28,8 +28,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from meshmorph.elastic.live.local_state import TIED_EMBEDDING, TIED_HEAD, HeldPiece, ReshapeError
+from meshmorph.elastic.live.local_state import HeldPiece, ReshapeError
 from meshmorph.elastic.moves.box import Box
+from meshmorph.run.checkpoint import TIED_EMBEDDING, TIED_HEAD
 
 
 def checkpoint_key(key: str) -> str:

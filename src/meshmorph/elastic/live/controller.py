@@ -21,7 +21,7 @@ from __future__ import annotations
 import pickle
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from meshmorph.elastic.live.local_state import (
 from meshmorph.elastic.moves.build_counts import build_counts
 from meshmorph.elastic.moves.layout import Layout, layout_of
 from meshmorph.elastic.moves.move_plan import DEFAULT_STAGING_BYTES, MovePlan, plan_move
-from meshmorph.elastic.moves.move_time import MoveTime, MoveTimeModel, move_time
+from meshmorph.elastic.moves.move_time import MoveTime, MoveTimeModel, cpu_cluster, move_time
 from meshmorph.plan.runnable_plans import runnable_plans
 from meshmorph.run.config import OptimConfig
 from meshmorph.run.engine.train_engine import build_engine
@@ -98,9 +98,8 @@ class ReshapeReport:
     processes_b: tuple[int, ...]
     """Process of each rank of Plan B."""
     times_s: dict[str, float] = field(default_factory=dict)
-    """Wall time of each part of the move on this process, named as ``move_time.PARTS`` names
-    the predicted ones (extract, group, plan, agree, transfer, group_b, build, install; and
-    checkpoint where pieces are read from one)."""
+    """Wall time of each part of the move on this process, named as ``move_time.PARTS`` (and
+    ``checkpoint`` where pieces are read from one)."""
     consumed_samples: int | None = None
     """The data position the move carried (None on a process that took no part)."""
     predicted: MoveTime | None = None
@@ -148,13 +147,10 @@ def clear_mesh_caches() -> None:
 def regroup(store_dir: Path, tag: str, me: int, members: Sequence[int],
             timeout_s: float = 120.0) -> bool:
     """Leave the current default process group and, if ``me`` is in ``members``, join a new one
-    whose rank ``i`` is process ``members[i]``; whether ``me`` joined.
-
-    The new group's first act is a barrier: gloo connects every pair while the group is formed,
-    and a member that went on (and left, or exited) as soon as its own connections were up
-    would close them while a slower peer still finishes its handshake with it, and that peer
-    fails with "Connection closed by peer". After the barrier every member is past the
-    formation."""
+    whose rank ``i`` is process ``members[i]``; whether ``me`` joined. The new group's first act
+    is a barrier: gloo connects every pair while forming it, and a member that went on (and left
+    or exited) as soon as its own connections were up would close them under a slower peer
+    still in its handshake ("Connection closed by peer")."""
     if dist.is_initialized():
         dist.destroy_process_group()
     clear_mesh_caches()
@@ -195,11 +191,10 @@ def _current_group_is(processes: Sequence[int], me: int) -> bool:
 def _agree(request: ReshapeRequest, state: LocalState | None, root: int, members: list[int],
            formed: int
            ) -> tuple[MovePlan, dict[int, int], dict[str, tuple[int, ...]], SmallState, MoveTime]:
-    """The MovePlan, device -> process, global shapes, small state and predicted time, computed
-    on the group's rank ``root`` (the first survivor) and broadcast: every process then follows
-    the same plan, and the pure planning runs once instead of once per process. ``formed``:
-    process groups formed so far (the prediction adds Plan B's where it needs its own); the
-    prediction's ``plan_s`` is the planning time just measured."""
+    """The MovePlan, device -> process, global shapes, small state, predicted time and planning
+    seconds, computed once on the group's rank ``root`` (the first survivor) and broadcast, so
+    every process follows the same plan. ``formed``: process groups formed so far (the
+    prediction adds Plan B's where it needs its own)."""
     box: list[Any] = [None]
     if dist.get_rank() == root:
         if state is None:
@@ -207,14 +202,12 @@ def _agree(request: ReshapeRequest, state: LocalState | None, root: int, members
         start = time.perf_counter()
         move, layout_a, process_of = plan_the_move(request)
         processes_b = [process_of[move.placement[r]] for r in range(request.plan_b.world_size)]
-        cluster = parse_cluster(request.cluster or f"cpu:1x{max(move.devices, default=0) + 1}")
+        cluster = parse_cluster(request.cluster) if request.cluster else cpu_cluster(move)
         shapes = {k: tuple(t.shape) for k, t in layout_a.tensors.items()}
-        small = SmallState(**{f.name: getattr(state.small, f.name) for f in fields(SmallState)})
-        small.rng = torch.empty(0, dtype=torch.uint8)  # each rank keeps its own stream
-        model = request.time_model or MoveTimeModel()
+        small = replace(state.small, rng=torch.empty(0, dtype=torch.uint8))  # ranks keep theirs
         plan_s = time.perf_counter() - start
-        if request.time_model is not None:
-            model = replace(model, plan_s=plan_s)
+        model = (replace(request.time_model, plan_s=plan_s) if request.time_model is not None
+                 else MoveTimeModel())
         group_b = int(processes_b != members)
         agree_bytes = len(pickle.dumps((move, process_of, shapes, small)))
         predicted = move_time(move, cluster, model=model, groups=formed + group_b,
@@ -247,10 +240,8 @@ def reshape_in_memory(request: ReshapeRequest, me: int, engine: Any, *, consumed
                       ) -> tuple[Any, ReshapeReport]:
     """Move this process's part of the job from ``engine`` (None on a joining process) to an
     engine of Plan B; returns it (None where this process hosts no rank of Plan B) and the
-    report. Collective over every process of the request. Where the default process group
-    spans exactly Plan A's processes in rank order (and nobody joins), the move runs over it;
-    where the move's group already has Plan B's processes in Plan B's rank order, Plan B runs
-    over it too: no process group is formed that need not be."""
+    report. Collective over every process of the request; no process group is formed that need
+    not be (the module docstring's steps 2 and 4)."""
     times: dict[str, float] = {}
     clock = time.perf_counter()
 

@@ -1,18 +1,11 @@
 """The worker side of ``meshmorph run --elastic``: keep the state in the node-local store, and on a
 (re)start under torchrun's elastic agent rebuild it for the world torch gave us.
 
-- ``after_step``: every rank writes its pieces to the node store at each step boundary and,
-  across nodes, every K steps sends its file to the same local rank of the next node
-  (``store.ring_copy``), so a lost node's pieces survive on its neighbour; K keeps the copy
-  within ``ring_budget`` of the step time (``store.ring_interval_steps``), the largest over the
-  ranks. ``MESHMORPH_LOCAL_NODE_SIZE=N`` makes each N consecutive ranks a node (tests, demos);
-  otherwise a node is torchrun's ``GROUP_RANK``;
-- ``restore``: after a restart, the newest step every old rank completed, re-planned when the
-  world size changed, a new engine filled from the stores; one ``recovered at step ...`` line
-  per node on stderr (the launcher's cue), one reshape line, and a ``{"event": "reshape"}``
-  record (``at_step``: metrics.jsonl's step lines are the ones with a ``step`` key);
-- ``injected``: ``--inject-failure RANK@STEP`` SIGKILLs that rank in the step's forward, once
-  per run (``run/fault.py``'s ``forward`` fault, armed by the trainer).
+Across nodes, every K steps each rank also sends its file to the same local rank of the next
+node (``store.ring_copy``), so a lost node's pieces survive on its neighbour; K keeps the copy
+within ``ring_budget`` of the step time (``store.ring_interval_steps``), the largest over the
+ranks. A node is torchrun's ``GROUP_RANK``, or each N consecutive ranks under
+``MESHMORPH_LOCAL_NODE_SIZE=N`` (tests, demos).
 """
 
 from __future__ import annotations
@@ -43,7 +36,7 @@ from meshmorph.elastic.live.store_pull import (
 from meshmorph.elastic.moves.choose_plan import choose_plan
 from meshmorph.elastic.moves.layout import layout_of
 from meshmorph.elastic.moves.move_plan import plan_move
-from meshmorph.elastic.moves.move_time import predict_move_time_s
+from meshmorph.elastic.moves.move_time import cpu_cluster, predict_move_time_s
 from meshmorph.run import fault
 from meshmorph.run.engine.train_engine import build_engine
 from meshmorph.run.fault import Fault
@@ -82,10 +75,9 @@ class ElasticSession:
     """Ring copies this rank took part in."""
     store: NodeStore = field(init=False)
     """This node's store."""
-    _last: float = field(init=False, default=0.0)
-
     local: int = field(init=False, default=0)
     """This worker's index among its node's workers."""
+    _last: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
         local = os.environ.get("MESHMORPH_LOCAL_NODE_SIZE")
@@ -125,7 +117,6 @@ class ElasticSession:
         if nodes < 2 or world % size:
             return
         if self.ring_every is None:  # K from the budget, the same on every rank (the largest)
-
             link = comm.Link.from_spec(parse_cluster(f"cpu:{nodes}x{size}").inter_link,
                                        CostCoefficients().link_efficiency)
             k = ring_interval_steps(state_bytes * size, link.bandwidth_bps, max(step_s, 1e-6),
@@ -152,15 +143,16 @@ class ElasticSession:
     def restore(self, model: Any, optim: Any, *, seed: int, device: torch.device,
                 total_steps: int | None = None
                 ) -> tuple[Any, Plan, int, int, dict[str, Any]] | None:
-        """(engine, plan, step, consumed samples, reshape record) from the node stores; None
-        when no node holds anything of this run (a fresh start). Collective over the default
-        group. The workers agree on the newest step every old rank is stored at on some node;
-        each takes up an old rank (``store_pull.claim_old_ranks``) and pulls the files its node
-        lacks from a node that holds them (``store_pull.pull_files``, point to point). When the
-        world size changed, the new plan is the one with the least predicted time to finish,
-        its move included (``choose_plan``, over the ``total_steps`` left; without them, the
-        planner's fastest). The store then holds the new plan's state at that step alone."""
-
+        """(engine, plan, step, consumed samples, ``{"event": "reshape"}`` record) from the node
+        stores; None when no node holds anything of this run (a fresh start). Collective over
+        the default group. The workers agree on the newest step every old rank is stored at on
+        some node; each takes up an old rank (``store_pull.claim_old_ranks``) and pulls the
+        files its node lacks (``store_pull.pull_files``). Where the world size changed, the new
+        plan has the least predicted time to finish over the ``total_steps`` left
+        (``choose_plan``; without them, the planner's fastest). The store then holds the new
+        plan's state at that step alone. Prints one ``recovered at step ...`` line per node on
+        stderr (the launcher's cue) and one reshape line; the record's ``at_step`` is not
+        ``step``, the key of metrics.jsonl's step lines."""
         inventories = gather_inventories(self.store, self.local)
         if all(inv.empty for inv in inventories):
             return None
@@ -202,8 +194,7 @@ class ElasticSession:
                   "to": plan_b.to_dict(), "bytes_moved": move.bytes_moved,
                   "lower_bound_bytes": move.lower_bound_bytes, "naive_bytes": move.naive_bytes,
                   "busiest_device_bytes": move.busiest_device_bytes,
-                  "predicted_time_s": predict_move_time_s(
-                      move, parse_cluster(f"cpu:1x{max(move.devices, default=0) + 1}")),
+                  "predicted_time_s": predict_move_time_s(move, cpu_cluster(move)),
                   "measured_time_s": time.perf_counter() - start,
                   "sources": report.bytes_from, "sources_all_ranks": by_source,
                   "survivors": survivors, "lost": sorted(set(range(plan_a.world_size))

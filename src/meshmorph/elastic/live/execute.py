@@ -2,11 +2,9 @@
 
 Every device runs ``execute_transfers`` with the same transfer list, so all compute the same
 rounds and sends match receives. Each (source, destination) pair's pieces travel as one flat
-message followed by its CRC-32 (``zlib.crc32``, about 2.5 GB/s on one core), exchanged with one
-``batch_isend_irecv`` per round; a round gives no device more than ``staging_bytes`` (a larger
-pair goes alone). Nothing here touches an engine: senders read views of their old pieces,
-receivers keep new pieces, and the new engine is filled only after every message arrived and
-was checked, so a failure part-way leaves the old state whole.
+message and its CRC-32 (``zlib.crc32``, about 2.5 GB/s on one core), one ``batch_isend_irecv``
+per round (``rounds_of``). Nothing here touches an engine, so a failure part-way leaves the old
+state whole: the new engine is filled only after every message arrived and was checked.
 """
 
 from __future__ import annotations

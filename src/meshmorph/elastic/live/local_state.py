@@ -1,11 +1,9 @@
 """The training state one rank holds, as pieces: taken out of a live engine, put into a new one.
 
-A piece is a box of one state tensor, keyed as ``Layout`` keys them (``param/<fqn>``,
-``exp_avg/<fqn>``, ``exp_avg_sq/<fqn>``). Torch says which box a rank holds
-(``compute_local_shape_and_global_offset``, DCP's rule: FSDP2's dim-0 shards without padding, TP
-splits, ZeRO-1's strided moment shards), so no sharding rule is repeated here; the live tensors
-are the state dicts' views under the parameters' original names, as a checkpoint saves them.
-``SmallState`` travels beside the pieces.
+A piece is a box of one state tensor, keyed as ``Layout`` keys them. Torch says which box a
+rank holds (``compute_local_shape_and_global_offset``, DCP's rule: FSDP2's unpadded dim-0
+shards, TP splits, ZeRO-1's strided moment shards), so no sharding rule is repeated here; the live tensors are the state dicts' views under the parameters' original
+names, as a checkpoint saves them. ``SmallState`` travels beside the pieces.
 
 ``content_hash`` is position-keyed: the wrapping int64 sum over elements of a mix of (global
 element index, value bits), so the hashes of pieces that tile a tensor add up to the whole
@@ -18,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,11 +33,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshmorph.elastic.moves.box import Box
+from meshmorph.elastic.moves.layout import MOMENTS
 from meshmorph.elastic.moves.placement import ReshapeError
+from meshmorph.run.checkpoint import TIED_EMBEDDING, TIED_HEAD
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-"""AdamW's per-parameter state tensors that move as pieces."""
-TIED_HEAD, TIED_EMBEDDING = "head.out.weight", "embed.tok.weight"
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 _MASK = (1 << 64) - 1
 _C1, _C2, _C3 = 0x9E3779B97F4A7C15 - (1 << 64), 0x5851F42D4C957F2D, 0x2545F4914F6CDD1D
@@ -119,8 +117,6 @@ def content_hash(tensor: torch.Tensor, offset: tuple[int, ...], global_shape: tu
     strides = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):  # row-major strides of the global tensor
         strides[d] = strides[d + 1] * shape[d + 1]
-    if t.dim() == 0:
-        t = t.reshape(1)
     total = 0
     for start in range(0, t.shape[0], rows_per_block):
         block = t[start:start + rows_per_block].to(torch.int64)
@@ -162,16 +158,23 @@ def _engine_dicts(engine: Any, *, init_optimizer: bool = False
             for part, opt in zip(engine.model_parts, engine.optimizers, strict=True)]
 
 
+def _optim_entries(optim: dict[str, Any]) -> Iterator[tuple[str, str, str]]:
+    """(name, parameter fqn, field) of every per-parameter entry (``state.<fqn>.<field>``) of a
+    flattened optimizer state dict."""
+    for name in list(optim):
+        if name.startswith("state."):
+            fqn, _, what = name[len("state."):].rpartition(".")
+            yield name, fqn, what
+
+
 def state_tensors(engine: Any) -> dict[str, torch.Tensor]:
     """Layout key -> this rank's live tensor (a DTensor or a whole plain tensor)."""
     found: dict[str, torch.Tensor] = {}
     tied = bool(engine.spec.tied_embeddings)
     for model, optim in _engine_dicts(engine):
         named = dict(model)
-        for name, value in optim.items():
-            fqn, _, what = name[len("state."):].rpartition(".")
-            if name.startswith("state.") and what in MOMENTS:
-                named[f"{what}/{fqn}"] = value
+        named.update((f"{what}/{fqn}", optim[name]) for name, fqn, what in _optim_entries(optim)
+                     if what in MOMENTS)
         for name, value in named.items():
             if tied and TIED_HEAD in name:  # Layout names a tied head by its embedding
                 name = name.replace(TIED_HEAD, TIED_EMBEDDING)
@@ -290,14 +293,13 @@ def _install_by_state_dict(engine: Any, pieces: dict[str, list[HeldPiece]],
     for (model, optim), part, opt in zip(_engine_dicts(engine, init_optimizer=stepped),
                                          engine.model_parts, engine.optimizers, strict=True):
         targets = {f"param/{fqn}": v for fqn, v in model.items()}
-        for name, value in optim.items():
-            if name.startswith("state."):
-                fqn, _, what = name[len("state."):].rpartition(".")
-                if what in MOMENTS:
-                    targets[f"{what}/{fqn}"] = value
-                elif what == "step":
-                    optim[name] = torch.full_like(value, float(small.step)) \
-                        if isinstance(value, torch.Tensor) else small.step
+        for name, fqn, what in _optim_entries(optim):
+            value = optim[name]
+            if what in MOMENTS:
+                targets[f"{what}/{fqn}"] = value
+            elif what == "step":
+                optim[name] = torch.full_like(value, float(small.step)) \
+                    if isinstance(value, torch.Tensor) else small.step
         for key, value in targets.items():
             _fill(key, value, pieces, tied)
         set_model_state_dict(part, model, options=StateDictOptions(strict=False))

@@ -24,13 +24,14 @@ import statistics
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from meshmorph.elastic.live.controller import regroup
-from meshmorph.elastic.live.probe import probe_costs
+from meshmorph.elastic.live.probe import probe_costs, timed
 from meshmorph.elastic.moves.box import Box
 from meshmorph.elastic.moves.move_plan import Transfer
 from meshmorph.elastic.moves.move_time import MoveTimeModel
@@ -86,13 +87,8 @@ def _fresh(t: torch.Tensor, fill: Callable[[torch.Tensor, torch.Tensor], object]
     return pieces
 
 
-def _rate_bps(fn: object, nbytes: int, repeats: int = 3) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()  # type: ignore[operator]
-        times.append(time.perf_counter() - start)
-    return nbytes / max(statistics.median(times), 1e-9)
+def _rate_bps(fn: Callable[[], object], nbytes: int, repeats: int = 3) -> float:
+    return nbytes / max(statistics.median(timed(fn) for _ in range(repeats)), 1e-9)
 
 
 def _group_times(world: int, repeats: int) -> tuple[float, float, float]:
@@ -136,31 +132,22 @@ def _agree_times(repeats: int) -> tuple[float, float, float]:
         for _ in range(repeats):
             payload: list[object] = [obj if dist.get_rank() == 0 else None]
             dist.barrier()
-            start = time.perf_counter()
-            dist.broadcast_object_list(payload, src=0)
-            laps.append(time.perf_counter() - start)
+            laps.append(timed(partial(dist.broadcast_object_list, payload, src=0)))
         times.append(statistics.median(laps))
     per_byte = max((times[1] - times[0]) / (sizes[1] - sizes[0]), 0.0)
-    barriers = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dist.barrier()
-        barriers.append(time.perf_counter() - start)
-    return max(times[0] - sizes[0] * per_byte, 0.0), per_byte, statistics.median(barriers)
+    barrier = statistics.median(timed(dist.barrier) for _ in range(repeats))
+    return max(times[0] - sizes[0] * per_byte, 0.0), per_byte, barrier
 
 
 def _regroup_s(store_dir: Path, tag: str, repeats: int) -> float:
     """Median seconds of re-forming the default group over the same processes in the same
     order the way a move forms its groups (``controller.regroup``: leave the group, a FileStore,
     ``init_process_group``, a barrier)."""
-
-    me, world = dist.get_rank(), dist.get_world_size()
+    me, members = dist.get_rank(), list(range(dist.get_world_size()))
     times = []
     for i in range(repeats):
         dist.barrier()
-        start = time.perf_counter()
-        regroup(store_dir, f"{tag}-{i}", me, list(range(world)))
-        times.append(time.perf_counter() - start)
+        times.append(timed(partial(regroup, store_dir, f"{tag}-{i}", me, members)))
     return statistics.median(times)
 
 
@@ -194,22 +181,14 @@ def calibrate_move_time(*, model: ModelSpec, repeats: int = 3, store_dir: Path |
     if store_dir is not None:
         whole = _regroup_s(store_dir, tag, max(repeats - 1, 1))
     agree, per_byte, barrier = _agree_times(repeats)
-    probe = probe_costs(model, zero_bps=zero, repeats=PROBE_REPEATS)
-    local = [checksum, copy, fresh, zero, whole, call, pair, agree, per_byte, barrier,
-             *probe.values()]
-    gathered: list[list[float]] = [[] for _ in range(world)]
-    dist.all_gather_object(gathered, local)  # the slowest process sets each figure
-
-    def slowest(i: int) -> float:
-        return max(g[i] for g in gathered)
-
-    def rate(i: int) -> float:
-        return min(g[i] for g in gathered)
-
-    costs = {name: slowest(10 + i) for i, name in enumerate(probe)}
+    rates = {"checksum_bps": checksum, "copy_bps": copy, "fresh_copy_bps": fresh, "zero_bps": zero}
+    seconds = {"group_s": whole, "group_call_s": call, "mesh_group_s": pair, "agree_s": agree,
+               "agree_s_per_byte": per_byte, "fixed_s": barrier,
+               **probe_costs(model, zero_bps=zero, repeats=PROBE_REPEATS)}
+    gathered: list[tuple[dict[str, float], dict[str, float]]] = [({}, {})] * world
+    dist.all_gather_object(gathered, (rates, seconds))  # the slowest process sets each figure
     return MoveTimeModel(
-        fixed_s=slowest(9),
         p2p_alpha_s=alone.alpha_s, p2p_beta_s_per_byte=alone.beta_s_per_byte,
-        host_streams=max(streams, 1.0), checksum_bps=rate(0), copy_bps=rate(1),
-        fresh_copy_bps=rate(2), zero_bps=rate(3), group_s=slowest(4), group_call_s=slowest(5),
-        mesh_group_s=slowest(6), agree_s=slowest(7), agree_s_per_byte=slowest(8), **costs)
+        host_streams=max(streams, 1.0),
+        **{name: min(g[0][name] for g in gathered) for name in rates},
+        **{name: max(g[1][name] for g in gathered) for name in seconds})

@@ -28,15 +28,20 @@ from meshmorph.run.parallel.parallelize import apply_tp
 from meshmorph.spec.model import LayerKind, ModelSpec
 
 
-def _timed(fn: Callable[[], object]) -> float:
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` takes."""
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
 
 
+def _first_block(model: ModelSpec) -> int:
+    return next(i for i, layer in enumerate(model.layers) if layer.kind == LayerKind.BLOCK)
+
+
 def _chunk(model: ModelSpec, blocks: int) -> nn.Module:
     """The model's first ``blocks`` decoder blocks as a chunk on the meta device."""
-    first = next(i for i, layer in enumerate(model.layers) if layer.kind == LayerKind.BLOCK)
+    first = _first_block(model)
     return build_chunk(model, first, first + blocks, seed=0, device="meta")
 
 
@@ -53,16 +58,16 @@ def _storage(module: nn.Module, model: ModelSpec) -> None:
 
 def _reads(module: nn.Module) -> float:
     """Seconds to take every local box of a chunk's state dict (views: nothing copied)."""
-    return _timed(lambda: [local_box(v) for v in get_model_state_dict(module).values()])
+    return timed(lambda: [local_box(v) for v in get_model_state_dict(module).values()])
 
 
 def _sharding(model: ModelSpec, mesh: DeviceMesh, tensors: int) -> tuple[nn.Module, float, float]:
     """(a chunk sharded as apply_dp shards it, seconds per extra FSDP2 unit, per tensor)."""
     sharded = _chunk(model, 1)
     units = _units(sharded)
-    many_s = _timed(lambda: [fully_shard(u, mesh=mesh) for u in units])
+    many_s = timed(lambda: [fully_shard(u, mesh=mesh) for u in units])
     one = _chunk(model, 1)
-    one_s = _timed(lambda: fully_shard(one, mesh=mesh))
+    one_s = timed(lambda: fully_shard(one, mesh=mesh))
     unit = max((many_s - one_s) / max(len(units) - 1, 1), 0.0)
     return sharded, unit, max(one_s - unit, 0.0) / tensors
 
@@ -71,7 +76,7 @@ def _read_costs(model: ModelSpec, sharded: nn.Module, mesh: DeviceMesh,
                 tensors: int) -> tuple[float, float]:
     """(seconds per state-dict call, per tensor): the one-block chunk against two blocks."""
     read = _reads(sharded)
-    first = next(i for i, layer in enumerate(model.layers) if layer.kind == LayerKind.BLOCK)
+    first = _first_block(model)
     if first + 1 >= len(model.layers) or model.layers[first + 1].kind != LayerKind.BLOCK:
         return 0.0, read / tensors
     double = _chunk(model, 2)
@@ -84,7 +89,7 @@ def _read_costs(model: ModelSpec, sharded: nn.Module, mesh: DeviceMesh,
 
 def _fill_s(module: nn.Module, model: ModelSpec, nbytes: float, zero_bps: float) -> float:
     """Seconds to give ``module`` storage, less what zeroing its bytes alone takes."""
-    seconds = _timed(lambda: _storage(module, model))
+    seconds = timed(lambda: _storage(module, model))
     return max(seconds - (nbytes / zero_bps if zero_bps > 0 else 0.0), 0.0)
 
 
@@ -92,13 +97,13 @@ def _once(model: ModelSpec, zero_bps: float) -> dict[str, float]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     world = mesh.size()
     built: list[nn.Module] = []
-    meta = _timed(lambda: built.append(_chunk(model, 1)))
+    meta = timed(lambda: built.append(_chunk(model, 1)))
     tensors = sum(1 for _ in built[0].parameters())
     tp_s = tp_tensors = 0.0
     if model.num_heads % world == 0 and model.num_kv_heads % world == 0 \
             and model.ffn_hidden_size % world == 0:
         tp_chunk = _chunk(model, 1)
-        tp_s = _timed(lambda: apply_tp(tp_chunk, model, mesh, False))  # type: ignore[arg-type]
+        tp_s = timed(lambda: apply_tp(tp_chunk, model, mesh, False))  # type: ignore[arg-type]
         tp_tensors = sum(isinstance(p, DTensor) for p in tp_chunk.parameters())
     sharded, unit, fsdp_tensor_s = _sharding(model, mesh, tensors)
     nbytes = sum(p._local_tensor.numel() * 4 for p in sharded.parameters())  # type: ignore[attr-defined]
@@ -114,7 +119,7 @@ def _once(model: ModelSpec, zero_bps: float) -> dict[str, float]:
             for _ in range(2):
                 local_box(torch.empty_like(p))
 
-    install_s = _timed(install)
+    install_s = timed(install)
     return {"meta_tensor_s": meta / tensors, "tp_tensor_s": tp_s / max(tp_tensors, 1),
             "fsdp_unit_s": unit, "fsdp_tensor_s": fsdp_tensor_s,
             "materialize_tensor_s": fill_s / tensors, "state_tensor_s": per_read,

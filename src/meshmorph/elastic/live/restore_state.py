@@ -1,11 +1,10 @@
 """Rebuild a job's state after workers restart, from the node-local store, under a new Plan.
 
-Every file of a node's store lives in that node's shared memory, so each worker of the node can
-read what any of the node's old ranks held: a new rank reads, for each piece Layout B gives it,
-the overlapping boxes of the old ranks that Layout A says held them (its own old file first, then
-the lowest old rank), and fills its freshly built engine from them (``install_state``). Pieces
-of old ranks whose files are not on this node come from the ring copy (``NodeStore.replicas``)
-where there is one; none of either is refused with the way out (the newest checkpoint).
+A node's store is in its shared memory, so each of its workers can read any of its old ranks'
+files: for each piece Layout B gives it, a new rank reads the overlapping boxes of the old ranks
+Layout A says held them (its own old file first, then the lowest old rank) and fills its new
+engine from them (``install_state``). Old ranks whose files are not on this node come from the
+ring copy (``NodeStore.replicas``); with neither, the way out is the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 
 from meshmorph.elastic.live.execute import is_tensor_key
 from meshmorph.elastic.live.local_state import HeldPiece, ReshapeError, SmallState, install_state
-from meshmorph.elastic.live.store import NodeStore, StoredState
+from meshmorph.elastic.live.store import NodeStore, StoredState, newest_common
 from meshmorph.elastic.moves.box import Box
 from meshmorph.elastic.moves.layout import Layout, layout_of
 from meshmorph.spec.model import ModelSpec
@@ -139,11 +138,5 @@ def restore_from_store(store: NodeStore, *, new_rank: int, old_rank: int | None,
 
 def restore_step(store: NodeStore, old_ranks: list[int]) -> int | None:
     """The newest step every old rank stored on this node (or in its ring copy)."""
-    steps = store.steps()
-    ring = store.steps(store.replicas) if store.replicas.is_dir() else {}
-    common = None
-    for rank in old_ranks:
-        have = set(steps.get(rank, [])) | set(ring.get(rank, []))
-        common = have if common is None else common & have
-    return max(common) if common else None
+    return newest_common(old_ranks, store.steps(), store.steps(store.replicas))
 

@@ -14,7 +14,8 @@ import math
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,16 @@ def store_root() -> Path:
     """``MESHMORPH_STORE_ROOT`` if set, else ``/dev/shm``."""
     root = os.environ.get(STORE_ROOT_ENV)
     return Path(root) if root else SHM_ROOT
+
+
 _FILE = re.compile(r"^rank(\d+)-step(\d+)\.pt$")
+
+
+def _files(folder: Path) -> Iterator[tuple[Path, int, int]]:
+    """(path, rank, step) of every state file in ``folder``."""
+    for entry in folder.iterdir() if folder.is_dir() else ():
+        if match := _FILE.match(entry.name):
+            yield entry, int(match[1]), int(match[2])
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +60,14 @@ class StoredState:
     """Its pieces and small state."""
 
 
+def newest_common(ranks: Iterable[int], *holdings: Mapping[int, list[int]]) -> int | None:
+    """The newest step stored for every rank of ``ranks`` in one of ``holdings`` (rank ->
+    steps); None: there is none."""
+    held = [{s for steps in holdings for s in steps.get(r, [])} for r in ranks]
+    common = set.intersection(*held) if held else set()
+    return max(common) if common else None
+
+
 def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:80] or "run"
 
@@ -58,12 +76,9 @@ def to_bytes(rank: int, step: int, plan_json: str, state: LocalState) -> bytes:
     """A rank's state serialised (pieces copied out of any larger storage they view)."""
     pieces = [(p.key, p.offset, p.global_shape, p.tensor.detach().clone())
               for ps in state.pieces.values() for p in ps]
-    small = state.small
+    small = {f.name: getattr(state.small, f.name) for f in fields(SmallState)}
     payload = {"rank": rank, "step": step, "plan": plan_json, "fingerprint": state.fingerprint,
-               "pieces": pieces, "small": {"step": small.step, "param_group": small.param_group,
-                                           "lr_scheduler": small.lr_scheduler, "rng": small.rng,
-                                           "consumed_samples": small.consumed_samples,
-                                           "loss_scaler": small.loss_scaler}}
+               "pieces": pieces, "small": small}
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     return buffer.getvalue()
@@ -102,14 +117,13 @@ class NodeStore:
         """Write one rank's serialised state for ``step`` atomically; prune older steps."""
         folder = folder or self.dir
         folder.mkdir(parents=True, exist_ok=True)
-        final = folder / f"rank{rank}-step{step}.pt"
+        final = self.path(rank, step, folder)
         staging = folder / f".rank{rank}-step{step}.{os.getpid()}.partial"
         staging.write_bytes(data)
         os.replace(staging, final)
         for old in self.steps(folder).get(rank, [])[:-self.keep]:
-            if old in self.pinned and folder == self.dir:
-                continue
-            (folder / f"rank{rank}-step{old}.pt").unlink(missing_ok=True)
+            if old not in self.pinned or folder != self.dir:
+                self.path(rank, old, folder).unlink(missing_ok=True)
         return final
 
     def save(self, rank: int, step: int, plan_json: str, state: LocalState) -> Path:
@@ -119,18 +133,13 @@ class NodeStore:
     def steps(self, folder: Path | None = None) -> dict[int, list[int]]:
         """Rank -> steps stored for it, oldest first."""
         found: dict[int, list[int]] = {}
-        folder = folder or self.dir
-        for entry in folder.iterdir() if folder.is_dir() else ():
-            match = _FILE.match(entry.name)
-            if match:
-                found.setdefault(int(match[1]), []).append(int(match[2]))
+        for _, rank, step in _files(folder or self.dir):
+            found.setdefault(rank, []).append(step)
         return {rank: sorted(steps) for rank, steps in sorted(found.items())}
 
     def newest_common_step(self, ranks: list[int]) -> int | None:
         """The newest step stored for every rank of ``ranks`` (None: there is none)."""
-        stored = self.steps()
-        common = set.intersection(*(set(stored.get(r, [])) for r in ranks)) if ranks else set()
-        return max(common) if common else None
+        return newest_common(ranks, self.steps())
 
     def path(self, rank: int, step: int, folder: Path | None = None) -> Path:
         return (folder or self.dir) / f"rank{rank}-step{step}.pt"
@@ -147,9 +156,8 @@ class NodeStore:
     def keep_only(self, ranks: set[int], step: int) -> None:
         """Remove every file but those of ``ranks`` at ``step`` from this node's folder, and the
         ring copies (after a reshape the store holds the new plan's state alone)."""
-        for entry in self.dir.iterdir() if self.dir.is_dir() else ():
-            match = _FILE.match(entry.name)
-            if match and (int(match[1]) not in ranks or int(match[2]) != step):
+        for entry, rank, stored in _files(self.dir):
+            if rank not in ranks or stored != step:
                 entry.unlink(missing_ok=True)
         shutil.rmtree(self.replicas, ignore_errors=True)
         self.pinned = set()

@@ -1,11 +1,9 @@
 """What every node's store holds, agreed by all workers, and stored files pulled between nodes.
 
-After a restart each worker sees only its own node's store. ``gather_inventories`` tells every
-worker what every node holds, so all agree on the step to restore (``common_step``) and on who
-takes up which old rank (``claim_old_ranks``). A file a worker's node lacks (its node lost its
-memory, or it is the ring copy kept elsewhere) comes point to point from a worker of a node
-that holds it (``pull_files``: size and CRC-32, then the bytes), never from another node's
-folder.
+After a restart each worker sees only its own node's store; the inventories let all agree on
+the step to restore and on who takes up which old rank. A file a worker's node lacks comes
+point to point from a worker of a node that holds it (``pull_files``), never from another
+node's folder.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from meshmorph.elastic.live.local_state import ReshapeError
-from meshmorph.elastic.live.store import NodeStore, StoredState, from_bytes
+from meshmorph.elastic.live.store import NodeStore, StoredState, from_bytes, newest_common
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +48,7 @@ class Inventory:
 
 def gather_inventories(store: NodeStore, local: int) -> list[Inventory]:
     """Every worker's inventory, in rank order (collective over the default group)."""
-    mine = Inventory(dist.get_rank(), store.node, local, store.steps(),
-                     store.steps(store.replicas) if store.replicas.is_dir() else {})
+    mine = Inventory(dist.get_rank(), store.node, local, store.steps(), store.steps(store.replicas))
     every: list[Inventory | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return [inv for inv in every if inv is not None]
@@ -59,11 +56,8 @@ def gather_inventories(store: NodeStore, local: int) -> list[Inventory]:
 
 def common_step(inventories: list[Inventory], world_a: int) -> int | None:
     """The newest step at which every old rank ``0..world_a-1`` is stored on some node."""
-    common: set[int] | None = None
-    for old in range(world_a):
-        have = {s for inv in inventories for s in (*inv.own.get(old, []), *inv.ring.get(old, []))}
-        common = have if common is None else common & have
-    return max(common) if common else None
+    return newest_common(range(world_a), *(held for inv in inventories
+                                           for held in (inv.own, inv.ring)))
 
 
 def claim_old_ranks(inventories: list[Inventory], step: int, world_a: int) -> dict[int, int]:

@@ -1,12 +1,11 @@
 """What one rank builds when it builds an engine of a Plan, from the plan alone (pure): the
 counts ``move_time`` prices the new engine's build and install by.
 
-``run/engine.build_engine`` builds each chunk on the meta device, applies tensor parallelism
-(TP-split parameters become DTensors), FSDP2 (a ``fully_shard`` unit per layer and one per
-chunk) or DDP, then allocates and zeroes the rank's shards; the install writes every parameter
-and creates AdamW's two moments. Before that, ``init_device_mesh`` makes one ``new_group`` call
-per group of every mesh dimension smaller than the world, on every rank, and the rank joins
-the group holding it (a dimension as large as the world reuses the default group).
+``run/engine.build_engine`` makes the device mesh (``init_device_mesh``: on every rank one
+``new_group`` call per group of each dimension smaller than the world), builds each chunk on
+meta, applies TP (split parameters become DTensors), FSDP2 (a unit per layer and per chunk) or
+DDP, then allocates and zeroes the rank's shards; the install writes every parameter and
+creates AdamW's two moments.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ class BuildCounts:
     tp_tensors: int
     """Of those, the tensors tensor parallelism splits (DTensors on the tp mesh)."""
     fsdp_units: int
-    """``fully_shard`` calls (ZeRO 1-3 over dp > 1: one per layer of each chunk, one per
-    chunk)."""
+    """``fully_shard`` calls (ZeRO 1-3 over dp > 1: one per layer and one per chunk)."""
     fsdp_tensors: int
     """Tensors FSDP2 shards (every tensor of the rank under ZeRO 1-3 over dp > 1)."""
     param_bytes: int

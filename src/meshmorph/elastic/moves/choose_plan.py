@@ -1,15 +1,9 @@
 """Choose the new Plan after a membership change knowing what the move to it costs.
 
-The planner's fastest plan for the new device set is not always the best next plan: a plan
-whose layout is far from the running one moves more bytes, and over the few steps left its
-faster steps may not pay for the longer move. Every candidate (the planner's best few plans
-for the new device set that the runtime accepts) is priced as
-
-    time to finish = predicted move time (MovePlan from the running layout, ``move_time``)
-                     + steps left * predicted step time (the cost model's estimate)
-
-and the smallest wins: the throughput over the steps left minus the move's cost, in seconds.
-Pure (no torch.distributed); ``candidate_plans`` runs the planner.
+The planner's fastest plan for the new device set is not always the best next plan: a layout
+far from the running one moves more bytes, and over the few steps left faster steps may not
+pay for the longer move. Each candidate (the planner's best few runnable plans) is priced as
+``move_time + steps_left * step_time`` and the smallest wins. Pure (no torch.distributed).
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ from dataclasses import dataclass
 from meshmorph.cost.model import CostModel
 from meshmorph.elastic.moves.layout import layout_of
 from meshmorph.elastic.moves.move_plan import plan_move
-from meshmorph.elastic.moves.move_time import MoveTimeModel, move_time
+from meshmorph.elastic.moves.move_time import MoveTimeModel, cpu_cluster, move_time
 from meshmorph.elastic.moves.placement import ReshapeError
 from meshmorph.plan.runnable_plans import runnable_plans
 from meshmorph.spec.cluster import Cluster, parse_cluster
@@ -63,12 +57,8 @@ def rank_choices(model: ModelSpec, plan_a: Plan, candidates: Sequence[tuple[Plan
     layout_a = layout_of(model, plan_a)
     choices = []
     for plan, step_s in candidates:
-        layout_b = layout_of(model, plan)
-        joining = max(0, plan.world_size - len(survivors))
-        new = list(range(plan_a.world_size, plan_a.world_size + joining))
-        move = plan_move(layout_a, layout_b, survivors, new)
-        where = cluster or parse_cluster(f"cpu:1x{max(move.devices, default=0) + 1}")
-        seconds = move_time(move, where, model=time_model).total_s
+        move = plan_move(layout_a, layout_of(model, plan), survivors)
+        seconds = move_time(move, cluster or cpu_cluster(move), model=time_model).total_s
         choices.append(PlanChoice(plan, step_s, seconds, move.bytes_moved, steps_left))
     return sorted(choices, key=lambda c: (c.total_s, c.move_time_s))
 

@@ -1,18 +1,16 @@
 """Layout: which rank holds which box of every piece of training state under a Plan.
 
-A pure function of (ModelSpec, Plan), derived from ``cost/tensor_shapes.py`` (the one description
-of what the runtime allocates) and from how ``run/`` shards it:
+A pure function of (ModelSpec, Plan), from ``cost/tensor_shapes.py`` (what the runtime
+allocates) and how ``run/`` shards it:
 
-- pipeline: pipeline rank ``p`` holds the chunks ``plan.chunks_of(p)``; a tied head on a later
-  pipeline rank holds a replica of the embedding, moments included;
-- tensor parallelism: each tensor split along its ``tp_dim`` (column-parallel weights by dim 0,
+- pipeline rank ``p`` holds the chunks ``plan.chunks_of(p)``; a tied head on a later pipeline
+  rank holds a replica of the embedding, moments included;
+- tensor parallelism splits each tensor along its ``tp_dim`` (column-parallel by dim 0,
   row-parallel by dim 1, embedding and head by vocabulary where tp divides it), else whole;
-- ZeRO 0 replicates; ZeRO 1-3 (FSDP2) shard the fp32 masters and both AdamW moments as FSDP2
-  does at a step boundary: dim 0 of the tp-local tensor in ``ceil(n / dp)`` rows per rank
-  (``torch.chunk``; the last ranks fewer or none, ``Piece.pad_rows`` the padding FSDP2
-  allocates). Gathered copies and gradients are freed at a step boundary: not state;
-- every rank holds the optimizer ``step``, ``lr_scheduler`` and ``data`` (consumed samples), and
-  ``rng/<rank>`` its own generator state.
+- ZeRO 0 replicates; ZeRO 1-3 (FSDP2) shard the fp32 masters and both moments by dim 0 of the
+  tp-local tensor (``_dp_piece``); gathered copies and gradients are not state at a step
+  boundary;
+- every rank holds ``step``, ``lr_scheduler``, ``data`` (consumed samples) and ``rng/<rank>``.
 
 All state tensors are fp32 (the masters are fp32 in every precision).
 """
@@ -138,14 +136,6 @@ def rank_tensors(model: ModelSpec, plan: Plan, pp_rank: int) -> Iterator[tuple[s
                     yield fqn, tensor
 
 
-def _dp_rows(rows: int, dp: int, dp_rank: int) -> tuple[int, int]:
-    """Rows [start, stop) of dim 0 that data-parallel rank ``dp_rank`` holds (``torch.chunk``:
-    ``ceil(rows / dp)`` per rank, the last ranks fewer or none), as FSDP2 and ZeRO-1 cut them."""
-    size = -(-rows // dp) if rows else 0
-    start = min(dp_rank * size, rows)
-    return start, min(start + size, rows)
-
-
 def _tp_box(shape: tuple[int, ...], tp_dim: int | None, tp: int, tp_rank: int) -> Box:
     """The box a tensor-parallel rank holds of a whole tensor (tp divides the split dim)."""
     if tp_dim is None or tp == 1:
@@ -158,11 +148,15 @@ def _tp_box(shape: tuple[int, ...], tp_dim: int | None, tp: int, tp_rank: int) -
 
 
 def _dp_piece(key: str, local: Box, dp: int, dp_rank: int) -> Piece:
-    """A dim-0 data-parallel shard of the tp-local box ``local``, FSDP2's padding recorded."""
+    """Data-parallel rank ``dp_rank``'s dim-0 shard of the tp-local box ``local`` as FSDP2 and
+    ZeRO-1 cut it (``torch.chunk``: ``ceil(rows / dp)`` rows per rank, the last ranks fewer or
+    none), FSDP2's padding up to ``ceil(rows / dp)`` recorded."""
     rows = local.length[0]
-    start, stop = _dp_rows(rows, dp, dp_rank)
+    size = -(-rows // dp)
+    start = min(dp_rank * size, rows)
+    stop = min(start + size, rows)
     box = Box((local.offset[0] + start, *local.offset[1:]), (stop - start, *local.length[1:]))
-    return Piece(key, box, pad_rows=(-(-rows // dp)) - (stop - start))
+    return Piece(key, box, pad_rows=size - (stop - start))
 
 
 def layout_of(model: ModelSpec, plan: Plan) -> Layout:
@@ -176,13 +170,10 @@ def layout_of(model: ModelSpec, plan: Plan) -> Layout:
                         "re-plan with meshmorph plan --uniform")
     refuse_context_parallel(plan, "elastic layouts and reshapes")
     plan.check_against(model)
-    tensors: dict[str, StateTensor] = {}
+    small = {key: StateTensor(key, (), "int64") for key in ("step", "lr_scheduler", "data")}
+    tensors: dict[str, StateTensor] = dict(small)
     held: dict[int, list[Piece]] = {}
     shard = fsdp_shards(zero=plan.zero, dp=plan.dp)
-    small = {"step": StateTensor("step", (), "int64"),
-             "lr_scheduler": StateTensor("lr_scheduler", (), "int64"),
-             "data": StateTensor("data", (), "int64")}
-    tensors.update(small)
     for pp_rank in range(plan.pp):
         for dp_rank in range(plan.dp):
             for tp_rank in range(plan.tp):

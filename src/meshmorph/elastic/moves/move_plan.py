@@ -1,23 +1,19 @@
 """MovePlan: the transfers that turn Layout A into Layout B on the devices still alive, with the
 fewest bytes, the busiest sender sending as little as possible, batched under a staging bound.
 
-A destination builds each piece of its new rank from ``local_copies`` (what it already held),
-``batches`` (from other live devices, at most ``staging_bytes`` per batch), ``from_checkpoint``
-(parts no live device holds) and ``fresh_keys`` (state Layout A never had: created).
-
 ``plan_move``: the receive matrix and ``linear_sum_assignment`` give the placement, whose total
 is the lower bound (placement.py); each needed region is cut into cells with a definite set of
 live senders (box_cells.py); a linear program (HiGHS) splits each sender set's bytes to
-minimise the busiest sender, and cells are cut by rows where it says, so the busiest sender
-exceeds the LP optimum by at most one row per cut. Every needed byte is sent once:
-``bytes_moved`` equals ``lower_bound_bytes`` (the tests check it).
+minimise the busiest sender, and cells are cut by rows where it says (at most one row over the
+LP optimum per cut). Every needed byte is sent once: ``bytes_moved`` equals
+``lower_bound_bytes`` (the tests check it).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshmorph.elastic.moves.box import Box
 from meshmorph.elastic.moves.box_cells import cover
@@ -38,6 +34,7 @@ FROM_CHECKPOINT = -1
 """``src_device`` of a transfer read from the newest committed checkpoint."""
 DEFAULT_STAGING_BYTES = 256 * 2**20
 """Largest batch a destination buffers before placing it (256 MiB)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
@@ -76,7 +73,8 @@ def _fit(transfer: Transfer, staging_bytes: int) -> list[Transfer]:
     if transfer.nbytes <= staging_bytes:
         return [transfer]
     box = transfer.box
-    row = transfer.nbytes // box.numel * box.row_numel()
+    size = transfer.nbytes // box.numel  # bytes per element
+    row = size * box.row_numel()
     rows = staging_bytes // row
     if box.ndim == 0 or rows < 1:
         raise ValueError(f"staging_bytes {staging_bytes} is below one row ({row} bytes) of "
@@ -84,11 +82,8 @@ def _fit(transfer: Transfer, staging_bytes: int) -> list[Transfer]:
     parts = []
     while box.length[0] > rows:
         head, box = box.split_rows(rows)
-        parts.append(Transfer(transfer.src_device, transfer.dst_device, transfer.key, head,
-                              head.numel * row // box.row_numel()))
-    parts.append(Transfer(transfer.src_device, transfer.dst_device, transfer.key, box,
-                          box.numel * row // box.row_numel()))
-    return parts
+        parts.append(replace(transfer, box=head, nbytes=head.numel * size))
+    return [*parts, replace(transfer, box=box, nbytes=box.numel * size)]
 
 
 def batch_transfers(transfers: Sequence[Transfer], staging_bytes: int) -> tuple[Batch, ...]:
@@ -250,14 +245,14 @@ def plan_move(layout_a: Layout, layout_b: Layout, survivors: Sequence[int],
         raise ReshapeError(f"placement {chosen} must put each of the new plan's "
                            f"{layout_b.world_size} ranks on its own device of {list(hosting)}")
     keys = moved_keys(layout_a, layout_b)
+    held_by = dict(zip(devices, holdings, strict=True))
     sources: dict[str, list[tuple[int, Box]]] = defaultdict(list)
-    for device, held in zip(devices, holdings, strict=True):
+    for device, held in held_by.items():
         for key, box in held.items():
             sources[key].append((device, box))
     local, checkpoint, fresh = [], [], set()
     covers: dict[tuple[str, Box], list[tuple[Box, frozenset[int]]]] = {}
     groups: dict[frozenset[int], list[tuple[int, str, Box, int]]] = defaultdict(list)
-    held_by = dict(zip(devices, holdings, strict=True))
     for rank, dst in sorted(chosen.items()):
         for piece in layout_b.held[rank]:
             if piece.key not in keys:

@@ -35,7 +35,7 @@ from meshmorph.cost import comm
 from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.elastic.moves.build_counts import BuildCounts
 from meshmorph.elastic.moves.move_plan import MovePlan
-from meshmorph.spec.cluster import Cluster
+from meshmorph.spec.cluster import Cluster, parse_cluster
 
 PARTS = ("extract", "group", "plan", "agree", "transfer", "group_b", "build", "install")
 """The parts of a move, in the order they run (the executor's laps carry the same names)."""
@@ -175,6 +175,11 @@ def node_of(cluster: Cluster, device: int) -> int:
         node += group.num_nodes
     raise ValueError(f"device {device} is outside the cluster's {cluster.world_size} devices; "
                      "give a cluster with at least as many devices as the move uses")
+
+
+def cpu_cluster(move: MovePlan) -> Cluster:
+    """One CPU node with a device for every device id of ``move`` (where no cluster is given)."""
+    return parse_cluster(f"cpu:1x{max(move.devices, default=0) + 1}")
 
 
 def link_between(cluster: Cluster, src: int, dst: int,

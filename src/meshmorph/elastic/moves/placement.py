@@ -2,10 +2,8 @@
 on (the placement that leaves the fewest bytes to receive: ``scipy.optimize.linear_sum_assignment``
 on the receive matrix), and which live replica sends each needed cell (``balance_senders``).
 
-``receive[r, j]``: bytes new rank ``r`` needs that device ``j`` does not already hold, i.e. the
-sum over the pieces of ``r`` under Layout B of ``bytes(piece) - bytes(piece ∩ what j holds of
-the same tensor under Layout A)``. A device that joins holds nothing. A new rank's bytes do not
-depend on where the others go, so the total is a sum over (rank, device) pairs and the
+``receive[r, j]``: bytes new rank ``r`` needs that device ``j`` does not already hold (a device
+that joins holds nothing). A new rank's bytes do not depend on where the others go, so the
 assignment problem's optimum is exactly the lower bound on the bytes any placement must move.
 """
 
@@ -89,12 +87,15 @@ def receive_matrix(layout_a: Layout, layout_b: Layout,
     return matrix
 
 
+def _check_devices(needed: int, available: int) -> None:
+    if available < needed:
+        raise ReshapeError(f"the new plan needs {needed} devices but only {available} are "
+                           "available; choose a smaller plan or add devices")
+
+
 def best_placement(receive: np.ndarray, devices: Sequence[int]) -> dict[int, int]:
     """New rank -> device minimising the total bytes received (``linear_sum_assignment``)."""
-    ranks, columns = receive.shape
-    if columns < ranks:
-        raise ReshapeError(f"the new plan needs {ranks} devices but only {columns} are available;"
-                           " choose a smaller plan or add devices")
+    _check_devices(*receive.shape)
     rows, cols = linear_sum_assignment(receive)
     return {int(r): int(devices[c]) for r, c in zip(rows, cols, strict=True)}
 
@@ -102,9 +103,7 @@ def best_placement(receive: np.ndarray, devices: Sequence[int]) -> dict[int, int
 def rank_order_placement(layout_b: Layout, devices: Sequence[int]) -> dict[int, int]:
     """The naive (Megatron-style) placement: new rank ``r`` on the ``r``-th device in id order."""
     ordered = sorted(devices)
-    if len(ordered) < layout_b.world_size:
-        raise ReshapeError(f"the new plan needs {layout_b.world_size} devices but only "
-                           f"{len(ordered)} are available; choose a smaller plan or add devices")
+    _check_devices(layout_b.world_size, len(ordered))
     return {rank: ordered[rank] for rank in range(layout_b.world_size)}
 
 

@@ -21,7 +21,7 @@ import torch
 
 from meshmorph.run.config import OptimConfig
 from meshmorph.spec.catalog import catalog_model
-from meshmorph.spec.model import ModelSpec
+from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.plan import Plan
 from meshmorph.spec.transformer import TransformerShape, build_transformer
 from tests.helpers.harness import each_case, state_gaps
@@ -42,11 +42,11 @@ def _model(name: str = "gpt-tiny") -> ModelSpec:
     return catalog_model(name, seq_len=SEQ)
 
 
-def _plan(model: str = "gpt-tiny", **kw: object) -> Plan:
+def _plan(model: str = "gpt-tiny", recompute: Recompute = Recompute.NONE, **kw: object) -> Plan:
     fields: dict[str, object] = {"dtype": "fp32", "num_microbatches": 2, **kw}
     dp = int(fields.get("dp", 1))  # type: ignore[call-overload]
     fields.setdefault("global_batch", dp * int(fields["num_microbatches"]))  # type: ignore[call-overload]
-    return Plan(model=model, seq_len=SEQ, **fields).with_even_stages(_model(model))  # type: ignore[arg-type]
+    return Plan(model=model, seq_len=SEQ, **fields).with_even_stages(_model(model), recompute)  # type: ignore[arg-type]
 
 
 LAYOUTS: dict[str, Plan] = {
@@ -67,6 +67,16 @@ LAYOUTS: dict[str, Plan] = {
     "tp2_pp2_bf16": _plan(tp=2, pp=2, num_microbatches=4, dtype="bf16"),
     "tp2_dp2_sp_zero1": _plan(tp=2, dp=2, zero=1, sequence_parallel=True),
     "pp2_dp2_zero3_bf16": _plan(pp=2, dp=2, zero=3, num_microbatches=4, dtype="bf16"),
+    # tied embedding and head in one chunk at dp 1: the head's gradient comes first, so the
+    # vocabulary-parallel embedding keeps no double-size gradient
+    "tp4": _plan(tp=4),
+    # full recompute: torch's checkpoint stops once the MLP's row-parallel input is back, so
+    # the MLP output's all-reduce (or reduce-scatter) runs once, the attention's twice
+    "tp2_dp2_zero1_full": _plan(tp=2, dp=2, zero=1, recompute=Recompute.FULL),
+    "tp2_dp2_sp_full": _plan(tp=2, dp=2, sequence_parallel=True, recompute=Recompute.FULL),
+    # an untied vocabulary-parallel embedding accumulates into its double-size gradient
+    # between micro-batches (ZeRO-1's peak)
+    "llama_tp2_dp2_sp_zero1": _plan("llama-tiny", tp=2, dp=2, zero=1, sequence_parallel=True),
     # V placement (rank r holds chunks r and 2pp - 1 - r): the turn of the V, chunks pp - 1 and
     # pp, is on one rank and passes its activation without a send; under pp 2 the tied
     # embedding and head both sit on pipeline rank 0

@@ -189,14 +189,18 @@ def _held(model: ModelSpec, state: _RankState, segment: Segment) -> None:
     params, grads, moments, whole, padded = held_state(tensors, t, d, state.in_stage // t, zero,
                                                        per_layer=segment.alone)
     between = grads
+    # torch: the vocabulary-parallel embedding's local gradient is a view into a storage twice
+    # its size until a data-parallel reduction replaces it with a fresh tensor, unless the
+    # tied head's gradient, which the backward produces first, is there (the same chunk)
+    doubled = segment.start == 0 and vocab_split(model, t) and not (
+        model.tied_embeddings and segment.stop == model.num_layers)
     if fsdp and zero <= 2 and (plan.pp == 1 or state.layerwise):
         params += compute_bytes(plan.dtype) * padded * d  # gathered once, kept to the step's end
         if zero == 1 and plan.num_microbatches > 1:  # whole gradients accumulated, unsynced
-            between = compute_bytes(plan.reduce_dtype) * whole
+            between = compute_bytes(plan.reduce_dtype) * (
+                whole + (tensors[0].local_numel(t) if doubled and not state.layerwise else 0))
     if segment.start == 0 and vocab_split(model, t) and (
-            d == 1 or state.layerwise and plan.sequence_parallel and not fsdp):
-        # torch: the vocabulary-parallel embedding's local gradient is a view into a storage
-        # twice its size where no data-parallel reduction replaces it with a fresh tensor
+            d == 1 and doubled or state.layerwise and plan.sequence_parallel and not fsdp):
         grads += GRAD_BYTES * tensors[0].local_numel(t)
     state.params += params
     state.grads += grads
@@ -261,11 +265,15 @@ def _layer_tp(model: ModelSpec, state: _RankState, kind: LayerKind, sub: Plan, *
             comm["all_gather"] += m * bsh // t * hidden
     elif kind == LayerKind.BLOCK:
         replays = 2 if full else 1
+        # torch's checkpoint stops recomputing once the block's last saved tensor (the MLP's
+        # row-parallel input) is back: the MLP output's collective runs once, the attention's
+        # again under full recompute
+        outputs = 2 + full
         if sp:  # inputs gathered (forward, replays), output gradients gathered
             comm["all_gather"] += replays * 2 * m * bsh // t * hidden + 2 * m * bsh // t * c
-            comm["reduce_scatter"] += replays * 2 * m * bsh * c
+            comm["reduce_scatter"] += outputs * m * bsh * c
         else:  # row-parallel outputs, in the compute dtype
-            comm["all_reduce"] += replays * 2 * m * bsh * c
+            comm["all_reduce"] += outputs * m * bsh * c
         # column-parallel input gradients (q, k, v and fc1, or w1 and w3), in the input's dtype
         up = 1 if model.arch == "gpt" else 2
         comm["all_reduce"] += (3 + up) * m * bsh * hidden

@@ -124,7 +124,7 @@ def hazard_from_fit(fit: Fit, name: str, *, notice_s: float = 0.0) -> Hazard:
                            notice_s=notice_s, source=fit.source)
 
 
-def _bins(counts: list[int], launched: int, edges: tuple[float, ...]) -> list[tuple[int, float]]:
+def age_bins(counts: list[int], launched: int, edges: tuple[float, ...]) -> list[tuple[int, float]]:
     """(revocations, VM-hours at risk) per age bin of ``launched`` VMs from revocations per
     one-hour bin; a VM revoked in the hour counts half of it."""
     out, alive = [], float(launched)
@@ -142,14 +142,14 @@ def _bins(counts: list[int], launched: int, edges: tuple[float, ...]) -> list[tu
 def fit_counts(counts: list[int], launched: int, edges: tuple[float, ...] = AGE_BINS_H
                ) -> tuple[float, ...]:
     """MLE hazard per age bin from revocations per one-hour bin of ``launched`` VMs."""
-    return tuple(e / x if x > 0 else 0.0 for e, x in _bins(counts, launched, edges))
+    return tuple(e / x if x > 0 else 0.0 for e, x in age_bins(counts, launched, edges))
 
 
 def count_intervals(counts: list[int], launched: int, edges: tuple[float, ...] = AGE_BINS_H
                     ) -> tuple[tuple[float, float], ...]:
     """Exact Poisson 95% interval of each bin's rate (``fit_counts``'s events and exposure)."""
     return tuple(poisson_ci95(e, x) if x > 0 else (0.0, math.inf)
-                 for e, x in _bins(counts, launched, edges))
+                 for e, x in age_bins(counts, launched, edges))
 
 
 def _cmdare_hazard(name: str, counts: list[int], launched: int, source: str) -> Hazard:

@@ -155,11 +155,13 @@ class _Run:
         self.changed = self.env.event()
 
     # ---- nodes ----
-    def _price_per_s(self, node: _Node) -> float:
+    def _bill(self, node: _Node) -> None:
+        """Charge ``node``'s time since it started running at its zone's price."""
         if node.zone == ON_DEMAND:
-            where = self.zones.get(self.od_zone, self.market.zones[0])
-            return where.on_demand_node_usd_per_h / 3600
-        return self.zones[node.zone].spot_node_usd_per_h / 3600
+            usd_per_h = self.zones.get(self.od_zone, self.market.zones[0]).on_demand_node_usd_per_h
+        else:
+            usd_per_h = self.zones[node.zone].spot_node_usd_per_h
+        self.result.cost_usd += (self.env.now - node.started_s) * (usd_per_h / 3600)
 
     def _stop(self, node: _Node, why: str) -> None:
         if node.stop is not None and not node.stop.triggered:
@@ -191,7 +193,7 @@ class _Run:
             self._notify()
             life = self._lifetime_s(node)
             yield (node.stop if math.isinf(life) else self.env.timeout(life) | node.stop)
-            self.result.cost_usd += (self.env.now - node.started_s) * self._price_per_s(node)
+            self._bill(node)
             node.state = WAITING
             if not node.released and not self.finished.triggered:
                 self.result.preemptions += 1
@@ -271,6 +273,14 @@ class _Run:
                 return "grow"
             yield self.env.timeout(end - self.env.now) | self._wake()
 
+    def _phase(self, kind: str, seconds: float, members: list[_Node], grow: bool = False
+               ) -> Generator[Any, Any, str]:
+        """``_hold`` logged on the timeline as ``kind``."""
+        start = self.env.now
+        why = yield from self._hold(seconds, members, grow)
+        self._log(start, kind, len(members))
+        return why
+
     def _spares(self, members: list[_Node]) -> list[_Node]:
         return [n for n in self.nodes if n.zone == self.current and n.state == RUNNING
                 and n not in members]
@@ -321,10 +331,7 @@ class _Run:
         """Cold restart (and the checkpoint read after a stop) on ``members``."""
         seconds = self.overheads.recover_s(first=first, state_bytes=self.job.checkpoint_bytes,
                                            nodes=len(members), rng=self.rng)
-        start = self.env.now
-        why = yield from self._hold(seconds, members)
-        self._log(start, "recover", len(members))
-        return why == "done"
+        return (yield from self._phase("recover", seconds, members)) == "done"
 
     def _reshape(self, members: list[_Node], survivors: list[_Node]
                  ) -> Generator[Any, Any, list[_Node] | None]:
@@ -341,9 +348,7 @@ class _Run:
             self._rollback(n, notice=True)
             if self.saved == before:  # no emergency write: everybody reads the checkpoint
                 seconds += self.overheads.load_s(self.job.checkpoint_bytes, m)
-        start = self.env.now
-        why = yield from self._hold(seconds, survivors)
-        self._log(start, "recover", m)
+        why = yield from self._phase("recover", seconds, survivors)
         if why == "done":
             self.result.reshapes += 1
             return survivors
@@ -377,14 +382,11 @@ class _Run:
             steps = target - self.done
             grow = self.config.policy is Policy.RESHAPE and n < self.job.nodes
             start = self.env.now
-            why = yield from self._hold(steps * step, members, grow=grow)
+            why = yield from self._phase("compute", steps * step, members, grow)
             self.done = target if why == "done" else \
                 self.done + min((self.env.now - start) / step, steps)
-            self._log(start, "compute", n)
             if why == "done" and self.done < total:
-                start = self.env.now
-                why = yield from self._hold(self._write_s(n), members)
-                self._log(start, "checkpoint", n)
+                why = yield from self._phase("checkpoint", self._write_s(n), members)
                 if why == "done":
                     self.saved = self.done
             if why != "done":
@@ -416,7 +418,7 @@ class _Run:
         self.result.time_s = self.env.now
         for node in self.nodes:
             if node.state == RUNNING:
-                self.result.cost_usd += (self.env.now - node.started_s) * self._price_per_s(node)
+                self._bill(node)
         return self.result
 
 

@@ -94,18 +94,18 @@ class Hazard:
 
     def lifetime_h(self, draw: float) -> float:
         """The age at which the integrated hazard reaches ``draw`` (an Exp(1) sample), capped."""
+        remaining = draw
         if self.weibull_shape:
             age = self.weibull_scale_h * draw ** (1 / self.weibull_shape)
-            return min(age, self.max_runtime_h) if self.max_runtime_h is not None else age
-        remaining, age = draw, 0.0
-        for lo, hi, rate in zip(self.edges_h, self.edges_h[1:], self.rates_per_h, strict=False):
-            if rate * (hi - lo) >= remaining:
-                age = lo + remaining / rate
-                break
-            remaining -= rate * (hi - lo)
         else:
-            tail = self.tail_rate_per_h
-            age = self.edges_h[-1] + remaining / tail if tail > 0 else math.inf
+            for lo, hi, rate in zip(self.edges_h, self.edges_h[1:], self.rates_per_h, strict=False):
+                if rate * (hi - lo) >= remaining:
+                    age = lo + remaining / rate
+                    break
+                remaining -= rate * (hi - lo)
+            else:
+                tail = self.tail_rate_per_h
+                age = self.edges_h[-1] + remaining / tail if tail > 0 else math.inf
         return min(age, self.max_runtime_h) if self.max_runtime_h is not None else age
 
     def sample_h(self, rng: np.random.Generator) -> float:

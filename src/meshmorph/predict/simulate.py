@@ -1,16 +1,15 @@
 """A whole training run on spot nodes across zones, as a discrete-event simulation (simpy).
 
 Each zone's capacity follows a path drawn from its fitted process (``availability.py``) or, with
-``replay``, its recorded trace from one start tick shared by every zone. Each node is a simpy
-process: it waits for capacity, starts (CM-DARE's measured VM start-up) and runs until it is
-preempted (capacity mode: its zone's capacity goes; lifetime mode: its own lifetime, the fitted
-hazard and the provider's cap, ends), then, unless the policy released it, waits again.
-On-demand nodes are never preempted. Every node is billed at its zone's price while it runs.
+``replay``, its recorded trace from one start tick shared by every zone. Each node is a process:
+it waits for capacity, starts (CM-DARE's measured VM start-up) and runs until preempted (capacity
+mode: its zone's capacity goes; lifetime mode: its drawn lifetime or the provider's cap ends),
+then waits again unless the policy released it. On-demand nodes are never preempted. A node is
+billed at its zone's price while it runs.
 
-The trainer computes between checkpoints (Young/Daly: ``sqrt(2 write_s MTBF)``, at most 4 h) at
-the planner's step time for the nodes it runs on. A preemption loses the steps since the last
-checkpoint unless the provider's notice covers a checkpoint write (then only the notice
-window); then the policy decides (``policy.py``).
+The trainer checkpoints every ``sqrt(2 write_s MTBF)`` (Young/Daly, at most 4 h) at the planner's
+step time for its node count. A preemption loses the steps since the last checkpoint, or only the
+notice window where the notice covers a checkpoint write; then the policy decides (``policy.py``).
 """
 
 from __future__ import annotations
@@ -305,13 +304,12 @@ class _Run:
         """Young/Daly: sqrt(2 write MTBF), the MTBF of the job's nodes where it runs now."""
         if self.config.checkpoint_interval_s is not None:
             return self.config.checkpoint_interval_s
-        rate_per_h = 0.0
-        zone = self.zones.get(str(self.current))
-        if zone is not None and self.market.mode is PreemptionMode.CAPACITY:
-            if zone.availability is not None and math.isfinite(zone.availability.up.mean_h):
-                rate_per_h = 1 / zone.availability.up.mean_h
-        elif zone is not None:
+        rate_per_h, zone = 0.0, self.zones.get(str(self.current))
+        if zone is not None and self.market.mode is PreemptionMode.LIFETIME:
             rate_per_h = nodes * zone.lifetime.mean_rate_per_h()
+        elif zone is not None and zone.availability is not None:  # capacity: the zone's mean up
+            up_h = zone.availability.up.mean_h
+            rate_per_h = 1 / up_h if math.isfinite(up_h) else 0.0
         if rate_per_h <= 0:
             return self.config.max_checkpoint_interval_s
         return min(self.config.max_checkpoint_interval_s,

@@ -34,6 +34,9 @@ GENERATION = {"k80": 2014, "p100": 2016, "v100": 2017, "t4": 2018, "a100": 2020,
               "h100": 2022, "l4": 2023, "h200": 2024, "mi300x": 2023, "b200": 2025}
 """Launch year of each GPU family: the nearest generation stands in for a GPU without data."""
 
+CMDARE_GPUS = {"k80": "k80", "p100": "p100", "v100": "v100-16g"}
+"""CM-DARE's GPUs (``revocation.fitted_hazards`` keys) and their GPU catalog keys."""
+
 
 class Cloud(StrEnum):
     """Clouds the packaged data know."""
@@ -125,21 +128,17 @@ def _lifetime_set(key: str, entry: dict[str, Any]) -> DataSet:
                    fits={**{z: f.to_dict() for z, f in fits.items()}, "pooled": pooled.to_dict()})
 
 
-def _cmdare_sets() -> dict[str, DataSet]:
-    out = {}
-    for gpu, hazard in fitted_hazards().items():
-        regions = regional_hazards()[gpu]
-        counts = measurements()["revocations_by_region"][gpu.upper()]
-        key = f"{gpu}-gcp-2019"
-        out[key] = DataSet(
-            key=key, gpu=gpu if gpu != "v100" else "v100-16g", cloud=Cloud.GCP,
-            about=f"CM-DARE: {gpu.upper()} preemptible GCE VMs by hours since start, 4 regions, "
-                  "2019 (piecewise-constant hazard, 24 h cap)",
-            source=measurements()["sources"]["cmdare"],
-            lifetimes={r: h for r, h in regions.items()
-                       if sum(counts[r]["revocations_by_hour"]) >= MIN_EVENTS_FOR_SHAPE},
-            pooled=hazard, fits={"pooled": {"rates_per_h": list(hazard.rates_per_h)}})
-    return out
+def _cmdare_set(gpu: str) -> DataSet:
+    """CM-DARE's preemptible VMs of ``gpu`` (a ``CMDARE_GPUS`` key) by age (``revocation.py``)."""
+    hazard, counts = fitted_hazards()[gpu], measurements()["revocations_by_region"][gpu.upper()]
+    return DataSet(
+        key=f"{gpu}-gcp-2019", gpu=CMDARE_GPUS[gpu], cloud=Cloud.GCP,
+        about=f"CM-DARE: {gpu.upper()} preemptible GCE VMs by hours since start, 4 regions, "
+              "2019 (piecewise-constant hazard, 24 h cap)",
+        source=measurements()["sources"]["cmdare"],
+        lifetimes={r: h for r, h in regional_hazards()[gpu].items()
+                   if sum(counts[r]["revocations_by_hour"]) >= MIN_EVENTS_FOR_SHAPE},
+        pooled=hazard, fits={"pooled": {"rates_per_h": list(hazard.rates_per_h)}})
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +165,7 @@ def set_infos() -> tuple[SetInfo, ...]:
     raw = packaged_json("spot_data.json")
     out = [SetInfo(k, e["gpu"], Cloud(e["cloud"]), False) for k, e in raw["availability"].items()]
     out += [SetInfo(k, e["gpu"], Cloud(e["cloud"]), True) for k, e in raw["lifetimes"].items()]
-    out += [SetInfo(f"{gpu}-gcp-2019", gpu if gpu != "v100" else "v100-16g", Cloud.GCP, True)
-            for gpu in ("k80", "p100", "v100")]
+    out += [SetInfo(f"{gpu}-gcp-2019", key, Cloud.GCP, True) for gpu, key in CMDARE_GPUS.items()]
     return tuple(out)
 
 
@@ -181,7 +179,7 @@ def availability_set(key: str) -> DataSet:
 def lifetime_set(key: str) -> DataSet:
     """A packaged lifetime set, fitted (once per process)."""
     if key.endswith("-gcp-2019"):
-        return _cmdare_sets()[key]
+        return _cmdare_set(key.split("-")[0])
     return _lifetime_set(key, packaged_json("spot_data.json")["lifetimes"][key])
 
 

@@ -92,11 +92,10 @@ def _fail(path: str, key: str, problem: str) -> TraceError:
     return TraceError(f"trace {path}: {key}: {problem}")
 
 
-def _number(value: Any, path: str, key: str, positive: bool = True) -> float:
+def _number(value: Any, path: str, key: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-            or (positive and value <= 0):
-        raise _fail(path, key, f"must be a finite number {'> 0' if positive else ''}, got "
-                               f"{value!r}")
+            or value <= 0:
+        raise _fail(path, key, f"must be a finite number > 0, got {value!r}")
     return float(value)
 
 

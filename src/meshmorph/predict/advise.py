@@ -55,17 +55,15 @@ def _cluster(instance: InstanceType, nodes: int) -> Cluster:
 def _options(instance: InstanceType, job: TrainingJob, market: Market,
              options: AdviceOptions) -> list[dict[str, Any]]:
     """Every policy on ``job`` as an option row."""
-    nodes = job.nodes
-    overheads = Overheads()
-    plan = job.plan(nodes)
+    plan = job.plan(job.nodes)
     assert plan is not None
-    results = run_scenario(Scenario(job=job, market=market, overheads=overheads,
+    results = run_scenario(Scenario(job=job, market=market, overheads=Overheads(),
                                     policies=options.policies, runs=options.runs,
                                     deadline_h=options.deadline_h))
     out = []
     for r in results:
         s = r.model
-        out.append({"instance": instance.name, "gpu": instance.gpu, "nodes": nodes,
+        out.append({"instance": instance.name, "gpu": instance.gpu, "nodes": job.nodes,
                     "gpus": job.cluster.world_size, "policy": str(r.policy),
                     "spot": r.policy is not Policy.ON_DEMAND, "zones": s["zones"],
                     "time_h": s["time_h_p50"], "time_h_p90": s["time_h_p90"],

@@ -1,13 +1,10 @@
 """Whether spot capacity can be had in a zone: an alternating process of periods with capacity
-("up") and without ("down": the wait for it), each a run-length distribution on the probes'
-tick grid (``fits.py``), and the path of one zone over a simulated run.
+("up") and without ("down": the wait for it), each a run-length distribution on the probes' tick
+grid (``fits.py``), and the path of one zone over a simulated run (``ZonePath``).
 
 A zone's series says per tick whether a spot request there succeeded (count series: whether at
-least one GPU launched, as the traces' authors count it); runs cut by the data's ends or gaps
-are censored. The share of time with capacity is ``E[up] / (E[up] + E[down])``, its 95%
-interval the two means' intervals paired at opposite ends. A path (``ZonePath``) holds the
-times one zone changes state: drawn from the fits from ``WARM_UP_CYCLES`` mean cycles before
-time 0 (so time 0 falls anywhere in the alternation), or a recorded trace replayed cyclically.
+least one GPU launched, as the traces' authors count it); runs cut by the data's ends or gaps are
+censored.
 """
 
 from __future__ import annotations
@@ -47,10 +44,7 @@ class ZoneAvailability:
         """Long-run share of time with capacity: E[up] / (E[up] + E[down])."""
         if self.observed_share in (0.0, 1.0):
             return self.observed_share
-        up, down = self.up.mean_h, self.down.mean_h
-        if math.isinf(up):
-            return 1.0
-        return up / (up + down) if math.isfinite(down) else 0.0
+        return 1.0 if math.isinf(self.up.mean_h) else _share(self.up.mean_h, self.down.mean_h)
 
     @property
     def share_ci95(self) -> tuple[float, float]:
@@ -58,13 +52,7 @@ class ZoneAvailability:
         if self.observed_share in (0.0, 1.0):
             return self.observed_share, self.observed_share
         (up_lo, up_hi), (down_lo, down_hi) = self.up.mean_ci95_h, self.down.mean_ci95_h
-
-        def share(up: float, down: float) -> float:
-            if math.isinf(up):
-                return 1.0 if math.isfinite(down) else math.nan
-            return 0.0 if math.isinf(down) else up / (up + down)
-
-        return share(up_lo, down_hi), share(up_hi, down_lo)
+        return _share(up_lo, down_hi), _share(up_hi, down_lo)
 
     def to_dict(self) -> dict[str, object]:
         return {"zone": self.zone, "share": self.share, "share_ci95": self.share_ci95,
@@ -72,16 +60,20 @@ class ZoneAvailability:
                 "down": self.down.to_dict(), "at_least": self.at_least, "source": self.source}
 
 
+def _share(up: float, down: float) -> float:
+    """up / (up + down) of mean periods that may be infinite (both infinite: undefined)."""
+    if math.isinf(up):
+        return 1.0 if math.isfinite(down) else math.nan
+    return 0.0 if math.isinf(down) else up / (up + down)
+
+
 def period_runs(segments: Sequence[Sequence[bool]]) -> tuple[Runs, Runs]:
     """(up, down) runs of every segment (runs at segment ends censored)."""
-    up, down = Runs((), ()), Runs((), ())
+    runs = {True: Runs((), ()), False: Runs((), ())}
     for segment in segments:
         for state, ticks, complete in runs_of(segment):
-            if state:
-                up = up + Runs((ticks,), (complete,))
-            else:
-                down = down + Runs((ticks,), (complete,))
-    return up, down
+            runs[state] += Runs((ticks,), (complete,))
+    return runs[True], runs[False]
 
 
 def fit_zone(zone: str, segments: Sequence[Sequence[bool]], tick_s: float, source: str,
@@ -149,9 +141,7 @@ class ZonePath:
     def next_change_s(self, time_s: float) -> float:
         """The first change after ``time_s`` (inf when the state never changes again)."""
         self._extend(time_s)
-        index = bisect.bisect_right(self.ends_s, time_s)
-        end = self.ends_s[index]
-        return end if math.isfinite(end) else math.inf
+        return self.ends_s[bisect.bisect_right(self.ends_s, time_s)]
 
 
 def drawn_periods(zone: ZoneAvailability, rng: np.random.Generator

@@ -198,16 +198,16 @@ def _check(entry: dict[str, Any], cls: type, where: str, given: tuple[str, ...] 
            ) -> dict[str, Any]:
     """``entry`` once its keys are ``cls``'s fields (all it needs but ``given``) and its values
     fit their annotations."""
-    names = [f.name for f in fields(cls)]
-    unknown = [k for k in entry if k not in names]
+    known = {f.name: f for f in fields(cls)}
+    unknown = [k for k in entry if k not in known]
     if unknown:
         raise ValueError(f"{where}: unknown key {', '.join(map(repr, unknown))}; valid keys: "
-                         f"{', '.join(names)}")
-    missing = [f.name for f in fields(cls) if f.name not in entry and f.name not in given
+                         f"{', '.join(known)}")
+    missing = [name for name, f in known.items() if name not in entry and name not in given
                and f.default is MISSING and f.default_factory is MISSING]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)}")
-    types = {f.name: str(f.type) for f in fields(cls)}
+    types = {name: str(f.type) for name, f in known.items()}
     for key, value in entry.items():
         if not _accepts(types[key], value):
             raise ValueError(f"{where}: {key} must be {types[key]}, got {value!r}")
@@ -269,10 +269,9 @@ def _parse(data: dict[str, Any], where: str, catalog: CloudCatalog | None) -> Cl
         if not isinstance(value, kind) or not all(isinstance(e, dict) for e in entries):
             form = f"[{key}.NAME] tables" if kind is dict else f"[[{key}]] tables"
             raise ValueError(f"{where}: {key} must be {form}, got {value!r}")
-    providers = dict(catalog.providers) if catalog else {}
-    instances = dict(catalog.instances) if catalog else {}
-    prices = dict(catalog.prices) if catalog else {}
-    zones = dict(catalog.zones) if catalog else {}
+    base = catalog or CloudCatalog(providers={}, instances={}, prices={}, zones={})
+    providers, instances = dict(base.providers), dict(base.instances)
+    prices, zones = dict(base.prices), dict(base.zones)
     for name, entry in data.get("providers", {}).items():
         providers[name] = _provider(name, entry, where)
     for index, entry in enumerate(data.get("instances", [])):

@@ -1,36 +1,27 @@
-"""Maximum-likelihood fits of durations, with their uncertainty: VM lifetimes and periods with
-and without capacity in hours (``Durations``, ``Fit``), and runs of probe ticks in one state
-(``Runs``, ``RunFit``).
+"""Maximum-likelihood fits with their uncertainty: durations in hours (VM lifetimes, periods with
+and without capacity: ``Durations``, ``Fit``) and runs of probe ticks in one state (``Runs``,
+``RunFit``), each maximised by Nelder-Mead from several starts, with 95% intervals from the
+observed information (delta method for derived figures).
 
-Durations. Each is known exactly, only to lie between two bounds, or only to exceed a bound
-(still running when the measurement stopped: right-censored). Two families, both as Weibull(shape
-k, scale s) with survival ``S(t) = exp(-(t / s)^k)``; the exponential is k = 1 (a constant hazard
-1 / s):
+Durations (exact, interval or right-censored) are Weibull(shape k, scale s),
+``S(t) = exp(-(t / s)^k)``, the exponential being k = 1 (constant hazard 1 / s):
 
     log L = sum_exact log f(t) + sum_interval log(S(lo) - S(hi)) + sum_censored log S(lo)
 
-maximised over (log k, log s). Where the data are events and exposure only (a count of
-preemptions in so many VM-hours), the exponential's rate is ``events / exposure`` with the exact
-Poisson (chi-square) interval.
+over (log k, log s). From events and exposure alone (so many preemptions in so many VM-hours) the
+exponential's rate is ``events / exposure``, with the exact Poisson (chi-square) interval.
 
-Runs. A zone is probed every tick; a run is the number n >= 1 of consecutive ticks in one state.
-The run length is geometric, or (the probes show many one-tick flickers beside periods of days) a
-mixture of two geometrics, short and long:
+Runs: n >= 1 consecutive probe ticks in one state. The length is geometric or (the probes show
+one-tick flickers beside periods of days) a mixture of a short and a long geometric:
 
     P(n)      = w p1 (1 - p1)^(n - 1) + (1 - w) p2 (1 - p2)^(n - 1)
     P(N >= n) = w (1 - p1)^(n - 1)    + (1 - w) (1 - p2)^(n - 1)     (a run cut by the data's ends)
 
-maximised over logit(w), logit(p1), logit(p2); the mixture is kept where it has
-``MIN_EVENTS_FOR_MIXTURE`` ended runs and lowers Akaike's criterion by more than 2. A mean run
-longer than the data cannot be known from them (one censored run of days drives the long
-component's p to 0): every p is held at or above 1 / (2 x the ticks in the data), a mean of at
-most twice the data's span. A model on the probes' own grid is what a replay of the trace sees:
-periods shorter than a tick are not in either.
-
-Both are maximised by ``scipy.optimize.minimize`` (Nelder-Mead, several starts). The uncertainty
-is the inverse of the observed information (a central-difference Hessian of -log L at the
-optimum): 95% intervals ``exp(theta +- 1.96 se)`` of the log parameters, and for the mean run
-``w / p1 + (1 - w) / p2`` the delta method on its log.
+over logit(w), logit(p1), logit(p2); the mixture is kept where it has ``MIN_EVENTS_FOR_MIXTURE``
+ended runs and lowers Akaike's criterion by more than 2. A mean run longer than the data cannot be
+known from them (one censored run of days drives p to 0), so every p is held at or above
+1 / (2 x the data's ticks). Like a replay of the trace, the model lives on the probes' grid:
+periods shorter than a tick are in neither.
 """
 
 from __future__ import annotations

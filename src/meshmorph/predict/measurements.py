@@ -72,10 +72,9 @@ def _revocations_by_region(folder: Path) -> dict[str, dict[str, dict[str, Any]]]
 
 def import_reference(folder: Path) -> dict[str, Any]:
     """The packaged measurement file's content, from the reference CSVs in ``folder``."""
-    launched = {}
-    for row in _rows(folder, "cmdare_revocations_by_hours_since_start.csv"):
-        if row["variant"].startswith(FINAL):
-            launched[row["server_type"]] = int(row["n_instances_launched"])
+    launched = {row["server_type"]: int(row["n_instances_launched"])
+                for row in _rows(folder, "cmdare_revocations_by_hours_since_start.csv")
+                if row["variant"].startswith(FINAL)}
     startup: dict[str, list[float]] = defaultdict(list)
     for row in _rows(folder, "cmdare_vm_startup_time.csv"):
         if row["scenario"] == "new VM":
@@ -127,10 +126,14 @@ def import_reference(folder: Path) -> dict[str, Any]:
 
 
 @cache
+def packaged_json(name: str) -> Any:
+    """A JSON file of the ``meshmorph.data`` package (read once)."""
+    return json.loads(resources.files("meshmorph.data").joinpath(name).read_text())
+
+
 def measurements() -> dict[str, Any]:
     """The packaged measurements (read once)."""
-    text = resources.files("meshmorph.data").joinpath("cloud_measurements.json").read_text()
-    return json.loads(text)
+    return packaged_json("cloud_measurements.json")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ class Overheads:
 
     def checkpoint_write_s(self, state_bytes: float, nodes: int) -> float:
         fixed = self.checkpoint_fixed_s if self.checkpoint_fixed_s is not None else checkpoint_fit()[0]
-        return fixed + state_bytes / (nodes * self.storage_gbps_per_node * 1e9)
+        return fixed + self.load_s(state_bytes, nodes)
 
     def recover_s(self, *, first: bool, state_bytes: float, nodes: int,
                   rng: np.random.Generator) -> float:

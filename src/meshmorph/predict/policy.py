@@ -1,17 +1,16 @@
 """What a run does when spot capacity comes and goes: the policies and their decisions.
 
 - ``restart``: one zone (the best of ``--zones``); a lost node is replaced there when capacity
-  allows, training restarts cold from the last checkpoint.
-- ``reshape``: one zone; training continues on the surviving nodes after a move priced by
-  Reshape's planner (``reshape_cost.py``) and grows back when replacements arrive. Where a whole
-  zone's capacity goes at once (capacity mode) nobody survives and it is ``restart``.
-- ``multi-zone``: start in the best zone with capacity; when the job's zone has none, move to the
-  best zone that has it now (restart there from the checkpoint), else wait where it is.
-- ``deadline``: ``multi-zone`` while the deadline allows, then on-demand for the rest (the idea of
-  "Can't Be Late", NSDI '24): spot is abandoned at ``switch_time_s``, the last moment at which
-  the steps not yet checkpointed can still be done on on-demand nodes, with the longest start-up,
-  cold restart, checkpoint read and checkpoint writes the simulator can draw. On-demand nodes are
-  never preempted, so a deadline that on-demand alone meets is never missed.
+  allows, and training restarts cold from the last checkpoint.
+- ``reshape``: one zone; training goes on on the survivors after a move priced by Reshape's planner
+  (``reshape_cost.py``) and grows back as replacements arrive. Where the zone's capacity goes all
+  at once (capacity mode) nobody survives: it is ``restart``.
+- ``multi-zone``: the best zone with capacity; when the job's zone has none, move to the best zone
+  that has it now (restart there from the checkpoint), else wait.
+- ``deadline``: ``multi-zone``, then on-demand from ``switch_time_s`` (the idea of "Can't Be Late",
+  NSDI '24): the last moment at which the steps not yet checkpointed can still be done on on-demand
+  nodes with the longest start-up, cold restart, checkpoint read and writes the simulator can draw.
+  On-demand nodes are never preempted, so a deadline on-demand alone meets is never missed.
 - ``on-demand``: on-demand nodes only.
 
 Zones are ranked by spot price over the share of time with capacity (``Zone.cost_per_useful_hour``).

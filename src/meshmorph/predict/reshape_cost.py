@@ -1,11 +1,10 @@
-"""What continuing on the survivors costs: the move of the training state from the plan on n
-nodes to the plan on m nodes, priced by Reshape's own pure move planner
-(``elastic.moves``: ``layout_of`` -> ``plan_move`` -> ``move_time``).
+"""What continuing on the survivors costs: the move of the training state from the plan on n nodes
+to the plan on m nodes, priced by Reshape's own pure move planner (``elastic.moves``:
+``layout_of`` -> ``plan_move`` -> ``move_time``), once per change and process.
 
-The simulator asks for the same few changes (4 -> 3 nodes, 3 -> 4, ...) many times, so each is
-planned once per process. A change whose MovePlan reads pieces from the checkpoint (pieces only
-the lost node held: ZeRO shards, pipeline stages without a replica) cannot keep the work done since
-that checkpoint, unless the preemption notice lets the lost node write them first.
+A change whose MovePlan reads pieces from the checkpoint (pieces only the lost node held: ZeRO
+shards, pipeline stages without a replica) cannot keep the work done since that checkpoint, unless
+the preemption notice lets the lost node write them first.
 """
 
 from __future__ import annotations
@@ -43,13 +42,11 @@ def reshape_move(job: TrainingJob, nodes_from: int, nodes_to: int) -> ReshapeMov
     plan_a, plan_b = job.plan(nodes_from), job.plan(nodes_to)
     if plan_a is None or plan_b is None:
         return None
-    plan_a = plan_a if plan_a.stages else plan_a.with_even_stages(job.model)
-    plan_b = plan_b if plan_b.stages else plan_b.with_even_stages(job.model)
+    layout_a, layout_b = (layout_of(job.model, p if p.stages else p.with_even_stages(job.model))
+                          for p in (plan_a, plan_b))
     per_node = job.gpus_per_node
-    survivors = list(range(min(nodes_from, nodes_to) * per_node))
-    joining = list(range(nodes_from * per_node, nodes_to * per_node))
-    move = plan_move(layout_of(job.model, plan_a), layout_of(job.model, plan_b), survivors,
-                     joining)
+    move = plan_move(layout_a, layout_b, list(range(min(nodes_from, nodes_to) * per_node)),
+                     list(range(nodes_from * per_node, nodes_to * per_node)))
     seconds = move_time(move, job.sub_cluster(max(nodes_from, nodes_to))).total_s
     _MOVES[key] = ReshapeMove(seconds, move.bytes_moved, bool(move.from_checkpoint))
     return _MOVES[key]

@@ -94,18 +94,18 @@ class Hazard:
 
     def lifetime_h(self, draw: float) -> float:
         """The age at which the integrated hazard reaches ``draw`` (an Exp(1) sample), capped."""
+        remaining = draw
         if self.weibull_shape:
             age = self.weibull_scale_h * draw ** (1 / self.weibull_shape)
-            return min(age, self.max_runtime_h) if self.max_runtime_h is not None else age
-        remaining, age = draw, 0.0
-        for lo, hi, rate in zip(self.edges_h, self.edges_h[1:], self.rates_per_h, strict=False):
-            if rate * (hi - lo) >= remaining:
-                age = lo + remaining / rate
-                break
-            remaining -= rate * (hi - lo)
         else:
-            tail = self.tail_rate_per_h
-            age = self.edges_h[-1] + remaining / tail if tail > 0 else math.inf
+            for lo, hi, rate in zip(self.edges_h, self.edges_h[1:], self.rates_per_h, strict=False):
+                if rate * (hi - lo) >= remaining:
+                    age = lo + remaining / rate
+                    break
+                remaining -= rate * (hi - lo)
+            else:
+                tail = self.tail_rate_per_h
+                age = self.edges_h[-1] + remaining / tail if tail > 0 else math.inf
         return min(age, self.max_runtime_h) if self.max_runtime_h is not None else age
 
     def sample_h(self, rng: np.random.Generator) -> float:
@@ -124,7 +124,7 @@ def hazard_from_fit(fit: Fit, name: str, *, notice_s: float = 0.0) -> Hazard:
                            notice_s=notice_s, source=fit.source)
 
 
-def _bins(counts: list[int], launched: int, edges: tuple[float, ...]) -> list[tuple[int, float]]:
+def age_bins(counts: list[int], launched: int, edges: tuple[float, ...]) -> list[tuple[int, float]]:
     """(revocations, VM-hours at risk) per age bin of ``launched`` VMs from revocations per
     one-hour bin; a VM revoked in the hour counts half of it."""
     out, alive = [], float(launched)
@@ -142,14 +142,14 @@ def _bins(counts: list[int], launched: int, edges: tuple[float, ...]) -> list[tu
 def fit_counts(counts: list[int], launched: int, edges: tuple[float, ...] = AGE_BINS_H
                ) -> tuple[float, ...]:
     """MLE hazard per age bin from revocations per one-hour bin of ``launched`` VMs."""
-    return tuple(e / x if x > 0 else 0.0 for e, x in _bins(counts, launched, edges))
+    return tuple(e / x if x > 0 else 0.0 for e, x in age_bins(counts, launched, edges))
 
 
 def count_intervals(counts: list[int], launched: int, edges: tuple[float, ...] = AGE_BINS_H
                     ) -> tuple[tuple[float, float], ...]:
     """Exact Poisson 95% interval of each bin's rate (``fit_counts``'s events and exposure)."""
     return tuple(poisson_ci95(e, x) if x > 0 else (0.0, math.inf)
-                 for e, x in _bins(counts, launched, edges))
+                 for e, x in age_bins(counts, launched, edges))
 
 
 def _cmdare_hazard(name: str, counts: list[int], launched: int, source: str) -> Hazard:

@@ -1,16 +1,15 @@
 """A whole training run on spot nodes across zones, as a discrete-event simulation (simpy).
 
 Each zone's capacity follows a path drawn from its fitted process (``availability.py``) or, with
-``replay``, its recorded trace from one start tick shared by every zone. Each node is a simpy
-process: it waits for capacity, starts (CM-DARE's measured VM start-up) and runs until it is
-preempted (capacity mode: its zone's capacity goes; lifetime mode: its own lifetime, the fitted
-hazard and the provider's cap, ends), then, unless the policy released it, waits again.
-On-demand nodes are never preempted. Every node is billed at its zone's price while it runs.
+``replay``, its recorded trace from one start tick shared by every zone. Each node is a process:
+it waits for capacity, starts (CM-DARE's measured VM start-up) and runs until preempted (capacity
+mode: its zone's capacity goes; lifetime mode: its drawn lifetime or the provider's cap ends),
+then waits again unless the policy released it. On-demand nodes are never preempted. A node is
+billed at its zone's price while it runs.
 
-The trainer computes between checkpoints (Young/Daly: ``sqrt(2 write_s MTBF)``, at most 4 h) at
-the planner's step time for the nodes it runs on. A preemption loses the steps since the last
-checkpoint unless the provider's notice covers a checkpoint write (then only the notice
-window); then the policy decides (``policy.py``).
+The trainer checkpoints every ``sqrt(2 write_s MTBF)`` (Young/Daly, at most 4 h) at the planner's
+step time for its node count. A preemption loses the steps since the last checkpoint, or only the
+notice window where the notice covers a checkpoint write; then the policy decides (``policy.py``).
 """
 
 from __future__ import annotations
@@ -155,11 +154,13 @@ class _Run:
         self.changed = self.env.event()
 
     # ---- nodes ----
-    def _price_per_s(self, node: _Node) -> float:
+    def _bill(self, node: _Node) -> None:
+        """Charge ``node``'s time since it started running at its zone's price."""
         if node.zone == ON_DEMAND:
-            where = self.zones.get(self.od_zone, self.market.zones[0])
-            return where.on_demand_node_usd_per_h / 3600
-        return self.zones[node.zone].spot_node_usd_per_h / 3600
+            usd_per_h = self.zones.get(self.od_zone, self.market.zones[0]).on_demand_node_usd_per_h
+        else:
+            usd_per_h = self.zones[node.zone].spot_node_usd_per_h
+        self.result.cost_usd += (self.env.now - node.started_s) * (usd_per_h / 3600)
 
     def _stop(self, node: _Node, why: str) -> None:
         if node.stop is not None and not node.stop.triggered:
@@ -191,7 +192,7 @@ class _Run:
             self._notify()
             life = self._lifetime_s(node)
             yield (node.stop if math.isinf(life) else self.env.timeout(life) | node.stop)
-            self.result.cost_usd += (self.env.now - node.started_s) * self._price_per_s(node)
+            self._bill(node)
             node.state = WAITING
             if not node.released and not self.finished.triggered:
                 self.result.preemptions += 1
@@ -271,6 +272,14 @@ class _Run:
                 return "grow"
             yield self.env.timeout(end - self.env.now) | self._wake()
 
+    def _phase(self, kind: str, seconds: float, members: list[_Node], grow: bool = False
+               ) -> Generator[Any, Any, str]:
+        """``_hold`` logged on the timeline as ``kind``."""
+        start = self.env.now
+        why = yield from self._hold(seconds, members, grow)
+        self._log(start, kind, len(members))
+        return why
+
     def _spares(self, members: list[_Node]) -> list[_Node]:
         return [n for n in self.nodes if n.zone == self.current and n.state == RUNNING
                 and n not in members]
@@ -295,13 +304,12 @@ class _Run:
         """Young/Daly: sqrt(2 write MTBF), the MTBF of the job's nodes where it runs now."""
         if self.config.checkpoint_interval_s is not None:
             return self.config.checkpoint_interval_s
-        rate_per_h = 0.0
-        zone = self.zones.get(str(self.current))
-        if zone is not None and self.market.mode is PreemptionMode.CAPACITY:
-            if zone.availability is not None and math.isfinite(zone.availability.up.mean_h):
-                rate_per_h = 1 / zone.availability.up.mean_h
-        elif zone is not None:
+        rate_per_h, zone = 0.0, self.zones.get(str(self.current))
+        if zone is not None and self.market.mode is PreemptionMode.LIFETIME:
             rate_per_h = nodes * zone.lifetime.mean_rate_per_h()
+        elif zone is not None and zone.availability is not None:  # capacity: the zone's mean up
+            up_h = zone.availability.up.mean_h
+            rate_per_h = 1 / up_h if math.isfinite(up_h) else 0.0
         if rate_per_h <= 0:
             return self.config.max_checkpoint_interval_s
         return min(self.config.max_checkpoint_interval_s,
@@ -321,10 +329,7 @@ class _Run:
         """Cold restart (and the checkpoint read after a stop) on ``members``."""
         seconds = self.overheads.recover_s(first=first, state_bytes=self.job.checkpoint_bytes,
                                            nodes=len(members), rng=self.rng)
-        start = self.env.now
-        why = yield from self._hold(seconds, members)
-        self._log(start, "recover", len(members))
-        return why == "done"
+        return (yield from self._phase("recover", seconds, members)) == "done"
 
     def _reshape(self, members: list[_Node], survivors: list[_Node]
                  ) -> Generator[Any, Any, list[_Node] | None]:
@@ -341,9 +346,7 @@ class _Run:
             self._rollback(n, notice=True)
             if self.saved == before:  # no emergency write: everybody reads the checkpoint
                 seconds += self.overheads.load_s(self.job.checkpoint_bytes, m)
-        start = self.env.now
-        why = yield from self._hold(seconds, survivors)
-        self._log(start, "recover", m)
+        why = yield from self._phase("recover", seconds, survivors)
         if why == "done":
             self.result.reshapes += 1
             return survivors
@@ -377,14 +380,11 @@ class _Run:
             steps = target - self.done
             grow = self.config.policy is Policy.RESHAPE and n < self.job.nodes
             start = self.env.now
-            why = yield from self._hold(steps * step, members, grow=grow)
+            why = yield from self._phase("compute", steps * step, members, grow)
             self.done = target if why == "done" else \
                 self.done + min((self.env.now - start) / step, steps)
-            self._log(start, "compute", n)
             if why == "done" and self.done < total:
-                start = self.env.now
-                why = yield from self._hold(self._write_s(n), members)
-                self._log(start, "checkpoint", n)
+                why = yield from self._phase("checkpoint", self._write_s(n), members)
                 if why == "done":
                     self.saved = self.done
             if why != "done":
@@ -416,7 +416,7 @@ class _Run:
         self.result.time_s = self.env.now
         for node in self.nodes:
             if node.state == RUNNING:
-                self.result.cost_usd += (self.env.now - node.started_s) * self._price_per_s(node)
+                self._bill(node)
         return self.result
 
 

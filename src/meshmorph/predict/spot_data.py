@@ -13,22 +13,29 @@ then the newest; the choice is returned with a sentence that says so and why.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cache
-from importlib import resources
 from typing import Any
 
 from meshmorph.predict.availability import ZoneAvailability, fit_zone, summary_zone
 from meshmorph.predict.fits import MIN_EVENTS_FOR_SHAPE, Durations, Fit, best_fit, fit_rate
-from meshmorph.predict.measurements import measurements
-from meshmorph.predict.revocation import Hazard, fitted_hazards, hazard_from_fit, regional_hazards
+from meshmorph.predict.measurements import measurements, packaged_json
+from meshmorph.predict.revocation import (
+    Hazard,
+    age_bins,
+    fitted_hazards,
+    hazard_from_fit,
+    regional_hazards,
+)
 from meshmorph.predict.traces import SpotTrace, trace_from_entry
 
 GENERATION = {"k80": 2014, "p100": 2016, "v100": 2017, "t4": 2018, "a100": 2020, "a10g": 2021,
               "h100": 2022, "l4": 2023, "h200": 2024, "mi300x": 2023, "b200": 2025}
 """Launch year of each GPU family: the nearest generation stands in for a GPU without data."""
+
+CMDARE_GPUS = {"k80": "k80", "p100": "p100", "v100": "v100-16g"}
+"""CM-DARE's GPUs (``revocation.fitted_hazards`` keys) and their GPU catalog keys."""
 
 
 class Cloud(StrEnum):
@@ -82,14 +89,14 @@ class DataSet:
     """The replayable trace behind an availability set."""
 
 
-@cache
-def _raw() -> dict[str, Any]:
-    return json.loads(resources.files("meshmorph.data").joinpath("spot_data.json").read_text())
+def _header(key: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """The ``DataSet`` fields every packaged entry states."""
+    return {"key": key, "gpu": entry["gpu"], "cloud": Cloud(entry["cloud"]),
+            "about": entry["about"], "source": entry["source"]}
 
 
 def _availability_set(key: str, entry: dict[str, Any]) -> DataSet:
-    common = {"key": key, "gpu": entry["gpu"], "cloud": Cloud(entry["cloud"]),
-              "about": entry["about"], "source": entry["source"]}
+    common = _header(key, entry)
     if entry["kind"] == "summary":
         zones = {z: summary_zone(z, hours=v["duration_h"], share=v["share"],
                                  periods=v["up_periods"], tick_s=195.0, source=key)
@@ -111,34 +118,27 @@ def _fit_of(kind: str, value: Any, label: str) -> Fit:
 def _lifetime_set(key: str, entry: dict[str, Any]) -> DataSet:
     kind, zones = entry["kind"], entry["zones"]
     fits = {z: _fit_of(kind, v, f"{key} {z}") for z, v in zones.items()}
-    if kind == "vms":
-        pooled = _fit_of(kind, [x for v in zones.values() for x in v], f"{key} pooled")
-    else:
-        pooled = fit_rate(sum(v["events"] for v in zones.values()),
-                          sum(v["vm_hours"] for v in zones.values()), f"{key} pooled")
-    return DataSet(key=key, gpu=entry["gpu"], cloud=Cloud(entry["cloud"]), about=entry["about"],
-                   source=entry["source"],
+    everything = [x for v in zones.values() for x in v] if kind == "vms" else \
+        {n: sum(v[n] for v in zones.values()) for n in ("events", "vm_hours")}
+    pooled = _fit_of(kind, everything, f"{key} pooled")
+    return DataSet(**_header(key, entry),
                    lifetimes={z: hazard_from_fit(f, f"{key}/{z}") for z, f in fits.items()
                               if f.events >= MIN_EVENTS_FOR_SHAPE},
                    pooled=hazard_from_fit(pooled, f"{key}/pooled"),
                    fits={**{z: f.to_dict() for z, f in fits.items()}, "pooled": pooled.to_dict()})
 
 
-def _cmdare_sets() -> dict[str, DataSet]:
-    out = {}
-    for gpu, hazard in fitted_hazards().items():
-        regions = regional_hazards()[gpu]
-        counts = measurements()["revocations_by_region"][gpu.upper()]
-        key = f"{gpu}-gcp-2019"
-        out[key] = DataSet(
-            key=key, gpu=gpu if gpu != "v100" else "v100-16g", cloud=Cloud.GCP,
-            about=f"CM-DARE: {gpu.upper()} preemptible GCE VMs by hours since start, 4 regions, "
-                  "2019 (piecewise-constant hazard, 24 h cap)",
-            source=measurements()["sources"]["cmdare"],
-            lifetimes={r: h for r, h in regions.items()
-                       if sum(counts[r]["revocations_by_hour"]) >= MIN_EVENTS_FOR_SHAPE},
-            pooled=hazard, fits={"pooled": {"rates_per_h": list(hazard.rates_per_h)}})
-    return out
+def _cmdare_set(gpu: str) -> DataSet:
+    """CM-DARE's preemptible VMs of ``gpu`` (a ``CMDARE_GPUS`` key) by age (``revocation.py``)."""
+    hazard, counts = fitted_hazards()[gpu], measurements()["revocations_by_region"][gpu.upper()]
+    return DataSet(
+        key=f"{gpu}-gcp-2019", gpu=CMDARE_GPUS[gpu], cloud=Cloud.GCP,
+        about=f"CM-DARE: {gpu.upper()} preemptible GCE VMs by hours since start, 4 regions, "
+              "2019 (piecewise-constant hazard, 24 h cap)",
+        source=measurements()["sources"]["cmdare"],
+        lifetimes={r: h for r, h in regional_hazards()[gpu].items()
+                   if sum(counts[r]["revocations_by_hour"]) >= MIN_EVENTS_FOR_SHAPE},
+        pooled=hazard, fits={"pooled": {"rates_per_h": list(hazard.rates_per_h)}})
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,26 +162,25 @@ class SetInfo:
 @cache
 def set_infos() -> tuple[SetInfo, ...]:
     """Every packaged set, availability and lifetime, by what it measured."""
-    raw = _raw()
+    raw = packaged_json("spot_data.json")
     out = [SetInfo(k, e["gpu"], Cloud(e["cloud"]), False) for k, e in raw["availability"].items()]
     out += [SetInfo(k, e["gpu"], Cloud(e["cloud"]), True) for k, e in raw["lifetimes"].items()]
-    out += [SetInfo(f"{gpu}-gcp-2019", gpu if gpu != "v100" else "v100-16g", Cloud.GCP, True)
-            for gpu in ("k80", "p100", "v100")]
+    out += [SetInfo(f"{gpu}-gcp-2019", key, Cloud.GCP, True) for gpu, key in CMDARE_GPUS.items()]
     return tuple(out)
 
 
 @cache
 def availability_set(key: str) -> DataSet:
     """A packaged availability set, fitted (once per process)."""
-    return _availability_set(key, _raw()["availability"][key])
+    return _availability_set(key, packaged_json("spot_data.json")["availability"][key])
 
 
 @cache
 def lifetime_set(key: str) -> DataSet:
     """A packaged lifetime set, fitted (once per process)."""
     if key.endswith("-gcp-2019"):
-        return _cmdare_sets()[key]
-    return _lifetime_set(key, _raw()["lifetimes"][key])
+        return _cmdare_set(key.split("-")[0])
+    return _lifetime_set(key, packaged_json("spot_data.json")["lifetimes"][key])
 
 
 def _nearest(gpu: str, cloud: Cloud, lifetimes: bool) -> tuple[DataSet | None, str]:
@@ -234,26 +233,16 @@ def default_mode(gpu: str, cloud: Cloud) -> PreemptionMode:
     return PreemptionMode.CAPACITY
 
 
-def _first_day_rate(counts: list[int], launched: int, label: str) -> Fit:
-    """CM-DARE's revocations over the first 24 h as one rate (events / VM-hours at risk)."""
-    alive, exposure = float(launched), 0.0
-    for n in counts[:24]:
-        exposure += alive - n / 2
-        alive -= n
-    return fit_rate(sum(counts[:24]), exposure, label)
-
-
 def preemption_rates() -> list[tuple[str, float, float, float]]:
     """(label, rate, low, high) per VM-hour for every lifetime set and zone with a rate."""
     rows = []
     for info in set_infos():
         if not info.lifetimes:
             continue
-        if info.key.endswith("-gcp-2019"):
-            gpu = info.key.split("-")[0].upper()
-            data = measurements()
-            fit = _first_day_rate(data["revocations_by_hours_since_start"][gpu],
-                                  data["instances_launched"][gpu], info.key)
+        if info.key.endswith("-gcp-2019"):  # CM-DARE's first 24 h as one rate
+            gpu, data = info.key.split("-")[0].upper(), measurements()
+            fit = fit_rate(*age_bins(data["revocations_by_hours_since_start"][gpu],
+                                     data["instances_launched"][gpu], (0.0, 24.0))[0], info.key)
             rows.append((info.key, fit.rate_per_h, 1 / fit.scale_ci95[1],
                          1 / fit.scale_ci95[0]))
             continue

@@ -21,9 +21,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from functools import cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from meshmorph.predict.measurements import packaged_json
 
 DIGITS = "0123456789abcdefg"
 """One base-17 digit per probe round of ``data/spot_data.json``'s H100 availability (how many
@@ -91,11 +92,10 @@ def _fail(path: str, key: str, problem: str) -> TraceError:
     return TraceError(f"trace {path}: {key}: {problem}")
 
 
-def _number(value: Any, path: str, key: str, positive: bool = True) -> float:
+def _number(value: Any, path: str, key: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-            or (positive and value <= 0):
-        raise _fail(path, key, f"must be a finite number {'> 0' if positive else ''}, got "
-                               f"{value!r}")
+            or value <= 0:
+        raise _fail(path, key, f"must be a finite number > 0, got {value!r}")
     return float(value)
 
 
@@ -236,8 +236,7 @@ def trace_from_entry(name: str, entry: dict[str, Any]) -> SpotTrace:
 def packaged_trace(name: str) -> SpotTrace:
     if name not in PACKAGED:
         raise TraceError(f"no packaged trace {name!r}; packaged: {', '.join(PACKAGED)}")
-    data = json.loads(resources.files("meshmorph.data").joinpath("spot_data.json").read_text())
-    return trace_from_entry(name, data["availability"][name])
+    return trace_from_entry(name, packaged_json("spot_data.json")["availability"][name])
 
 
 def load_trace(spec: str | Path) -> SpotTrace:

@@ -265,10 +265,11 @@ def _layer_tp(model: ModelSpec, state: _RankState, kind: LayerKind, sub: Plan, *
             comm["all_gather"] += m * bsh // t * hidden
     elif kind == LayerKind.BLOCK:
         replays = 2 if full else 1
-        # torch's checkpoint stops recomputing once the block's last saved tensor (the MLP's
-        # row-parallel input) is back: the MLP output's collective runs once, the attention's
-        # again under full recompute
-        outputs = 2 + full
+        # the uniform engine: torch's checkpoint stops recomputing a block once its last saved
+        # tensor (the MLP's row-parallel input) is back, so the MLP output's collective runs
+        # once and the attention's again under full recompute; the layerwise engine's layers
+        # replay both, as measured (tests/dist/test_layerwise_sp.py)
+        outputs = 2 * replays if state.layerwise else 2 + full
         if sp:  # inputs gathered (forward, replays), output gradients gathered
             comm["all_gather"] += replays * 2 * m * bsh // t * hidden + 2 * m * bsh // t * c
             comm["reduce_scatter"] += outputs * m * bsh * c

@@ -22,6 +22,7 @@ from meshmorph.cost.coefficients import CostCoefficients
 from meshmorph.cost.estimate import Estimate, StageMemory
 from meshmorph.cost.layer_cost import LayerCoster, PieceCost
 from meshmorph.cost.pipeline import (
+    Drain,
     Timeline,
     async_steady_step,
     known_drain,
@@ -641,8 +642,8 @@ class CostModel:
     def _rank_ends(plan: Plan, times: Sequence[PieceCost]) -> list[float]:
         """No simulated rank ends sooner: it starts no action before micro-batch 0's forwards
         through the chunks before its first one, then runs its m forwards and backwards one
-        after another (with the fill and, one chunk per rank, the drain: ``_filled``,
-        ``_drained``)."""
+        after another (with the fill and the drain: ``_filled``, then ``_drained_chunks`` from
+        the shape's action list or, before it is at hand, ``_drained`` for one chunk per rank)."""
         m = plan.num_microbatches
         split = plan.schedule.split_backward
         back = [t.bgrad_s if split else t.bwd_s for t in times]  # B, or I under a split backward
@@ -660,9 +661,12 @@ class CostModel:
             busy.append(m * work)
             ends.append(chain[min(chunks)] + busy[-1])
         ends = CostModel._filled(plan, times, chain, back, ends, busy)
+        drain = known_drain(plan.schedule, plan.pp, m, plan.vpp)
+        if drain is not None:
+            return CostModel._drained_chunks(plan, times, chain, back, ends, drain)
         if plan.num_chunks == plan.pp:
             return CostModel._drained(plan, times, chain, back, ends)
-        return CostModel._drained_chunks(plan, times, chain, back, ends)
+        return ends
 
     @staticmethod
     def _filled(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
@@ -686,39 +690,32 @@ class CostModel:
     @staticmethod
     def _drained(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
                  back: Sequence[float], ends: list[float]) -> list[float]:
-        """``_rank_ends`` of a one-chunk-per-rank pipeline with the drain: the last backward
-        (``back``) to end on rank j ends no sooner than chain_j + m (f_j + b_j) + the weight
-        passes its action list runs before it (every F and B of rank j after the chain, each F
-        before its B), and that micro-batch's backward then passes ranks j - 1, ..., k in turn,
-        so rank k ends no sooner than that plus b_{j-1} + ... + b_k and the weight passes rank k
-        runs after its last backward, for every j >= k (``known_drain``)."""
+        """``_rank_ends`` of a one-chunk-per-rank pipeline with the drain, before its action
+        list is at hand: the last backward (``back``) to end on rank j ends no sooner than
+        chain_j + m (f_j + b_j) (every F and B of rank j after the chain, each F before its B),
+        and that micro-batch's backward then passes ranks j - 1, ..., k in turn, so rank k ends
+        no sooner than that plus b_{j-1} + ... + b_k, for every j >= k (``_drained_chunks``
+        once the list is known)."""
         m, p = plan.num_microbatches, plan.pp
-        drain = known_drain(plan.schedule, p, m, plan.vpp) if plan.schedule.split_backward \
-            else None
-        weights = [(0.0, 0.0)] * p if drain is None else [
-            (rank.w_before * t.wgrad_s, rank.w_after * t.wgrad_s)
-            for rank, t in zip(drain, times, strict=True)]
         drained = list(ends)
         latest = -math.inf  # max over j > k of (rank j's last B's end + b_{k+1} + ... + b_{j-1})
         for k in range(p - 2, -1, -1):
             latest += back[k + 1] if latest > -math.inf else 0.0
-            latest = max(latest, chain[k + 1] + m * (times[k + 1].fwd_s + back[k + 1])
-                         + weights[k + 1][0])
-            drained[k] = max(drained[k], latest + back[k] + weights[k][1])
+            latest = max(latest, chain[k + 1] + m * (times[k + 1].fwd_s + back[k + 1]))
+            drained[k] = max(drained[k], latest + back[k])
         return drained
 
     @staticmethod
     def _drained_chunks(plan: Plan, times: Sequence[PieceCost], chain: Sequence[float],
-                        back: Sequence[float], ends: list[float]) -> list[float]:
-        """``_drained`` for ranks of several chunks, once the shape was simulated
-        (``known_drain``): rank j's last backward, of chunk c_j, ends no sooner than the chain
+                        back: Sequence[float], ends: list[float],
+                        drain: Drain) -> list[float]:
+        """``_rank_ends`` with the drain, from the shape's action list (``known_drain``, once
+        it was simulated; any chunks per rank): rank j's last backward, of chunk c_j, ends no
+        sooner than the chain
         to its first chunk plus every action its list runs up to it; that micro-batch's
         backward then passes chunks c_j - 1, ..., 0 in turn, so the rank of each such chunk
         ends no sooner than its arrival there (and, where that is the rank's own last
         backward and every rank's last backward is of one micro-batch, what it runs after)."""
-        drain = known_drain(plan.schedule, plan.pp, plan.num_microbatches, plan.vpp)
-        if drain is None:
-            return ends
         split = plan.schedule.split_backward
 
         def run_s(counts: Sequence[tuple[int, int, int, int, int]]) -> float:

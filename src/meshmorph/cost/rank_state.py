@@ -192,15 +192,15 @@ def _held(model: ModelSpec, state: _RankState, segment: Segment) -> None:
     # torch: the vocabulary-parallel embedding's local gradient is a view into a storage twice
     # its size until a data-parallel reduction replaces it with a fresh tensor, unless the
     # tied head's gradient, which the backward produces first, is there (the same chunk)
-    doubled = segment.start == 0 and vocab_split(model, t) and not (
-        model.tied_embeddings and segment.stop == model.num_layers)
+    split_embedding = segment.start == 0 and vocab_split(model, t)
+    doubled = split_embedding and not (model.tied_embeddings and segment.stop == model.num_layers)
     if fsdp and zero <= 2 and (plan.pp == 1 or state.layerwise):
         params += compute_bytes(plan.dtype) * padded * d  # gathered once, kept to the step's end
         if zero == 1 and plan.num_microbatches > 1:  # whole gradients accumulated, unsynced
             between = compute_bytes(plan.reduce_dtype) * (
                 whole + (tensors[0].local_numel(t) if doubled and not state.layerwise else 0))
-    if segment.start == 0 and vocab_split(model, t) and (
-            d == 1 and doubled or state.layerwise and plan.sequence_parallel and not fsdp):
+    if d == 1 and doubled or split_embedding and state.layerwise and plan.sequence_parallel \
+            and not fsdp:
         grads += GRAD_BYTES * tensors[0].local_numel(t)
     state.params += params
     state.grads += grads

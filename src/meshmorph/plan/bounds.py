@@ -42,7 +42,9 @@ from meshmorph.cost.rank_terms import (
 from meshmorph.cost.segments import autocast_stream, layer_plan
 from meshmorph.plan.block_run import BlockRun, block_run
 from meshmorph.plan.fastest_layers import cluster_gpu, fastest_layer_times, unique_gpus
+from meshmorph.plan.layer_work import LayerWork, PrefixSums
 from meshmorph.plan.partition_bounds import deferred_passes, rest_bounds, warmup_forwards
+from meshmorph.plan.partition_search import interleaved_block_counts
 from meshmorph.plan.rank_bound import (
     FillKind,
     RankBound,
@@ -89,6 +91,8 @@ class ConfigBounds:
         self._sums: dict[tuple, _Sums] = {}
         self._ranks: dict[tuple, RankBound] = {}
         self._tail_lines: dict[int, tuple[Plan, dict[str, tuple[float, float]]]] = {}
+        self._prefix_sums: PrefixSums = {}
+        self._work: tuple[Config, LayerWork] | None = None
         self.cache: TermsCache = {}
         """Per-layer figures of configurations with layer strategies, shared with their solving
         (plan/solve_config.py)."""
@@ -182,9 +186,11 @@ class ConfigBounds:
         relaxation); a block more on an earlier rank costs each later rank at most c / (m x
         block work) <= 1/m of a block, so with m >= pp - 1 taking the most is optimal and T
         is feasible iff they take all blocks. ``floor`` is a known lower bound (the memory
-        bound); returns at least it."""
+        bound); returns at least it. Interleaved configurations: ``interleaved_bound``."""
         run = block_run(self.cost.model)
         plan = config.plan
+        if plan.schedule == Schedule.INTERLEAVED and config.strategies is None:
+            return self.interleaved_bound(config, floor)
         p, m = plan.pp, plan.num_microbatches
         if (run is None or p == 1 or m < p - 1
                 or plan.schedule not in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.GPIPE)
@@ -230,6 +236,23 @@ class ConfigBounds:
                     break
             bound = max(bound, lo)
         return bound
+
+    def layer_work(self, config: Config) -> LayerWork:
+        """plan/layer_work.py's bound of an interleaved configuration (the last one asked for
+        kept: its solving follows its bounding)."""
+        if self._work is None or self._work[0] is not config:
+            self._work = (config, LayerWork(self.cost, config, self._prefix_sums))
+        return self._work[1]
+
+    def interleaved_bound(self, config: Config, floor: float) -> float:
+        """The least over the chunk splits the interleaved solve tries and the recompute modes
+        of plan/layer_work.py's bound (the fill, rank by rank), at least ``floor``; infinity
+        when there is no split (fewer blocks than chunks)."""
+        splits = interleaved_block_counts(self.cost.model.num_blocks, config.plan.num_chunks)
+        if not splits or floor == math.inf:
+            return math.inf
+        work = self.layer_work(config)
+        return max(floor, min(float(work.filled_s(splits, mode).min()) for mode in self.modes))
 
     def integer_fill_bound(self, config: Config, floor: float) -> float:
         """``fill_bound`` over whole blocks, for any number of micro-batches, with each rank's

@@ -32,8 +32,6 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-import numpy as np
-
 from meshmorph.cost.estimate import Estimate
 from meshmorph.cost.layer_cost import PieceCost
 from meshmorph.cost.model import CostModel
@@ -167,71 +165,23 @@ def busiest_rank_s(plan: Plan, times: Sequence[PieceCost]) -> float:
                                            for c in plan.chunks_of(k)) for k in range(plan.pp))
 
 
-class _LayerWork:
-    """m x (forward + backward) of any run of layers of an interleaved configuration, from
-    prefix sums of the per-layer times (no ZeRO traffic: at most a chunk's own time), so a
-    chunk split is dropped before its chunks are priced."""
-
-    def __init__(self, cost: CostModel, config: Config):
-        self.cost, self.plan = cost, config.plan
-        self.gpus = [cluster_gpu(cost, config.rank_gpus[self.plan.pp_rank_of_chunk(c)])
-                     for c in range(self.plan.num_chunks)]
-        self._prefix: dict[tuple[str, Recompute], list[float]] = {}
-        self._by_mode: dict[Recompute, list[list[float]]] = {}
-        self._rank_of_chunk = [self.plan.pp_rank_of_chunk(c) for c in range(self.plan.num_chunks)]
-
-    def prefix(self, gpu: GPUSpec, mode: Recompute) -> list[float]:
-        key = (gpu.name, mode)
-        sums = self._prefix.get(key)
-        if sums is None:
-            plan, model = self.plan, self.cost.model
-            coster = self.cost.coster(plan)
-            sums = [0.0]
-            for index, layer in enumerate(model.layers):
-                c = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
-                                 mode if mode in layer.activation else Recompute.NONE)
-                sums.append(sums[-1] + c.fwd_s + c.bwd_s)
-            self._prefix[key] = sums
-        return sums
-
-    def busiest_rank_s(self, splits: Sequence[tuple[int, ...]], mode: Recompute) -> list[float]:
-        """For each chunk split of ``splits`` (block counts), m x the busiest rank's forwards
-        and backwards: each rank's chunks added in chunk order, every split at once."""
-        plan = self.plan
-        chunk_sums = self._by_mode.get(mode)
-        if chunk_sums is None:  # each chunk's prefix sums, fetched once per mode
-            chunk_sums = self._by_mode[mode] = [np.array(self.prefix(g, mode))
-                                                for g in self.gpus]
-        counts = np.array(splits, dtype=np.int64).reshape(len(splits), plan.num_chunks)
-        counts[:, 0] += 1  # the embedding
-        counts[:, -1] += 1  # the head
-        stops = np.cumsum(counts, axis=1)
-        starts = stops - counts
-        busy = np.zeros((len(splits), plan.pp))
-        for c, rank in enumerate(self._rank_of_chunk):
-            sums = chunk_sums[c]
-            busy[:, rank] += sums[stops[:, c]] - sums[starts[:, c]]
-        return (plan.num_microbatches * busy.max(axis=1)).tolist()
-
-
 def _solve_interleaved(cost: CostModel, config: Config, options: SearchOptions,
-                       bound: float) -> PartitionResult:
+                       bound: float, bounds: ConfigBounds) -> PartitionResult:
     """``solve_config`` of an interleaved configuration: every chunk split
-    ``interleaved_block_counts`` lists, each recompute mode, cheapest proof first (the busiest
-    rank's layers, its chunks with their ZeRO traffic, then with the tails) and the schedule
-    simulated only for what none of them cuts."""
+    ``interleaved_block_counts`` lists, each recompute mode, cheapest proof first (the ranks'
+    layers with the fill, plan/layer_work.py; the busiest rank's chunks with their ZeRO
+    traffic, then with the tails) and the schedule simulated only for what none of them cuts."""
     plan = config.plan
     best = None
-    work = _LayerWork(cost, config)
     chunks: dict[tuple, PieceCost] = {}
     splits = interleaved_block_counts(cost.model.num_blocks, plan.num_chunks)
-    busiest = {mode: work.busiest_rank_s(splits, mode) for mode in options.recompute} \
-        if splits else {}
+    work = bounds.layer_work(config)
+    filled = {mode: work.filled_s(splits, mode) for mode in options.recompute} if splits else {}
     for at, counts in enumerate(splits):
         fitted: list[list[PieceCost]] = []  # times of this split's modes that fit memory
         for mode in options.recompute:
-            if busiest[mode][at] >= bound:
-                continue  # its busiest rank alone takes longer than the best found
+            if filled[mode][at] >= bound:
+                continue  # its layers with the fill take longer than the best found
             gpus, times, spans = counts_times(cost, config, counts, mode, chunks)
             if busiest_rank_s(plan, times) >= bound or dominated(times, fitted) or \
                     cost.reaches_bound(plan, gpus, times, spans, bound):
@@ -260,7 +210,7 @@ def solve_config(cost: CostModel, config: Config, options: SearchOptions,
     what was left unexplored."""
     plan = config.plan
     if plan.schedule == Schedule.INTERLEAVED:
-        return _solve_interleaved(cost, config, options, bound)
+        return _solve_interleaved(cost, config, options, bound, bounds)
     if plan.num_chunks > plan.pp:  # the V schedules: blocks split evenly
         best = None
         fitted: list[list[PieceCost]] = []  # times of the modes that fit memory

@@ -54,6 +54,24 @@ class PartitionResult:
     no partition of this configuration is faster than min(best, open_bound_s)."""
 
 
+def _stage_ends(solver: StageSolver, bounds: PartitionBounds, cut: float,
+                target: list[int] | None, k: int, start: int, prefix_f: float,
+                back: float) -> list[tuple[int, StageChoice]]:
+    """Rank k's stage ends from ``start`` that fit memory and whose own bound is below ``cut``
+    (longer stages need no less memory and take no less time), nearest ``target``'s first."""
+    p, L = solver.plan.pp, solver.L
+    candidates = []
+    for stop in range(start + 1, L - (p - 1 - k) + 1):
+        choice = solver.stage(k, start, stop)
+        if choice is None or bounds.own(k, prefix_f, back, choice.time, choice.tail_s,
+                                        0.0) >= cut:
+            break
+        candidates.append((stop, choice))
+    if target is not None:
+        candidates.sort(key=lambda c: abs(c[0] - target[k]))
+    return candidates
+
+
 def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
                     max_nodes: int | None = None, table: SplitTable | None = None) -> PartitionResult:
     """The fastest stage partition of a non-interleaved configuration with step time below
@@ -98,17 +116,8 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
             if max(lower, own) < cut[0]:
                 evaluate([*chosen, (start, L, choice)])
             return
-        candidates = []
-        for stop in range(start + 1, L - (p - 1 - k) + 1):
-            choice = solver.stage(k, start, stop)
-            if choice is None:
-                break  # more layers never need less memory
-            if bounds.own(k, prefix_f, back, choice.time, choice.tail_s, 0.0) >= cut[0]:
-                break  # longer stages only take longer
-            candidates.append((stop, choice))
-        if target is not None:  # nearest the balanced split first
-            candidates.sort(key=lambda c: abs(c[0] - target[k]))
-        for stop, choice in candidates:
+        for stop, choice in _stage_ends(solver, bounds, cut[0], target, k, start, prefix_f,
+                                        back):
             t = choice.time
             after = bounds.suffix_chain[stop]
             own = bounds.own(k, prefix_f, back, t, choice.tail_s, after)

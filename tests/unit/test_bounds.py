@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshmorph.cost.model import CostModel
+from meshmorph.plan.block_run import block_run
 from meshmorph.plan.bounds import ConfigBounds
 from meshmorph.plan.brute_force import candidate_plans
 from meshmorph.plan.relaxations import least_extra_time as _least_extra
@@ -63,6 +64,8 @@ def test_bound_is_below_every_configurations_brute_force_best(
                 best = min(best, estimate.step_time_s)
         bound = bounds(config)
         assert bound <= best * (1 + 1e-9), (config.plan, bound, best)
+        busiest = bounds.busiest_memory_bound(config, 0.0)
+        assert busiest <= bounds.memory_bound(config) * (1 + 1e-12), (config.plan, busiest)
         filled = bounds.fill_bound(config, bound)
         assert bound <= filled <= best * (1 + 1e-9), (config.plan, filled, best)
         whole = bounds.integer_fill_bound(config, filled)
@@ -150,3 +153,37 @@ def test_interleaved_bound_reads_the_fill_rank_by_rank() -> None:
         assert 0.99 * best <= bound <= best * (1 + 1e-9), (config.plan, floor, bound, best)
         checked += 1
     assert checked == 8
+
+
+@pytest.mark.parametrize(("blocks", "seq_len", "cluster"), [(16, 4096, "v100-16g:1x4"),
+                                                              (10, 8192, "a100-40g:1x4")])
+def test_busiest_rank_bound_rests_on_h_growing_with_micro_batches_in_flight(
+        blocks: int, seq_len: int, cluster: str) -> None:
+    # GPT blocks where memory forces recompute (or nothing fits), and under 1F1B the ranks
+    # keep 4, 3, 2, 1 micro-batches in flight. The cheap bound takes a bare rank with the
+    # fewest in flight: h must grow with them, the bound must stay below the memory bound and
+    # still rise above the bound without memory
+    model = build_transformer(TransformerShape(name="tiny", arch="gpt", num_layers=blocks,
+                                               hidden_size=4096, num_heads=32, vocab_size=1024,
+                                               seq_len=seq_len))
+    spec = parse_cluster(cluster)
+    options = SearchOptions(max_micro_batch=2, schedules=(Schedule.ZERO_BUBBLE,
+                                                          Schedule.ONE_F_ONE_B),
+                            zero_stages=(0, 1))
+    cost = CostModel(model, spec)
+    bounds = ConfigBounds(cost, options.recompute)
+    run = block_run(model)
+    assert run is not None
+    raised = 0
+    for config in configurations(model, spec, 8, options):
+        plan = config.plan
+        if plan.pp < 3:
+            continue
+        gpu = config.rank_gpus[1]
+        for n in range(1, run.count + 1):
+            h = [bounds._rank(plan, run, 1, gpu, float(f)).h(n) for f in range(1, plan.pp + 1)]
+            assert h == sorted(h), (plan, n, h)
+        busiest = bounds.busiest_memory_bound(config, 0.0)
+        assert busiest <= bounds.memory_bound(config) * (1 + 1e-12)
+        raised += busiest > bounds.lower_bound(config)
+    assert raised

@@ -159,6 +159,25 @@ class ConfigBounds:
                 least_rank_tail_s(cost, plan, most * sums.block_params, g) for g in gpus))
         return bound
 
+    def busiest_memory_bound(self, config: Config, floor: float) -> float:
+        """A cheap part of ``memory_bound``: some rank holds ceil(blocks / pp) blocks, so it
+        needs at least h(that many) of a rank that holds no layer before or after the blocks and
+        keeps the fewest micro-batches in flight of any rank (h grows with the blocks, the fixed
+        layers and the micro-batches in flight: with more in flight the bytes to free grow at
+        least as fast as what recompute can free, or no recompute fits), on the GPU type where
+        that is least. At least ``floor``. Synchronous pipelines of 3 ranks or more (rank 1
+        holds neither end)."""
+        run = block_run(self.cost.model)
+        plan = config.plan
+        p, m = plan.pp, plan.num_microbatches
+        if (run is None or config.strategies is not None or p < 3 or floor == math.inf
+                or plan.schedule == Schedule.ASYNC):
+            return floor
+        fewest = min(in_flight_microbatches(plan.schedule, p, k, m, plan.vpp) for k in range(p))
+        most = -(-run.count // p)
+        return max(floor, min(self._rank(plan, run, 1, gpu, fewest).h(most)
+                              for gpu in set(config.rank_gpus)))
+
     def memory_bound(self, config: Config) -> float:
         """The least max_k h_k(n_k) over every split of the blocks (see the module notes): 0
         when the model's layers are not a run of alike blocks, infinity when no split fits."""
@@ -326,9 +345,14 @@ class ConfigBounds:
         out.append((False, [list(map(float, t)) for t in between]))
         return tuple(out)
 
-    def _rank(self, plan: Plan, run: BlockRun, k: int, gpu_name: str) -> RankBound:
+    def _rank(self, plan: Plan, run: BlockRun, k: int, gpu_name: str,
+              in_flight: float | None = None) -> RankBound:
+        """Rank k's ``RankBound`` (``in_flight``: in place of its own micro-batches in flight)."""
         p = plan.pp
-        in_flight = in_flight_microbatches(plan.schedule, p, k, plan.num_microbatches, plan.vpp)
+        own = in_flight is None
+        if own:
+            in_flight = in_flight_microbatches(plan.schedule, p, k, plan.num_microbatches,
+                                               plan.vpp)
         # everything RankBound reads of the plan and the rank (pp only through pp == 1)
         key = (gpu_name, plan.dtype, plan.fp8_scaling, plan.reduce_dtype, plan.micro_batch, plan.tp,
                plan.sequence_parallel, plan.dp, plan.cp, plan.zero, plan.num_microbatches, in_flight,
@@ -348,7 +372,8 @@ class ConfigBounds:
             line = plan_lines[1].get(gpu_name)
             if line is None:
                 line = plan_lines[1][gpu_name] = rank_tail_line(self.cost, plan, gpu)
-            rank = self._ranks[key] = RankBound(self.cost, plan, run, k, gpu, self.modes, line)
+            rank = self._ranks[key] = RankBound(self.cost, plan, run, k, gpu, self.modes, line,
+                                                None if own else in_flight)
         return rank
 
     # --- configurations with per-layer strategies ----------------------------------------------

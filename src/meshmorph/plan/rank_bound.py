@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import numpy as np
@@ -45,10 +45,13 @@ class RankBound:
     """h(n) of one pipeline rank (module docstring), memoised."""
 
     def __init__(self, cost: CostModel, plan: Plan, run: BlockRun, k: int, gpu: GPUSpec,
-                 modes: tuple[Recompute, ...], tail_line: tuple[float, float] | None = None):
+                 modes: tuple[Recompute, ...], tail_line: tuple[float, float] | None = None,
+                 in_flight: float | None = None):
         """``tail_line``: ``tail_line(cost, plan, gpu)``, when the caller has it (every rank of
-        a plan on one GPU type shares it)."""
-        self.terms = terms = rank_memory_terms(cost, plan, k, gpu)
+        a plan on one GPU type shares it); ``in_flight``: the micro-batches the rank keeps in
+        flight, when not its own (h grows with them: ``ConfigBounds.busiest_memory_bound``)."""
+        terms = rank_memory_terms(cost, plan, k, gpu)
+        self.terms = terms = terms if in_flight is None else replace(terms, in_flight=in_flight)
         # the embedding's chunk is rank 0's; the head's is the last rank's, or rank 0's in a V
         head_rank = plan.pp_rank_of_chunk(plan.num_chunks - 1)
         fixed = (*(run.prefix if k == 0 else ()), *(run.suffix if k == head_rank else ()))

@@ -46,16 +46,21 @@ class FastestLayer:
 
 
 def fastest_layer_times(cost: CostModel, plan: Plan, gpus: Sequence[GPUSpec]) -> list[FastestLayer]:
-    """Per layer, the least times over ``gpus`` (recompute only ever adds time)."""
+    """Per layer, the least times over ``gpus`` (recompute only ever adds time); layers of one
+    cost class (``LayerCoster.classes``: alike blocks) share one figure."""
     coster = cost.coster(plan)
     zb = plan.schedule.split_backward
     out = []
+    by_class: dict[object, FastestLayer] = {}
     for index in range(cost.model.num_layers):
-        costs = [coster.layer(index, g, plan.micro_batch, plan.tp, plan.sequence_parallel,
-                              Recompute.NONE) for g in gpus]
-        out.append(FastestLayer(
-            fwd_s=min(c.fwd_s for c in costs), bwd_s=min(c.bwd_s for c in costs),
-            bgrad_s=min(c.bgrad_s for c in costs), wgrad_s=min(c.wgrad_s for c in costs),
-            work_s=min(c.fwd_s + c.bwd_s for c in costs),
-            chain_s=min(c.fwd_s + (c.bgrad_s if zb else c.bwd_s) for c in costs)))
+        found = by_class.get(coster.classes[index])
+        if found is None:
+            costs = [coster.layer(index, g, plan.micro_batch, plan.tp, plan.sequence_parallel,
+                                  Recompute.NONE) for g in gpus]
+            found = by_class[coster.classes[index]] = FastestLayer(
+                fwd_s=min(c.fwd_s for c in costs), bwd_s=min(c.bwd_s for c in costs),
+                bgrad_s=min(c.bgrad_s for c in costs), wgrad_s=min(c.wgrad_s for c in costs),
+                work_s=min(c.fwd_s + c.bwd_s for c in costs),
+                chain_s=min(c.fwd_s + (c.bgrad_s if zb else c.bwd_s) for c in costs))
+        out.append(found)
     return out

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import permutations
 
 from meshmorph.schedule.table import Schedule
@@ -199,11 +199,14 @@ def cp_degrees(model: ModelSpec, devices: int, options: SearchOptions) -> list[i
     return out
 
 
-def prefetch_choices(plan: Plan, options: SearchOptions) -> tuple[bool, ...]:
-    """``fsdp_prefetch`` settings worth trying for ``plan`` (``SearchOptions.fsdp_prefetch``)."""
+def prefetch_choices(zero: int, replicas: int, pp: int,
+                     options: SearchOptions) -> tuple[bool, ...]:
+    """``fsdp_prefetch`` settings worth trying for a plan of ZeRO stage ``zero`` over
+    ``replicas`` (``Plan.grad_replicas``) on ``pp`` pipeline ranks
+    (``SearchOptions.fsdp_prefetch``): both only where ZeRO-3 gathers without a pipeline."""
     if not options.fsdp_prefetch:
         raise ValueError("fsdp_prefetch options must list at least one setting")
-    if plan.zero == 3 and plan.grad_replicas > 1 and plan.pp == 1:
+    if zero == 3 and replicas > 1 and pp == 1:
         return options.fsdp_prefetch
     return (max(options.fsdp_prefetch),)
 
@@ -279,17 +282,18 @@ def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int,
                 for schedule, vpp in schedules:
                     if not zero_runs_under(schedule, zero, dp):
                         continue  # torch's zero-bubble pipelining loses ZeRO-3's gradients
-                    plan = Plan(model=model.name, seq_len=model.seq_len, global_batch=global_batch,
-                                tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, micro_batch=b, num_microbatches=m,
-                                schedule=schedule, vpp=vpp, sequence_parallel=sp,
-                                dtype=options.dtype, weight_prediction=options.weight_prediction
+                    for prefetch in prefetch_choices(zero, dp * cp, pp, options):
+                        for tpo in options.tp_comm_overlap if sp else (False,):
+                            yield Config(Plan(
+                                model=model.name, seq_len=model.seq_len,
+                                global_batch=global_batch, tp=tp, pp=pp, dp=dp, cp=cp, zero=zero,
+                                micro_batch=b, num_microbatches=m, schedule=schedule, vpp=vpp,
+                                sequence_parallel=sp, dtype=options.dtype,
+                                weight_prediction=options.weight_prediction
                                 if schedule == Schedule.ASYNC else "none",
                                 overlap_grad_reduce=options.overlap_grad_reduce,
-                                compile=options.compile, fp8_scaling=options.fp8_scaling)
-                    for prefetch in prefetch_choices(plan, options):
-                        for tpo in options.tp_comm_overlap if sp else (False,):
-                            yield Config(replace(plan, fsdp_prefetch=prefetch,
-                                                 tp_comm_overlap=tpo), gpus)
+                                compile=options.compile, fp8_scaling=options.fp8_scaling,
+                                fsdp_prefetch=prefetch, tp_comm_overlap=tpo), gpus)
 
 
 def layer_strategies(model: ModelSpec, cluster: Cluster, options: SearchOptions, devices: int,

@@ -187,3 +187,25 @@ def test_busiest_rank_bound_rests_on_h_growing_with_micro_batches_in_flight(
         assert busiest <= bounds.memory_bound(config) * (1 + 1e-12)
         raised += busiest > bounds.lower_bound(config)
     assert raised
+
+
+def test_a_rank_bound_is_not_shared_with_an_asynchronous_rank_holding_weight_copies() -> None:
+    # under allow_async with stashed weights, async rank k keeps min(m, pp - k) micro-batches in
+    # flight as 1F1B's rank k does, but also that many fp32 weight copies: bounding the async
+    # configurations first must not change a 1F1B configuration's memory bound
+    model = build_transformer(TransformerShape(name="tiny", arch="llama", num_layers=8,
+                                               hidden_size=4096, num_heads=32, vocab_size=32000,
+                                               seq_len=4096))
+    spec = parse_cluster("a100-40g:1x8")
+    options = SearchOptions(allow_async=True, weight_prediction="stash", zero_stages=(0, 1))
+    cost = CostModel(model, spec)
+    configs = list(configurations(model, spec, 64, options))
+    first = ConfigBounds(cost, options.recompute)
+    for config in configs:
+        if config.plan.schedule == Schedule.ASYNC:
+            first.memory_bound(config)
+    fresh = ConfigBounds(cost, options.recompute)
+    synchronous = [c for c in configs if c.plan.schedule == Schedule.ONE_F_ONE_B]
+    assert synchronous
+    assert [first.memory_bound(c) for c in synchronous] == \
+        [fresh.memory_bound(c) for c in synchronous]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshmorph.cost.model import CostModel
-from meshmorph.cost.pipeline import simulate
+from meshmorph.cost.pipeline import simulate, weight_copies
 from meshmorph.cost.rank_terms import (
     device_reserve_bytes,
     in_flight_microbatches,
@@ -359,7 +359,9 @@ class ConfigBounds:
                k == 0, k == p - 1, p == 1,
                plan.pp_rank_of_chunk(plan.num_chunks - 1) == k,  # the head's loss buffers
                plan.overlap_grad_reduce, plan.tp_comm_overlap, plan.fsdp_prefetch,
-               plan.compile, autocast_stream(plan))
+               plan.compile, autocast_stream(plan),
+               # asynchronous pipelines' weight copies (none for the others)
+               weight_copies(plan.schedule, plan.weight_prediction, p, k, plan.num_microbatches))
         rank = self._ranks.get(key)
         if rank is None:
             gpu = cluster_gpu(self.cost, gpu_name)

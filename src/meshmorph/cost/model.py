@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 from meshmorph.cost import comm
 from meshmorph.cost.coefficients import CostCoefficients
@@ -50,6 +51,19 @@ from meshmorph.spec.runnable import lists_layer_strategies
 
 Parts = list[list[tuple[Segment, PieceCost]]]
 """Per model chunk, its segments with their priced figures."""
+
+
+class SyncPart(NamedTuple):
+    """One data-parallel collective after a rank's last backward (``CostModel.sync_parts``)."""
+
+    seconds: float
+    """Its time alone."""
+    share: float
+    """The share of it that may hide behind compute (0: none)."""
+    window: float
+    """The fraction of the last backward's compute it may hide behind."""
+    nbytes: float
+    """The bytes it moves (its first or last bucket's share never hides)."""
 
 
 def steady_state(fwd_s: Sequence[float], bwd_s: Sequence[float], m: int) -> Timeline:
@@ -401,6 +415,24 @@ class CostModel:
         if len(self._rank_tails) > 200_000:
             self._rank_tails.clear()
         d = plan.grad_replicas
+        exposed = sum(self._bucketed(part.seconds, part.share, last_bwd_s * part.window,
+                                     part.nbytes, not least)
+                      for part in self.sync_parts(plan, params, gpu, units))
+        if self.profile.collectives:  # the step's two scalar all-reduces (loss, gradient norm)
+            exposed += 2 * (self.profile.collective_s("all_reduce", plan.world_size, 8.0) or 0.0)
+        shard = d if plan.zero >= 1 else 1
+        optimizer = params / shard * self.coef.optimizer_bytes_per_param / (gpu.hbm_gbps * 1e9)
+        if self.profile.optimizer_s_per_param > 0:  # measured: fixed + per-parameter tail
+            optimizer = self.profile.optimizer_fixed_s + params / shard * self.profile.optimizer_s_per_param
+        self._rank_tails[key] = exposed, optimizer
+        return exposed, optimizer
+
+    def sync_parts(self, plan: Plan, params: float, gpu: GPUSpec,
+                   units: int = 1) -> tuple[SyncPart, SyncPart]:
+        """The data-parallel collectives of a rank holding ``params`` after its last backward,
+        as ``rank_tail`` hides them: the gradient reduction (all-reduce, or reduce-scatter
+        under ZeRO) and ZeRO-1/2's parameter all-gather, over dp x cp."""
+        d = plan.grad_replicas
         traffic = self.dp_traffic(plan)
         link = self.group_link(gpu, plan.tp * d)
         reduce = self.collective("all_reduce", d, params * traffic.all_reduce_per_step, link)
@@ -412,25 +444,16 @@ class CostModel:
                 else self.collective(kind, d, nbytes, link)
 
         reduce += priced("reduce_scatter", params * traffic.reduce_scatter_per_step)
-        gather = priced("all_gather", gathered)
         grad_bytes = params * (traffic.all_reduce_per_step + traffic.reduce_scatter_per_step)
         # overlap_grad_reduce: buckets reduce while the last backward runs, but the last one
         # waits for the last gradient; overlap_param_gather (FSDP2's units of a whole chunk, not
         # a LayerPlan's layer run alone): each unit's gather runs while the unit before it
         # computes in the first forward, but the first unit's waits in front of it
         gather_hides = plan.overlap_param_gather and not isinstance(plan, LayerPlan)
-        exposed = self._bucketed(reduce, self.coef.dp_overlap if plan.overlap_grad_reduce else 0.0,
-                                 last_bwd_s, grad_bytes, not least) \
-            + self._bucketed(gather, self.coef.zero3_overlap if gather_hides else 0.0,
-                             last_bwd_s / 2, gathered, not least)
-        if self.profile.collectives:  # the step's two scalar all-reduces (loss, gradient norm)
-            exposed += 2 * (self.profile.collective_s("all_reduce", plan.world_size, 8.0) or 0.0)
-        shard = d if plan.zero >= 1 else 1
-        optimizer = params / shard * self.coef.optimizer_bytes_per_param / (gpu.hbm_gbps * 1e9)
-        if self.profile.optimizer_s_per_param > 0:  # measured: fixed + per-parameter tail
-            optimizer = self.profile.optimizer_fixed_s + params / shard * self.profile.optimizer_s_per_param
-        self._rank_tails[key] = exposed, optimizer
-        return exposed, optimizer
+        return (SyncPart(reduce, self.coef.dp_overlap if plan.overlap_grad_reduce else 0.0, 1.0,
+                         grad_bytes),
+                SyncPart(priced("all_gather", gathered),
+                         self.coef.zero3_overlap if gather_hides else 0.0, 0.5, gathered))
 
     def collective(self, kind: str, n: int, nbytes: float, link: comm.Link) -> float:
         """Seconds of one collective: the Profile's alpha-beta fit of this kind and group size

@@ -106,6 +106,8 @@ class CostModel:
         """``cost.rank_terms.least_rank_tail_s`` by the plan fields it reads."""
         self.rank_layers: dict[tuple, tuple] = {}
         """The layer figures of the planner's per-rank bounds (plan/rank_bound.py)."""
+        self.tail_lines: dict[tuple, tuple] = {}
+        """The tail lines of the planner's per-rank bounds (plan/rank_bound.py)."""
 
     def _link(self, spec: LinkSpec) -> comm.Link:
         """``spec`` at ``link_efficiency``, or as the Profile measured it."""

@@ -50,7 +50,6 @@ from meshmorph.plan.rank_bound import (
     RankBound,
     SplitTable,
     least_max,
-    rank_tail_line,
 )
 from meshmorph.plan.relaxations import MemoryRelaxation, filled_share
 from meshmorph.plan.space import Config
@@ -90,7 +89,6 @@ class ConfigBounds:
         self.modes = modes
         self._sums: dict[tuple, _Sums] = {}
         self._ranks: dict[tuple, RankBound] = {}
-        self._tail_lines: dict[int, tuple[Plan, dict[str, tuple[float, float]]]] = {}
         self._prefix_sums: PrefixSums = {}
         self._work: tuple[Config, LayerWork] | None = None
         self.cache: TermsCache = {}
@@ -358,23 +356,14 @@ class ConfigBounds:
                plan.sequence_parallel, plan.dp, plan.cp, plan.zero, plan.num_microbatches, in_flight,
                k == 0, k == p - 1, p == 1,
                plan.pp_rank_of_chunk(plan.num_chunks - 1) == k,  # the head's loss buffers
-               plan.overlap_grad_reduce, plan.tp_comm_overlap, plan.fsdp_prefetch,
-               plan.compile, autocast_stream(plan),
+               plan.overlap_grad_reduce, plan.overlap_param_gather, plan.tp_comm_overlap,
+               plan.fsdp_prefetch, plan.compile, autocast_stream(plan),
                # asynchronous pipelines' weight copies (none for the others)
                weight_copies(plan.schedule, plan.weight_prediction, p, k, plan.num_microbatches))
         rank = self._ranks.get(key)
         if rank is None:
             gpu = cluster_gpu(self.cost, gpu_name)
-            # the tail line is the plan's, the same for each of its ranks on one GPU type
-            plan_lines = self._tail_lines.get(id(plan))
-            if plan_lines is None or plan_lines[0] is not plan:
-                if len(self._tail_lines) > 4096:
-                    self._tail_lines.clear()
-                plan_lines = self._tail_lines[id(plan)] = (plan, {})
-            line = plan_lines[1].get(gpu_name)
-            if line is None:
-                line = plan_lines[1][gpu_name] = rank_tail_line(self.cost, plan, gpu)
-            rank = self._ranks[key] = RankBound(self.cost, plan, run, k, gpu, self.modes, line,
+            rank = self._ranks[key] = RankBound(self.cost, plan, run, k, gpu, self.modes,
                                                 None if own else in_flight)
         return rank
 

@@ -53,7 +53,7 @@ class LayerWork:
         self.on = {name: np.array([n == name for n in names]) for name in self.gpus}
         self.hops = sum(np.where(on, cost.p2p_time(plan, self.gpus[name]), 0.0)
                         for name, on in self.on.items())
-        self.tail = rank_tail_line(cost, plan, self.gpus[names[0]])  # rank 0 holds chunk 0
+        self.tail = rank_tail_line(cost, plan, self.gpus[names[0]])[:2]  # rank 0 holds chunk 0
         self._sums = {} if sums is None else sums
 
     def prefix(self, gpu: GPUSpec, mode: Recompute) -> tuple[np.ndarray, np.ndarray]:

@@ -45,11 +45,9 @@ class RankBound:
     """h(n) of one pipeline rank (module docstring), memoised."""
 
     def __init__(self, cost: CostModel, plan: Plan, run: BlockRun, k: int, gpu: GPUSpec,
-                 modes: tuple[Recompute, ...], tail_line: tuple[float, float] | None = None,
-                 in_flight: float | None = None):
-        """``tail_line``: ``tail_line(cost, plan, gpu)``, when the caller has it (every rank of
-        a plan on one GPU type shares it); ``in_flight``: the micro-batches the rank keeps in
-        flight, when not its own (h grows with them: ``ConfigBounds.busiest_memory_bound``)."""
+                 modes: tuple[Recompute, ...], in_flight: float | None = None):
+        """``in_flight``: the micro-batches the rank keeps in flight, when not its own (h grows
+        with them: ``ConfigBounds.busiest_memory_bound``)."""
         terms = rank_memory_terms(cost, plan, k, gpu)
         self.terms = terms = terms if in_flight is None else replace(terms, in_flight=in_flight)
         # the embedding's chunk is rank 0's; the head's is the last rank's, or rank 0's in a V
@@ -58,7 +56,8 @@ class RankBound:
         layers = _layer_figures(cost, plan, run, fixed, gpu, modes)
         (self.fixed_work, self.fixed_fwd, self.fixed_wgrad, self.fixed_stored, self.fixed_params,
          self.biggest_fixed, self.block_params, self.block_work, self.block_fwd,
-         self.block_wgrad, self.block_stored, recomputing) = layers
+         self.block_wgrad, self.block_stored, recomputing, self.fixed_compute,
+         self.block_compute) = layers
         points = [(0.0, 0.0)]
         self.working = math.inf  # a block that recomputes needs at least this while it does
         for stored, work, working in recomputing:
@@ -67,7 +66,15 @@ class RankBound:
             self.working = min(self.working, working)
         self.hull = recompute_hull(points)
         self.m = plan.num_microbatches
-        self.tail0, self.tail1 = tail_line or rank_tail_line(cost, plan, gpu)
+        self.tail0, self.tail1, syncs = rank_tail_line(cost, plan, gpu)
+        # per sync part: the seconds that may hide as a line in the parameters, the window it
+        # hides behind as a line in the blocks, and what each exposed second adds (rounding
+        # margins keep it below the cost model's figure)
+        window = 2 / 3 * (1 + 1e-12)
+        self._exposed = tuple(
+            (share * at_none * (1 - 1e-12), share * slope * (1 - 1e-12),
+             fraction * window * self.fixed_compute, fraction * window * self.block_compute, kept)
+            for at_none, slope, share, fraction, kept in syncs)
         self._h: dict[int, float] = {}
         self._values: dict[tuple[FillKind, int, int], np.ndarray] = {}
 
@@ -110,11 +117,30 @@ class RankBound:
             found = h - left_out * (self.fixed_fwd + n * self.block_fwd)
         else:
             with np.errstate(invalid="ignore"):  # inf - a finite tail stays inf
-                found = h - self.tail0 - self.tail1 * (self.fixed_params + n * self.block_params)
+                found = h - self.tail(n)
             if kind == FillKind.FB_OPS:
                 found = found - left_out * (self.fixed_wgrad + n * self.block_wgrad)
         self._values[key] = found
         return found
+
+    def tail(self, n):  # noqa: ANN001, ANN201 (a block count, or an array of them)
+        """The least tail of the rank holding n blocks: ``least_rank_tail_s`` of its parameters
+        (its sync hidden as far as the overlap share allows), plus what of each sync part
+        (``CostModel.sync_parts``) cannot hide within the compute it hides behind: two thirds
+        of the rank's compute without recompute (``tail_overlap_window_s``; of its first
+        chunk, where it holds several, so at most all of it), each part its own fraction.
+        The exposed share grows by at most the window's, which m x a block's work exceeds: h
+        still grows with n."""
+        params = self.fixed_params + n * self.block_params
+        tail = self.tail0 + self.tail1 * params
+        scalar = isinstance(n, int)
+        for at_none, slope, hides_none, hides_slope, kept in self._exposed:
+            short = at_none + slope * params - hides_none - hides_slope * n
+            if scalar:
+                tail += kept * short if short > 0 else 0.0
+            else:
+                tail = tail + kept * np.maximum(short, 0.0)
+        return tail
 
     def block_chain(self, kind: FillKind) -> float:
         """One block's share of micro-batch 0's chain in the fill bound of ``kind``: its forward,
@@ -162,8 +188,7 @@ class RankBound:
                 inside = np.full(most + 1, math.inf)
             extra = np.where(over, inside, 0.0)
         with np.errstate(invalid="ignore"):
-            return self.m * (self.fixed_work + n * self.block_work + extra) \
-                + self.tail0 + self.tail1 * params
+            return self.m * (self.fixed_work + n * self.block_work + extra) + self.tail(n)
 
     def _value(self, n: int) -> float:
         # CostModel.rank_memory's terms (RankMemoryTerms.total) and least_extra_time, inline:
@@ -182,16 +207,17 @@ class RankBound:
             extra = least_extra_time(self.hull, need, n)
             if extra == math.inf:
                 return math.inf
-        return (self.m * (self.fixed_work + n * self.block_work + extra)
-                + self.tail0 + self.tail1 * params)
+        return self.m * (self.fixed_work + n * self.block_work + extra) + self.tail(n)
 
 
 def _layer_figures(cost: CostModel, plan: Plan, run: BlockRun, fixed: tuple[int, ...],
                    gpu: GPUSpec, modes: tuple[Recompute, ...]) -> tuple:
     """What a ``RankBound`` reads of its layers' costs, memoised on ``cost`` (many ranks of
     many configurations share them): the fixed layers at their fastest and smallest, each on
-    its own (a relaxation), one block without recompute, and (stored bytes, forward +
-    backward, working bytes) of the block under each recompute mode."""
+    its own (a relaxation), one block without recompute, (stored bytes, forward + backward,
+    working bytes) of the block under each recompute mode, and the compute the gradient sync
+    may hide behind (``tail_overlap_window_s``: without recompute) of the fixed layers, at
+    their most, and of a block."""
     coster = cost.coster(plan)
     b, tp, sp = plan.micro_batch, plan.tp, plan.sequence_parallel
     key = (id(coster), gpu.name, b, tp, sp, fixed, plan.pp == 1, modes, run.first)
@@ -200,6 +226,7 @@ def _layer_figures(cost: CostModel, plan: Plan, run: BlockRun, fixed: tuple[int,
         return found
     model = cost.model
     fixed_work = fixed_fwd = fixed_wgrad = fixed_params = fixed_stored = biggest_fixed = 0.0
+    fixed_compute = 0.0
     for index in fixed:
         layer = model.layers[index]
         layer_modes = [mode for mode in modes if mode in layer.activation] or [Recompute.NONE]
@@ -208,6 +235,7 @@ def _layer_figures(cost: CostModel, plan: Plan, run: BlockRun, fixed: tuple[int,
         fixed_fwd += min(c.fwd_s for c in costs)
         fixed_wgrad += max(c.wgrad_s for c in costs)
         fixed_stored += min(c.activation_bytes for c in costs)
+        fixed_compute += max(c.compute_s for c in costs)
         params = cost.chunk_params(index, index + 1, tp)
         fixed_params += params
         biggest_fixed = max(biggest_fixed, params)
@@ -224,15 +252,39 @@ def _layer_figures(cost: CostModel, plan: Plan, run: BlockRun, fixed: tuple[int,
     found = cost.rank_layers[key] = (
         fixed_work, fixed_fwd, fixed_wgrad, fixed_stored, fixed_params, biggest_fixed,
         cost.chunk_params(run.first, run.first + 1, tp), none.fwd_s + none.bwd_s, none.fwd_s,
-        none.wgrad_s, none.activation_bytes, tuple(recomputing))
+        none.wgrad_s, none.activation_bytes, tuple(recomputing), fixed_compute, none.compute_s)
     return found
 
 
-def rank_tail_line(cost: CostModel, plan: Plan, gpu: GPUSpec) -> tuple[float, float]:
-    """``least_rank_tail_s`` of a rank of ``plan`` on ``gpu`` as a line in its parameters:
-    (value at none, slope)."""
-    t0 = least_rank_tail_s(cost, plan, 0.0, gpu)
-    return t0, (least_rank_tail_s(cost, plan, 1e9, gpu) - t0) / 1e9
+def rank_tail_line(cost: CostModel, plan: Plan,
+                   gpu: GPUSpec) -> tuple[float, float, tuple[tuple[float, ...], ...]]:
+    """``least_rank_tail_s`` of a rank of ``plan`` on ``gpu`` as a line in its parameters
+    (its value at none extended from one parameter on, slope; a rank holds at least one
+    layer), and per sync part that may hide (``CostModel.sync_parts``): its
+    seconds as a line (at none, slope: collectives are affine in their bytes), its share that
+    may hide, the fraction of the window it hides behind, and 1 - ``overlap_slowdown`` (what
+    each second it cannot hide adds beyond the least tail)."""
+    # memoised on ``cost`` by what least_rank_tail_s reads (a superset of sync_parts's fields)
+    key = (type(plan), plan.tp, plan.dp, plan.cp, plan.pp, plan.zero, plan.dtype,
+           plan.reduce_dtype, plan.num_microbatches, plan.overlap_grad_reduce,
+           plan.overlap_param_gather, plan.fsdp_prefetch, gpu.name, gpu.hbm_gbps)
+    found = cost.tail_lines.get(key)
+    if found is not None:
+        return found
+    # affine for any parameters (a collective's latency counts once bytes move), so the line
+    # through 1 and 1e9 parameters, not through 0, where no collective runs
+    least = (least_rank_tail_s(cost, plan, 1e9, gpu) - least_rank_tail_s(cost, plan, 1.0, gpu)) \
+        / (1e9 - 1.0)
+    one, many = cost.sync_parts(plan, 1.0, gpu), cost.sync_parts(plan, 1e9, gpu)
+    syncs = []
+    for a, b in zip(one, many, strict=True):
+        if a.share > 0 and b.seconds > 0:
+            slope = (b.seconds - a.seconds) / (1e9 - 1.0)
+            syncs.append((a.seconds - slope, slope, a.share, a.window,
+                          1.0 - cost.coef.overlap_slowdown))
+    found = cost.tail_lines[key] = (least_rank_tail_s(cost, plan, 1.0, gpu) - least, least,
+                                    tuple(syncs))
+    return found
 
 
 def least_max(ranks: list[RankBound], least: list[int],

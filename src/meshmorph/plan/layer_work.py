@@ -11,12 +11,16 @@ its m forwards and backwards one at a time. Two facts bound the rank's end:
 - after its last action some micro-batch's backward still passes chunks k-1..0 (its last action
   is a backward of a chunk j >= k, or a forward that a backward follows).
 
-Rank 0 then adds its tail (gradient sync, optimizer, exposed ZeRO traffic: at least
-``least_rank_tail_s`` of its parameters). So no step is below
+Rank 0 then adds its tail: its gradient sync and optimizer at their least, and the sync its first
+chunk's compute cannot hide, as plan/rank_bound.py's ``RankBound.tail`` reads it (S_0). So no
+step is below
 
     max_k [max(sum_{c<k} (f_c + hop_c) + m W_k,
                chain to the loss and back to chunk (v - 1) p + k + m W_k - warm-up_k)
-           + sum_{c<k} (b_c + hop_c)] + least tail of rank 0,
+           + sum_{c<k} (b_c + hop_c)] + S_0,
+
+nor below m W_0 + S_0 + the least exposed part of rank 0's per-micro-batch ZeRO traffic
+(``least_rank_tail_s``: that traffic runs with rank 0's own actions, beside the others'),
 
 W_k the rank's forwards and backwards, where a chunk's f and b are its layers'
 (``CostModel.chunk_time`` adds any ZeRO traffic on top): Megatron's bubble, read rank by rank.
@@ -24,6 +28,7 @@ W_k the rank's forwards and backwards, where a chunk's f and b are its layers'
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,24 +58,31 @@ class LayerWork:
         self.on = {name: np.array([n == name for n in names]) for name in self.gpus}
         self.hops = sum(np.where(on, cost.p2p_time(plan, self.gpus[name]), 0.0)
                         for name, on in self.on.items())
-        self.tail = rank_tail_line(cost, plan, self.gpus[names[0]])[:2]  # rank 0 holds chunk 0
+        gpu = self.gpus[names[0]]  # rank 0 holds chunk 0
+        self.tail = rank_tail_line(cost, plan, gpu)
+        # what rank 0 runs after its last backward (its per-micro-batch ZeRO traffic, in the
+        # least tail, runs with its own actions, beside the other ranks'), as a line
+        one, many = (sum(cost.rank_tail(plan, params, math.inf, gpu, least=True))
+                     for params in (1.0, 1e9))
+        self.after = (one - (many - one) / (1e9 - 1.0), (many - one) / (1e9 - 1.0))
         self._sums = {} if sums is None else sums
 
-    def prefix(self, gpu: GPUSpec, mode: Recompute) -> tuple[np.ndarray, np.ndarray]:
-        """Prefix sums over the model's layers of their forwards and backwards under ``mode``
-        (layers without it: none)."""
+    def prefix(self, gpu: GPUSpec, mode: Recompute) -> tuple[np.ndarray, ...]:
+        """Prefix sums over the model's layers of their forwards, backwards and compute
+        without recompute under ``mode`` (layers without it: none)."""
         plan, model = self.plan, self.cost.model
         coster = self.cost.coster(plan)
         key = (id(coster), gpu.name, plan.micro_batch, plan.tp, plan.sequence_parallel, mode)
         found = self._sums.get(key)
         if found is None:
-            fwd, bwd = [0.0], [0.0]
+            fwd, bwd, compute = [0.0], [0.0], [0.0]
             for index, layer in enumerate(model.layers):
                 c = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
                                  mode if mode in layer.activation else Recompute.NONE)
                 fwd.append(fwd[-1] + c.fwd_s)
                 bwd.append(bwd[-1] + c.bwd_s)
-            found = self._sums[key] = (np.array(fwd), np.array(bwd))
+                compute.append(compute[-1] + c.compute_s)
+            found = self._sums[key] = (np.array(fwd), np.array(bwd), np.array(compute))
         return found
 
     def params(self) -> np.ndarray:
@@ -95,9 +107,11 @@ class LayerWork:
         starts = stops - counts
         fwd = bwd = 0.0
         for name, on in self.on.items():
-            f, b = self.prefix(self.gpus[name], mode)
+            f, b, compute = self.prefix(self.gpus[name], mode)
             fwd = fwd + np.where(on, f[stops] - f[starts], 0.0)
             bwd = bwd + np.where(on, b[stops] - b[starts], 0.0)
+            if on[0]:  # the window rank 0's sync hides behind: its first chunk's compute
+                window = 2 / 3 * (compute[stops[:, 0]] - compute[starts[:, 0]]) * (1 + 1e-12)
         # micro-batch 0's way to chunk c: forwards, and backwards on the way back, with hops
         there = np.cumsum(fwd + self.hops, axis=1) - (fwd + self.hops)
         back = np.cumsum(bwd + self.hops, axis=1) - (bwd + self.hops)
@@ -110,9 +124,20 @@ class LayerWork:
         work = m * (fwd + bwd).reshape(len(splits), v, p).sum(axis=1)
         warm = fwd.reshape(len(splits), v, p) * self._warmup()[None]
         ranks = np.maximum(there[:, :p] + work, turn + work - warm.sum(axis=1)) + back[:, :p]
+        busy = work[:, 0]  # rank 0 alone: its actions from the start, ZeRO traffic and all
         params = self.params()
         rank0 = (params[stops[:, ::p]] - params[starts[:, ::p]]).sum(axis=1)
-        return ranks.max(axis=1) + self.tail[0] + self.tail[1] * rank0
+        least, slope, syncs = self.tail
+        exposed = 0.0
+        for at_none, sync_slope, share, fraction, kept in syncs:  # RankBound.tail's exposed part
+            exposed = exposed + kept * np.maximum(
+                share * (at_none + sync_slope * rank0) * (1 - 1e-12) - fraction * window, 0.0)
+        # rank 0's own actions from the start, then all of its tail; any rank's chain back to
+        # rank 0, then what rank 0 runs after its last backward
+        # (a margin for the prefix sums' rounding: the cost model adds chunk by chunk)
+        return (np.maximum(busy + least + slope * rank0,
+                           ranks.max(axis=1) + self.after[0] + self.after[1] * rank0)
+                + exposed) * (1 - 1e-12)
 
     def _warmup(self) -> np.ndarray:
         """[j, k]: the forwards of rank k's local chunk j before its first backward (torch's

@@ -10,6 +10,7 @@ grows with n, so the least max_k h_k(n_k) over the splits of the blocks is found
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from dataclasses import dataclass, replace
@@ -77,6 +78,7 @@ class RankBound:
             for at_none, slope, share, fraction, kept in syncs)
         self._h: dict[int, float] = {}
         self._values: dict[tuple[FillKind, int, int], np.ndarray] = {}
+        self._lists: dict[tuple[FillKind, int, int], list[float]] = {}
 
     def h(self, n: int) -> float:
         value = self._h.get(n)
@@ -89,12 +91,15 @@ class RankBound:
         """Most blocks (a real number: the function interpolated linearly between whole
         blocks) whose time of ``kind`` is at most ``room``, at most ``most``; -1 when not even
         zero blocks fit."""
-        h = self.values(kind, most, left_out)
+        key = (kind, most, left_out)
+        h = self._lists.get(key)
+        if h is None:  # a list: bisect on it beats numpy's per-call overhead here
+            h = self._lists[key] = self.values(kind, most, left_out).tolist()
         if h[0] > room:
             return -1.0
         if h[most] <= room:
             return float(most)
-        lo = int(np.searchsorted(h, room, side="right")) - 1  # h[lo] <= room < h[lo + 1]
+        lo = bisect.bisect_right(h, room) - 1  # h[lo] <= room < h[lo + 1]
         step = h[lo + 1] - h[lo]
         return lo + ((room - h[lo]) / step if step < math.inf else 0.0)
 

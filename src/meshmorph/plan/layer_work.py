@@ -35,7 +35,7 @@ import numpy as np
 
 from meshmorph.cost.model import CostModel
 from meshmorph.plan.fastest_layers import cluster_gpu
-from meshmorph.plan.rank_bound import rank_tail_line
+from meshmorph.plan.rank_bound import params_line, rank_tail_line
 from meshmorph.plan.space import Config
 from meshmorph.schedule.one_f_one_b import rounds
 from meshmorph.spec.gpus import GPUSpec
@@ -62,9 +62,8 @@ class LayerWork:
         self.tail = rank_tail_line(cost, plan, gpu)
         # what rank 0 runs after its last backward (its per-micro-batch ZeRO traffic, in the
         # least tail, runs with its own actions, beside the other ranks'), as a line
-        one, many = (sum(cost.rank_tail(plan, params, math.inf, gpu, least=True))
-                     for params in (1.0, 1e9))
-        self.after = (one - (many - one) / (1e9 - 1.0), (many - one) / (1e9 - 1.0))
+        self.after = params_line(*(sum(cost.rank_tail(plan, params, math.inf, gpu, least=True))
+                                   for params in (1.0, 1e9)))
         self._sums = {} if sums is None else sums
 
     def prefix(self, gpu: GPUSpec, mode: Recompute) -> tuple[np.ndarray, ...]:

@@ -276,20 +276,22 @@ def rank_tail_line(cost: CostModel, plan: Plan,
     found = cost.tail_lines.get(key)
     if found is not None:
         return found
-    # affine for any parameters (a collective's latency counts once bytes move), so the line
-    # through 1 and 1e9 parameters, not through 0, where no collective runs
-    least = (least_rank_tail_s(cost, plan, 1e9, gpu) - least_rank_tail_s(cost, plan, 1.0, gpu)) \
-        / (1e9 - 1.0)
     one, many = cost.sync_parts(plan, 1.0, gpu), cost.sync_parts(plan, 1e9, gpu)
-    syncs = []
-    for a, b in zip(one, many, strict=True):
-        if a.share > 0 and b.seconds > 0:
-            slope = (b.seconds - a.seconds) / (1e9 - 1.0)
-            syncs.append((a.seconds - slope, slope, a.share, a.window,
-                          1.0 - cost.coef.overlap_slowdown))
-    found = cost.tail_lines[key] = (least_rank_tail_s(cost, plan, 1.0, gpu) - least, least,
-                                    tuple(syncs))
+    syncs = tuple((*params_line(a.seconds, b.seconds), a.share, a.window,
+                   1.0 - cost.coef.overlap_slowdown)
+                  for a, b in zip(one, many, strict=True) if a.share > 0 and b.seconds > 0)
+    found = cost.tail_lines[key] = (
+        *params_line(least_rank_tail_s(cost, plan, 1.0, gpu),
+                     least_rank_tail_s(cost, plan, 1e9, gpu)), syncs)
     return found
+
+
+def params_line(at_one: float, at_billion: float) -> tuple[float, float]:
+    """(value at no parameters, slope) of the line through a figure's values at 1 and 1e9
+    parameters: the figures of a rank's tail are affine in its parameters once bytes move (a
+    collective's latency counts then), so the line through 0, where none runs, would not do."""
+    slope = (at_billion - at_one) / (1e9 - 1.0)
+    return at_one - slope, slope
 
 
 def least_max(ranks: list[RankBound], least: list[int],

@@ -265,3 +265,29 @@ def test_interleaved_bound_stays_below_every_split_under_zero3_on_mixed_gpus() -
                 assert bound[at] <= step, (config.rank_gpus, mode, counts, bound[at], step)
                 checked += 1
     assert checked >= 12
+
+
+@pytest.mark.parametrize(("name", "cluster", "batch"), [("llama3-8b", "h100:2x8", 32),
+                                                        ("gpt3-1.3b", "a100-40g:2x8", 64)])
+def test_v_bound_stays_below_the_even_split_and_reads_the_bubble(name: str, cluster: str,
+                                                                  batch: int) -> None:
+    # the V schedules try their even split per recompute mode: the bound of each mode stays at
+    # or below that plan's step, and with few micro-batches per rank (their chain through every
+    # chunk and back, each chunk's m forwards one at a time) it rises well above the bounds
+    # before it (which leave out the V's fill)
+    model, spec = catalog_model(name), parse_cluster(cluster)
+    options = SearchOptions(schedules=(Schedule.ZBV, Schedule.DUALPIPEV))
+    cost = CostModel(model, spec)
+    bounds = ConfigBounds(cost, options.recompute)
+    rise = 0.0
+    for config in configurations(model, spec, batch, options):
+        if not config.plan.schedule.v_shape:
+            continue
+        work = bounds.layer_work(config)
+        for mode in options.recompute:
+            step = even_estimate(cost, config, mode)[1].step_time_s
+            assert work.v_filled_s(mode) <= step, (config.plan, mode)
+        before = max(bounds.lower_bound(config), bounds.memory_bound(config))
+        if before < math.inf:
+            rise = max(rise, bounds.fill_bound(config, before) / before)
+    assert rise > 1.2

@@ -203,11 +203,16 @@ class ConfigBounds:
         relaxation); a block more on an earlier rank costs each later rank at most c / (m x
         block work) <= 1/m of a block, so with m >= pp - 1 taking the most is optimal and T
         is feasible iff they take all blocks. ``floor`` is a known lower bound (the memory
-        bound); returns at least it. Interleaved configurations: ``interleaved_bound``."""
+        bound); returns at least it. Interleaved configurations: ``interleaved_bound``; the V
+        schedules: plan/layer_work.py's ``v_filled_s`` at its least over the recompute modes."""
         run = block_run(self.cost.model)
         plan = config.plan
         if plan.schedule == Schedule.INTERLEAVED and config.strategies is None:
             return self.interleaved_bound(config, floor)
+        if plan.schedule.v_shape and config.strategies is None and floor < math.inf \
+                and self.cost.model.num_blocks >= plan.num_chunks:
+            work = self.layer_work(config)
+            return max(floor, min(work.v_filled_s(mode) for mode in self.modes))
         p, m = plan.pp, plan.num_microbatches
         if (run is None or p == 1 or m < p - 1
                 or plan.schedule not in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.GPIPE)

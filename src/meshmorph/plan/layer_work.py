@@ -1,5 +1,6 @@
-"""Lower bounds on an interleaved configuration's step for every chunk split at once, from
-prefix sums of its per-layer times (no chunk priced, no schedule simulated).
+"""Lower bounds on the step of a configuration whose ranks hold several chunks (interleaved:
+every chunk split at once; the V schedules: their even split), from prefix sums of its per-layer
+times (no chunk priced, no schedule simulated). The V's bound: ``LayerWork.v_filled_s``.
 
 In the interleaved schedule (schedule/one_f_one_b.py) rank k holds chunks k, k + p, ... and runs
 its m forwards and backwards one at a time. Two facts bound the rank's end:
@@ -35,24 +36,25 @@ import numpy as np
 
 from meshmorph.cost.model import CostModel
 from meshmorph.plan.fastest_layers import cluster_gpu
-from meshmorph.plan.rank_bound import params_line, rank_tail_line
+from meshmorph.plan.rank_bound import exposed_sync_s, params_line, rank_tail_line
 from meshmorph.plan.space import Config
 from meshmorph.schedule.one_f_one_b import rounds
 from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import Recompute
 
-PrefixSums = dict[tuple, tuple[np.ndarray, np.ndarray]]
-"""Per-layer forward and backward prefix sums by (coster, GPU, micro-batch, tp, SP, mode), shared
-by the configurations whose layers cost the same."""
+PrefixSums = dict[tuple, tuple[np.ndarray, ...]]
+"""Per-layer prefix sums (``LayerWork.prefix``) by (coster, GPU, micro-batch, tp, SP, mode),
+shared by the configurations whose layers cost the same."""
 
 
 class LayerWork:
-    """The module's bound for the chunk splits of one interleaved configuration."""
+    """The module's bounds for one configuration of several chunks per rank."""
 
     def __init__(self, cost: CostModel, config: Config, sums: PrefixSums | None = None):
         self.cost, self.plan = cost, config.plan
         plan = self.plan
-        names = [config.rank_gpus[plan.pp_rank_of_chunk(c)] for c in range(plan.num_chunks)]
+        self.names = names = [config.rank_gpus[plan.pp_rank_of_chunk(c)]
+                              for c in range(plan.num_chunks)]
         self.gpus = {name: cluster_gpu(cost, name) for name in names}
         # the chunks on each GPU type (one type: all of them)
         self.on = {name: np.array([n == name for n in names]) for name in self.gpus}
@@ -67,21 +69,21 @@ class LayerWork:
         self._sums = {} if sums is None else sums
 
     def prefix(self, gpu: GPUSpec, mode: Recompute) -> tuple[np.ndarray, ...]:
-        """Prefix sums over the model's layers of their forwards, backwards and compute
-        without recompute under ``mode`` (layers without it: none)."""
+        """Prefix sums over the model's layers of their forwards, backwards, compute without
+        recompute, input and weight gradients under ``mode`` (layers without it: none)."""
         plan, model = self.plan, self.cost.model
         coster = self.cost.coster(plan)
         key = (id(coster), gpu.name, plan.micro_batch, plan.tp, plan.sequence_parallel, mode)
         found = self._sums.get(key)
         if found is None:
-            fwd, bwd, compute = [0.0], [0.0], [0.0]
+            sums = [[0.0] for _ in range(5)]
             for index, layer in enumerate(model.layers):
                 c = coster.layer(index, gpu, plan.micro_batch, plan.tp, plan.sequence_parallel,
                                  mode if mode in layer.activation else Recompute.NONE)
-                fwd.append(fwd[-1] + c.fwd_s)
-                bwd.append(bwd[-1] + c.bwd_s)
-                compute.append(compute[-1] + c.compute_s)
-            found = self._sums[key] = (np.array(fwd), np.array(bwd), np.array(compute))
+                for out, value in zip(sums, (c.fwd_s, c.bwd_s, c.compute_s, c.bgrad_s,
+                                             c.wgrad_s), strict=True):
+                    out.append(out[-1] + value)
+            found = self._sums[key] = tuple(np.array(out) for out in sums)
         return found
 
     def params(self) -> np.ndarray:
@@ -106,11 +108,11 @@ class LayerWork:
         starts = stops - counts
         fwd = bwd = 0.0
         for name, on in self.on.items():
-            f, b, compute = self.prefix(self.gpus[name], mode)
+            f, b, compute = self.prefix(self.gpus[name], mode)[:3]
             fwd = fwd + np.where(on, f[stops] - f[starts], 0.0)
             bwd = bwd + np.where(on, b[stops] - b[starts], 0.0)
             if on[0]:  # the window rank 0's sync hides behind: its first chunk's compute
-                window = 2 / 3 * (compute[stops[:, 0]] - compute[starts[:, 0]]) * (1 + 1e-12)
+                window = 2 / 3 * (compute[stops[:, 0]] - compute[starts[:, 0]])
         # micro-batch 0's way to chunk c: forwards, and backwards on the way back, with hops
         there = np.cumsum(fwd + self.hops, axis=1) - (fwd + self.hops)
         back = np.cumsum(bwd + self.hops, axis=1) - (bwd + self.hops)
@@ -127,16 +129,58 @@ class LayerWork:
         params = self.params()
         rank0 = (params[stops[:, ::p]] - params[starts[:, ::p]]).sum(axis=1)
         least, slope, syncs = self.tail
-        exposed = 0.0
-        for at_none, sync_slope, share, fraction, kept in syncs:  # RankBound.tail's exposed part
-            exposed = exposed + kept * np.maximum(
-                share * (at_none + sync_slope * rank0) * (1 - 1e-12) - fraction * window, 0.0)
+        exposed = exposed_sync_s(syncs, rank0, window)
         # rank 0's own actions from the start, then all of its tail; any rank's chain back to
         # rank 0, then what rank 0 runs after its last backward
         # (a margin for the prefix sums' rounding: the cost model adds chunk by chunk)
         return (np.maximum(busy + least + slope * rank0,
                            ranks.max(axis=1) + self.after[0] + self.after[1] * rank0)
                 + exposed) * (1 - 1e-12)
+
+    def v_filled_s(self, mode: Recompute) -> float:
+        """The V schedules' bound (module docstring) for their even split under ``mode``:
+        rank k holds chunks k and 2 pp - 1 - k, and under a split backward its weight
+        gradients may run last, so nothing is known to follow its last action. Instead, every
+        chunk c runs its m forwards (and its m backwards) one at a time on its rank: the last
+        micro-batch to pass c forward still goes forward through the chunks after it and
+        back through all of them, so no step is below micro-batch 0's chain through every
+        chunk and back plus (m - 1) x the chunk's forward (or backward); and rank k starts
+        nothing before micro-batch 0's forwards reached chunk k, then runs all its actions
+        and its tail."""
+        plan, cost = self.plan, self.cost
+        m, p = plan.num_microbatches, plan.pp
+        chunks = plan.num_chunks
+        base, extra = divmod(cost.model.num_blocks, chunks)  # Plan.with_even_stages's split
+        counts = np.array([base + (c < extra) for c in range(chunks)])
+        counts[0] += 1
+        counts[-1] += 1
+        stops = np.cumsum(counts)
+        starts = stops - counts
+        split = plan.schedule.split_backward
+        fwd = back = work = compute = 0.0
+        for name, on in self.on.items():
+            f, b, c, bg, wg = (x[stops] - x[starts] for x in self.prefix(self.gpus[name], mode))
+            fwd, compute = fwd + np.where(on, f, 0.0), compute + np.where(on, c, 0.0)
+            # the backward the chain waits for (I under a split backward), and a chunk's work
+            # as the simulator runs it (a split backward as I + W, or some as one full B)
+            back = back + np.where(on, bg if split else b, 0.0)
+            work = work + np.where(on, f + (np.minimum(b, bg + wg) if split else b), 0.0)
+        hops = np.where(np.arange(chunks) == p - 1, 0.0, self.hops)  # the V's turn: one rank
+        chain = fwd.sum() + back.sum() + 2 * hops[:-1].sum()
+        params = self.params()
+        held = params[stops] - params[starts]
+        least, slope, syncs = self.after[0], self.after[1], self.tail[2]
+        flow = chain + (m - 1) * max(fwd.max(), back.max()) + least + slope * held[[0, -1]].sum() \
+            + exposed_sync_s(syncs, held[[0, -1]].sum(), 2 / 3 * compute[0])
+        there = np.cumsum(fwd + hops) - (fwd + hops)
+        ranks = 0.0
+        for k in range(p):
+            ids = plan.chunks_of(k)
+            line = rank_tail_line(cost, plan, self.gpus[self.names[ids[0]]])
+            own = held[ids].sum()
+            ranks = max(ranks, there[k] + m * work[ids].sum() + line[0] + line[1] * own
+                        + exposed_sync_s(line[2], own, 2 / 3 * compute[ids[0]]))
+        return max(flow, ranks) * (1 - 1e-12)
 
     def _warmup(self) -> np.ndarray:
         """[j, k]: the forwards of rank k's local chunk j before its first backward (torch's

@@ -286,6 +286,18 @@ def rank_tail_line(cost: CostModel, plan: Plan,
     return found
 
 
+def exposed_sync_s(syncs: tuple[tuple[float, ...], ...], params, window):  # noqa: ANN001, ANN201
+    """What of a rank's sync parts (``rank_tail_line``'s third item) cannot hide behind
+    ``window`` seconds of compute beyond the least tail, for a rank holding ``params``
+    (numbers or arrays), as ``RankBound.tail`` reads it."""
+    exposed = 0.0
+    for at_none, slope, share, fraction, kept in syncs:
+        exposed = exposed + kept * np.maximum(
+            share * (at_none + slope * params) * (1 - 1e-12) - fraction * window * (1 + 1e-12),
+            0.0)
+    return exposed
+
+
 def params_line(at_one: float, at_billion: float) -> tuple[float, float]:
     """(value at no parameters, slope) of the line through a figure's values at 1 and 1e9
     parameters: the figures of a rank's tail are affine in its parameters once bytes move (a

@@ -172,14 +172,15 @@ class LayerWork:
         least, slope, syncs = self.after[0], self.after[1], self.tail[2]
         flow = chain + (m - 1) * max(fwd.max(), back.max()) + least + slope * held[[0, -1]].sum() \
             + exposed_sync_s(syncs, held[[0, -1]].sum(), 2 / 3 * compute[0])
-        there = np.cumsum(fwd + hops) - (fwd + hops)
+        there = (np.cumsum(fwd + hops) - (fwd + hops))[:p]
+        # rank k: chunks k and 2 pp - 1 - k, its sync behind its first one's compute
+        own, busy = held[:p] + held[::-1][:p], m * (work[:p] + work[::-1][:p])
         ranks = 0.0
-        for k in range(p):
-            ids = plan.chunks_of(k)
-            line = rank_tail_line(cost, plan, self.gpus[self.names[ids[0]]])
-            own = held[ids].sum()
-            ranks = max(ranks, there[k] + m * work[ids].sum() + line[0] + line[1] * own
-                        + exposed_sync_s(line[2], own, 2 / 3 * compute[ids[0]]))
+        for name, on in self.on.items():
+            least, slope, syncs = rank_tail_line(cost, plan, self.gpus[name])
+            value = there + busy + least + slope * own \
+                + exposed_sync_s(syncs, own, 2 / 3 * compute[:p])
+            ranks = max(ranks, float(np.where(on[:p], value, 0.0).max()))
         return max(flow, ranks) * (1 - 1e-12)
 
     def _warmup(self) -> np.ndarray:

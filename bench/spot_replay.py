@@ -1,7 +1,7 @@
 """The test of the spot model: the same job simulated from the fitted capacity process and replayed
 from the recorded trace it was fitted to, zone by zone.
 
-Job: llama2-7b, 5e10 tokens on h100:4x8 (the planner's plan; 45 h without preemptions), GCP spot
+Job: llama2-7b, 5e10 tokens on h100:4x8 (the planner's plan; 44 h without preemptions), GCP spot
 rules (30 s notice), capacity mode (a node goes when its zone's capacity goes, the trace's
 convention), prices of the packaged catalog. Trace: the packaged GCP H100 probes
 (``h100-gcp-2025-10``, 13 zones, 10-minute ticks, 350 h).

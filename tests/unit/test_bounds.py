@@ -256,8 +256,8 @@ def test_interleaved_bound_stays_below_every_split_under_zero3_on_mixed_gpus() -
             continue
         work = bounds.layer_work(config)
         splits = interleaved_block_counts(model.num_blocks, plan.num_chunks)
-        for mode in options.recompute:
-            bound = work.filled_s(splits, mode)
+        for mode, bound in zip(options.recompute, work.filled_s(splits, options.recompute),
+                               strict=True):
             for at, counts in enumerate(splits):
                 gpus, times, _ = counts_times(cost, config, counts, mode)
                 step = cost.assemble(counts_plan(cost, config, counts, mode, gpus), gpus,

@@ -274,7 +274,7 @@ class ConfigBounds:
         if not splits or floor == math.inf:
             return math.inf
         work = self.layer_work(config)
-        return max(floor, min(float(work.filled_s(splits, mode).min()) for mode in self.modes))
+        return max(floor, float(work.filled_s(splits, self.modes).min()))
 
     def integer_fill_bound(self, config: Config, floor: float) -> float:
         """``fill_bound`` over whole blocks, for any number of micro-batches, with each rank's

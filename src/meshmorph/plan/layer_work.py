@@ -96,9 +96,11 @@ class LayerWork:
                          for i in range(self.cost.model.num_layers)])
         return found
 
-    def filled_s(self, splits: Sequence[tuple[int, ...]], mode: Recompute) -> np.ndarray:
-        """For each chunk split of ``splits`` (block counts; the embedding joins the first
-        chunk, the head the last) under ``mode``: the module's bound."""
+    def filled_s(self, splits: Sequence[tuple[int, ...]],
+                 modes: Sequence[Recompute]) -> np.ndarray:
+        """[mode, split]: for each chunk split of ``splits`` (block counts; the embedding joins
+        the first chunk, the head the last) under each recompute mode of ``modes``, the
+        module's bound."""
         plan = self.plan
         m, p, v = plan.num_microbatches, plan.pp, plan.vpp
         counts = np.array(splits, dtype=np.int64).reshape(len(splits), plan.num_chunks)
@@ -108,24 +110,26 @@ class LayerWork:
         starts = stops - counts
         fwd = bwd = 0.0
         for name, on in self.on.items():
-            f, b, compute = self.prefix(self.gpus[name], mode)[:3]
-            fwd = fwd + np.where(on, f[stops] - f[starts], 0.0)
-            bwd = bwd + np.where(on, b[stops] - b[starts], 0.0)
+            f, b, compute = (np.stack(sums) for sums in zip(
+                *(self.prefix(self.gpus[name], mode)[:3] for mode in modes), strict=True))
+            fwd = fwd + np.where(on, f[:, stops] - f[:, starts], 0.0)
+            bwd = bwd + np.where(on, b[:, stops] - b[:, starts], 0.0)
             if on[0]:  # the window rank 0's sync hides behind: its first chunk's compute
-                window = 2 / 3 * (compute[stops[:, 0]] - compute[starts[:, 0]])
+                window = 2 / 3 * (compute[:, stops[:, 0]] - compute[:, starts[:, 0]])
         # micro-batch 0's way to chunk c: forwards, and backwards on the way back, with hops
-        there = np.cumsum(fwd + self.hops, axis=1) - (fwd + self.hops)
-        back = np.cumsum(bwd + self.hops, axis=1) - (bwd + self.hops)
+        there = np.cumsum(fwd + self.hops, axis=-1) - (fwd + self.hops)
+        back = np.cumsum(bwd + self.hops, axis=-1) - (bwd + self.hops)
         # micro-batch 0's forwards to the loss, then backwards to chunk (v - 1) p + k
-        loss = there[:, -1] + fwd[:, -1]
-        later = np.cumsum((bwd + self.hops)[:, ::-1], axis=1)[:, ::-1] - self.hops[-1]
+        loss = there[..., -1] + fwd[..., -1]
+        later = np.cumsum((bwd + self.hops)[..., ::-1], axis=-1)[..., ::-1] - self.hops[-1]
         first = (v - 1) * p + np.arange(p)
-        turn = loss[:, None] + later[:, first] - bwd[:, first]
+        turn = loss[..., None] + later[..., first] - bwd[..., first]
         # chunk j p + k is rank k's
-        work = m * (fwd + bwd).reshape(len(splits), v, p).sum(axis=1)
-        warm = fwd.reshape(len(splits), v, p) * self._warmup()[None]
-        ranks = np.maximum(there[:, :p] + work, turn + work - warm.sum(axis=1)) + back[:, :p]
-        busy = work[:, 0]  # rank 0 alone: its actions from the start, ZeRO traffic and all
+        shape = (len(modes), len(splits), v, p)
+        work = m * (fwd + bwd).reshape(shape).sum(axis=-2)
+        warm = (fwd.reshape(shape) * self._warmup()).sum(axis=-2)
+        ranks = np.maximum(there[..., :p] + work, turn + work - warm) + back[..., :p]
+        busy = work[..., 0]  # rank 0 alone: its actions from the start, ZeRO traffic and all
         params = self.params()
         rank0 = (params[stops[:, ::p]] - params[starts[:, ::p]]).sum(axis=1)
         least, slope, syncs = self.tail
@@ -134,7 +138,7 @@ class LayerWork:
         # rank 0, then what rank 0 runs after its last backward
         # (a margin for the prefix sums' rounding: the cost model adds chunk by chunk)
         return (np.maximum(busy + least + slope * rank0,
-                           ranks.max(axis=1) + self.after[0] + self.after[1] * rank0)
+                           ranks.max(axis=-1) + self.after[0] + self.after[1] * rank0)
                 + exposed) * (1 - 1e-12)
 
     def v_filled_s(self, mode: Recompute) -> float:

@@ -176,7 +176,8 @@ def _solve_interleaved(cost: CostModel, config: Config, options: SearchOptions,
     chunks: dict[tuple, PieceCost] = {}
     splits = interleaved_block_counts(cost.model.num_blocks, plan.num_chunks)
     work = bounds.layer_work(config)
-    filled = {mode: work.filled_s(splits, mode) for mode in options.recompute} if splits else {}
+    filled = dict(zip(options.recompute, work.filled_s(splits, options.recompute), strict=True)) \
+        if splits else {}
     for at, counts in enumerate(splits):
         fitted: list[list[PieceCost]] = []  # times of this split's modes that fit memory
         for mode in options.recompute:

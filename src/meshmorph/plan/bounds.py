@@ -210,7 +210,7 @@ class ConfigBounds:
         if plan.schedule == Schedule.INTERLEAVED and config.strategies is None:
             return self.interleaved_bound(config, floor)
         if plan.schedule.v_shape and config.strategies is None and floor < math.inf \
-                and self.cost.model.num_blocks >= plan.num_chunks:
+                and self.cost.model.num_layers - 2 >= plan.num_chunks:
             work = self.layer_work(config)
             return max(floor, min(work.v_filled_s(mode) for mode in self.modes))
         p, m = plan.pp, plan.num_microbatches

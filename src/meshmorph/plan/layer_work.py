@@ -154,7 +154,8 @@ class LayerWork:
         plan, cost = self.plan, self.cost
         m, p = plan.num_microbatches, plan.pp
         chunks = plan.num_chunks
-        base, extra = divmod(cost.model.num_blocks, chunks)  # Plan.with_even_stages's split
+        # Plan.with_even_stages's split: the layers between the first and the last, evenly
+        base, extra = divmod(cost.model.num_layers - 2, chunks)
         counts = np.array([base + (c < extra) for c in range(chunks)])
         counts[0] += 1
         counts[-1] += 1

@@ -68,6 +68,7 @@ class RankBound:
         self.hull = recompute_hull(points)
         self.m = plan.num_microbatches
         self.tail0, self.tail1, syncs = rank_tail_line(cost, plan, gpu)
+        self._tail_of_none = least_rank_tail_s(cost, plan, 0.0, gpu)  # the line starts at one
         # per sync part: the seconds that may hide as a line in the parameters, the window it
         # hides behind as a line in the blocks, and what each exposed second adds (rounding
         # margins keep it below the cost model's figure)
@@ -137,15 +138,17 @@ class RankBound:
         The exposed share grows by at most the window's, which m x a block's work exceeds: h
         still grows with n."""
         params = self.fixed_params + n * self.block_params
-        tail = self.tail0 + self.tail1 * params
         scalar = isinstance(n, int)
+        if scalar and params <= 0:
+            return self._tail_of_none  # no parameters: no collective runs
+        tail = self.tail0 + self.tail1 * params
         for at_none, slope, hides_none, hides_slope, kept in self._exposed:
             short = at_none + slope * params - hides_none - hides_slope * n
             if scalar:
                 tail += kept * short if short > 0 else 0.0
             else:
                 tail = tail + kept * np.maximum(short, 0.0)
-        return tail
+        return tail if scalar else np.where(params > 0, tail, self._tail_of_none)
 
     def block_chain(self, kind: FillKind) -> float:
         """One block's share of micro-batch 0's chain in the fill bound of ``kind``: its forward,

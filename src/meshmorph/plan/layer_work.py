@@ -21,10 +21,9 @@ step is below
            + sum_{c<k} (b_c + hop_c)] + S_0,
 
 nor below m W_0 + S_0 + the least exposed part of rank 0's per-micro-batch ZeRO traffic
-(``least_rank_tail_s``: that traffic runs with rank 0's own actions, beside the others'),
-
-W_k the rank's forwards and backwards, where a chunk's f and b are its layers'
-(``CostModel.chunk_time`` adds any ZeRO traffic on top): Megatron's bubble, read rank by rank.
+(``least_rank_tail_s``: that traffic runs with rank 0's own actions, beside the others'). W_k is
+the rank's forwards and backwards, where a chunk's f and b are its layers' (``CostModel.chunk_time``
+adds any ZeRO traffic on top): Megatron's bubble, read rank by rank.
 """
 
 from __future__ import annotations

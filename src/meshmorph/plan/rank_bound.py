@@ -67,16 +67,8 @@ class RankBound:
             self.working = min(self.working, working)
         self.hull = recompute_hull(points)
         self.m = plan.num_microbatches
-        self.tail0, self.tail1, syncs = rank_tail_line(cost, plan, gpu)
+        self.tail0, self.tail1, self.syncs = rank_tail_line(cost, plan, gpu)
         self._tail_of_none = least_rank_tail_s(cost, plan, 0.0, gpu)  # the line starts at one
-        # per sync part: the seconds that may hide as a line in the parameters, the window it
-        # hides behind as a line in the blocks, and what each exposed second adds (rounding
-        # margins keep it below the cost model's figure)
-        window = 2 / 3 * (1 + 1e-12)
-        self._exposed = tuple(
-            (share * at_none * (1 - 1e-12), share * slope * (1 - 1e-12),
-             fraction * window * self.fixed_compute, fraction * window * self.block_compute, kept)
-            for at_none, slope, share, fraction, kept in syncs)
         self._h: dict[int, float] = {}
         self._values: dict[tuple[FillKind, int, int], np.ndarray] = {}
         self._lists: dict[tuple[FillKind, int, int], list[float]] = {}
@@ -141,13 +133,8 @@ class RankBound:
         scalar = isinstance(n, int)
         if scalar and params <= 0:
             return self._tail_of_none  # no parameters: no collective runs
-        tail = self.tail0 + self.tail1 * params
-        for at_none, slope, hides_none, hides_slope, kept in self._exposed:
-            short = at_none + slope * params - hides_none - hides_slope * n
-            if scalar:
-                tail += kept * short if short > 0 else 0.0
-            else:
-                tail = tail + kept * np.maximum(short, 0.0)
+        tail = self.tail0 + self.tail1 * params + exposed_sync_s(
+            self.syncs, params, 2 / 3 * (self.fixed_compute + n * self.block_compute))
         return tail if scalar else np.where(params > 0, tail, self._tail_of_none)
 
     def block_chain(self, kind: FillKind) -> float:
@@ -295,9 +282,9 @@ def exposed_sync_s(syncs: tuple[tuple[float, ...], ...], params, window):  # noq
     (numbers or arrays), as ``RankBound.tail`` reads it."""
     exposed = 0.0
     for at_none, slope, share, fraction, kept in syncs:
-        exposed = exposed + kept * np.maximum(
-            share * (at_none + slope * params) * (1 - 1e-12) - fraction * window * (1 + 1e-12),
-            0.0)
+        short = share * (at_none + slope * params) * (1 - 1e-12) - fraction * window * (1 + 1e-12)
+        exposed = exposed + kept * (np.maximum(short, 0.0) if isinstance(short, np.ndarray)
+                                    else max(short, 0.0))
     return exposed
 
 

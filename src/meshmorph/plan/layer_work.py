@@ -102,11 +102,8 @@ class LayerWork:
         module's bound."""
         plan = self.plan
         m, p, v = plan.num_microbatches, plan.pp, plan.vpp
-        counts = np.array(splits, dtype=np.int64).reshape(len(splits), plan.num_chunks)
-        counts[:, 0] += 1
-        counts[:, -1] += 1
-        stops = np.cumsum(counts, axis=1)
-        starts = stops - counts
+        starts, stops = _spans(np.array(splits, dtype=np.int64).reshape(len(splits),
+                                                                        plan.num_chunks))
         fwd = bwd = 0.0
         for name, on in self.on.items():
             f, b, compute = (np.stack(sums) for sums in zip(
@@ -155,11 +152,7 @@ class LayerWork:
         chunks = plan.num_chunks
         # Plan.with_even_stages's split: the layers between the first and the last, evenly
         base, extra = divmod(cost.model.num_layers - 2, chunks)
-        counts = np.array([base + (c < extra) for c in range(chunks)])
-        counts[0] += 1
-        counts[-1] += 1
-        stops = np.cumsum(counts)
-        starts = stops - counts
+        starts, stops = _spans(np.array([base + (c < extra) for c in range(chunks)]))
         split = plan.schedule.split_backward
         fwd = back = work = compute = 0.0
         for name, on in self.on.items():
@@ -202,3 +195,13 @@ class LayerWork:
             for j in range(v):
                 out[j, k] = whole * per_round + min(max(rest - j * per_round, 0), per_round)
         return out
+
+
+def _spans(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first layer, end) of each chunk holding ``counts`` blocks along the last axis, the
+    embedding joining the first chunk and the head the last (``stages_of_counts``'s layout)."""
+    counts = counts.copy()
+    counts[..., 0] += 1
+    counts[..., -1] += 1
+    stops = np.cumsum(counts, axis=-1)
+    return stops - counts, stops

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
+from meshmorph.cost.model import CostModel
 from meshmorph.plan.search import PlanDoesNotFit, search
 from meshmorph.plan.space import SearchOptions, configurations, divisors
 from meshmorph.spec import catalog_model, parse_cluster
@@ -65,3 +67,27 @@ def test_layouts_beyond_the_micro_batch_cap_are_left_out() -> None:
     assert {c.plan.dp * c.plan.micro_batch for c in configs} == {16, 32}
     with pytest.raises(ValueError, match="max_microbatches must be at least 1"):
         SearchOptions(max_microbatches=0)
+
+
+def test_a_pipeline_tries_zero_2_only_where_zero_1_is_not_tried() -> None:
+    # under a pipeline ZeRO-2 prices and holds exactly as ZeRO-1 (torch pipelining
+    # reduce-scatters the whole gradients once per step either way): the space keeps one
+    model, cluster = catalog_model("gpt3-1.3b"), parse_cluster("a100-80g:2x8")
+    every = list(configurations(model, cluster, 64, SearchOptions(max_micro_batch=4)))
+    piped = {c.plan.zero for c in every if c.plan.pp > 1 and c.plan.dp > 1}
+    assert piped == {0, 1, 3}
+    assert {c.plan.zero for c in every if c.plan.pp == 1 and c.plan.dp > 1} == {0, 1, 2, 3}
+    only_2 = list(configurations(model, cluster, 64,
+                                 SearchOptions(max_micro_batch=4, zero_stages=(2,))))
+    assert {c.plan.zero for c in only_2 if c.plan.pp > 1 and c.plan.dp > 1} == {2}
+    # the premise: a pipeline plan and its ZeRO-2 twin have the same figures, every one
+    cost = CostModel(model, cluster)
+    checked = 0
+    for config in every:
+        plan = config.plan
+        if plan.pp > 1 and plan.zero == 1 and plan.num_microbatches > 1 and checked < 12:
+            plan = plan.with_even_stages(model)
+            assert cost.estimate(plan).to_dict() == \
+                cost.estimate(replace(plan, zero=2)).to_dict(), plan
+            checked += 1
+    assert checked == 12

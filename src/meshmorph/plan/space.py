@@ -211,6 +211,19 @@ def prefetch_choices(zero: int, replicas: int, pp: int,
     return (max(options.fsdp_prefetch),)
 
 
+def zero_stages(options: SearchOptions, dp: int, pp: int) -> tuple[int, ...]:
+    """ZeRO stages worth trying for a plan of ``dp`` replicas on ``pp`` pipeline ranks
+    (``SearchOptions.zero_stages``): none without replicas; under a pipeline not ZeRO-2 beside
+    ZeRO-1, which it prices and holds exactly as (torch pipelining reduce-scatters the whole
+    gradients once per step either way, ``cost.state``), so it would only be solved twice and
+    fill the top plans with twins."""
+    if dp == 1:
+        return (0,)
+    if pp > 1 and 1 in options.zero_stages:
+        return tuple(z for z in options.zero_stages if z != 2)
+    return options.zero_stages
+
+
 def rank_gpu_orders(cluster: Cluster, tp: int, dp: int, pp: int,
                     cp: int = 1) -> list[tuple[str, ...]]:
     """GPU type per pipeline rank: each group hosts (its GPUs) / (tp * cp * dp) ranks."""
@@ -275,7 +288,7 @@ def _inner(model: ModelSpec, global_batch: int, options: SearchOptions, tp: int,
         if m > options.max_microbatches:
             continue
         schedules = schedule_shapes(options.schedules, pp, m, blocks, options.max_vpp)
-        for zero in options.zero_stages if dp > 1 else (0,):
+        for zero in zero_stages(options, dp, pp):
             for sp in options.sequence_parallel if tp > 1 else (False,):
                 if sp and (model.seq_len // cp) % tp:
                     continue

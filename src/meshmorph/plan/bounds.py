@@ -49,6 +49,7 @@ from meshmorph.plan.rank_bound import (
     FillKind,
     RankBound,
     SplitTable,
+    grouped_least_max,
     least_max,
 )
 from meshmorph.plan.relaxations import MemoryRelaxation, filled_share
@@ -165,16 +166,49 @@ class ConfigBounds:
         least as fast as what recompute can free, or no recompute fits), on the GPU type where
         that is least. At least ``floor``. Synchronous pipelines of 3 ranks or more (rank 1
         holds neither end)."""
-        run = block_run(self.cost.model)
-        plan = config.plan
-        p, m = plan.pp, plan.num_microbatches
-        if (run is None or config.strategies is not None or p < 3 or floor == math.inf
-                or plan.schedule == Schedule.ASYNC):
+        fewest = self._fewest_in_flight(config, floor)
+        if fewest is None:
             return floor
-        fewest = min(in_flight_microbatches(plan.schedule, p, k, m, plan.vpp) for k in range(p))
-        most = -(-run.count // p)
+        run, plan = block_run(self.cost.model), config.plan
+        assert run is not None
+        most = -(-run.count // plan.pp)
         return max(floor, min(self._rank(plan, run, 1, gpu, fewest).h(most)
                               for gpu in set(config.rank_gpus)))
+
+    def ends_memory_bound(self, config: Config, floor: float) -> float:
+        """The next part of ``memory_bound``: its least max over the splits of the blocks with
+        the ranks that hold the ends (rank 0, the last, the head's) as they are and every other
+        rank as ``busiest_memory_bound``'s rank of its GPU type, so that those share one h per
+        type (``grouped_least_max``: a few greedy steps, not one per block). At least
+        ``floor``; the same pipelines."""
+        fewest = self._fewest_in_flight(config, floor)
+        if fewest is None:
+            return floor
+        run, plan = block_run(self.cost.model), config.plan
+        assert run is not None
+        p = plan.pp
+        ends = {0, p - 1, plan.pp_rank_of_chunk(plan.num_chunks - 1)}
+        least = run.least_blocks(p)
+        middle: dict[str, int] = {}
+        for k in range(p):
+            if k not in ends:
+                middle[config.rank_gpus[k]] = middle.get(config.rank_gpus[k], 0) + 1
+        groups = [(self._rank(plan, run, k, config.rank_gpus[k]), 1, least[k]) for k in ends]
+        groups += [(self._rank(plan, run, 1, gpu, fewest), ranks, 1)
+                   for gpu, ranks in middle.items()]
+        return max(floor, grouped_least_max(groups, run.count))
+
+    def _fewest_in_flight(self, config: Config, floor: float) -> float | None:
+        """The fewest micro-batches in flight of any rank, for the two bounds above; None where
+        they do not apply (no run of alike blocks, per-layer strategies, fewer than 3 ranks, an
+        asynchronous pipeline, or nothing fits already)."""
+        run, plan = block_run(self.cost.model), config.plan
+        p = plan.pp
+        if (run is None or config.strategies is not None or p < 3 or floor == math.inf
+                or plan.schedule == Schedule.ASYNC):
+            return None
+        return min(in_flight_microbatches(plan.schedule, p, k, plan.num_microbatches, plan.vpp)
+                   for k in range(p))
 
     def memory_bound(self, config: Config) -> float:
         """The least max_k h_k(n_k) over every split of the blocks (see the module notes): 0
@@ -189,8 +223,11 @@ class ConfigBounds:
         ranks = [self._rank(plan, run, k, config.rank_gpus[k]) for k in range(p)]
         if p == 1:
             return ranks[0].h(run.count)
-        table, _ = least_max(ranks, run.least_blocks(p), run.count)
-        return table[run.count]
+        groups: dict[tuple[int, int], list] = {}  # ranks that share their h and fewest blocks
+        for rank, least in zip(ranks, run.least_blocks(p), strict=True):
+            group = groups.setdefault((id(rank), least), [rank, 0, least])
+            group[1] += 1
+        return grouped_least_max([tuple(g) for g in groups.values()], run.count)
 
     def fill_bound(self, config: Config, floor: float) -> float:
         """``memory_bound`` with the pipeline's fill: rank s starts its work only after

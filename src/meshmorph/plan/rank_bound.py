@@ -322,6 +322,31 @@ def least_max(ranks: list[RankBound], least: list[int],
     return table, counts
 
 
+def grouped_least_max(groups: list[tuple[RankBound, int, int]], count: int) -> float:
+    """``least_max``'s least max for all ``count`` blocks, over groups of ranks that share one
+    h: (its RankBound, how many ranks, the fewest blocks each holds). The greedy's next block
+    at value h(n + 1) goes to every rank of the group in turn, so it takes them all at once
+    (the last ones as many as are left): the same picks, the same value."""
+    counts = [least for _, _, least in groups]
+    left = count - sum(ranks * least for _, ranks, least in groups)
+    if left < 0:
+        return math.inf
+    worst = max(rank.h(n) for (rank, _, _), n in zip(groups, counts, strict=True))
+    heap = [(rank.h(n + 1), j) for j, ((rank, _, _), n) in enumerate(zip(groups, counts,
+                                                                            strict=True))]
+    heapq.heapify(heap)
+    while left > 0:
+        value, j = heap[0]
+        if value == math.inf:
+            return math.inf
+        worst = max(worst, value)
+        rank, ranks, _ = groups[j]
+        left -= ranks
+        counts[j] += 1
+        heapq.heapreplace(heap, (rank.h(counts[j] + 1), j))
+    return worst
+
+
 @dataclass(frozen=True, slots=True)
 class SplitTable:
     """What the stage search takes from the block-split bound of one configuration."""

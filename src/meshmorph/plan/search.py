@@ -180,8 +180,8 @@ def _search_regular(model: ModelSpec, cluster: Cluster, global_batch: int,
 
     proven, solved = _best_first(
         configs, bounds.lower_bound,
-        [bounds.busiest_memory_bound, lambda c, b: max(b, bounds.memory_bound(c)),
-         bounds.fill_bound,
+        [bounds.busiest_memory_bound, bounds.ends_memory_bound,
+         lambda c, b: max(b, bounds.memory_bound(c)), bounds.fill_bound,
          bounds.integer_fill_bound],
         threshold, solve, options.tolerance)
     if not best:

@@ -75,6 +75,16 @@ def test_bound_is_below_every_configurations_brute_force_best(
         assert bound <= filled <= best * (1 + 1e-9), (config.plan, filled, best)
         whole = bounds.integer_fill_bound(config, filled)
         assert filled <= whole <= best * (1 + 1e-9), (config.plan, whole, best)
+        for limit in (0.9 * best, 0.99 * best, 1.1 * best, 2 * bound):
+            # with the incumbents' limit the bounds may stop there, never above the best
+            if not filled < limit < math.inf:
+                continue
+            stopped = bounds.fill_bound(config, bound, limit)
+            assert min(filled, limit) * (1 - 1e-3) <= stopped <= best * (1 + 1e-9), \
+                (config.plan, limit, stopped, filled, best)
+            windowed = bounds.integer_fill_bound(config, filled, limit)
+            assert min(whole, limit) <= windowed * (1 + 1e-12), (config.plan, limit, windowed)
+            assert windowed <= best * (1 + 1e-9), (config.plan, limit, windowed, best)
         if bound == math.inf:
             infinite += 1
         table = bounds.split_table(config)

@@ -158,7 +158,8 @@ class ConfigBounds:
                 least_rank_tail_s(cost, plan, most * sums.block_params, g) for g in gpus))
         return bound
 
-    def busiest_memory_bound(self, config: Config, floor: float) -> float:
+    def busiest_memory_bound(self, config: Config, floor: float,
+                             limit: float = math.inf) -> float:  # noqa: ARG002 (a Tightener)
         """A cheap part of ``memory_bound``: some rank holds ceil(blocks / pp) blocks, so it
         needs at least h(that many) of a rank that holds no layer before or after the blocks and
         keeps the fewest micro-batches in flight of any rank (h grows with the blocks, the fixed
@@ -175,7 +176,8 @@ class ConfigBounds:
         return max(floor, min(self._rank(plan, run, 1, gpu, fewest).h(most)
                               for gpu in set(config.rank_gpus)))
 
-    def ends_memory_bound(self, config: Config, floor: float) -> float:
+    def ends_memory_bound(self, config: Config, floor: float,
+                          limit: float = math.inf) -> float:  # noqa: ARG002 (a Tightener)
         """The next part of ``memory_bound``: its least max over the splits of the blocks with
         the ranks that hold the ends (rank 0, the last, the head's) as they are and every other
         rank as ``busiest_memory_bound``'s rank of its GPU type, so that those share one h per
@@ -229,7 +231,7 @@ class ConfigBounds:
             group[1] += 1
         return grouped_least_max([tuple(g) for g in groups.values()], run.count)
 
-    def fill_bound(self, config: Config, floor: float) -> float:
+    def fill_bound(self, config: Config, floor: float, limit: float = math.inf) -> float:
         """``memory_bound`` with the pipeline's fill: rank s starts its work only after
         micro-batch 0 went forward through every block before it (and, in 1F1B and GPipe, ends
         only after the last micro-batch's backward went back through them): at least
@@ -241,7 +243,8 @@ class ConfigBounds:
         block work) <= 1/m of a block, so with m >= pp - 1 taking the most is optimal and T
         is feasible iff they take all blocks. ``floor`` is a known lower bound (the memory
         bound); returns at least it. Interleaved configurations: ``interleaved_bound``; the V
-        schedules: plan/layer_work.py's ``v_filled_s`` at its least over the recompute modes."""
+        schedules: plan/layer_work.py's ``v_filled_s`` at its least over the recompute modes.
+        With a ``limit`` the bisection stops there: ``limit`` when the step cannot be below it."""
         run = block_run(self.cost.model)
         plan = config.plan
         if plan.schedule == Schedule.INTERLEAVED and config.strategies is None:
@@ -283,8 +286,14 @@ class ConfigBounds:
                 return placed >= run.count - 1e-9
 
             lo, hi = bound, bound + per_block * run.count + (entry + hops) * p
-            if feasible(lo) or not feasible(hi):
-                continue  # no better than the bound so far (or some h infinite everywhere)
+            if feasible(lo):
+                continue  # no better than the bound so far
+            if limit < hi:
+                if not feasible(limit):
+                    return max(bound, limit)  # no split beats the incumbents
+                hi = limit
+            elif not feasible(hi):
+                continue  # some h infinite everywhere
             for _ in range(40):
                 mid = (lo + hi) / 2
                 if feasible(mid):
@@ -313,11 +322,14 @@ class ConfigBounds:
         work = self.layer_work(config)
         return max(floor, float(work.filled_s(splits, self.modes).min()))
 
-    def integer_fill_bound(self, config: Config, floor: float) -> float:
+    def integer_fill_bound(self, config: Config, floor: float, limit: float = math.inf) -> float:
         """``fill_bound`` over whole blocks, for any number of micro-batches, with each rank's
         warm-up and drain: the least over splits into whole blocks of the largest of every
         rank's constraints at once (``_DrainTables.joint``). ``floor`` is a known lower bound;
-        returns at least it."""
+        returns at least it. Only splits where every rank holds at most J blocks are read, J
+        the most any rank holds with h within the ``limit`` (at most twice ``floor``): any
+        other split has a rank with h above that, so the least h of J + 1 blocks bounds them
+        all (a deep pipeline's tables shrink from blocks x blocks to blocks x J)."""
         run = block_run(self.cost.model)
         plan = config.plan
         p = plan.pp
@@ -326,8 +338,13 @@ class ConfigBounds:
             return floor
         ranks = [self._rank(plan, run, k, config.rank_gpus[k]) for k in range(p)]
         hop = min(self.cost.p2p_time(plan, cluster_gpu(self.cost, g)) for g in config.rank_gpus)
-        drain = _DrainTables(ranks, run.least_blocks(p), run.count, hop, fill_kinds(plan))
-        return max(floor, drain.joint())
+        reach = min(limit, 2 * floor)  # before any incumbent: a split of twice the floor
+        width = max(math.floor(rank.capacity(reach, run.count)) for rank in ranks)
+        beyond = min(rank.h(width + 1) for rank in ranks) if width < run.count else math.inf
+        if width < 0:
+            return max(floor, beyond)
+        drain = _DrainTables(ranks, run.least_blocks(p), run.count, hop, fill_kinds(plan), width)
+        return max(floor, min(drain.joint(), beyond))
 
     def split_table(self, config: Config) -> SplitTable | None:
         """For the stage search: per pipeline rank k, the least max h over ranks k.. holding any
@@ -492,17 +509,22 @@ class _DrainTables:
     from rank 0, as the other fill tables count them."""
 
     def __init__(self, ranks: list[RankBound], least: list[int], count: int, hop: float,
-                 kinds: tuple[tuple[FillKind, tuple[int, ...]], ...]):
+                 kinds: tuple[tuple[FillKind, tuple[int, ...]], ...], width: int | None = None):
+        """``width``: no rank holds more blocks (``ConfigBounds.integer_fill_bound``)."""
         self.p, self.count, self.hop = len(ranks), count, hop
         chain_kind, deferred = kinds[1]
         warm = kinds[2][1]
         split = chain_kind == FillKind.FB_OPS
-        blocks = np.arange(count + 1)
-        self.after = blocks[:, None] - blocks[None, :]  # [n, j]: the later ranks' share
+        held = np.arange((count if width is None else min(width, count)) + 1)
+        blocks = held  # a rank's own blocks, j
+        # [n, j]: the later ranks' share when rank k holds j of the last n blocks
+        self.after = np.arange(count + 1)[:, None] - held[None, :]
+        j = len(held)
+        most = j - 1
         fwd, back = [], []
         self.h, self.fb, self.warmed, self.between = [], [], [], []
         for k, r in enumerate(ranks):
-            work = r.values(FillKind.WORK, count)
+            work = r.values(FillKind.WORK, most)
             fits = np.isfinite(work) & (blocks >= least[k])
             f = r.fixed_fwd + blocks * r.block_fwd
             block_b, fixed_b = r.back_chain(split)
@@ -510,13 +532,13 @@ class _DrainTables:
                 recompute = np.where(fits, work / r.m - (r.fixed_work + blocks * r.block_work),
                                      0.0)
             b = fixed_b + blocks * block_b + recompute
-            fb = r.values(chain_kind, count, deferred[k])
+            fb = r.values(chain_kind, most, deferred[k])
             fwd.append(np.where(fits, f, math.inf))
             back.append(np.where(fits, b, math.inf))
-            self.h.append(np.where(fits, r.values(FillKind.WITH_TAIL, count), math.inf))
+            self.h.append(np.where(fits, r.values(FillKind.WITH_TAIL, most), math.inf))
             self.fb.append(np.where(fits, fb, math.inf))
-            self.warmed.append(np.where(fits, r.values(FillKind.AFTER_WARMUP, count, warm[k]),
-                                        math.inf))
+            self.warmed.append(np.where(
+                fits, r.values(FillKind.AFTER_WARMUP, most, warm[k]), math.inf))
             with np.errstate(invalid="ignore"):  # inf - inf where the blocks do not fit
                 self.between.append(np.where(fits, fb - warm[k] * f - b, math.inf))
         self._series = {"fwd": fwd, "back": back,

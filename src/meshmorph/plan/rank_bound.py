@@ -10,7 +10,6 @@ grows with n, so the least max_k h_k(n_k) over the splits of the blocks is found
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 from dataclasses import dataclass, replace
@@ -71,7 +70,7 @@ class RankBound:
         self._tail_of_none = least_rank_tail_s(cost, plan, 0.0, gpu)  # the line starts at one
         self._h: dict[int, float] = {}
         self._values: dict[tuple[FillKind, int, int], np.ndarray] = {}
-        self._lists: dict[tuple[FillKind, int, int], list[float]] = {}
+        self._scalars: dict[tuple[FillKind, int, int], float] = {}
 
     def h(self, n: int) -> float:
         value = self._h.get(n)
@@ -83,18 +82,39 @@ class RankBound:
                  left_out: int = 0) -> float:
         """Most blocks (a real number: the function interpolated linearly between whole
         blocks) whose time of ``kind`` is at most ``room``, at most ``most``; -1 when not even
-        zero blocks fit."""
-        key = (kind, most, left_out)
-        h = self._lists.get(key)
-        if h is None:  # a list: bisect on it beats numpy's per-call overhead here
-            h = self._lists[key] = self.values(kind, most, left_out).tolist()
-        if h[0] > room:
+        zero blocks fit. By bisection on ``value`` (non-decreasing in the blocks): a few of
+        them, where a whole array costs a deep pipeline's every rank more."""
+        if self.value(kind, 0, left_out) > room:
             return -1.0
-        if h[most] <= room:
+        if self.value(kind, most, left_out) <= room:
             return float(most)
-        lo = bisect.bisect_right(h, room) - 1  # h[lo] <= room < h[lo + 1]
-        step = h[lo + 1] - h[lo]
-        return lo + ((room - h[lo]) / step if step < math.inf else 0.0)
+        lo, hi = 0, most  # value(lo) <= room < value(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.value(kind, mid, left_out) <= room:
+                lo = mid
+            else:
+                hi = mid
+        low, high = self.value(kind, lo, left_out), self.value(kind, hi, left_out)
+        step = high - low
+        return lo + ((room - low) / step if step < math.inf else 0.0)
+
+    def value(self, kind: FillKind, n: int, left_out: int = 0) -> float:
+        """``values(kind, ., left_out)[n]`` alone, by the same operations (memoised)."""
+        key = (kind, n, left_out)
+        found = self._scalars.get(key)
+        if found is None:
+            h = self.h(n)
+            if kind == FillKind.WITH_TAIL:
+                found = h
+            elif kind == FillKind.AFTER_WARMUP:
+                found = h - left_out * (self.fixed_fwd + n * self.block_fwd)
+            else:
+                found = h - self.tail(n)  # inf - a finite tail stays inf
+                if kind == FillKind.FB_OPS:
+                    found = found - left_out * (self.fixed_wgrad + n * self.block_wgrad)
+            self._scalars[key] = found
+        return found
 
     def values(self, kind: FillKind, most: int, left_out: int = 0) -> np.ndarray:
         """For n = 0..most: h(n), work(n) (h without the tail: gradient sync, optimizer,

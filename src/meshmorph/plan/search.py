@@ -74,7 +74,9 @@ class SearchResult:
         return max(0.0, (best - self.lower_bound_s) / best)
 
 
-Tightener = Callable[[Config, float], float]
+Tightener = Callable[[Config, float, float], float]
+"""A configuration's next bound from (it, its bound so far, the incumbents' limit): at least the
+limit whenever no plan of it beats the limit (a bound may then stop short of its exact value)."""
 
 
 def _best_first(configs: Sequence[Config], first: Callable[[Config], float],
@@ -96,7 +98,7 @@ def _best_first(configs: Sequence[Config], first: Callable[[Config], float],
             proven = min(proven, bound_s)
             break
         if level < len(tighteners):
-            tighter = tighteners[level](configs[index], bound_s)
+            tighter = tighteners[level](configs[index], bound_s, limit)
             if tighter < float("inf"):  # infinite: nothing of this configuration fits
                 heapq.heappush(queue, (tighter, level + 1, index))
             continue
@@ -181,7 +183,7 @@ def _search_regular(model: ModelSpec, cluster: Cluster, global_batch: int,
     proven, solved = _best_first(
         configs, bounds.lower_bound,
         [bounds.busiest_memory_bound, bounds.ends_memory_bound,
-         lambda c, b: max(b, bounds.memory_bound(c)), bounds.fill_bound,
+         lambda c, b, _: max(b, bounds.memory_bound(c)), bounds.fill_bound,
          bounds.integer_fill_bound],
         threshold, solve, options.tolerance)
     if not best:
@@ -233,7 +235,7 @@ def search_per_layer(model: ModelSpec, cluster: Cluster, *, global_batch: int,
         return result.open_bound_s
 
     proven, solved = _best_first(
-        configs, bounds.lower_bound, [lambda c, b: max(b, bounds.memory_bound(c))],
+        configs, bounds.lower_bound, [lambda c, b, _: max(b, bounds.memory_bound(c))],
         lambda: step("best" if options.one_strategy_per_stage else "uniform"), solve,
         options.tolerance)
     if best["best"] is None:

@@ -90,6 +90,10 @@ def test_bound_is_below_every_configurations_brute_force_best(
         table = bounds.split_table(config)
         if table is not None:
             assert table.rest[0][table.run.count] == pytest.approx(bounds.memory_bound(config))
+            for limit in (0.9 * best, best):  # a window as the stage search's limit sets it
+                windowed = bounds.split_table(config, limit) if limit < math.inf else None
+                for _, fill in windowed.fill if windowed is not None else ():
+                    assert fill[0][table.run.count] <= best * (1 + 1e-9), (config.plan, limit)
             if best < math.inf:
                 assert table.balanced and sum(table.balanced) == table.run.count
         checked += 1

@@ -346,10 +346,12 @@ class ConfigBounds:
         drain = _DrainTables(ranks, run.least_blocks(p), run.count, hop, fill_kinds(plan), width)
         return max(floor, min(drain.joint(), beyond))
 
-    def split_table(self, config: Config) -> SplitTable | None:
+    def split_table(self, config: Config, limit: float = math.inf) -> SplitTable | None:
         """For the stage search: per pipeline rank k, the least max h over ranks k.. holding any
         number of the last blocks, and the block counts of the split that minimises the bound
-        (a balanced start). None when the model is not a run of alike blocks."""
+        (a balanced start). None when the model is not a run of alike blocks. The one-chunk
+        fill tables read only splits within the ``limit``'s window (``integer_fill_bound``;
+        each table the least of that and what bounds the splits left out)."""
         run = block_run(self.cost.model)
         if run is None or config.plan.pp == 1:
             return None
@@ -364,26 +366,30 @@ class ConfigBounds:
             rest.append(table)
             if k == 0 and table[run.count] < math.inf:
                 balanced = counts
-        return SplitTable(run, rest, balanced, self._fill_tables(config, run, ranks, least))
+        width = max(math.floor(rank.capacity(limit, run.count)) for rank in ranks)
+        return SplitTable(run, rest, balanced,
+                          self._fill_tables(config, run, ranks, least, max(width, 0)))
 
     def _fill_tables(self, config: Config, run: BlockRun, ranks: list[RankBound],
-                     least: list[int]) -> tuple[tuple[bool, list[list[float]]], ...]:
+                     least: list[int], width: int) -> tuple[tuple[bool, list[list[float]]], ...]:
         """For the stage search, per kind of ``fill_bound`` (whether its chain is the forward
         only, then the table): table[k][n] = the least over splits of the last n whole blocks
         (and the layer after them) among ranks k.. of max_s [c x (their blocks before s) +
         hops to s + h_s(n_s)] (h of the kind), so that no completion of stages chosen up to
         rank k - 1 whose chain through them is C ends before C + table[k][n]. A min-max
-        program over whole block counts, one rank at a time."""
+        program over whole block counts, one rank at a time, ranks before the last holding at
+        most ``width`` blocks (the splits where one holds more: at least its own figure)."""
         plan = config.plan
         p = plan.pp
         if plan.schedule not in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.GPIPE):
             return ()
         count = run.count
+        width = min(width, count)
         hop = min(self.cost.p2p_time(plan, cluster_gpu(self.cost, g)) for g in config.rank_gpus)
         kinds = fill_kinds(plan)
-        blocks = np.arange(count + 1)
+        blocks, held = np.arange(count + 1), np.arange(width + 1)
         # rest[n, j] = n - j: the blocks the later ranks hold when this one holds j of n
-        rest = blocks[:, None] - blocks[None, :]
+        rest = blocks[:, None] - held[None, :]
         out = []
         for kind, left_out in kinds[:2]:
             per_block = min(r.block_chain(kind) for r in ranks)
@@ -392,10 +398,13 @@ class ConfigBounds:
                    + hops * k for k, r in enumerate(ranks)]
             table = [np.full(count + 1, math.inf) for _ in range(p)]
             table[p - 1] = own[p - 1]
+            beyond = math.inf  # the least figure of a rank k.. p - 2 past the window
             for k in range(p - 2, -1, -1):
+                beyond = min(beyond, float(own[k][width + 1:].min(initial=math.inf)))
                 later = np.where(rest >= 0, table[k + 1][np.clip(rest, 0, count)], math.inf)
-                table[k] = np.maximum(own[k][None, :], per_block * blocks[None, :] + later).min(
-                    axis=1)
+                table[k] = np.minimum(np.maximum(own[k][None, :width + 1],
+                                                 per_block * held[None, :] + later).min(axis=1),
+                                      beyond)
             out.append((kind == FillKind.WITH_TAIL, [list(map(float, t)) for t in table]))
         back, between = _DrainTables(ranks, least, count, hop, kinds).tables()
         out.append((True, [list(map(float, t)) for t in back]))  # from the forward chain on
@@ -510,43 +519,51 @@ class _DrainTables:
 
     def __init__(self, ranks: list[RankBound], least: list[int], count: int, hop: float,
                  kinds: tuple[tuple[FillKind, tuple[int, ...]], ...], width: int | None = None):
-        """``width``: no rank holds more blocks (``ConfigBounds.integer_fill_bound``)."""
+        """``width``: only splits where no rank holds more blocks are read
+        (``ConfigBounds.integer_fill_bound``)."""
         self.p, self.count, self.hop = len(ranks), count, hop
-        chain_kind, deferred = kinds[1]
-        warm = kinds[2][1]
-        split = chain_kind == FillKind.FB_OPS
-        held = np.arange((count if width is None else min(width, count)) + 1)
-        blocks = held  # a rank's own blocks, j
+        self.ranks, self.least, self.kinds = ranks, least, kinds
+        self.width = count if width is None else min(width, count)
+        held = np.arange(self.width + 1)  # a rank's own blocks, j
         # [n, j]: the later ranks' share when rank k holds j of the last n blocks
         self.after = np.arange(count + 1)[:, None] - held[None, :]
-        j = len(held)
-        most = j - 1
         fwd, back = [], []
         self.h, self.fb, self.warmed, self.between = [], [], [], []
-        for k, r in enumerate(ranks):
-            work = r.values(FillKind.WORK, most)
-            fits = np.isfinite(work) & (blocks >= least[k])
-            f = r.fixed_fwd + blocks * r.block_fwd
-            block_b, fixed_b = r.back_chain(split)
-            with np.errstate(invalid="ignore"):
-                recompute = np.where(fits, work / r.m - (r.fixed_work + blocks * r.block_work),
-                                     0.0)
-            b = fixed_b + blocks * block_b + recompute
-            fb = r.values(chain_kind, most, deferred[k])
-            fwd.append(np.where(fits, f, math.inf))
-            back.append(np.where(fits, b, math.inf))
-            self.h.append(np.where(fits, r.values(FillKind.WITH_TAIL, most), math.inf))
-            self.fb.append(np.where(fits, fb, math.inf))
-            self.warmed.append(np.where(
-                fits, r.values(FillKind.AFTER_WARMUP, most, warm[k]), math.inf))
-            with np.errstate(invalid="ignore"):  # inf - inf where the blocks do not fit
-                self.between.append(np.where(fits, fb - warm[k] * f - b, math.inf))
+        for k in range(self.p):
+            f, b, h, fb, warmed, between = self._rank_series(k, self.width)
+            fwd.append(f)
+            back.append(b)
+            self.h.append(h)
+            self.fb.append(fb)
+            self.warmed.append(warmed)
+            self.between.append(between)
         self._series = {"fwd": fwd, "back": back,
                         "both": [x + y for x, y in zip(fwd, back, strict=True)]}
         self._sums: dict[tuple[str, bool], list[np.ndarray]] = {}
         # every layer's least forward: the ranks' fixed layers and the blocks at their least
         self.forward_all = sum(r.fixed_fwd for r in ranks) + count * min(
             r.block_fwd for r in ranks) + hop * (self.p - 1)
+
+    def _rank_series(self, k: int, most: int) -> tuple[np.ndarray, ...]:
+        """Rank k's figures for 0..``most`` blocks (infinite where they do not fit): its
+        forward, the backward its chain carries, h, its time of the chain kind, h less the
+        warm-up, and the time between its first and last backward."""
+        r, (chain_kind, deferred), warm = self.ranks[k], self.kinds[1], self.kinds[2][1][k]
+        blocks = np.arange(most + 1)
+        work = r.values(FillKind.WORK, most)
+        fits = np.isfinite(work) & (blocks >= self.least[k])
+        f = r.fixed_fwd + blocks * r.block_fwd
+        block_b, fixed_b = r.back_chain(chain_kind == FillKind.FB_OPS)
+        with np.errstate(invalid="ignore"):
+            recompute = np.where(fits, work / r.m - (r.fixed_work + blocks * r.block_work), 0.0)
+        b = fixed_b + blocks * block_b + recompute
+        fb = r.values(chain_kind, most, deferred[k])
+        with np.errstate(invalid="ignore"):  # inf - inf where the blocks do not fit
+            between = np.where(fits, fb - warm * f - b, math.inf)
+        return (np.where(fits, f, math.inf), np.where(fits, b, math.inf),
+                np.where(fits, r.values(FillKind.WITH_TAIL, most), math.inf),
+                np.where(fits, fb, math.inf),
+                np.where(fits, r.values(FillKind.AFTER_WARMUP, most, warm), math.inf), between)
 
     def _least_sums(self, series: str, *, suffix: bool) -> list[np.ndarray]:
         """table[k][n]: the least sum of the ``series`` figures over the ranks k.. holding the

@@ -225,7 +225,7 @@ def solve_config(cost: CostModel, config: Config, options: SearchOptions,
         return PartitionResult(best, float("inf"))
     gpus = [cluster_gpu(cost, name) for name in config.rank_gpus]
     return solve_partition(StageSolver(cost, plan, gpus, options.recompute), bound,
-                           options.tolerance, options.max_nodes, bounds.split_table(config))
+                           options.tolerance, options.max_nodes, bounds.split_table(config, bound))
 
 
 def solve_layers(cost: CostModel, config: Config, options: SearchOptions,

@@ -6,13 +6,16 @@ schedule and any chunk times."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from meshmorph.cost.layer_cost import PieceCost
 from meshmorph.cost.model import CostModel
+from meshmorph.plan.partition_search import interleaved_block_counts, stages_of_counts
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec import catalog_model, parse_cluster
+from meshmorph.spec.model import Recompute
 from meshmorph.spec.plan import Plan
 
 SHAPES = [  # (schedule, pp, vpp)
@@ -57,3 +60,22 @@ def test_a_step_cut_before_simulation_reaches_the_bound(schedule: Schedule, pp: 
                 assert step >= bound, (draw, share)
             fitting = cost.assemble_below(plan, gpus, times, bound, fitting=True)
             assert (fitting is None) == (step >= bound or not estimate.fits)
+
+
+def test_stages_fit_decides_memory_as_assemble_does_before_the_plan_is_built() -> None:
+    # llama3-8b on 8 x 80 GB: interleaved chunks of every split and recompute mode, some that
+    # fit and some that do not; the check on the bare configuration's plan and the stages must
+    # agree with the memory of the plan built from them
+    model = catalog_model("llama3-8b")
+    cost = CostModel(model, parse_cluster("a100-80g:1x8"))
+    base = Plan(model="llama3-8b", seq_len=model.seq_len, global_batch=64, tp=1, pp=4, dp=2,
+                zero=1, micro_batch=2, num_microbatches=16, schedule=Schedule.INTERLEAVED, vpp=2)
+    gpus = [cost.default_gpu()] * base.num_chunks
+    outcomes = set()
+    for counts in interleaved_block_counts(model.num_blocks, base.num_chunks):
+        for mode in Recompute:
+            stages = stages_of_counts(model, counts, mode)
+            fits = cost.estimate(replace(base, stages=stages)).fits
+            assert cost.stages_fit(base, gpus, stages) == fits, (counts, mode)
+            outcomes.add(fits)
+    assert outcomes == {True, False}

@@ -646,6 +646,21 @@ class CostModel:
             memory.append(held)
         return memory
 
+    def stages_fit(self, plan: Plan, gpus: Sequence[GPUSpec],
+                   stages: Sequence[StagePlan]) -> bool:
+        """Whether ``plan`` with ``stages`` (chunk c on ``gpus[c]``) fits every rank's memory, as
+        ``assemble_below(..., fitting=True)`` decides it, without building the plan (memory reads
+        its strategy and the stages, not the plan's own stages)."""
+        for k in range(plan.pp):
+            ids = plan.chunks_of(k)
+            gpu = gpus[ids[0]]
+            held = self.segments_memory(
+                plan, k, [Segment(stages[c].start, stages[c].stop, plan, stages[c].recompute)
+                          for c in ids], gpu)
+            if held.total > gpu.memory_bytes:
+                return False
+        return True
+
     def reaches_bound(self, plan: Plan, gpus: Sequence[GPUSpec], times: Sequence[PieceCost],
                       spans: Sequence[tuple[int, int]], bound: float) -> bool:
         """Whether some rank's own work and tail prove the step of ``plan`` with uniform chunks

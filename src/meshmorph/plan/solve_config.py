@@ -123,9 +123,9 @@ def dominated(times: Sequence[PieceCost], seen: Sequence[Sequence[PieceCost]]) -
 
 def counts_times(cost: CostModel, config: Config, counts: tuple[int, ...], mode: Recompute,
                  chunks: dict[tuple, PieceCost] | None = None
-                 ) -> tuple[list[GPUSpec], list[PieceCost], list[tuple[int, int]]]:
+                 ) -> tuple[list[GPUSpec], list[PieceCost], tuple[StagePlan, ...]]:
     """An interleaved configuration with chunks of ``counts`` blocks and ``mode`` recompute:
-    its chunk GPUs, chunk times and chunk spans (start, stop), not yet simulated
+    its chunk GPUs, chunk times and stages (``stages_of_counts``), not yet simulated
     (``counts_plan`` is its plan).
     ``chunks``: the configuration's chunk times by (start, stop, mode, GPU), filled as they are
     priced (a chunk's time reads the plan's strategy, not the stages of the others)."""
@@ -133,23 +133,19 @@ def counts_times(cost: CostModel, config: Config, counts: tuple[int, ...], mode:
     gpus = [cluster_gpu(cost, config.rank_gpus[plan.pp_rank_of_chunk(c)])
             for c in range(plan.num_chunks)]
     chunks = {} if chunks is None else chunks
-    model = cost.model
-    alike = _alike_ends(model)
-    times, spans = [], []
-    start, last = 0, len(counts) - 1
-    for index, (count, g) in enumerate(zip(counts, gpus, strict=True)):
-        stop = start + count + (index == 0) + (index == last)
+    alike = _alike_ends(cost.model)
+    stages = stages_of_counts(cost.model, counts, mode, [g.name for g in gpus]
+                              if len(set(config.rank_gpus)) > 1 else None)
+    times, last = [], len(counts) - 1
+    for index, (stage, count, g) in enumerate(zip(stages, counts, gpus, strict=True)):
         key = (index == 0, index == last, count, mode, g.name) if alike else \
-            (start, stop, mode, g.name)
+            (stage.start, stage.stop, mode, g.name)
         time = chunks.get(key)
         if time is None:
-            modes = tuple(mode if mode in model.layers[i].activation else Recompute.NONE
-                          for i in range(start, stop))  # as stages_of_counts sets them
-            time = chunks[key] = cost.chunk_time(plan, start, stop, modes, g)
+            time = chunks[key] = cost.chunk_time(plan, stage.start, stage.stop, stage.recompute,
+                                                 g)
         times.append(time)
-        spans.append((start, stop))
-        start = stop
-    return gpus, times, spans
+    return gpus, times, stages
 
 
 def counts_plan(cost: CostModel, config: Config, counts: tuple[int, ...], mode: Recompute,
@@ -183,11 +179,13 @@ def _solve_interleaved(cost: CostModel, config: Config, options: SearchOptions,
         for mode in options.recompute:
             if filled[mode][at] >= bound:
                 continue  # its layers with the fill take longer than the best found
-            gpus, times, spans = counts_times(cost, config, counts, mode, chunks)
+            gpus, times, stages = counts_times(cost, config, counts, mode, chunks)
             if busiest_rank_s(plan, times) >= bound or dominated(times, fitted) or \
-                    cost.reaches_bound(plan, gpus, times, spans, bound):
-                continue  # no faster than the best found or than a mode that fits
-            candidate = counts_plan(cost, config, counts, mode, gpus)
+                    not cost.stages_fit(plan, gpus, stages) or \
+                    cost.reaches_bound(plan, gpus, times, [(s.start, s.stop) for s in stages],
+                                       bound):
+                continue  # no faster than the best found or than a mode that fits, or too big
+            candidate = replace(plan, stages=stages)
             estimate = _fits_below(cost, candidate, gpus, times, bound, fitted)
             if estimate is not None:
                 bound, best = estimate.step_time_s, (candidate, estimate)

@@ -12,8 +12,12 @@ reaches the best step found, so their tightness decides the search time.
   identical blocks between at most one layer before and one after, ``plan.block_run``),
   pipeline rank k holding n blocks needs at least h_k(n) (``plan.rank_bound``); the least
   max_k h_k(n_k) over all splits of the blocks is found greedily; infinity when even full
-  recompute cannot fit the blocks.
-- ``fill_bound``: the memory bound with the pipeline's fill and drain.
+  recompute cannot fit the blocks. Two cheaper parts of it come first:
+  ``busiest_memory_bound`` (the busiest bare rank) and ``ends_memory_bound`` (the ranks holding
+  the embedding and the head as they are, the others as that bare rank).
+- ``fill_bound``: the memory bound with the pipeline's fill and drain; ``integer_fill_bound``
+  the same over whole blocks with every rank's warm-up and drain, over the splits within the
+  incumbents' limit (the least h beyond bounds the rest).
 
 A configuration with per-layer strategies (``Config.strategies``) gets its own two levels:
 ``lower_bound`` each rank's layers at their fastest (one stage, or the even chunks of the

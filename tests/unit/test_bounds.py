@@ -360,3 +360,30 @@ def test_grouped_greedy_equals_the_greedy_over_every_rank(data: st.DataObject) -
     least = [fewest for _, copies, fewest in groups for _ in range(copies)]
     table, _ = least_max(ranks, least, count)  # type: ignore[arg-type]
     assert grouped_least_max(groups, count) == table[count]  # type: ignore[arg-type]
+
+
+def test_windowed_stage_tables_keep_every_cut_at_the_limit() -> None:
+    # llama3-8b on 32 H100s at pp 8 and 16: with a limit, the stage search's fill tables read
+    # only the splits within each rank's reach; every entry must stay at least the full table's
+    # or the limit, whichever is less, so that no branch the full tables cut at the limit is
+    # kept (and the windows must be narrower than the blocks somewhere)
+    model, spec = catalog_model("llama3-8b"), parse_cluster("h100:4x8")
+    options = SearchOptions(pp_degrees=(8, 16), tp_degrees=(1,), max_micro_batch=1,
+                            schedules=(Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE))
+    bounds = ConfigBounds(CostModel(model, spec), options.recompute)
+    narrowed = checked = 0
+    for config in configurations(model, spec, 256, options):
+        full = bounds.split_table(config)
+        floor = bounds.memory_bound(config)
+        if full is None or not floor < math.inf:
+            continue
+        for limit in (1.05 * floor, 1.3 * floor):
+            windowed = bounds.split_table(config, limit)
+            assert windowed is not None
+            for (_, tables), (_, reference) in zip(windowed.fill, full.fill, strict=True):
+                for row, ref in zip(tables, reference, strict=True):
+                    for value, exact in zip(row, ref, strict=True):
+                        assert value >= min(exact, limit) * (1 - 1e-12), (config.plan, limit)
+                        narrowed += value < exact
+            checked += 1
+    assert checked > 4 and narrowed, (checked, narrowed)

@@ -370,47 +370,48 @@ class ConfigBounds:
             rest.append(table)
             if k == 0 and table[run.count] < math.inf:
                 balanced = counts
-        width = max(math.floor(rank.capacity(limit, run.count)) for rank in ranks)
         return SplitTable(run, rest, balanced,
-                          self._fill_tables(config, run, ranks, least, max(width, 0)))
+                          self._fill_tables(config, run, ranks, least, limit))
 
     def _fill_tables(self, config: Config, run: BlockRun, ranks: list[RankBound],
-                     least: list[int], width: int) -> tuple[tuple[bool, list[list[float]]], ...]:
+                     least: list[int], limit: float) -> tuple[tuple[bool, list[list[float]]], ...]:
         """For the stage search, per kind of ``fill_bound`` (whether its chain is the forward
         only, then the table): table[k][n] = the least over splits of the last n whole blocks
         (and the layer after them) among ranks k.. of max_s [c x (their blocks before s) +
         hops to s + h_s(n_s)] (h of the kind), so that no completion of stages chosen up to
         rank k - 1 whose chain through them is C ends before C + table[k][n]. A min-max
         program over whole block counts, one rank at a time, ranks before the last holding at
-        most ``width`` blocks (the splits where one holds more: at least its own figure)."""
+        most the blocks past which their own figures reach ``limit`` (``window_reaching``;
+        the splits where one holds more: the least such figure, at least the limit, so that
+        no cut at the limit is lost)."""
         plan = config.plan
         p = plan.pp
         if plan.schedule not in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.GPIPE):
             return ()
         count = run.count
-        width = min(width, count)
         hop = min(self.cost.p2p_time(plan, cluster_gpu(self.cost, g)) for g in config.rank_gpus)
         kinds = fill_kinds(plan)
-        blocks, held = np.arange(count + 1), np.arange(width + 1)
-        # rest[n, j] = n - j: the blocks the later ranks hold when this one holds j of n
-        rest = blocks[:, None] - held[None, :]
+        blocks = np.arange(count + 1)
         out = []
         for kind, left_out in kinds[:2]:
             per_block = min(r.block_chain(kind) for r in ranks)
             hops = hop * (1 if kind == FillKind.WITH_TAIL else 2)
             own = [np.where(blocks >= least[k], r.values(kind, count, left_out[k]), math.inf)
                    + hops * k for k, r in enumerate(ranks)]
+            width = window_reaching(own[:-1], limit)
+            beyond = past_window(own[:-1], width)
+            held = np.arange(width + 1)
+            # rest[n, j] = n - j: the blocks the later ranks hold when this one holds j of n
+            rest = blocks[:, None] - held[None, :]
             table = [np.full(count + 1, math.inf) for _ in range(p)]
             table[p - 1] = own[p - 1]
-            beyond = math.inf  # the least figure of a rank k.. p - 2 past the window
             for k in range(p - 2, -1, -1):
-                beyond = min(beyond, float(own[k][width + 1:].min(initial=math.inf)))
                 later = np.where(rest >= 0, table[k + 1][np.clip(rest, 0, count)], math.inf)
                 table[k] = np.minimum(np.maximum(own[k][None, :width + 1],
                                                  per_block * held[None, :] + later).min(axis=1),
-                                      beyond)
+                                      beyond[k])
             out.append((kind == FillKind.WITH_TAIL, [list(map(float, t)) for t in table]))
-        back, between = _DrainTables(ranks, least, count, hop, kinds).tables()
+        back, between = _DrainTables(ranks, least, count, hop, kinds).tables(limit)
         out.append((True, [list(map(float, t)) for t in back]))  # from the forward chain on
         out.append((False, [list(map(float, t)) for t in between]))
         return tuple(out)
@@ -491,6 +492,23 @@ class ConfigBounds:
         timeline = simulate(plan.schedule, plan.pp, plan.num_microbatches, fwd, bwd, v=plan.vpp,
                             p2p_s=(send,) * plan.num_chunks, wgrad_s=wgrad if split else None)
         return max(timeline.rank_end_s[k] + tails[k] for k in range(plan.pp))
+
+
+def window_reaching(series: list[np.ndarray], limit: float) -> int:
+    """The fewest blocks J such that every figure of ``series`` (one array per rank, by its
+    blocks) past J is at least ``limit``: a split where some rank holds more than J blocks then
+    reaches the limit by that rank's figure alone (0 when none is below it)."""
+    below = [np.flatnonzero(values < limit) for values in series]
+    return max((int(found[-1]) for found in below if len(found)), default=0)
+
+
+def past_window(series: list[np.ndarray], width: int) -> np.ndarray:
+    """[k]: the least figure of ``series`` past ``width`` blocks on ranks k.. (inf past the
+    last rank)."""
+    least = np.full(len(series) + 1, math.inf)
+    for k in range(len(series) - 1, -1, -1):
+        least[k] = min(least[k + 1], float(series[k][width + 1:].min(initial=math.inf)))
+    return least
 
 
 def fill_kinds(plan: Plan) -> tuple[tuple[FillKind, tuple[int, ...]], ...]:
@@ -607,18 +625,35 @@ class _DrainTables:
         chain = np.where(self.after >= 0, later[np.clip(self.after, 0, self.count)], math.inf)
         return chain + self.hop * (self.p - 1 - k) + self.warmed[k][None, :]
 
-    def tables(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def tables(self, limit: float = math.inf) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """For the stage search (``SplitTable.fill``): the back table, from micro-batch 0's
         forward reaching rank k on (forward-only), and the between table, past the chain there
-        and back through the ranks before k."""
+        and back through the ranks before k. Only splits within the window where every rank's
+        own figures reach ``limit`` are read (``window_reaching``); each table is the least of
+        that and the least own figure past it, which is at least the limit (the chains and
+        sums the tables add are not negative)."""
         p = self.p
+        own_back = [self.hop * (p - 1 - k) + self.warmed[k] for k in range(p)]
+        width = window_reaching(own_back + self.between, limit)
+        back_out, between_out = past_window(own_back, width), past_window(self.between, width)
+        self._narrow(width)
         back = self._min_max([self._back_own(k) for k in range(p)])
         between = self._min_max([np.broadcast_to(self.between[k][None, :], self.after.shape)
                                  for k in range(p)])
-        return ([back[k] + self._least_sums("fwd", suffix=True)[k] + self.hop * (p - 1)
-                 for k in range(p)],
-                [between[k] + self._least_sums("both", suffix=True)[k] + 2 * self.hop * (p - 1)
-                 for k in range(p)])
+        return ([np.minimum(back[k] + self._least_sums("fwd", suffix=True)[k], back_out[k])
+                 + self.hop * (p - 1) for k in range(p)],
+                [np.minimum(between[k] + self._least_sums("both", suffix=True)[k],
+                            between_out[k]) + 2 * self.hop * (p - 1) for k in range(p)])
+
+    def _narrow(self, width: int) -> None:
+        """Read only splits where no rank holds more than ``width`` blocks from now on."""
+        if width >= self.width:
+            return
+        assert not self._sums, "narrowed after a table was built"
+        self.width, j = width, width + 1
+        self.after = self.after[:, :j]
+        for figures in (self.h, self.fb, self.warmed, self.between, *self._series.values()):
+            figures[:] = [values[:j] for values in figures]
 
     def joint(self) -> float:
         """No step is shorter: every rank's fill, chain-there-and-back, back and between

@@ -37,6 +37,7 @@ def test_a_step_cut_before_simulation_reaches_the_bound(schedule: Schedule, pp: 
     model = catalog_model("gpt-tiny")
     cost = CostModel(model, parse_cluster("h100:1x8"))
     rng = random.Random(f"{schedule}{pp}{m}")
+    answered = 0  # steps the precheck proved without a simulation
     for draw in range(12):
         plan = Plan(model="gpt-tiny", seq_len=model.seq_len, global_batch=2 * m, tp=1, pp=pp,
                     dp=2, zero=draw % 4, micro_batch=1, num_microbatches=m,
@@ -52,14 +53,22 @@ def test_a_step_cut_before_simulation_reaches_the_bound(schedule: Schedule, pp: 
         step = estimate.step_time_s
         for share in SHARES:
             bound = step * share
+            cut_before = cost.prechecks_cut
             below = cost.assemble_below(plan, gpus, times, bound)
             assert (below is None) == (step >= bound), (draw, share)
             assert below is None or below.step_time_s == step
+            cut = cost.prechecks_cut - cut_before
+            assert cut == 0 or below is None, (draw, share)  # it counts only what it answered
+            simulated = cost.assemble_below(plan, gpus, times, bound, precheck=False)
+            assert (simulated is None) == (below is None), (draw, share)
+            assert cost.prechecks_cut == cut_before + cut  # the same answer, without it
+            answered += cut
             spans = [(stage.start, stage.stop) for stage in plan.stages]
             if cost.reaches_bound(plan, gpus, times, spans, bound):
                 assert step >= bound, (draw, share)
             fitting = cost.assemble_below(plan, gpus, times, bound, fitting=True)
             assert (fitting is None) == (step >= bound or not estimate.fits)
+    assert answered, "the precheck proved no step without simulating it"
 
 
 def test_stages_fit_decides_memory_as_assemble_does_before_the_plan_is_built() -> None:

@@ -108,6 +108,9 @@ class CostModel:
         """The layer figures of the planner's per-rank bounds (plan/rank_bound.py)."""
         self.tail_lines: dict[tuple, tuple] = {}
         """The tail lines of the planner's per-rank bounds (plan/rank_bound.py)."""
+        self.prechecks_cut = 0
+        """How many ``assemble_below`` calls its precheck answered without a simulation (the
+        stage search reads it to stop prechecking where that does not pay)."""
 
     def _link(self, spec: LinkSpec) -> comm.Link:
         """``spec`` at ``link_efficiency``, or as the Profile measured it."""
@@ -577,10 +580,13 @@ class CostModel:
 
     def assemble_below(self, plan: Plan, gpus: Sequence[GPUSpec], times: Sequence[PieceCost],
                        bound: float, parts: Parts | None = None, *,
-                       fitting: bool = False) -> Estimate | None:
+                       fitting: bool = False, precheck: bool = True) -> Estimate | None:
         """``assemble``, or None when the step is not below ``bound`` (then its memory is not
         added up: the planner prices many plans only to compare their steps); with ``fitting``
-        also None when the plan does not fit memory (then its schedule is not simulated)."""
+        also None when the plan does not fit memory (then its schedule is not simulated).
+        ``precheck``: first try to prove the step not below ``bound`` from each rank's own
+        work, fill, drain and tail (``_rank_ends``), without simulating (the same answer
+        either way)."""
         p, m = plan.pp, plan.num_microbatches
         layerwise = parts is not None and lists_layer_strategies(plan)
         if parts is None:
@@ -595,9 +601,10 @@ class CostModel:
                  for k, (rank, gpu) in enumerate(zip(ranks, rank_gpus, strict=True))]
         # some rank's own work and tail already reach the bound: no simulation (with a margin
         # for the simulation's rounding, so that a step proven not below ``bound`` never is)
-        if plan.schedule != Schedule.ASYNC and bound < math.inf and any(
+        if precheck and plan.schedule != Schedule.ASYNC and bound < math.inf and any(
                 end * (1.0 - 1e-9) + sync + opt >= bound
                 for end, (sync, opt, _) in zip(self._rank_ends(plan, times), tails, strict=True)):
+            self.prechecks_cut += 1
             return None
         memory = self._memory(plan, ranks, rank_gpus, fitting=True) if fitting else None
         if fitting and memory is None:

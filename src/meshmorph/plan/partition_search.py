@@ -88,14 +88,23 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
     visited = [0]
     open_bound = [float("inf")]
     mixed = len({g.name for g in solver.gpus}) > 1
+    prechecks = [0, 0]  # assemble_below's prechecks tried, and those that spared a simulation
 
     def evaluate(choices: Choices) -> None:
         stages = tuple(StagePlan(start=a, stop=b, recompute=c.recompute,
                                  gpu=g.name if mixed else None)
                        for (a, b, c), g in zip(choices, solver.gpus, strict=True))
         candidate = replace(plan, stages=stages)
+        # near-ties between partitions pass every precheck: past 16 tries, precheck only while
+        # one in eight spares a simulation (the answer is the same either way)
+        check = prechecks[0] < 16 or 8 * prechecks[1] >= prechecks[0]
+        cut_before = solver.cost.prechecks_cut
         estimate = solver.cost.assemble_below(candidate, solver.gpus,
-                                              [c.time for _, _, c in choices], best[0])
+                                              [c.time for _, _, c in choices], best[0],
+                                              precheck=check)
+        if check:
+            prechecks[0] += 1
+            prechecks[1] += solver.cost.prechecks_cut - cut_before
         if estimate is not None:  # below the best so far
             best[0], best[1] = estimate.step_time_s, (candidate, estimate)
             cut[0] = best[0] * keep

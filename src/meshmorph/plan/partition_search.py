@@ -27,12 +27,15 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from meshmorph.cost.estimate import Estimate
+from meshmorph.cost.layer_cost import PieceCost
+from meshmorph.cost.model import CostModel
 from meshmorph.cost.pipeline import simulate
 from meshmorph.plan.partition_bounds import PartitionBounds, rank_step_bound, rest_bounds
 from meshmorph.plan.stage_reach import MemoryReach
 from meshmorph.plan.stage_recompute import StageChoice, StageSolver
 from meshmorph.plan.strategy_fronts import FrontPoint, StageFronts
 from meshmorph.schedule.table import Schedule
+from meshmorph.spec.gpus import GPUSpec
 from meshmorph.spec.model import ModelSpec, Recompute
 from meshmorph.spec.plan import Plan, StagePlan
 
@@ -88,23 +91,15 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
     visited = [0]
     open_bound = [float("inf")]
     mixed = len({g.name for g in solver.gpus}) > 1
-    prechecks = [0, 0]  # assemble_below's prechecks tried, and those that spared a simulation
+    pricing = _Pricing(solver.cost)
 
     def evaluate(choices: Choices) -> None:
         stages = tuple(StagePlan(start=a, stop=b, recompute=c.recompute,
                                  gpu=g.name if mixed else None)
                        for (a, b, c), g in zip(choices, solver.gpus, strict=True))
         candidate = replace(plan, stages=stages)
-        # near-ties between partitions pass every precheck: past 16 tries, precheck only while
-        # one in eight spares a simulation (the answer is the same either way)
-        check = prechecks[0] < 16 or 8 * prechecks[1] >= prechecks[0]
-        cut_before = solver.cost.prechecks_cut
-        estimate = solver.cost.assemble_below(candidate, solver.gpus,
-                                              [c.time for _, _, c in choices], best[0],
-                                              precheck=check)
-        if check:
-            prechecks[0] += 1
-            prechecks[1] += solver.cost.prechecks_cut - cut_before
+        estimate = pricing.below(candidate, solver.gpus, [c.time for _, _, c in choices],
+                                 best[0])
         if estimate is not None:  # below the best so far
             best[0], best[1] = estimate.step_time_s, (candidate, estimate)
             cut[0] = best[0] * keep
@@ -154,6 +149,26 @@ def solve_partition(solver: StageSolver, bound: float, tolerance: float = 0.0,
     if reach.can_finish(0, 0):
         dfs(0, 0, 0.0, 0.0, 0.0, [])
     return PartitionResult(best[1], open_bound[0])
+
+
+class _Pricing:
+    """``CostModel.assemble_below`` of one solve's leaves, with its precheck while that pays:
+    near-ties between partitions pass every precheck, so past 16 tries it runs only while one
+    in eight spares a simulation (the answer is the same either way)."""
+
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+        self.tried = self.spared = 0
+
+    def below(self, plan: Plan, gpus: Sequence[GPUSpec], times: Sequence[PieceCost],
+              bound: float) -> Estimate | None:
+        check = self.tried < 16 or 8 * self.spared >= self.tried
+        before = self.cost.prechecks_cut
+        estimate = self.cost.assemble_below(plan, gpus, times, bound, precheck=check)
+        if check:
+            self.tried += 1
+            self.spared += self.cost.prechecks_cut - before
+        return estimate
 
 
 def _from_stops(solver: StageSolver, stops: list[int]) -> Choices | None:

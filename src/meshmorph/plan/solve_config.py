@@ -125,8 +125,8 @@ def counts_times(cost: CostModel, config: Config, counts: tuple[int, ...], mode:
                  chunks: dict[tuple, PieceCost] | None = None
                  ) -> tuple[list[GPUSpec], list[PieceCost], tuple[StagePlan, ...]]:
     """An interleaved configuration with chunks of ``counts`` blocks and ``mode`` recompute:
-    its chunk GPUs, chunk times and stages (``stages_of_counts``), not yet simulated
-    (``counts_plan`` is its plan).
+    its chunk GPUs, chunk times and stages (``stages_of_counts``; the configuration's plan
+    with them is the candidate), not yet simulated.
     ``chunks``: the configuration's chunk times by (start, stop, mode, GPU), filled as they are
     priced (a chunk's time reads the plan's strategy, not the stages of the others)."""
     plan = config.plan
@@ -146,13 +146,6 @@ def counts_times(cost: CostModel, config: Config, counts: tuple[int, ...], mode:
                                                  g)
         times.append(time)
     return gpus, times, stages
-
-
-def counts_plan(cost: CostModel, config: Config, counts: tuple[int, ...], mode: Recompute,
-                gpus: Sequence[GPUSpec]) -> Plan:
-    """The plan of ``counts_times``'s chunks."""
-    names = [g.name for g in gpus] if len(set(config.rank_gpus)) > 1 else None
-    return replace(config.plan, stages=stages_of_counts(cost.model, counts, mode, names))
 
 
 def busiest_rank_s(plan: Plan, times: Sequence[PieceCost]) -> float:

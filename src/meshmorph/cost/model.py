@@ -14,7 +14,7 @@ fits in a node, otherwise at the inter-node NIC's speed. Parameters are replicat
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -606,7 +606,10 @@ class CostModel:
                 for end, (sync, opt, _) in zip(self._rank_ends(plan, times), tails, strict=True)):
             self.prechecks_cut += 1
             return None
-        memory = self._memory(plan, ranks, rank_gpus, fitting=True) if fitting else None
+        def segments() -> Iterator[list[Segment]]:  # each rank's, as its memory is added up
+            return ([segment for segment, _ in rank] for rank in ranks)
+
+        memory = self._memory(plan, segments(), rank_gpus, fitting=True) if fitting else None
         if fitting and memory is None:
             return None
         timeline, steps = self._timeline(plan, gpus, times)
@@ -619,7 +622,7 @@ class CostModel:
         if step >= bound:
             return None
         if memory is None:
-            memory = self._memory(plan, ranks, rank_gpus)
+            memory = self._memory(plan, segments(), rank_gpus)
         crit = ends.index(step)
         tokens = plan.global_batch * plan.seq_len
         model_flops = tokens * self.model.model_flops_per_token()
@@ -642,12 +645,13 @@ class CostModel:
             stage_times_s=tuple((t.fwd_s, t.bwd_s) for t in times),
         )
 
-    def _memory(self, plan: Plan, ranks: Sequence[Sequence[tuple[Segment, PieceCost]]],
+    def _memory(self, plan: Plan, ranks: Iterable[Sequence[Segment]],
                 rank_gpus: Sequence[GPUSpec], *, fitting: bool = False) -> list[StageMemory] | None:
-        """Each rank's memory; with ``fitting`` None as soon as one rank's exceeds its GPU's."""
+        """Each rank's memory (``ranks``: each one's segments, read as they are reached); with
+        ``fitting`` None as soon as one rank's exceeds its GPU's."""
         memory = []
         for k, (rank, gpu) in enumerate(zip(ranks, rank_gpus, strict=True)):
-            held = self.segments_memory(plan, k, [s for s, _ in rank], gpu)
+            held = self.segments_memory(plan, k, rank, gpu)
             if fitting and held.total > gpu.memory_bytes:
                 return None
             memory.append(held)
@@ -658,15 +662,11 @@ class CostModel:
         """Whether ``plan`` with ``stages`` (chunk c on ``gpus[c]``) fits every rank's memory, as
         ``assemble_below(..., fitting=True)`` decides it, without building the plan (memory reads
         its strategy and the stages, not the plan's own stages)."""
-        for k in range(plan.pp):
-            ids = plan.chunks_of(k)
-            gpu = gpus[ids[0]]
-            held = self.segments_memory(
-                plan, k, [Segment(stages[c].start, stages[c].stop, plan, stages[c].recompute)
-                          for c in ids], gpu)
-            if held.total > gpu.memory_bytes:
-                return False
-        return True
+        chunks = [plan.chunks_of(k) for k in range(plan.pp)]
+        segments = ([Segment(stages[c].start, stages[c].stop, plan, stages[c].recompute)
+                     for c in ids] for ids in chunks)
+        return self._memory(plan, segments, [gpus[ids[0]] for ids in chunks],
+                            fitting=True) is not None
 
     def reaches_bound(self, plan: Plan, gpus: Sequence[GPUSpec], times: Sequence[PieceCost],
                       spans: Sequence[tuple[int, int]], bound: float) -> bool:

@@ -104,17 +104,19 @@ class RankBound:
         key = (kind, n, left_out)
         found = self._scalars.get(key)
         if found is None:
-            h = self.h(n)
-            if kind == FillKind.WITH_TAIL:
-                found = h
-            elif kind == FillKind.AFTER_WARMUP:
-                found = h - left_out * (self.fixed_fwd + n * self.block_fwd)
-            else:
-                found = h - self.tail(n)  # inf - a finite tail stays inf
-                if kind == FillKind.FB_OPS:
-                    found = found - left_out * (self.fixed_wgrad + n * self.block_wgrad)
-            self._scalars[key] = found
+            found = self._scalars[key] = self._of_kind(kind, self.h(n), n, left_out)
         return found
+
+    def _of_kind(self, kind: FillKind, h, n, left_out: int):  # noqa: ANN001, ANN202
+        """The time of ``kind`` from h for n blocks (numbers, or arrays of them)."""
+        if kind == FillKind.WITH_TAIL:
+            return h
+        if kind == FillKind.AFTER_WARMUP:
+            return h - left_out * (self.fixed_fwd + n * self.block_fwd)
+        work = h - self.tail(n)  # inf - a finite tail stays inf
+        if kind == FillKind.FB_OPS:
+            return work - left_out * (self.fixed_wgrad + n * self.block_wgrad)
+        return work
 
     def values(self, kind: FillKind, most: int, left_out: int = 0) -> np.ndarray:
         """For n = 0..most: h(n), work(n) (h without the tail: gradient sync, optimizer,
@@ -129,16 +131,8 @@ class RankBound:
         h = self._values.get((FillKind.WITH_TAIL, most, 0))
         if h is None:
             h = self._values[(FillKind.WITH_TAIL, most, 0)] = self._all(most)
-        if kind == FillKind.WITH_TAIL:
-            found = h
-        elif kind == FillKind.AFTER_WARMUP:
-            found = h - left_out * (self.fixed_fwd + n * self.block_fwd)
-        else:
-            with np.errstate(invalid="ignore"):  # inf - a finite tail stays inf
-                found = h - self.tail(n)
-            if kind == FillKind.FB_OPS:
-                found = found - left_out * (self.fixed_wgrad + n * self.block_wgrad)
-        self._values[key] = found
+        with np.errstate(invalid="ignore"):  # inf - a finite tail stays inf
+            found = self._values[key] = self._of_kind(kind, h, n, left_out)
         return found
 
     def tail(self, n):  # noqa: ANN001, ANN201 (a block count, or an array of them)

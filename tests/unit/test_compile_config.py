@@ -41,3 +41,22 @@ def test_inductor_with_a_cpp_compiler_stays_inductor(monkeypatch: pytest.MonkeyP
     assert run_compile.resolve_backend("inductor", torch.device("cpu")) == \
         run_compile.CompileChoice("inductor", None)
     assert run_compile.resolve_backend("eager", torch.device("cpu")).note is None
+
+
+def test_async_tp_needs_inductor_and_turns_its_micro_pipeline_pass_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """tp_comm_overlap is inductor's micro-pipelined TP pass: another backend is refused,
+    naming the way out; compiling the blocks with it sets the pass on before any compiles."""
+    from torch._inductor import config as inductor_config
+
+    with pytest.raises(ValueError, match='compile_backend = "inductor"'):
+        run_compile.resolve_backend("aot_eager", torch.device("cuda"), async_tp=True)
+    assert run_compile.resolve_backend("inductor", torch.device("cuda"), async_tp=True) == \
+        run_compile.CompileChoice("inductor", None)
+    monkeypatch.setattr(inductor_config, "_micro_pipeline_tp", False)
+    part = torch.nn.Module()
+    part.blocks = torch.nn.ModuleDict({"0": torch.nn.Linear(2, 2)})
+    assert run_compile.compile_blocks([part], "eager") == 1
+    assert inductor_config._micro_pipeline_tp is False
+    assert run_compile.compile_blocks([part], "eager", async_tp=True) == 1
+    assert inductor_config._micro_pipeline_tp is True

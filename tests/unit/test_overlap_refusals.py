@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from meshmorph.run.engine.train_engine import defers_grad_reduce, validate_plan
@@ -16,10 +18,23 @@ def _plan(**kw: object) -> Plan:
     return Plan(model=MODEL.name, seq_len=16, **fields).with_even_stages(MODEL)  # type: ignore[arg-type]
 
 
-def test_tp_comm_overlap_is_refused_naming_what_to_set() -> None:
+def test_tp_comm_overlap_is_refused_on_cpu_naming_what_to_set() -> None:
+    plan = _plan(tp=2, dp=1, global_batch=2, sequence_parallel=True, tp_comm_overlap=True,
+                 compile=True)
+    with pytest.raises(PlanError, match="CPU processes cannot run; set tp_comm_overlap false"):
+        validate_plan(MODEL, plan, 2, cuda=False)
+
+
+def test_tp_comm_overlap_runs_on_cuda_as_async_tp_of_compiled_blocks() -> None:
+    """On CUDA ranks the plan runs as torch's async TP, which inductor applies to compiled
+    blocks: refused without compile, accepted with it."""
     plan = _plan(tp=2, dp=1, global_batch=2, sequence_parallel=True, tp_comm_overlap=True)
-    with pytest.raises(PlanError, match="set tp_comm_overlap false"):
-        validate_plan(MODEL, plan, 2)
+    with pytest.raises(PlanError, match="set compile true"):
+        validate_plan(MODEL, plan, 2, cuda=True)
+    validate_plan(MODEL, replace(plan, compile=True), 2, cuda=True)
+    # the other rules still hold on CUDA: a reduction after the backward under tp is refused
+    with pytest.raises(PlanError, match="set overlap_grad_reduce true"):
+        validate_plan(MODEL, _plan(tp=2, overlap_grad_reduce=False), 4, cuda=True)
 
 
 @pytest.mark.parametrize("kw", [{"zero": 2}, {"zero": 3}, {"tp": 2}, {"pp": 2}])

@@ -250,7 +250,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--tp-comm-overlap", action="store_true",
                       help="also weigh tensor-parallel communication overlapped with the GEMMs "
                            "(Megatron-LM's --tp-comm-overlap, with sequence parallelism) against "
-                           "its buffers; priced only: meshmorph run refuses such plans")
+                           "its buffers; meshmorph run runs such plans on CUDA as torch's "
+                           "async TP (with compile) and refuses them on CPU")
     add_fields(plan, SearchOptions, "allow_async", "weight_prediction")
     _output_flags(plan, _plan, json="write the plans to this JSON file",
                   chart="write the best plan's pipeline timeline to this PNG (and its memory per "

@@ -201,10 +201,11 @@ def _engine_at_start(job: JobConfig, plan: Plan, model: ModelSpec, device: torch
     if plan.compile or job.train.compile:  # torch.compile per block (run/parallel/compile.py)
         from meshmorph.run.parallel.compile import compile_blocks, resolve_backend
 
-        choice = resolve_backend(job.train.compile_backend, device)
+        async_tp = plan.tp_comm_overlap  # torch's async TP: an inductor pass
+        choice = resolve_backend(job.train.compile_backend, device, async_tp=async_tp)
         if rank == 0 and choice.note:
             print(choice.note, flush=True)
-        compile_blocks(engine.model_parts, choice.backend)
+        compile_blocks(engine.model_parts, choice.backend, async_tp=async_tp)
     if restored is None and resume:
         info = find_resume_point(ckpt_dir)
         if info is None:  # meshmorph run refuses this before launch; the rank program does too

@@ -219,7 +219,8 @@ class Plan:
     tp_comm_overlap: bool = False
     """Tensor-parallel communication overlapped with the GEMMs it feeds (Megatron-LM's
     ``--tp-comm-overlap``, TransformerEngine's userbuffers); needs sequence parallelism.
-    meshmorph's runtime does not realise it (it refuses the plan)."""
+    meshmorph's runtime realises it on CUDA as torch's async tensor parallel (inductor's
+    micro-pipelined TP, with ``compile``); it refuses the plan on CPU."""
     fsdp_prefetch: bool = True
     """ZeRO-3: the next unit's all-gather issued while this unit computes (FSDP2's forward and
     backward prefetch), one more gathered unit held; False: each gather on the critical path."""

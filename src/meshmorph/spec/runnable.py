@@ -32,11 +32,13 @@ nothing else.
   ZeRO-3 over dp > 1 (torch pipelining's weight pass misses the gathered parameters FSDP2
   frees after forward, and the gradients are lost); ``rounds_refusal``: torch's interleaved
   runtimes run the micro-batches in equal rounds.
-- **Overlap switches** (``overlap_refusal``): no tensor-parallel communication overlap; a
-  gradient reduction after the backward only at pp 1, for ZeRO-0 where DDP runs the chunk and
-  for ZeRO-1. ``overlap_param_gather`` is realised by a uniform chunk's FSDP2 units (ZeRO-1/2);
-  a layerwise plan's ZeRO-2 layers gather in their own forward and its ZeRO-1 layers after the
-  optimizer step, as the cost model prices a layer run alone, so the switch refuses nothing.
+- **Overlap switches** (``overlap_refusal``): tensor-parallel communication overlap runs as
+  torch's async tensor parallel (inductor's micro-pipelined TP over CUDA symmetric memory), so
+  only on CUDA and with compiled blocks; a gradient reduction after the backward only at pp 1,
+  for ZeRO-0 where DDP runs the chunk and for ZeRO-1. ``overlap_param_gather`` is realised by a
+  uniform chunk's FSDP2 units (ZeRO-1/2); a layerwise plan's ZeRO-2 layers gather in their own
+  forward and its ZeRO-1 layers after the optimizer step, as the cost model prices a layer run
+  alone, so the switch refuses nothing.
 - **fp16** (``fp16_refusal``): loss scaling runs in the synchronous step of plans without
   per-layer strategies.
 - **fp8** (``fp8_refusal``): the runtime converts the transformer blocks' linear layers to
@@ -357,13 +359,17 @@ def defers_grad_reduce(plan: Plan) -> bool:
     return plan.zero == 1 or (plan.zero == 0 and plan.tp == 1)
 
 
-def overlap_refusal(plan: Plan) -> str | None:
-    """Why the runtime does not realise an overlap switch of ``plan``, saying what to set."""
-    if plan.tp_comm_overlap:
-        return ("tp_comm_overlap: meshmorph's runtime does not overlap tensor-parallel "
-                "communication with the GEMMs (Megatron-LM does it with TransformerEngine's "
-                "userbuffers, torch's async TP needs CUDA symmetric memory); set tp_comm_overlap "
-                "false to run the plan (estimate prices both)")
+def overlap_refusal(plan: Plan, *, cuda: bool = False) -> str | None:
+    """Why the runtime does not realise an overlap switch of ``plan``, saying what to set;
+    ``cuda``: the ranks train on CUDA devices."""
+    if plan.tp_comm_overlap and not cuda:
+        return ("tp_comm_overlap runs as torch's async tensor parallel (inductor's "
+                "micro-pipelined TP over CUDA symmetric memory), which CPU processes cannot run; "
+                "set tp_comm_overlap false to run the plan here (estimate prices both)")
+    if plan.tp_comm_overlap and not plan.compile:
+        return ("tp_comm_overlap runs as torch's async tensor parallel, an inductor pass over "
+                "compiled blocks; set compile true in the plan (or [train] compile = true), or "
+                "tp_comm_overlap false")
     if not plan.overlap_grad_reduce and plan.grad_replicas > 1 and not defers_grad_reduce(plan):
         return (f"overlap_grad_reduce false: the runtime reduces gradients after the backward "
                 f"only with pp 1 and cp 1, for zero 0 where DDP runs the chunk (tp 1) and for "
@@ -377,9 +383,10 @@ def overlap_refusal(plan: Plan) -> str | None:
 
 
 # --- all of them -------------------------------------------------------------------------------
-def runtime_refusal(model: ModelSpec, plan: Plan) -> str | None:
+def runtime_refusal(model: ModelSpec, plan: Plan, *, cuda: bool = False) -> str | None:
     """Why ``meshmorph run`` refuses ``plan`` (a plan ``Plan.check_against`` accepted), the
-    first rule it fails in the module docstring's order; None when it runs it."""
+    first rule it fails in the module docstring's order; None when it runs it. ``cuda``: the
+    ranks train on CUDA devices."""
     rules: list[Callable[[], str | None]] = [
         lambda: model_refusal(model, plan), lambda: context_parallel_refusal(plan),
         lambda: fp8_refusal(plan)]
@@ -388,7 +395,7 @@ def runtime_refusal(model: ModelSpec, plan: Plan) -> str | None:
     else:
         if lists_layer_strategies(plan):
             rules.append(lambda: layerwise_refusal(model, plan))
-        rules += [lambda: overlap_refusal(plan), lambda: split_backward_refusal(plan),
+        rules += [lambda: overlap_refusal(plan, cuda=cuda), lambda: split_backward_refusal(plan),
                   lambda: fp16_refusal(plan), lambda: rounds_refusal(plan)]
     for rule in rules:
         refusal = rule()
@@ -397,9 +404,9 @@ def runtime_refusal(model: ModelSpec, plan: Plan) -> str | None:
     return None
 
 
-def check_runnable(model: ModelSpec, plan: Plan) -> None:
+def check_runnable(model: ModelSpec, plan: Plan, *, cuda: bool = False) -> None:
     """Raise PlanError naming the first rule ``plan`` fails (``runtime_refusal``), if any."""
-    _raise(runtime_refusal(model, plan))
+    _raise(runtime_refusal(model, plan, cuda=cuda))
 
 
 def _raise(refusal: str | None) -> None:

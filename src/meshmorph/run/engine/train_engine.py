@@ -64,11 +64,13 @@ from meshmorph.spec.runnable import check_runnable, defers_grad_reduce
 __all__ = ["TrainEngine", "build_engine", "defers_grad_reduce", "validate_plan"]
 
 
-def validate_plan(model: ModelSpec, plan: Plan, world_size: int) -> None:
+def validate_plan(model: ModelSpec, plan: Plan, world_size: int, *,
+                  cuda: bool | None = None) -> None:
     """Refuse, before any process group exists, a plan this model or job cannot run: the plan's
-    own checks, then every rule of spec/runnable.py."""
+    own checks, then every rule of spec/runnable.py for ranks on CUDA devices (``cuda``; None:
+    where this machine has one, as ``trainer.init_distributed`` decides)."""
     plan.check_against(model, world_size)
-    check_runnable(model, plan)
+    check_runnable(model, plan, cuda=torch.cuda.is_available() if cuda is None else cuda)
 
 
 class TrainEngine:
@@ -292,7 +294,7 @@ def build_engine(model: ModelSpec, plan: Plan, optim: OptimConfig, *, seed: int,
     if not dist.is_initialized():
         raise RuntimeError("build_engine needs torch.distributed initialised "
                            "(launch with torchrun, or call init_process_group first)")
-    validate_plan(model, plan, dist.get_world_size())
+    validate_plan(model, plan, dist.get_world_size(), cuda=device.type == "cuda")
     mesh = build_mesh(plan, device.type)
     hidden, logits = io_dtypes(plan)  # what torch pipelining sends between stages
     chunks = []

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from meshmorph.plan.runnable_plans import runnable_plans
@@ -201,6 +201,8 @@ def check_plan_for_job(plan: Plan, job: JobConfig, model: ModelSpec, nproc: int)
             )
     from meshmorph.run.engine.train_engine import validate_plan
 
+    if job.train.compile:  # the ranks compile the plan's blocks ([train] compile)
+        plan = replace(plan, compile=True)
     validate_plan(model, plan, nproc)  # check_against, plus what the runtime itself needs
     check_host_memory(model, plan, nproc)  # the steps' batches and activations fit this machine
 

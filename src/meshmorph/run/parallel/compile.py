@@ -10,6 +10,12 @@ Backends: ``inductor`` (generated kernels; on CPU it needs a C++ compiler), ``ao
 same graphs run by eager kernels: checks that a model compiles, no speed-up) and ``eager``
 (dynamo only). When ``inductor`` is asked for on a CPU without a C++ compiler, ``aot_eager`` runs
 instead and ``resolve_backend`` says so.
+
+A plan with ``tp_comm_overlap`` runs torch's async tensor parallel (torchtitan's
+``enable_async_tensor_parallel``): inductor's micro-pipelined TP pass splits each sequence-parallel
+all-gather and reduce-scatter beside the GEMM it feeds into chunks over CUDA symmetric memory.
+It is a pass of inductor over the compiled blocks, so it needs CUDA ranks (spec/runnable.py
+refuses it elsewhere) and the ``inductor`` backend.
 """
 
 from __future__ import annotations
@@ -50,12 +56,18 @@ def cpp_compiler() -> str | None:
     return None
 
 
-def resolve_backend(requested: str, device: torch.device) -> CompileChoice:
+def resolve_backend(requested: str, device: torch.device, *,
+                    async_tp: bool = False) -> CompileChoice:
     """The backend to compile with on ``device``: ``requested``, or ``aot_eager`` with a note
-    when inductor cannot build CPU kernels here."""
+    when inductor cannot build CPU kernels here. ``async_tp``: the plan's ``tp_comm_overlap``,
+    an inductor pass (any other backend is refused)."""
     if requested not in BACKENDS:
         raise ValueError(f"[train] compile_backend must be one of {', '.join(BACKENDS)}, got "
                          f"{requested!r}")
+    if async_tp and requested != "inductor":
+        raise ValueError(f"tp_comm_overlap runs as inductor's micro-pipelined tensor parallel, "
+                         f"not under [train] compile_backend {requested!r}; set "
+                         f"compile_backend = \"inductor\", or tp_comm_overlap false in the plan")
     if requested == "inductor" and device.type == "cpu" and cpp_compiler() is None:
         return CompileChoice("aot_eager", "torch.compile: no C++ compiler on the PATH for "
                              "inductor's CPU kernels; compiling with backend aot_eager instead "
@@ -63,10 +75,16 @@ def resolve_backend(requested: str, device: torch.device) -> CompileChoice:
     return CompileChoice(requested, None)
 
 
-def compile_blocks(parts: list[nn.Module], backend: str) -> int:
+def compile_blocks(parts: list[nn.Module], backend: str, *, async_tp: bool = False) -> int:
     """Compile the ``forward`` of every block of every model part in place; returns how many.
+    ``async_tp``: with inductor's micro-pipelined tensor parallel pass on (it is read when a
+    block first compiles).
 
     ``parts`` are run/models.Transformer chunks (their ``blocks`` ModuleDict)."""
+    if async_tp:
+        from torch._inductor import config as inductor_config
+
+        inductor_config._micro_pipeline_tp = True
     count = 0
     for part in parts:
         blocks = getattr(part, "blocks", None)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from meshmorph.run.engine.train_engine import defers_grad_reduce, validate_plan
 from meshmorph.spec.catalog import catalog_model
-from meshmorph.spec.plan import Plan, PlanError
+from meshmorph.spec.plan import Plan, PlanError, load_plan
 
 MODEL = catalog_model("gpt-tiny", seq_len=16)
 
@@ -35,6 +36,16 @@ def test_tp_comm_overlap_runs_on_cuda_as_async_tp_of_compiled_blocks() -> None:
     # the other rules still hold on CUDA: a reduction after the backward under tp is refused
     with pytest.raises(PlanError, match="set overlap_grad_reduce true"):
         validate_plan(MODEL, _plan(tp=2, overlap_grad_reduce=False), 4, cuda=True)
+
+
+def test_the_async_tp_example_plan_runs_on_two_cuda_ranks_only() -> None:
+    path = Path(__file__).parents[2] / "examples" / "plans" / "gpt-tiny-tp2-async-tp.json"
+    plan = load_plan(path)
+    model = catalog_model(plan.model, seq_len=plan.seq_len)
+    assert plan.tp_comm_overlap and plan.compile and plan.world_size == 2
+    validate_plan(model, plan, 2, cuda=True)
+    with pytest.raises(PlanError, match="CPU processes cannot run"):
+        validate_plan(model, plan, 2, cuda=False)
 
 
 @pytest.mark.parametrize("kw", [{"zero": 2}, {"zero": 3}, {"tp": 2}, {"pp": 2}])

@@ -46,6 +46,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     losses = {}
     for overlap in (False, True):
         plan = replace(base, tp_comm_overlap=overlap)
+        torch._dynamo.reset()  # the blocks share one code object: compile afresh, pass on or off
         engine = build_engine(model, plan, optim, seed=SEED, device=device)
         compile_blocks(engine.model_parts, "inductor", async_tp=overlap)
         generator = torch.Generator().manual_seed(SEED)

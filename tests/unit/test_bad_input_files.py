@@ -644,9 +644,10 @@ def test_a_catalog_file_that_is_missing_or_a_folder_is_named(
 
 # --- profiles (meshmorph estimate --profile) ---------------------------------------------------
 PROFILE_CASES: list[tuple[str, Content, tuple[str, ...]]] = [
-    ("empty", "", ("is not JSON", "meshmorph profile --out FILE")),
-    ("binary", BINARY, ("is not JSON", "meshmorph profile --out FILE")),
-    ("a list", "[]", ("holds list, not a JSON object",)),
+    ("empty", "", ("is empty", "meshmorph profile --out FILE")),
+    ("binary", BINARY, ("is not text (binary data) and so is not valid JSON",
+                        "meshmorph profile --out FILE")),
+    ("a list", "[]", ("must hold a JSON object, got list",)),
     ("unknown key", {"speed": 1}, ("has unknown keys ['speed']", "re-run meshmorph profile")),
     ("efficiency a string", {"matmul_efficiency": "x"},
      ("matmul_efficiency must be a JSON object, got 'x'", "re-run meshmorph profile")),

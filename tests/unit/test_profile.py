@@ -48,8 +48,8 @@ def test_profile_with_an_unknown_key_is_refused_naming_it(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize(("content", "problem"), [
-    (b'{"source":', "is not JSON"), (b"\xb5\x00\xff", "is not JSON"),
-    (b"[1, 2]", "holds list, not a JSON object")])
+    (b'{"source":', "is not valid JSON"), (b"\xb5\x00\xff", "is not text"),
+    (b"[1, 2]", "must hold a JSON object, got list")])
 def test_a_broken_profile_file_is_refused_naming_it_and_a_way_out(
         tmp_path: Path, content: bytes, problem: str) -> None:
     (tmp_path / "p.json").write_bytes(content)

@@ -14,6 +14,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from meshmorph.files import read_document
+
 
 def layer_key(model: str, seq_len: int, micro_batch: int, dtype: str, index: int) -> str:
     """The key of one layer's measured times: ``gpt-small/s64/b2/fp32/L3``."""
@@ -109,21 +111,8 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        path = Path(path)
-        if path.is_dir():
-            raise ValueError(f"profile file {path} is a folder; pass a Profile JSON made with "
-                             "meshmorph profile --out FILE")
-        if not path.is_file():
-            raise FileNotFoundError(f"profile file {path} does not exist; make one with "
-                                    "meshmorph profile --out FILE")
-        try:
-            data = json.loads(path.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"profile file {path} is not JSON ({exc}); make a new one with "
-                             "meshmorph profile --out FILE") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"profile file {path} holds {type(data).__name__}, not a JSON "
-                             "object; make a new one with meshmorph profile --out FILE")
+        data = read_document(path, what="profile file", fmt="json",
+                             way_out="make one with meshmorph profile --out FILE")
         return cls.from_dict(data, f"profile {path}")
 
 

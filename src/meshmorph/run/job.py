@@ -7,13 +7,13 @@ relative to the working directory, ``[checkpoint] dir`` relative to ``out_dir``.
 from __future__ import annotations
 
 import math
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from meshmorph.files import read_document
 from meshmorph.run.config import OptimConfig, check_steps
 from meshmorph.spec.plan import DType, Fp8Scaling
 
@@ -256,17 +256,7 @@ def parse_job(data: dict[str, Any], *, source: str = "job", base_dir: Path = Pat
 def load_job(path: str | Path) -> JobConfig:
     """Read and check a job file; every error names the file and the key."""
     path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"job file {path} is a folder; pass the path of a job TOML "
-                         "(examples/jobs/ holds some to start from)")
-    if not path.is_file():
-        raise FileNotFoundError(f"job file {path} does not exist; pass the path of a job TOML "
-                                "(examples/jobs/ holds some to start from)")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not valid TOML: {exc}; fix the file (examples/jobs/ holds "
-                         "valid job files)") from None
-    except OSError as exc:
-        raise ValueError(f"job file {path} cannot be read ({exc.strerror})") from None
+    data = read_document(path, what="job file", fmt="toml",
+                         way_out="pass a valid job TOML (examples/jobs/ holds some to start "
+                                 "from)")
     return parse_job(data, source=str(path), base_dir=path.parent)

@@ -171,11 +171,11 @@ class ConfigBounds:
         least as fast as what recompute can free, or no recompute fits), on the GPU type where
         that is least. At least ``floor``. Synchronous pipelines of 3 ranks or more (rank 1
         holds neither end)."""
-        fewest = self._fewest_in_flight(config, floor)
-        if fewest is None:
+        found = self._fewest_in_flight(config, floor)
+        if found is None:
             return floor
-        run, plan = block_run(self.cost.model), config.plan
-        assert run is not None
+        run, fewest = found
+        plan = config.plan
         most = -(-run.count // plan.pp)
         return max(floor, min(self._rank(plan, run, 1, gpu, fewest).h(most)
                               for gpu in set(config.rank_gpus)))
@@ -187,11 +187,11 @@ class ConfigBounds:
         rank as ``busiest_memory_bound``'s rank of its GPU type, so that those share one h per
         type (``grouped_least_max``: a few greedy steps, not one per block). At least
         ``floor``; the same pipelines."""
-        fewest = self._fewest_in_flight(config, floor)
-        if fewest is None:
+        found = self._fewest_in_flight(config, floor)
+        if found is None:
             return floor
-        run, plan = block_run(self.cost.model), config.plan
-        assert run is not None
+        run, fewest = found
+        plan = config.plan
         p = plan.pp
         ends = {0, p - 1, plan.pp_rank_of_chunk(plan.num_chunks - 1)}
         least = run.least_blocks(p)
@@ -204,17 +204,17 @@ class ConfigBounds:
                    for gpu, ranks in middle.items()]
         return max(floor, grouped_least_max(groups, run.count))
 
-    def _fewest_in_flight(self, config: Config, floor: float) -> float | None:
-        """The fewest micro-batches in flight of any rank, for the two bounds above; None where
-        they do not apply (no run of alike blocks, per-layer strategies, fewer than 3 ranks, an
-        asynchronous pipeline, or nothing fits already)."""
+    def _fewest_in_flight(self, config: Config, floor: float) -> tuple[BlockRun, float] | None:
+        """The model's run of alike blocks and the fewest micro-batches in flight of any rank,
+        for the two bounds above; None where they do not apply (no such run, per-layer
+        strategies, fewer than 3 ranks, an asynchronous pipeline, or nothing fits already)."""
         run, plan = block_run(self.cost.model), config.plan
         p = plan.pp
         if (run is None or config.strategies is not None or p < 3 or floor == math.inf
                 or plan.schedule == Schedule.ASYNC):
             return None
-        return min(in_flight_microbatches(plan.schedule, p, k, plan.num_microbatches, plan.vpp)
-                   for k in range(p))
+        return run, min(in_flight_microbatches(plan.schedule, p, k, plan.num_microbatches,
+                                               plan.vpp) for k in range(p))
 
     def memory_bound(self, config: Config) -> float:
         """The least max_k h_k(n_k) over every split of the blocks (see the module notes): 0

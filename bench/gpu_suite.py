@@ -65,6 +65,8 @@ after every case; ``--update`` for the committed bench/results/gpu_suite.json),
 ``--sections step,ceilings,streams`` (any subset; they run in the order above),
 ``--models`` (default gpt3-1.3b llama3.2-1b), ``--micro-batches`` (default 8 4),
 ``--compile-micro-batches`` (default: every b that ran eagerly), ``--modes eager,compile``,
+``--dtype fp8 --fp8-scaling R`` (float8 linear layers through torchao; bench/gpu_fp8.py collects
+such runs beside bf16's),
 ``--device cpu`` (automatic without CUDA): a smoke test in well under a minute (fp32, gloo,
 gpt-tiny and llama-tiny at seq 32, eager only, tiny ceilings, one streams net on the CPU path).
 
@@ -312,12 +314,13 @@ def describe(device: torch.device, gpu_name: str, dtype: str) -> dict[str, Any]:
 
 # --- plan and prediction -----------------------------------------------------------------------
 def make_plan(spec: ModelSpec, micro_batch: int, num_microbatches: int, dtype: str,
-              compile: bool = False) -> Plan:
+              compile: bool = False, fp8_scaling: str = "tensorwise") -> Plan:
     """tp = pp = dp = 1, zero 0, no recompute: the whole model on one device, eager or with its
-    blocks compiled (``Plan.compile``: priced as such)."""
+    blocks compiled (``Plan.compile``: priced as such); dtype fp8 with its scaling recipe."""
+    extra = {"fp8_scaling": fp8_scaling} if dtype == "fp8" else {}
     return Plan(model=spec.name, seq_len=spec.seq_len, global_batch=micro_batch * num_microbatches,
                 micro_batch=micro_batch, num_microbatches=num_microbatches, zero=0,
-                dtype=dtype, compile=compile).with_even_stages(spec)
+                dtype=dtype, compile=compile, **extra).with_even_stages(spec)
 
 
 def predict(spec: ModelSpec, plan: Plan, gpu_name: str, ceiling: float | None = None) -> Estimate:
@@ -349,7 +352,9 @@ def prediction_record(spec: ModelSpec, plan: Plan, gpu_name: str, dtype: str) ->
         "global_batch": plan.global_batch, "dtype": dtype, "gpu": gpu_name,
         "tokens_per_step": tokens,
         "model_flops_per_step": tokens * spec.model_flops_per_token(),  # the estimate's numerator
-        "peak_flops": gpu(gpu_name).peak_flops(dtype), "plan": plan.to_dict(),
+        # MFU against the 16-bit peak for fp8 too, as the cost model and torchtitan count it
+        "peak_flops": gpu(gpu_name).peak_flops("bf16" if dtype == "fp8" else dtype),
+        "plan": plan.to_dict(),
     }
     try:
         est = predict(spec, plan, gpu_name)
@@ -648,7 +653,8 @@ class StepSection:
             self._add({"model": name, "mode": "-", "micro_batch": 0, **error_record(exc)})
             return
         batches = sorted(set(args.micro_batches), reverse=True)
-        plans = {b: make_plan(spec, b, args.num_microbatches, self.dtype) for b in batches}
+        plans = {b: make_plan(spec, b, args.num_microbatches, self.dtype,
+                              fp8_scaling=args.fp8_scaling) for b in batches}
         records = {b: prediction_record(spec, plans[b], self.gpu_name, self.dtype)
                    for b in batches}
         build_est = spec.num_params / HOST_INIT_PARAMS_PER_S + 2.0
@@ -692,8 +698,8 @@ class StepSection:
         chosen = args.compile_micro_batches or (
             eager_ok[:1] if args.quick else eager_ok) or batches[:1]
         # the compiled cases' own plans (Plan.compile) and predictions
-        plans = {b: make_plan(spec, b, args.num_microbatches, self.dtype, compile=True)
-                 for b in chosen}
+        plans = {b: make_plan(spec, b, args.num_microbatches, self.dtype, compile=True,
+                              fp8_scaling=args.fp8_scaling) for b in chosen}
         records = {b: prediction_record(spec, plans[b], self.gpu_name, self.dtype)
                    | {"resident_gib": getattr(self, "_resident", 0.0)} for b in chosen}
         first = records[chosen[0]] | {"mode": "compile"}
@@ -1166,6 +1172,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="steps of each case run again under torch.profiler for the kernel "
                              "time by kind (0: none; CUDA only; default 2)")
     parser.add_argument("--gpu", default=None, help="GPU catalog name for the prediction")
+    parser.add_argument("--dtype", choices=("bf16", "fp8", "fp32"), default=None,
+                        help="the step cases' plan dtype (default bf16 on cuda, fp32 on cpu; "
+                             "fp8 trains the blocks' linears in float8 through torchao)")
+    parser.add_argument("--fp8-scaling", default="tensorwise",
+                        choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+                        help="float8 recipe with --dtype fp8 (default tensorwise)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help=f"watchdog limit for the whole run (default {TOTAL_BUDGET_S:.0f} s)")
     args = parser.parse_args(argv)
@@ -1195,6 +1207,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.dtype is None:
+        args.dtype = "bf16" if cuda else "fp32"
     if args.steps < 1 or args.warmup < 0 or args.compile_warmup < 0 or args.num_microbatches < 1:
         parser.error("need --steps >= 1, warm-ups >= 0 and --num-microbatches >= 1")
     return args
@@ -1231,7 +1245,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         torch.set_num_threads(1)  # a smoke test: tiny ops only wait on more threads
     gpu_name = pick_gpu(device, args.gpu)
-    dtype = "bf16" if cuda else "fp32"
+    dtype = args.dtype
     meta = describe(device, gpu_name, dtype)
     meta["args"] = {k: v for k, v in vars(args).items()}
     emit(f"gpu_suite: {meta['device']} (catalog '{gpu_name}'"

@@ -43,11 +43,18 @@ class CostCoefficients:
     ``cost.layer_cost.loss_bytes_per_logit``): on an H200 (torch 2.11) they moved those bytes at
     about 2.4 TB/s of the 4.8 nominal (bench/results/gpu_suite.json, kernel time by kind)."""
     fp8_cast_bandwidth_efficiency: float = 0.5
-    """Fraction of HBM bandwidth the float8 casts of dtype ``fp8`` reach (absolute-max
-    reductions and scaled conversions over each GEMM operand, cost/fp8.py): taken equal to
-    ``loss_bandwidth_efficiency``, the one share of nominal bandwidth measured here for compiled
-    memory-bound kernels with reductions (torchao's own roofline assumes 0.92 for large pointwise
-    kernels on an H100); not measured for the casts themselves."""
+    """Fraction of HBM bandwidth the float8 casts of dtype ``fp8`` reach over 16-bit sources,
+    where FSDP2's mixed precision gathers bf16 parameters (absolute-max reductions and scaled
+    conversions over each GEMM operand, cost/fp8.py): taken equal to
+    ``loss_bandwidth_efficiency``, the share measured here for compiled memory-bound kernels with
+    reductions, and checked against torchtitan's published float8 pair (FSDP2, Llama 3 8B; it
+    gives 1.11-1.15x for rowwise against 1.115x measured); torchao's roofline assumes 0.92."""
+    fp8_autocast_cast_bandwidth_efficiency: float = 0.33
+    """The same share where autocast runs over fp32 parameters (no FSDP2 sharding: the casts
+    read fp32 weights and normed inputs, cost/fp8.py): on an H200 (torch 2.11, torchao 0.17,
+    compiled blocks) the least-squares fit of five measured fp8 steps, gpt3-1.3b and a Llama 3
+    8B shape under tensorwise, rowwise and rowwise_with_gw_hp (bench/results/gpu_fp8.json);
+    each within 3.4% of its measured step. At 0.5 those steps came out 4-13% fast."""
     flash_attention_efficiency: float = 0.44
     """Share of the GEMM ceiling a causal flash-attention kernel reaches, the FLOPs of the causal
     half counted and its backward priced at twice its forward (as every layer's): on an H200
@@ -101,7 +108,8 @@ class CostCoefficients:
 
     def __post_init__(self) -> None:
         rules = (  # (fields, whether a value is in range, the range)
-            (("matmul_efficiency", "link_efficiency"), lambda v: 0 < v <= 1, "in (0, 1]"),
+            (("matmul_efficiency", "link_efficiency", "fp8_cast_bandwidth_efficiency",
+              "fp8_autocast_cast_bandwidth_efficiency"), lambda v: 0 < v <= 1, "in (0, 1]"),
             (("zero3_overlap", "overlap_slowdown", "memory_reserve_fraction"),
              lambda v: 0 <= v < 1, "in [0, 1)"),
             (("dp_overlap", "tp_overlap"), lambda v: 0 <= v <= 1, "in [0, 1]"),

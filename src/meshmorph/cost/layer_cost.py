@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from meshmorph.cost import comm, context_parallel
 from meshmorph.cost.coefficients import CostCoefficients
-from meshmorph.cost.fp8 import cast_seconds, weight_grad_in_fp8
-from meshmorph.cost.gemm import layer_efficiency, layer_gemms
+from meshmorph.cost.fp8 import block_linears, cast_seconds, weight_grad_in_fp8
+from meshmorph.cost.gemm import layer_efficiency
 from meshmorph.spec.gpus import GPUSpec, flops_dtype
 from meshmorph.spec.model import ActivationBytes, LayerKind, LayerSpec, ModelSpec, Recompute
 
@@ -174,8 +174,9 @@ class LayerCoster:
             return gpu.peak_flops(flops16), eff16, eff16, eff16, 0.0, 0.0
         eff = efficiency("fp8")
         cast_f, cast_b = cast_seconds(
-            layer_gemms(self.model, layer, tp), tokens, gpu, self.fp8_scaling,
-            bandwidth_efficiency=self.coef.fp8_cast_bandwidth_efficiency,
+            block_linears(self.model, tp), tokens, gpu, self.fp8_scaling, stream32=self.stream32,
+            bandwidth_efficiency=self.coef.fp8_autocast_cast_bandwidth_efficiency
+            if self.stream32 else self.coef.fp8_cast_bandwidth_efficiency,
             eager_factor=1.0 if self.compiled else
             self.coef.eager_elementwise_passes / self.coef.elementwise_passes)
         eff_w = eff if weight_grad_in_fp8(self.fp8_scaling) else eff16

@@ -95,7 +95,11 @@ def _median_replay_s(replay, x: torch.Tensor, repeats: int = 50) -> float:
 
 
 @pytest.mark.timeout(300)
-def test_multi_stream_kernels_overlap_in_the_profiler_and_beat_one_stream(tmp_path: Path) -> None:
+def test_multi_stream_kernels_spread_over_streams_and_beat_one_stream(tmp_path: Path) -> None:
+    """The kernels land on the assigned streams (profiler trace) and the replay beats one stream
+    by wall time. The trace is not asked to show them overlapping: on an H200 (torch 2.11) the
+    profiled replay showed 0-19% of kernel time overlapped in six tries while the same replay,
+    unprofiled, ran 1.9-2.4x faster than one stream (the tracer serialises graph kernels)."""
     model = FourBranches().cuda().eval()
     x = torch.randn(1, 128, device="cuda")
     graph = build_op_graph(model, (x,))
@@ -111,6 +115,5 @@ def test_multi_stream_kernels_overlap_in_the_profiler_and_beat_one_stream(tmp_pa
             torch.cuda.synchronize()
         prof.export_chrome_trace(str(tmp_path / "trace.json"))
         overlap = trace_overlap(tmp_path / "trace.json")
-        assert overlap.kernels >= 4 * 24 and overlap.streams >= 2
-        assert overlap.overlapped_us > 0.2 * overlap.busy_us
-        assert _median_replay_s(multi.replay, x) < _median_replay_s(single.replay, x)
+        assert overlap.kernels >= 4 * 24 and overlap.streams >= 4
+        assert _median_replay_s(multi.replay, x) < 0.75 * _median_replay_s(single.replay, x)

@@ -28,10 +28,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from gpu_suite import make_plan  # noqa: E402
 from meshmorph.cost.coefficients import CostCoefficients  # noqa: E402
 from meshmorph.cost.model import CostModel  # noqa: E402
 from meshmorph.spec import load_model, parse_cluster  # noqa: E402
-from meshmorph.spec.plan import Plan  # noqa: E402
 from results_path import Outputs, shown  # noqa: E402
 
 OUTPUTS = Outputs("bench/results/gpu_fp8.json")
@@ -68,11 +68,8 @@ def collect(paths: list[Path]) -> dict[str, Any]:
 def reprice(run: dict[str, Any], coef: CostCoefficients | None = None) -> float:
     """The cost model's step time now for a measured case (the suite's one-device plan)."""
     spec = load_model(run["source"], run["seq_len"])
-    extra = {"fp8_scaling": run["fp8_scaling"]} if run["dtype"] == "fp8" else {}
-    plan = Plan(model=spec.name, seq_len=run["seq_len"],
-                global_batch=run["micro_batch"] * run["num_microbatches"],
-                micro_batch=run["micro_batch"], num_microbatches=run["num_microbatches"], zero=0,
-                dtype=run["dtype"], compile=run["compile"], **extra).with_even_stages(spec)
+    plan = make_plan(spec, run["micro_batch"], run["num_microbatches"], run["dtype"],
+                     compile=run["compile"], fp8_scaling=run["fp8_scaling"])
     cost = CostModel(spec, parse_cluster(f"{run['gpu']}:1x1"), coef or CostCoefficients())
     return cost.estimate(plan).step_time_s
 

@@ -114,11 +114,19 @@ def steps_done(run_dir: Path) -> int:
 def wait_for(predicate: Callable[[], bool], proc: subprocess.Popen[str], log: Path,
              timeout_s: float = 120) -> None:
     """Poll ``predicate`` until it holds; fails (with the output) if the launcher ended or
-    ``timeout_s`` passed first."""
+    ``timeout_s`` passed first, after killing every process the launcher started (a run left
+    behind would train on beside the rest of the suite)."""
     deadline = time.monotonic() + timeout_s
     while not predicate() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert proc.poll() is None and predicate(), log.read_text()
+    if proc.poll() is None and predicate():
+        return
+    ended = proc.poll()
+    kill_tree(proc)
+    proc.wait()
+    pytest.fail(f"waited {timeout_s:.0f} s; the launcher "
+                + ("was still running (killed now)" if ended is None else f"exited {ended}")
+                + f"; output:\n{log.read_text()}")
 
 
 def command_line(pid: int) -> str:

@@ -30,7 +30,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from gpu_suite import make_plan  # noqa: E402
 from meshmorph.cost.coefficients import CostCoefficients  # noqa: E402
+from meshmorph.cost.estimate import GIB  # noqa: E402
 from meshmorph.cost.model import CostModel  # noqa: E402
+from meshmorph.cost.rank_terms import device_reserve_bytes  # noqa: E402
 from meshmorph.spec import load_model, parse_cluster  # noqa: E402
 from results_path import Outputs, shown  # noqa: E402
 
@@ -65,23 +67,30 @@ def collect(paths: list[Path]) -> dict[str, Any]:
                                                 r["fp8_scaling"]))}
 
 
-def reprice(run: dict[str, Any], coef: CostCoefficients | None = None) -> float:
-    """The cost model's step time now for a measured case (the suite's one-device plan)."""
+def reprice(run: dict[str, Any], coef: CostCoefficients | None = None) -> tuple[float, float]:
+    """The cost model's step time (s) and peak allocated memory (GiB, without the CUDA context
+    and the allocator's slack, as gpu_suite compares it) now, for a measured case (the suite's
+    one-device plan)."""
     spec = load_model(run["source"], run["seq_len"])
     plan = make_plan(spec, run["micro_batch"], run["num_microbatches"], run["dtype"],
                      compile=run["compile"], fp8_scaling=run["fp8_scaling"])
     cost = CostModel(spec, parse_cluster(f"{run['gpu']}:1x1"), coef or CostCoefficients())
-    return cost.estimate(plan).step_time_s
+    estimate = cost.estimate(plan)
+    allocated = estimate.memory[0].total - device_reserve_bytes(cost, cost.default_gpu())
+    return estimate.step_time_s, allocated / GIB
 
 
 def compare(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per case: measured and predicted step, their ratio, and the gain over the same model's
-    bf16 case, measured and predicted."""
-    rows = [{"case": run, "predicted_s": reprice(run)} for run in results["runs"]]
+    """Per case: measured and predicted step, their ratio, the gain over the same model's bf16
+    case, measured and predicted, and predicted over measured peak allocated memory."""
+    rows = []
+    for run in results["runs"]:
+        step, allocated = reprice(run)
+        rows.append({"case": run, "predicted_s": step, "ratio": step / run["measured_step_s"],
+                     "memory_ratio": allocated / run["measured_case_peak_gib"]})
     bf16 = {row["case"]["source"]: row for row in rows if row["case"]["dtype"] == "bf16"}
     for row in rows:
         run, base = row["case"], bf16.get(row["case"]["source"])
-        row["ratio"] = row["predicted_s"] / run["measured_step_s"]
         if base is not None:
             row["gain_measured"] = base["case"]["measured_step_s"] / run["measured_step_s"]
             row["gain_predicted"] = base["predicted_s"] / row["predicted_s"]
@@ -90,13 +99,14 @@ def compare(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [f"{'model':14s} {'recipe':19s} {'meas ms':>8s} {'pred ms':>8s} {'p/m':>5s} "
-             f"{'gain meas':>9s} {'gain pred':>9s}"]
+             f"{'gain meas':>9s} {'gain pred':>9s} {'peak GiB':>8s} {'p/m':>5s}"]
     for row in rows:
         run = row["case"]
         recipe = "bf16" if run["dtype"] == "bf16" else run["fp8_scaling"]
         lines.append(f"{run['model']:14s} {recipe:19s} {run['measured_step_s'] * 1e3:8.1f} "
                      f"{row['predicted_s'] * 1e3:8.1f} {row['ratio']:5.2f} "
-                     f"{row.get('gain_measured', 0):9.3f} {row.get('gain_predicted', 0):9.3f}")
+                     f"{row.get('gain_measured', 0):9.3f} {row.get('gain_predicted', 0):9.3f} "
+                     f"{run['measured_case_peak_gib']:8.1f} {row['memory_ratio']:5.2f}")
     return lines
 
 

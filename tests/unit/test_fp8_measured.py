@@ -61,9 +61,18 @@ def test_the_autocast_cast_share_is_the_least_squares_fit_of_the_fp8_steps() -> 
 
     def squared_error(share: float) -> float:
         coef = replace(default, fp8_autocast_cast_bandwidth_efficiency=share)
-        return sum((gpu_fp8.reprice(run, coef) / run["measured_step_s"] - 1) ** 2 for run in fp8)
+        return sum((gpu_fp8.reprice(run, coef)[0] / run["measured_step_s"] - 1) ** 2
+                   for run in fp8)
 
     best = squared_error(default.fp8_autocast_cast_bandwidth_efficiency)
     share = default.fp8_autocast_cast_bandwidth_efficiency
     assert best < squared_error(share - 0.02) and best < squared_error(share + 0.02)
     assert squared_error(default.fp8_cast_bandwidth_efficiency) > 3 * best  # 0.5 misses them
+
+
+def test_every_measured_peak_is_predicted_within_3_percent(rows: list[dict]) -> None:
+    """Peak allocated memory: float8 held 4-14% less than bf16 (no 16-bit weight copies under
+    autocast; float8 copies of the linears' inputs kept for backward), and the model says so."""
+    ratios = {(r["case"]["model"], r["case"]["fp8_scaling"] if r["case"]["dtype"] == "fp8"
+               else "bf16"): round(r["memory_ratio"], 3) for r in rows}
+    assert all(abs(ratio - 1) < 0.03 for ratio in ratios.values()), ratios

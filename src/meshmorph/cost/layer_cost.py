@@ -11,7 +11,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from meshmorph.cost import comm, context_parallel
 from meshmorph.cost.coefficients import CostCoefficients
-from meshmorph.cost.fp8 import block_linears, cast_seconds, weight_grad_in_fp8
+from meshmorph.cost.fp8 import (
+    block_linears,
+    cast_seconds,
+    saved_input_elements,
+    weight_grad_in_fp8,
+)
 from meshmorph.cost.gemm import layer_efficiency
 from meshmorph.spec.gpus import GPUSpec, flops_dtype
 from meshmorph.spec.model import ActivationBytes, LayerKind, LayerSpec, ModelSpec, Recompute
@@ -145,6 +150,10 @@ class LayerCoster:
         norms = (1 if self.compiled else runtime.norm_inputs) if self.stream32 else 0
         casts = runtime.norm_readers if self.stream32 and not self.compiled else 0
         fewer = runtime.recomputed_pointwise * self.act_scale if self.compiled else 0.0
+        if self.compiled and self.dtype == "fp8" and weight_grad_in_fp8(self.fp8_scaling):
+            shared, split = saved_input_elements(self.model)  # kept as float8: 1 byte less
+            return ActivationBytes(2.0 * h * (norms + casts) - shared,
+                                   -fewer - split).per_rank(tp, sp)
         return ActivationBytes(2.0 * h * (norms + casts), -fewer).per_rank(tp, sp)
 
     def layer(self, index: int, gpu: GPUSpec, micro_batch: int, tp: int, sp: bool,

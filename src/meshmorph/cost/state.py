@@ -79,9 +79,11 @@ def held_bytes_per_param(*, zero: int, dp: int, pp: int, dtype: str, reduce_dtyp
     """Per-parameter state of one rank under a ZeRO stage (the table in the module docstring)."""
     c, r = compute_bytes(dtype), compute_bytes(reduce_dtype)
     if not fsdp_shards(zero=zero, dp=dp, per_layer=per_layer):
-        # autocast keeps a 16-bit copy of each weight it used from forward to backward
+        # autocast keeps a 16-bit copy of each weight it used from forward to backward; torchao's
+        # float8 linears (dtype fp8) keep the fp32 parameter itself, and they hold nearly all
         moments = ADAM_BYTES / dp if zero == 1 else ADAM_BYTES  # ShardedAdamW's row shards
-        return HeldBytes(MASTER_BYTES, GRAD_BYTES, moments, c if c < MASTER_BYTES else 0.0)
+        copy = c if c < MASTER_BYTES and dtype != "fp8" else 0.0
+        return HeldBytes(MASTER_BYTES, GRAD_BYTES, moments, copy)
     sharded = HeldBytes(MASTER_BYTES / dp, GRAD_BYTES / dp, ADAM_BYTES / dp, 0.0)
     if pp > 1:  # unsharded parameters and whole gradients until the step's one reduce-scatter
         return HeldBytes(sharded.params, sharded.grads, sharded.optimizer, c + r)

@@ -17,16 +17,18 @@ rowwise            (s + 1 + 2) + (2 + 1) = s + 6   (s + 1) + (3s + 1)         8
 rowwise_with_gw_hp s + 1 (one layout)              (s + 1) + (s + 1)          3
 ================== =============================== ========================== ===========
 
-The output gradient is the input's formula at s = 2 (gradients are bf16). Rowwise scales lie along the GEMM's reduction, so the column-major copy is transposed in bf16
-first (the s + 2 and 2 + 1 steps of the input; s + s and s + 1 of the weight's backward);
-``rowwise_with_gw_hp`` runs the weight gradient's GEMM in bf16 and casts each tensor once.
+The output gradient is the input's formula at s = 2 (gradients are bf16). Rowwise scales lie
+along the GEMM's reduction, so the column-major copy is transposed in bf16 first (the s + 2 and
+2 + 1 steps of the input; s + s and s + 1 of the weight's backward); ``rowwise_with_gw_hp`` runs
+the weight gradient's GEMM in bf16 and casts each tensor once.
 
 The source is what the runtime holds (``block_linears``; cost/state.py). Where autocast runs
 over fp32 parameters (no FSDP2 sharding: ``stream32``) the casts read fp32 weights and, for the
 linears fed by a norm (attention's q, k, v; the MLP's first), the norm's fp32 output: s = 4.
-Where FSDP2's mixed precision gathers 16-bit parameters, every source is bf16: s = 2. Each linear casts its own input, as the runtime (and torchtitan)
-builds them: q, k and v cast the same input three times, SwiGLU's gate and up twice, although
-``cost.gemm.layer_gemms`` prices their GEMMs merged.
+Where FSDP2's mixed precision gathers 16-bit parameters, every source is bf16: s = 2. Each
+linear casts its own input, as the runtime (and torchtitan) builds them: q, k and v cast the
+same input three times, SwiGLU's gate and up twice, although ``cost.gemm.layer_gemms`` prices
+their GEMMs merged.
 
 Eager PyTorch runs each step of a cast as its own kernels (abs, max, scale, clamp, convert):
 ``eager_elementwise_passes / elementwise_passes`` times the bytes. The input's and the weight's

@@ -30,12 +30,12 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import ENVIRONMENT, ExampleRun
+from tests.helpers.cli import ENVIRONMENT, ExampleRun, kill_left_over
 from tests.helpers.jobs import TEXT_FILE_JOB
 from tests.helpers.world import BACKGROUND_NICE, Job, Part
 
@@ -158,6 +158,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return 1 if item.get_closest_marker("dist") else 0
 
     items.sort(key=group)
+
+
+@pytest.fixture(autouse=True)
+def _no_run_left_over() -> Iterator[None]:
+    """After each test, every ``meshmorph`` command it started and left running is killed, so a
+    failed test cannot leave a run computing beside the tests after it."""
+    yield
+    kill_left_over()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,13 +40,30 @@ def _command(args: list[str], nice: int) -> list[str]:
     return [tool, "-n", str(nice), *command] if tool else command
 
 
+STARTED: dict[int, list[subprocess.Popen[str]]] = {}
+"""The launchers ``start_cli`` started, by the thread that started them: the foreground test's
+are killed when it ends (``kill_left_over``), the background jobs' threads keep theirs."""
+
+
 def start_cli(args: list[str], log: Path, env: Mapping[str, str] | None = None, *,
               nice: int = 0) -> subprocess.Popen[str]:
     """``meshmorph ARGS`` started in a new session, stdout and stderr into ``log``; ``nice``:
     its CPU priority increment (for runs in the background of the session)."""
-    return _POPEN(_command(args, nice), text=True, stdout=log.open("w"),
+    proc = _POPEN(_command(args, nice), text=True, stdout=log.open("w"),
                   stderr=subprocess.STDOUT, start_new_session=True,
                   env=dict(ENVIRONMENT if env is None else env))
+    STARTED.setdefault(threading.get_ident(), []).append(proc)
+    return proc
+
+
+def kill_left_over() -> int:
+    """Kill every run this thread started that still runs (a test that failed before stopping
+    its run would leave it training beside the rest of the suite); how many there were."""
+    left = [proc for proc in STARTED.pop(threading.get_ident(), []) if proc.poll() is None]
+    for proc in left:
+        kill_tree(proc)
+        proc.wait()
+    return len(left)
 
 
 def kill_tree(proc: subprocess.Popen[str]) -> None:

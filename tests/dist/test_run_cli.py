@@ -61,12 +61,13 @@ def test_ctrl_c_finishes_the_step_saves_and_prints_the_resume_command(
     output = log.read_text()
     assert code == 130, output
     # the step, a checkpoint and the exit of every rank and of torchrun, as the launcher timed
-    # them; the suite's background worlds share the cores with this test (10.3 and 14.0 s seen
-    # under them, and the launcher's own exit 10 s more at a load average of 17)
+    # them; the suite's background worlds share the cores with this test (10.3, 14.0 and 21.8 s
+    # seen under them, the last at a load average of 30, and the launcher's own exit 10 s more
+    # at a load average of 17): a hang would run into finish's 60 s
     found = re.search(r"every rank stopped within ([0-9.]+) s", output)
     assert found is not None, output
     ranks_s = float(found.group(1))
-    assert ranks_s < 20 and stop_s < 60, f"stopping took {ranks_s:.1f} s ({stop_s:.1f})\n{output}"
+    assert ranks_s < 35 and stop_s < 60, f"stopping took {ranks_s:.1f} s ({stop_s:.1f})\n{output}"
     alive = [pid for pid in started if Path(f"/proc/{pid}").exists()]
     assert alive == [], f"processes left behind: {alive}"
     last = records(run_dir)[-1]["step"]

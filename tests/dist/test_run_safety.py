@@ -151,9 +151,11 @@ def test_second_ctrl_c_in_a_huge_step_stops_at_once_and_the_run_resumes_exactly(
     assert proc.poll() is None and not (run_dir / "checkpoints" / "step-4").exists()
     sent = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)  # the second: at once
-    code = finish(proc, log, 30)
+    code = finish(proc, log, 60)
     took, output = time.monotonic() - sent, log.read_text()
-    assert code == 130 and took < 10, f"{took:.1f} s\n{output}"
+    # at once, against the ten minutes step 4 would take: 11.5 s seen beside the suite's
+    # background worlds at a load average of 30 (the launcher and torchrun exiting)
+    assert code == 130 and took < 30, f"{took:.1f} s\n{output}"
     assert "aborted: every rank was killed" in output and "Traceback" not in output, output
     gone_within(ranks, 5)  # no orphan
     assert not (run_dir / ".meshmorph.lock").exists() and not (run_dir / ".meshmorph.stop").exists()

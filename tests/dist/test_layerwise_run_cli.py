@@ -78,7 +78,7 @@ def _run(job: Path, plan_file: Path, out: Path, *extra: str) -> dict:
     """``meshmorph run`` of ``job`` under ``plan_file`` on 4 processes into ``out``, at the
     background's priority: its exit code and output."""
     code, output = run_cli(["run", "--config", str(job), "--plan", str(plan_file), "--nproc", "4",
-                            "--out", str(out), *extra], timeout_s=300, nice=BACKGROUND_NICE)
+                            "--out", str(out), *extra], timeout_s=600, nice=BACKGROUND_NICE)
     return {"code": code, "output": output}
 
 

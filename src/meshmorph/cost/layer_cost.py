@@ -150,11 +150,11 @@ class LayerCoster:
         norms = (1 if self.compiled else runtime.norm_inputs) if self.stream32 else 0
         casts = runtime.norm_readers if self.stream32 and not self.compiled else 0
         fewer = runtime.recomputed_pointwise * self.act_scale if self.compiled else 0.0
-        if self.compiled and self.dtype == "fp8" and weight_grad_in_fp8(self.fp8_scaling):
-            shared, split = saved_input_elements(self.model)  # kept as float8: 1 byte less
-            return ActivationBytes(2.0 * h * (norms + casts) - shared,
-                                   -fewer - split).per_rank(tp, sp)
-        return ActivationBytes(2.0 * h * (norms + casts), -fewer).per_rank(tp, sp)
+        shared, split = saved_input_elements(self.model) if (  # kept as float8: 1 byte less
+            self.compiled and self.dtype == "fp8" and weight_grad_in_fp8(self.fp8_scaling)
+        ) else (0.0, 0.0)
+        return ActivationBytes(2.0 * h * (norms + casts) - shared,
+                               -fewer - split).per_rank(tp, sp)
 
     def layer(self, index: int, gpu: GPUSpec, micro_batch: int, tp: int, sp: bool,
               recompute: Recompute) -> PieceCost:

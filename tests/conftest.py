@@ -135,6 +135,7 @@ class Background:
         except BaseException as error:  # reported by the fixture, in the test's thread
             self.failed[name] = error
         finally:
+            kill_left_over()  # a run the job left running, as after a foreground test
             self.done[name].set()
 
     def result(self, name: str) -> Path:

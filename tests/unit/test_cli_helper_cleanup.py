@@ -22,3 +22,13 @@ def test_a_run_a_test_left_running_is_killed_and_one_that_ended_is_not_counted(
     assert cli.kill_left_over() == 1
     assert hung.poll() is not None and threading.get_ident() not in cli.STARTED
     assert cli.kill_left_over() == 0
+
+
+def test_a_failed_wait_leaves_the_run_to_the_cleanup(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "_command", lambda args, nice: [
+        sys.executable, "-c", "import time; time.sleep(60)"])
+    proc = cli.start_cli([], tmp_path / "log")
+    with pytest.raises(pytest.fail.Exception, match="waited 0 s; the launcher was still running"):
+        cli.wait_for(lambda: False, proc, tmp_path / "log", 0.3)
+    assert proc.poll() is None and cli.kill_left_over() == 1 and proc.poll() is not None

@@ -1026,26 +1026,27 @@ def streams_section(args: argparse.Namespace, device: torch.device, rec: Recorde
     from meshmorph.demos.nets import NETS
 
     nets = list(NETS)[:1] if args.quick or device.type == "cpu" else list(NETS)
-    trace_dir = Path(tempfile.mkdtemp(prefix="gpu-suite-streams-"))
     previous = 0.0
-    for name in nets:
-        if not budget.allows(max(10.0, 1.2 * previous)):
-            rec.add("streams", {"net": name, "status": "skipped: budget"},
-                    f"strm {name:16s} skipped: budget")
-            continue
-        started = time.perf_counter()
-        try:
-            if device.type == "cuda":
-                case = module.cuda_case(name, 1, 5, 10 if args.quick else 20, trace_dir)
-            else:
-                case = module.cpu_case(name, 1, 1, 2)
-            case = {"status": "ok", **case}
-        except Exception as exc:
-            case = {"net": name, "batch": 1, **error_record(exc)}
-        previous = time.perf_counter() - started
-        case["wall_s"] = previous
-        release(device)
-        rec.add("streams", case, streams_line(case))
+    with tempfile.TemporaryDirectory(prefix="gpu-suite-streams-") as traces:
+        trace_dir = Path(traces)
+        for name in nets:
+            if not budget.allows(max(10.0, 1.2 * previous)):
+                rec.add("streams", {"net": name, "status": "skipped: budget"},
+                        f"strm {name:16s} skipped: budget")
+                continue
+            started = time.perf_counter()
+            try:
+                if device.type == "cuda":
+                    case = module.cuda_case(name, 1, 5, 10 if args.quick else 20, trace_dir)
+                else:
+                    case = module.cpu_case(name, 1, 1, 2)
+                case = {"status": "ok", **case}
+            except Exception as exc:
+                case = {"net": name, "batch": 1, **error_record(exc)}
+            previous = time.perf_counter() - started
+            case["wall_s"] = previous
+            release(device)
+            rec.add("streams", case, streams_line(case))
 
 
 # --- summary -------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ censored.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meshmorph.predict.fits import RunFit, Runs, fit_runs, rate_fit, runs_of
+from meshmorph.predict.traces import SpotTrace
 
 WARM_UP_CYCLES = 30
 """A drawn path starts this many mean up+down cycles before time 0."""
@@ -90,6 +92,12 @@ def fit_zone(zone: str, segments: Sequence[Sequence[bool]], tick_s: float, sourc
                             down=_fit_or_never(down, tick_s, f"{source}: {zone} down"),
                             observed_share=float(np.mean(ticks)), at_least=at_least,
                             source=source)
+
+
+def fit_trace(trace: SpotTrace) -> dict[str, ZoneAvailability]:
+    """Every zone of a recorded trace, fitted (``fit_zone``; the trace's name is the source)."""
+    return {z: fit_zone(z, t.segments(), trace.tick_s, trace.name, t.counts)
+            for z, t in trace.zones.items()}
 
 
 def _fit_or_never(runs: Runs, tick_s: float, source: str) -> RunFit:
@@ -166,8 +174,5 @@ def drawn_periods(zone: ZoneAvailability, rng: np.random.Generator
 def replayed_periods(states: Sequence[bool], tick_s: float, offset: int
                      ) -> Iterator[tuple[bool, float]]:
     """The recorded ticks from ``offset`` on, cyclically (the path starts at the tick)."""
-    n = len(states)
-    index = offset % n
-    while True:
-        yield bool(states[index]), tick_s
-        index = (index + 1) % n
+    for state in itertools.islice(itertools.cycle(states), offset % len(states), None):
+        yield bool(state), tick_s

@@ -174,18 +174,6 @@ def log_likelihood(data: Durations, shape: float, scale_h: float) -> float:
     return total
 
 
-def hessian(f: Callable[[np.ndarray], float], x: np.ndarray, step: float = 1e-4) -> np.ndarray:
-    """Central-difference Hessian of ``f`` at ``x``."""
-    n = len(x)
-    out = np.zeros((n, n))
-    for i in range(n):
-        for j in range(i, n):
-            ei, ej = np.eye(n)[i] * step, np.eye(n)[j] * step
-            out[i, j] = out[j, i] = (f(x + ei + ej) - f(x + ei - ej) - f(x - ei + ej)
-                                     + f(x - ei - ej)) / (4 * step * step)
-    return out
-
-
 def _minimize(nll: Callable[[np.ndarray], float], starts: list[np.ndarray], xatol: float,
               fatol: float, maxiter: int) -> optimize.OptimizeResult:
     """The best of Nelder-Mead runs of ``nll`` from each start."""
@@ -194,10 +182,18 @@ def _minimize(nll: Callable[[np.ndarray], float], starts: list[np.ndarray], xato
                 for x0 in starts), key=lambda r: r.fun)
 
 
-def _covariance(nll: Callable[[np.ndarray], float], theta: np.ndarray) -> np.ndarray | None:
-    """Inverse observed information at ``theta`` (None: the Hessian is singular)."""
+def _covariance(nll: Callable[[np.ndarray], float], theta: np.ndarray, step: float = 1e-4
+                ) -> np.ndarray | None:
+    """Inverse observed information at ``theta``: the inverse of ``nll``'s central-difference
+    Hessian (None: it is singular)."""
+    n = len(theta)
+    e, hessian = np.eye(n) * step, np.zeros((n, n))
+    for i, j in itertools.combinations_with_replacement(range(n), 2):
+        hessian[i, j] = hessian[j, i] = (nll(theta + e[i] + e[j]) - nll(theta + e[i] - e[j])
+                                         - nll(theta - e[i] + e[j]) + nll(theta - e[i] - e[j])
+                                         ) / (4 * step * step)
     try:
-        return np.linalg.inv(hessian(nll, theta))
+        return np.linalg.inv(hessian)
     except np.linalg.LinAlgError:
         return None
 

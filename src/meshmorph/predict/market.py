@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from meshmorph.predict.availability import ZoneAvailability, fit_zone
+from meshmorph.predict.availability import ZoneAvailability, fit_trace
 from meshmorph.predict.cloud_catalog import CloudCatalog, Provider, UserZone
 from meshmorph.predict.fits import rate_fit
 from meshmorph.predict.revocation import Hazard
@@ -122,11 +122,8 @@ def _availability(request: MarketRequest, catalog: CloudCatalog, provider: Provi
     """Capacity per zone (trace, packaged data, user zones) with notes and the source's name."""
     notes: list[str] = []
     if request.trace is not None:
-        trace = request.trace
-        zones: dict[str, ZoneAvailability | None] = {
-            z: fit_zone(z, t.segments(), trace.tick_s, trace.name, t.counts)
-            for z, t in trace.zones.items()}
-        source = f"trace {trace.name} (replayed; the model beside it is fitted to it)"
+        zones: dict[str, ZoneAvailability | None] = dict(fit_trace(request.trace))
+        source = f"trace {request.trace.name} (replayed; the model beside it is fitted to it)"
     else:
         data, note = availability_for(request.gpu, provider.cloud)
         zones = dict(data.availability) if data else {}

@@ -77,7 +77,5 @@ def choose_zone(policy: Policy, zones: Sequence[Zone], current: str | None,
         return best
     if current is not None and current != ON_DEMAND and up(current):
         return current
-    for zone in zones:
-        if up(zone.name):
-            return zone.name
-    return current if current not in (None, ON_DEMAND) else best
+    waiting = current if current not in (None, ON_DEMAND) else best
+    return next((zone.name for zone in zones if up(zone.name)), waiting)

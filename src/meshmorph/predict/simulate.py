@@ -256,29 +256,26 @@ class _Run:
                 zones = self.result.zone_compute_s
                 zones[str(self.current)] = zones.get(str(self.current), 0.0) + self.env.now - start
 
-    def _hold(self, seconds: float, members: list[_Node], grow: bool = False
-              ) -> Generator[Any, Any, str]:
-        """Wait ``seconds`` unless a member is lost, the deadline calls, or (``grow``) a spare
-        node is up: "done", "lost", "switch" or "grow"."""
-        end = self.env.now + seconds
-        while True:
-            if any(m.state != RUNNING for m in members):
-                return "lost"
-            if self._deadline_due():
-                return "switch"
-            if self.env.now >= end:
-                return "done"
-            if grow and self._spares(members):
-                return "grow"
-            yield self.env.timeout(end - self.env.now) | self._wake()
-
     def _phase(self, kind: str, seconds: float, members: list[_Node], grow: bool = False
                ) -> Generator[Any, Any, str]:
-        """``_hold`` logged on the timeline as ``kind``."""
+        """Wait ``seconds`` unless a member is lost, the deadline calls, or (``grow``) a spare
+        node is up: "done", "lost", "switch" or "grow"; logged on the timeline as ``kind``."""
         start = self.env.now
-        why = yield from self._hold(seconds, members, grow)
-        self._log(start, kind, len(members))
-        return why
+        end = start + seconds
+        while True:
+            if any(m.state != RUNNING for m in members):
+                why = "lost"
+            elif self._deadline_due():
+                why = "switch"
+            elif self.env.now >= end:
+                why = "done"
+            elif grow and self._spares(members):
+                why = "grow"
+            else:
+                yield self.env.timeout(end - self.env.now) | self._wake()
+                continue
+            self._log(start, kind, len(members))
+            return why
 
     def _spares(self, members: list[_Node]) -> list[_Node]:
         return [n for n in self.nodes if n.zone == self.current and n.state == RUNNING

@@ -18,7 +18,7 @@ from enum import StrEnum
 from functools import cache
 from typing import Any
 
-from meshmorph.predict.availability import ZoneAvailability, fit_zone, summary_zone
+from meshmorph.predict.availability import ZoneAvailability, fit_trace, summary_zone
 from meshmorph.predict.fits import MIN_EVENTS_FOR_SHAPE, Durations, Fit, best_fit, fit_rate
 from meshmorph.predict.measurements import measurements, packaged_json
 from meshmorph.predict.revocation import (
@@ -103,9 +103,7 @@ def _availability_set(key: str, entry: dict[str, Any]) -> DataSet:
                  for z, v in entry["zones"].items()}
         return DataSet(**common, availability=zones)
     trace = trace_from_entry(key, entry)
-    zones = {z: fit_zone(z, t.segments(), trace.tick_s, key, t.counts)
-             for z, t in trace.zones.items()}
-    return DataSet(**common, availability=zones, trace=trace)
+    return DataSet(**common, availability=fit_trace(trace), trace=trace)
 
 
 def _fit_of(kind: str, value: Any, label: str) -> Fit:

@@ -60,12 +60,10 @@ class ZoneTrace:
 
     def segments(self) -> list[tuple[bool, ...]]:
         """The ticks to fit, split at the gaps."""
-        out, start = [], 0
-        for lo, hi in sorted(self.gaps):
-            out.append(self.states[start:lo])
-            start = hi
-        out.append(self.states[start:])
-        return [segment for segment in out if segment]
+        edges = [0, *(i for gap in sorted(self.gaps) for i in gap), len(self.states)]
+        pieces = (self.states[start:stop]
+                  for start, stop in zip(edges[::2], edges[1::2], strict=True))
+        return [segment for segment in pieces if segment]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -189,11 +187,10 @@ def _count_trace(name: str, entry: dict[str, Any]) -> SpotTrace:
                 gaps.setdefault(zone, []).append((len(done), len(done)))
             done.extend(DIGITS.index(d) for d in digits)
     prices = entry.get("a3_highgpu_8g_prices", {})
-    zones = {}
-    for zone, values in counts.items():
-        zones[zone] = _priced(zone, tuple(c >= 1 for c in values),
-                              prices.get(zone.rsplit("-", 1)[0], {}),
-                              gaps=tuple(gaps.get(zone, ())), counts=tuple(values))
+    zones = {zone: _priced(zone, tuple(c >= 1 for c in values),
+                           prices.get(zone.rsplit("-", 1)[0], {}),
+                           gaps=tuple(gaps.get(zone, ())), counts=tuple(values))
+             for zone, values in counts.items()}
     return SpotTrace(name=name, tick_s=_number(entry["tick_s"], name, "tick_s"), zones=zones,
                      gpu=entry["gpu"], provider=entry["provider"], source=entry["source"],
                      meta={"about": entry["about"], "requested_gpus": entry["requested_gpus"]})

@@ -62,9 +62,8 @@ class ProfileConfig:
 
 def quick_config(nproc: int, models: tuple[str, ...], seq_len: int | None) -> ProfileConfig:
     """Well under a minute: fewer repeats, shapes and sizes."""
-    return ProfileConfig(nproc=nproc, models=models, seq_len=seq_len, micro_batches=(1, 2, 4),
-                         repeats=3, gemm_shapes=((512, 512, 512),),
-                         message_bytes=(4096, 1 << 20))
+    return ProfileConfig(nproc=nproc, models=models, seq_len=seq_len, repeats=3,
+                         gemm_shapes=((512, 512, 512),), message_bytes=(4096, 1 << 20))
 
 
 def _rank_job(rank: int, world: int, config: ProfileConfig, out_dir: str) -> None:
@@ -140,22 +139,22 @@ def check_fits_memory(config: ProfileConfig, memory_bytes: float | None = None) 
             f"machine's {memory_bytes / 2**30:,.1f} GiB; lower --seq-len or --nproc")
 
 
+def progress_poll(path: Path, on_progress: Callable[[int], None] | None) -> Callable[[], None]:
+    """A ``spawn`` poll that hands ``on_progress`` the count rank 0 last wrote to ``path``."""
+    def poll() -> None:
+        if on_progress is not None and path.exists() and (text := path.read_text()):
+            on_progress(int(text))
+    return poll
+
+
 def run_profile(config: ProfileConfig, *, on_progress: Callable[[int], None] | None = None,
                 timeout_s: float = 600.0) -> Profile:
     """Measure with ``config.nproc`` processes; returns the Profile (rank 0's figures: every
     rank ran the same work at the same time)."""
     check_fits_memory(config)
     with tempfile.TemporaryDirectory(prefix="meshmorph-profile-") as tmp:
-        progress = Path(tmp) / "progress"
-
-        def poll() -> None:
-            if on_progress is not None and progress.exists():
-                text = progress.read_text()
-                if text:
-                    on_progress(int(text))
-
-        spawn(_rank_job, config.nproc, (config, tmp), Path(tmp), timeout_s=timeout_s, poll=poll,
-              nice=config.nice)
+        spawn(_rank_job, config.nproc, (config, tmp), Path(tmp), timeout_s=timeout_s,
+              poll=progress_poll(Path(tmp) / "progress", on_progress), nice=config.nice)
         result = json.loads((Path(tmp) / "rank0.json").read_text())
     return assemble(config, result)
 
@@ -169,9 +168,7 @@ def assemble(config: ProfileConfig, result: dict) -> Profile:  # type: ignore[ty
 
     cuda = torch.cuda.is_available()
     bandwidth, latency = ({}, {}) if cuda else loopback_link(result["collectives"], config.nproc)
-    fixed, per_param = (0.0, 0.0)
-    if result["optimizer"]:
-        fixed, per_param = next(iter(result["optimizer"].values()))
+    fixed, per_param = next(iter(result["optimizer"].values()), (0.0, 0.0))
     best = max((v for k, v in result["gemm"].items() if k.startswith("fp32")), default=0.0)
     efficiency = {} if cuda else {"cpu": best / GPU_CATALOG["cpu"].peak_flops("fp32")}
     return Profile(

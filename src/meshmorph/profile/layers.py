@@ -68,10 +68,9 @@ class LayerPasses:
             self._pass(keep)
         seconds = time.perf_counter() - first
         if keep and self.slowest and dist.is_initialized() and dist.get_world_size() > 1:
-            start = self.starts[-1]
-            for rows, times in zip((self.fwd, self.bwd), _slowest_rank([
-                    [row[start:] for row in self.fwd], [row[start:] for row in self.bwd]]),
-                    strict=True):
+            start, tables = self.starts[-1], (self.fwd, self.bwd)
+            slowest = _slowest_rank([[row[start:] for row in rows] for rows in tables])
+            for rows, times in zip(tables, slowest, strict=True):
                 for row, slow in zip(rows, times, strict=True):
                     row[start:] = slow
         return seconds

@@ -329,7 +329,7 @@ def run_validate(config: ValidateConfig) -> dict[str, object]:
     from rich.console import Console
     from rich.progress import Progress
 
-    from meshmorph.profile.job import ProfileConfig, quick_config, run_profile
+    from meshmorph.profile.job import ProfileConfig, progress_poll, quick_config, run_profile
     from meshmorph.profile.spawn import spawn
 
     model = catalog_model(config.model, config.seq_len)
@@ -353,18 +353,13 @@ def run_validate(config: ValidateConfig) -> dict[str, object]:
                                              profile=profile).estimate(p).step_time_s
                                    for p in plans], config.num_plans)
     with tempfile.TemporaryDirectory(prefix="meshmorph-validate-") as tmp:
-        progress = Path(tmp) / "progress"
         with Progress(console=console) as bar:
             task = bar.add_task("running plans", total=len(plans))
-
-            def poll() -> None:
-                if progress.exists() and progress.read_text():
-                    bar.update(task, completed=int(progress.read_text()))
-
             spawn(_rank_job, config.nproc, (config.model, config.seq_len,
                                             [p.to_json() for p in plans], config.warmup,
                                             config.repeats, tmp, config.interleave),
-                  Path(tmp), timeout_s=600.0, poll=poll, nice=config.nice)
+                  Path(tmp), timeout_s=600.0, nice=config.nice, poll=progress_poll(
+                      Path(tmp) / "progress", lambda d: bar.update(task, completed=d)))
         measured = json.loads((Path(tmp) / "measured.json").read_text())
     rows = []
     for plan, meas in zip(plans, measured, strict=True):

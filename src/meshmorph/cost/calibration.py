@@ -180,18 +180,17 @@ def _torchtitan_run(entry: dict[str, Any], source: str) -> PublishedRun | None:
                 sequence_parallel=tp > 1, tp_comm_overlap=bool(par["async_tp"]),
                 compile=bool(par["compile"]))
     plan = _recompute(model, plan, par["activation_checkpoint"])
-    cluster = _torchtitan_cluster(entry)
+    run = PublishedRun(id=entry["id"], source=source, model=model,
+                       cluster=_torchtitan_cluster(entry), plan=plan, published_tflops=0.0)
     tokens = pub["tokens_per_s_per_gpu"]
     if tokens is None:
-        return PublishedRun(id=entry["id"], source=source, model=model, cluster=cluster,
-                            plan=plan, published_tflops=0.0)
+        return run
     # the step's hardware FLOPs as meshmorph counts them (no coefficient changes them) over the
     # published step time: global tokens / (tokens per s per GPU x GPUs)
-    estimate = CostModel(model, cluster).estimate(plan)
+    estimate = CostModel(model, run.cluster).estimate(plan)
     step_s = plan.global_batch * seq / (tokens * total)
-    return PublishedRun(id=entry["id"], source=source, model=model, cluster=cluster, plan=plan,
-                        published_tflops=estimate.tflops_per_gpu * estimate.step_time_s / step_s,
-                        published_tokens_per_s_per_gpu=float(tokens))
+    return replace(run, published_tflops=estimate.tflops_per_gpu * estimate.step_time_s / step_s,
+                   published_tokens_per_s_per_gpu=float(tokens))
 
 
 @cache
@@ -285,9 +284,8 @@ def leave_one_out(runs: Sequence[PublishedRun], space: FitSpace, start: CostCoef
     """For each run: its error when the coefficients are fitted on all the other runs."""
     out = []
     for index, run in enumerate(runs):
-        rest = [r for i, r in enumerate(runs) if i != index]
-        coef = fit(rest, space, start, predict)
-        out.append((predict(run, coef) / run.published_tflops - 1, coef))
+        coef = fit([*runs[:index], *runs[index + 1:]], space, start, predict)
+        out.append((errors([run], coef, predict)[0], coef))
     return out
 
 

@@ -77,20 +77,10 @@ def loss_bytes_per_logit(element_bytes: float) -> tuple[float, float]:
 
 def layer_classes(model: ModelSpec) -> tuple[int, ...]:
     """For each layer, the index of the first layer with the same figures."""
-    def figures(a: LayerSpec) -> tuple:
-        return (a.kind, a.params, a.tp_split_params, a.fwd_flops_per_token,
+    figures = [(a.kind, a.params, a.tp_split_params, a.fwd_flops_per_token,
                 a.recompute_flops_per_token, a.activation, a.tp_allreduces_fwd, a.tied_params,
-                a.runtime)
-
-    seen: list[tuple[tuple, int]] = []  # (figures, first index): dicts in them cannot be hashed
-    classes = []
-    for index, layer in enumerate(model.layers):
-        key = figures(layer)
-        rep = next((first for other, first in seen if other == key), index)
-        if rep == index:
-            seen.append((key, index))
-        classes.append(rep)
-    return tuple(classes)
+                a.runtime) for a in model.layers]  # a list: dicts in them cannot be hashed
+    return tuple(figures.index(key) for key in figures)
 
 
 def matmul_efficiency(coef: CostCoefficients, ceiling: float, width: float, tokens: float) -> float:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
+from itertools import accumulate
 from typing import NamedTuple
 
 from meshmorph.cost import comm
@@ -36,12 +37,12 @@ from meshmorph.cost.segments import LayerPlan, Segment, autocast_stream, chunk_s
 from meshmorph.cost.state import (
     DataParallelTraffic,
     HeldBytes,
+    compute_bytes,
     data_parallel_traffic,
     fsdp_shards,
-    gather_bytes_per_param,
     held_bytes_per_param,
 )
-from meshmorph.cost.transition import transition
+from meshmorph.cost.transition import activation_bytes, transition
 from meshmorph.schedule.table import Schedule
 from meshmorph.spec.cluster import Cluster
 from meshmorph.spec.gpus import GPUSpec, LinkSpec, flops_dtype
@@ -209,17 +210,10 @@ class CostModel:
         embedding; ``units``: its FSDP2 units (default each block and the chunk's root)."""
         layer = self.coster(plan).layer
         micro_batch, tp, sp = plan.micro_batch, plan.tp, plan.sequence_parallel
-        f = b = bg = wg = comp = re = tpc = cpc = 0.0
-        for offset, index in enumerate(range(start, stop)):
-            cost = layer(index, gpu, micro_batch, tp, sp, recompute[offset])
-            f += cost.fwd_s
-            b += cost.bwd_s
-            bg += cost.bgrad_s
-            wg += cost.wgrad_s
-            comp += cost.compute_s
-            re += cost.recompute_s
-            tpc += cost.tp_comm_s
-            cpc += cost.cp_comm_s
+        costs = [layer(index, gpu, micro_batch, tp, sp, recompute[offset])
+                 for offset, index in enumerate(range(start, stop))]
+        # PieceCost's fwd_s .. cp_comm_s, each summed over the layers (0.0 for none)
+        f, b, bg, wg, comp, re, tpc, cpc = (sum((c[i] for c in costs), 0.0) for i in range(8))
         params = self.chunk_params(start, stop, tp)
         if drop_tied:
             params -= self.model.layers[-1].tied_params / tp
@@ -328,7 +322,7 @@ class CostModel:
         if d == 1:
             return 0.0, 0.0
         if units > 0:
-            c = gather_bytes_per_param(plan.dtype)
+            c = compute_bytes(plan.dtype)  # bytes per parameter an all-gather moves
             return (self.fsdp_calls("all_gather", d,
                                     traffic.all_gather_per_microbatch * d / c, params * c, units),
                     self.fsdp_calls("reduce_scatter", d, 1.0,
@@ -367,18 +361,14 @@ class CostModel:
             # sums the two gradients); chunk_params drops it only where one chunk holds both ends
             group[1] += self.chunk_params(segment.start, segment.stop, tp) \
                 - (tied / tp if segment.drop_tied else 0.0)
-            largest = group[2]
             for offset, index in enumerate(range(segment.start, segment.stop)):
                 cost = layer(index, gpu, micro_batch, tp, sp, segment.recompute[offset])
                 stored += cost.activation_bytes
-                if cost.working_bytes > working:
-                    working = cost.working_bytes
+                working = max(working, cost.working_bytes)
                 own = self.chunk_params(index, index + 1, tp)
                 if segment.drop_tied and index == last:
                     own -= tied / tp
-                if own > largest:
-                    largest = own
-            group[2] = largest
+                group[2] = max(group[2], own)
             if segment.stop == last + 1:
                 head_plan = sub
         # ZeRO as the runtime realises it (cost/state.py); ZeRO-3 gathers its largest layer
@@ -473,8 +463,7 @@ class CostModel:
     def p2p_time(self, plan: Plan, gpu: GPUSpec) -> float:
         """Sending one micro-batch's hidden state to the next stage (split over tp ranks, as
         Megatron's scatter/gather does, and over cp ranks, each sending its own tokens)."""
-        nbytes = plan.micro_batch * self.model.seq_len * self.model.hidden_size * \
-            self.model.dtype_bytes * (2 if plan.dtype == "fp32" else 1) / plan.tp / plan.cp
+        nbytes = activation_bytes(self, plan.micro_batch, plan.dtype) / plan.tp / plan.cp
         measured = self.profile.collective_s("send_recv", 2, nbytes)
         return measured if measured is not None else \
             comm.p2p(nbytes, self.group_link(gpu, plan.world_size))
@@ -492,7 +481,7 @@ class CostModel:
         if fsdp_shards(zero=plan.zero, dp=plan.grad_replicas,
                        per_layer=isinstance(plan, LayerPlan)):  # FSDP2 shards over dp x cp
             grads /= plan.grad_replicas
-        nbytes = grads * (4.0 if plan.reduce_dtype == "fp32" else 2.0)
+        nbytes = grads * compute_bytes(plan.reduce_dtype)
         return self.collective("all_reduce", 2, nbytes, self.group_link(gpu, plan.world_size))
 
     # --- the whole plan ------------------------------------------------------------------------
@@ -694,18 +683,14 @@ class CostModel:
         m = plan.num_microbatches
         split = plan.schedule.split_backward
         back = [t.bgrad_s if split else t.bwd_s for t in times]  # B, or I under a split backward
-        chain = [0.0]  # micro-batch 0's forwards through chunks 0..c-1 (transfers left out)
-        for t in times:
-            chain.append(chain[-1] + t.fwd_s)
+        # micro-batch 0's forwards through chunks 0..c-1 (transfers left out)
+        chain = list(accumulate((t.fwd_s for t in times), initial=0.0))
+        # a split backward runs as I + W, or (DualPipeV) some as one full B
+        whole = [min(t.bwd_s, t.bgrad_s + t.wgrad_s) if split else t.bwd_s for t in times]
         ends, busy = [], []
         for k in range(plan.pp):
-            work = 0.0
             chunks = plan.chunks_of(k)
-            for c in chunks:
-                t = times[c]
-                # a split backward runs as I + W, or (DualPipeV) some as one full B
-                work += t.fwd_s + (min(t.bwd_s, t.bgrad_s + t.wgrad_s) if split else t.bwd_s)
-            busy.append(m * work)
+            busy.append(m * sum((times[c].fwd_s + whole[c] for c in chunks), 0.0))
             ends.append(chain[min(chunks)] + busy[-1])
         ends = CostModel._filled(plan, times, chain, back, ends, busy)
         drain = known_drain(plan.schedule, plan.pp, m, plan.vpp)
@@ -725,9 +710,8 @@ class CostModel:
         warm = known_warmup(plan.schedule, plan.pp, plan.num_microbatches, plan.vpp)
         if warm is None:  # a shape not simulated yet: its action list is not generated for this
             return ends
-        later = [0.0] * (len(times) + 1)  # later[c]: backwards of the chunks after c - 1
-        for c in range(len(times) - 1, -1, -1):
-            later[c] = later[c + 1] + back[c]
+        # later[c]: backwards of the chunks after c - 1
+        later = list(accumulate(reversed(back), initial=0.0))[::-1]
         filled = list(ends)
         for k, (first, count) in enumerate(warm):
             early = sum(n * times[c].fwd_s for c, n in enumerate(count) if n)

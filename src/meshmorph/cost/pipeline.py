@@ -11,6 +11,7 @@ of 1F1B's.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -158,10 +159,8 @@ def simulate(schedule: Schedule, p: int, m: int, fwd_s: Sequence[float], bwd_s: 
     if Schedule(schedule).info.flush and (str(schedule), p, m, v) not in _WARMUPS:
         forwards_before_backward(schedule, p, m, v)  # its action list is at hand now
     if keep_ops and split:
-        ops = tuple((k, "B" if kind == "I" else kind, c, j, start, end)
-                    for k, kind, c, j, start, end in timeline.ops)
-        return Timeline(timeline.makespan_s, timeline.rank_end_s, timeline.rank_busy_s, ops,
-                        timeline.peak_activations)
+        return replace(timeline, ops=tuple((k, "B" if kind == "I" else kind, c, j, start, end)
+                                           for k, kind, c, j, start, end in timeline.ops))
     return timeline
 
 

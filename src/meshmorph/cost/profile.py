@@ -10,11 +10,11 @@ beyond the core count share cores in the figures themselves (contention is measu
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from meshmorph.files import read_document
+from meshmorph.spec.gpus import is_figure
 
 
 def layer_key(model: str, seq_len: int, micro_batch: int, dtype: str, index: int) -> str:
@@ -125,18 +125,13 @@ _ROWS = {"collectives": {"alpha_s": True, "beta_s_per_byte": False},
 _SCALARS = {"optimizer_s_per_param": True, "optimizer_fixed_s": True, "load_avg": True}
 
 
-def _is_number(value: object, zero_ok: bool) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) \
-        and math.isfinite(value) and (value >= 0 if zero_ok else value > 0)
-
-
 def _check_field(key: str, value: object, where: str) -> None:
     """Refuse a Profile field of the wrong type, or a figure that is not finite or is negative
     (a zero bandwidth or efficiency would divide by zero in the cost model)."""
     fix = "re-run meshmorph profile or fix the file"
 
     def figure(name: str, number: object, zero_ok: bool) -> None:
-        if not _is_number(number, zero_ok):
+        if not is_figure(number, zero_ok=zero_ok):
             bound = ">= 0" if zero_ok else "> 0"
             raise ValueError(f"{where}: {name} must be a finite number {bound}, got {number!r}; "
                              f"{fix}")

@@ -21,7 +21,7 @@ from typing import NamedTuple
 from meshmorph.cost.state import fsdp_shards
 from meshmorph.spec.model import LayerKind, ModelSpec, Recompute
 from meshmorph.spec.plan import LayerStrategy, Plan, PlanError
-from meshmorph.spec.runnable import lists_layer_strategies
+from meshmorph.spec.runnable import lists_layer_strategies, plan_strategy, stage_strategies
 
 
 class Segment(NamedTuple):
@@ -50,7 +50,7 @@ class Segment(NamedTuple):
     @property
     def strategy(self) -> LayerStrategy:
         """Its (tp, dp, ZeRO)."""
-        return LayerStrategy(tp=self.plan.tp, dp=self.plan.dp, zero=self.plan.zero)
+        return plan_strategy(self.plan)
 
 
 def fsdp_sharded(plan: Plan) -> bool:
@@ -119,7 +119,5 @@ def chunk_segments(model: ModelSpec, plan: Plan, chunk: int,
 def as_layerwise(plan: Plan) -> Plan:
     """``plan`` with every stage listing the plan's own strategy for each layer: the same
     layout run by the layerwise engine, priced layer by layer (module docstring)."""
-    own = LayerStrategy(tp=plan.tp, dp=plan.dp, zero=plan.zero)
     return replace(plan, stages=tuple(
-        stage if stage.layer_strategies is not None
-        else replace(stage, layer_strategies=(own,) * stage.num_layers) for stage in plan.stages))
+        replace(stage, layer_strategies=stage_strategies(plan, stage)) for stage in plan.stages))

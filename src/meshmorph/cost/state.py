@@ -95,11 +95,6 @@ def held_bytes_per_param(*, zero: int, dp: int, pp: int, dtype: str, reduce_dtyp
     return HeldBytes(sharded.params + c, sharded.grads, sharded.optimizer, extra)
 
 
-def gather_bytes_per_param(dtype: str) -> float:
-    """Bytes per parameter a ZeRO-1/2/3 all-gather moves (16-bit copies under mixed precision)."""
-    return compute_bytes(dtype)
-
-
 @dataclass(frozen=True, slots=True)
 class DataParallelTraffic:
     """Data-parallel collectives of one rank per step, as multiples of its chunk's parameter count
@@ -126,7 +121,8 @@ def data_parallel_traffic(*, zero: int, dp: int, pp: int, dtype: str,
     full buffer; all-reduce inputs the full buffer. Gradients travel in ``reduce_dtype``."""
     if dp == 1:
         return DataParallelTraffic()
-    c, r = gather_bytes_per_param(dtype), compute_bytes(reduce_dtype)
+    # all-gathers move c-byte copies (16-bit under mixed precision)
+    c, r = compute_bytes(dtype), compute_bytes(reduce_dtype)
     if not fsdp_shards(zero=zero, dp=dp, per_layer=per_layer):
         return DataParallelTraffic(all_reduce_per_step=r,
                                    all_gather_per_step=MASTER_BYTES / dp if zero == 1 else 0.0)

@@ -16,10 +16,10 @@ def _gpt(name: str, layers: int, hidden: int, heads: int, *, vocab: int = 50257,
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int,
-           seq: int) -> TransformerShape:
+           seq: int, **kw: object) -> TransformerShape:
     return TransformerShape(name=name, arch="llama", num_layers=layers, hidden_size=hidden,
                             num_heads=heads, num_kv_heads=kv, ffn_hidden_size=ffn,
-                            vocab_size=vocab, seq_len=seq)
+                            vocab_size=vocab, seq_len=seq, **kw)  # type: ignore[arg-type]
 
 
 # GPT-3 sizes from Brown et al. 2020, Table 2.1 (13B's d_model printed as 5140 is 5120 = 40 x 128).
@@ -48,9 +48,7 @@ MODEL_CATALOG: dict[str, TransformerShape] = {
         _llama("qwen2.5-32b", 64, 5120, 40, 8, 27648, 152064, 32768),
         # Llama 3.2 1B (Hugging Face Llama-3.2-1B config.json): the head shares the embedding
         # (tie_word_embeddings true), so 1,235,814,400 parameters
-        TransformerShape(name="llama3.2-1b", arch="llama", num_layers=16, hidden_size=2048,
-                         num_heads=32, num_kv_heads=8, ffn_hidden_size=8192, vocab_size=128256,
-                         seq_len=8192, tied_embeddings=True),
+        _llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, 8192, tied_embeddings=True),
         # small models that train on CPU: tests, the demo and examples
         _gpt("gpt-tiny", 4, 64, 4, vocab=256, seq=32),
         _gpt("gpt-small", 6, 256, 8, vocab=256, seq=128),

@@ -26,14 +26,13 @@ change GPUs and links for this file only (same keys as ``meshmorph gpus --gpus F
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from meshmorph.files import read_document
 from meshmorph.spec.cluster import Cluster, NodeGroup
-from meshmorph.spec.gpus import GPU_CATALOG, GPUSpec, LinkSpec, gpus_from_toml
+from meshmorph.spec.gpus import GPU_CATALOG, GPUSpec, LinkSpec, gpus_from_toml, is_figure
 
 _TOP_KEYS = ("name", "inter_node_link", "inter_node", "groups", "provider", "gpus", "links")
 _INTER_KEYS = ("bandwidth_gbps", "latency_us")
@@ -86,8 +85,7 @@ def _positive_int(table: dict[str, Any], key: str, path: Path, where: str) -> in
 
 def _number(table: dict[str, Any], key: str, path: Path, where: str, *, allow_zero: bool) -> float:
     value = table[key]
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+    if not is_figure(value, zero_ok=allow_zero):
         bound = "a number >= 0" if allow_zero else "a positive number"
         raise ValueError(f"{path}: {key} in {where} must be {bound}, got {value!r}")
     return float(value)

@@ -227,9 +227,14 @@ _GPU_KEYS = tuple(f.name for f in fields(GPUSpec) if f.name != "name")
 _NEW_GPU_REQUIRED = ("memory_gib", "hbm_gbps", "peak_tflops")
 
 
+def is_figure(value: object, *, zero_ok: bool = True) -> bool:
+    """Whether ``value`` is a finite number (a bool is none) >= 0, or > 0 without ``zero_ok``."""
+    return isinstance(value, int | float) and not isinstance(value, bool) \
+        and math.isfinite(value) and (value >= 0 if zero_ok else value > 0)
+
+
 def _toml_number(value: Any, key: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-            or value < 0:
+    if not is_figure(value):
         raise ValueError(f"{where}: {key} must be a number >= 0, got {value!r}")
     return float(value)
 

@@ -421,8 +421,7 @@ class Plan:
         base, extra = divmod(blocks, chunks)
         stages, start = [], 0
         for index in range(chunks):
-            stop = start + base + (1 if index < extra else 0)
-            stop += (1 if index == 0 else 0) + (1 if index == chunks - 1 else 0)
+            stop = start + base + (index < extra) + (index == 0) + (index == chunks - 1)
             modes = tuple(recompute if recompute in model.layers[i].activation else Recompute.NONE
                           for i in range(start, stop))
             stages.append(StagePlan(start=start, stop=stop, recompute=modes))

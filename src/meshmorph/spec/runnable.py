@@ -204,10 +204,8 @@ def async_refusal(plan: Plan) -> str | None:
                 f"{Schedule.ZBV})")
     if plan.vpp != 1:
         return f"{name} holds one chunk per rank, got vpp {plan.vpp}; set vpp 1"
-    fp16 = fp16_refusal(plan)
-    if fp16 is not None:
-        return fp16
-    return _one_strategy_refusal(plan) if lists_layer_strategies(plan) else None
+    return fp16_refusal(plan) or (
+        _one_strategy_refusal(plan) if lists_layer_strategies(plan) else None)
 
 
 def _one_strategy_refusal(plan: Plan) -> str:
@@ -397,11 +395,7 @@ def runtime_refusal(model: ModelSpec, plan: Plan, *, cuda: bool = False) -> str 
             rules.append(lambda: layerwise_refusal(model, plan))
         rules += [lambda: overlap_refusal(plan, cuda=cuda), lambda: split_backward_refusal(plan),
                   lambda: fp16_refusal(plan), lambda: rounds_refusal(plan)]
-    for rule in rules:
-        refusal = rule()
-        if refusal is not None:
-            return refusal
-    return None
+    return next((refusal for rule in rules if (refusal := rule()) is not None), None)
 
 
 def check_runnable(model: ModelSpec, plan: Plan, *, cuda: bool = False) -> None:

@@ -30,11 +30,6 @@ SHAPE_LIMITS = {"num_layers": 4096, "hidden_size": 1 << 20, "num_heads": 1 << 16
 minutes (one LayerSpec per block) before any error."""
 
 
-def pad_vocab(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
-    """``vocab_size`` rounded up to a multiple of ``multiple``."""
-    return multiple * -(-vocab_size // multiple)
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransformerShape:
     """The shape of a decoder-only transformer."""
@@ -128,7 +123,8 @@ class TransformerShape:
 
     @property
     def padded_vocab(self) -> int:
-        return self.padded_vocab_size or pad_vocab(self.vocab_size)
+        """``padded_vocab_size``, or V rounded up to a multiple of ``VOCAB_MULTIPLE``."""
+        return self.padded_vocab_size or VOCAB_MULTIPLE * -(-self.vocab_size // VOCAB_MULTIPLE)
 
     @property
     def tied(self) -> bool:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -195,10 +196,7 @@ class ConfigBounds:
         p = plan.pp
         ends = {0, p - 1, plan.pp_rank_of_chunk(plan.num_chunks - 1)}
         least = run.least_blocks(p)
-        middle: dict[str, int] = {}
-        for k in range(p):
-            if k not in ends:
-                middle[config.rank_gpus[k]] = middle.get(config.rank_gpus[k], 0) + 1
+        middle = Counter(config.rank_gpus[k] for k in range(p) if k not in ends)
         groups = [(self._rank(plan, run, k, config.rank_gpus[k]), 1, least[k]) for k in ends]
         groups += [(self._rank(plan, run, 1, gpu, fewest), ranks, 1)
                    for gpu, ranks in middle.items()]
@@ -229,11 +227,10 @@ class ConfigBounds:
         ranks = [self._rank(plan, run, k, config.rank_gpus[k]) for k in range(p)]
         if p == 1:
             return ranks[0].h(run.count)
-        groups: dict[tuple[int, int], list] = {}  # ranks that share their h and fewest blocks
-        for rank, least in zip(ranks, run.least_blocks(p), strict=True):
-            group = groups.setdefault((id(rank), least), [rank, 0, least])
-            group[1] += 1
-        return grouped_least_max([tuple(g) for g in groups.values()], run.count)
+        # ranks that share their h (one RankBound) and fewest blocks
+        groups = Counter(zip(ranks, run.least_blocks(p), strict=True))
+        return grouped_least_max([(rank, count, least) for (rank, least), count in groups.items()],
+                                 run.count)
 
     def fill_bound(self, config: Config, floor: float, limit: float = math.inf) -> float:
         """``memory_bound`` with the pipeline's fill: rank s starts its work only after
@@ -272,8 +269,8 @@ class ConfigBounds:
         # overlaps, so that variant leaves the tail out); in zero-bubble the last B goes back
         # after the rank's F and B ops (its W ops need not precede it)
         for kind, left_out in fill_kinds(plan)[:2]:  # the chains that run forward
-            per_block = min(r.block_chain(kind) for r in ranks)
-            entry = ranks[0].fixed_chain(kind)
+            per_block = min(r.fill_chain(kind)[0] for r in ranks)
+            entry = ranks[0].fill_chain(kind)[1]
             hops = hop * (1 if kind == FillKind.WITH_TAIL else 2)  # forward only, or both ways
 
             def feasible(step: float, per_block: float = per_block, entry: float = entry,
@@ -394,7 +391,7 @@ class ConfigBounds:
         blocks = np.arange(count + 1)
         out = []
         for kind, left_out in kinds[:2]:
-            per_block = min(r.block_chain(kind) for r in ranks)
+            per_block = min(r.fill_chain(kind)[0] for r in ranks)
             hops = hop * (1 if kind == FillKind.WITH_TAIL else 2)
             own = [np.where(blocks >= least[k], r.values(kind, count, left_out[k]), math.inf)
                    + hops * k for k, r in enumerate(ranks)]
@@ -549,16 +546,8 @@ class _DrainTables:
         held = np.arange(self.width + 1)  # a rank's own blocks, j
         # [n, j]: the later ranks' share when rank k holds j of the last n blocks
         self.after = np.arange(count + 1)[:, None] - held[None, :]
-        fwd, back = [], []
-        self.h, self.fb, self.warmed, self.between = [], [], [], []
-        for k in range(self.p):
-            f, b, h, fb, warmed, between = self._rank_series(k, self.width)
-            fwd.append(f)
-            back.append(b)
-            self.h.append(h)
-            self.fb.append(fb)
-            self.warmed.append(warmed)
-            self.between.append(between)
+        fwd, back, self.h, self.fb, self.warmed, self.between = map(list, zip(
+            *(self._rank_series(k, self.width) for k in range(self.p)), strict=True))
         self._series = {"fwd": fwd, "back": back,
                         "both": [x + y for x, y in zip(fwd, back, strict=True)]}
         self._sums: dict[tuple[str, bool], list[np.ndarray]] = {}

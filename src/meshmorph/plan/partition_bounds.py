@@ -110,28 +110,27 @@ class PartitionBounds:
         self.hop = min(self.p2p)  # as plan/bounds.py's fill tables count a hop
         L = solver.L
         fastest = fastest_layer_times(cost, plan, unique_gpus(cost, (g.name for g in solver.gpus)))
-        # least_after[i]: the smallest one-layer stage among layers i.., per op kind (a stage
-        # holds at least one layer), for the simulated bound of a partial partition
-        self.least_after: list[tuple[float, float, float, float]] = [(0.0,) * 4] * (L + 1)
-        acc = (float("inf"),) * 4
-        for index in range(L - 1, -1, -1):
-            t = fastest[index]
-            acc = (min(acc[0], t.fwd_s), min(acc[1], t.bwd_s), min(acc[2], t.bgrad_s),
-                   min(acc[3], t.wgrad_s))
-            self.least_after[index] = acc
         # pigeonhole: some rank holds at least ceil(blocks left / ranks left) blocks
         layers = cost.model.layers
         blocks = [i for i in range(L) if layers[i].kind == LayerKind.BLOCK]
         self.block_time = min((fastest[i].work_s for i in blocks), default=0.0)
         self.blocks_after = [0] * (L + 1)
+        # least_after[i]: the smallest one-layer stage among layers i.., per op kind (a stage
+        # holds at least one layer), for the simulated bound of a partial partition
+        self.least_after: list[tuple[float, float, float, float]] = [(0.0,) * 4] * (L + 1)
+        acc = (float("inf"),) * 4
         # suffix sums: fastest work of layers [i, L), and of their forward + input-gradient chain
         self.suffix_min = [0.0] * (L + 1)
         self.suffix_chain = [0.0] * (L + 1)
         for index in range(L - 1, -1, -1):
+            t = fastest[index]
+            acc = (min(acc[0], t.fwd_s), min(acc[1], t.bwd_s), min(acc[2], t.bgrad_s),
+                   min(acc[3], t.wgrad_s))
+            self.least_after[index] = acc
             self.blocks_after[index] = self.blocks_after[index + 1] + (
                 layers[index].kind == LayerKind.BLOCK)
-            self.suffix_min[index] = self.suffix_min[index + 1] + fastest[index].work_s
-            self.suffix_chain[index] = self.suffix_chain[index + 1] + fastest[index].chain_s
+            self.suffix_min[index] = self.suffix_min[index + 1] + t.work_s
+            self.suffix_chain[index] = self.suffix_chain[index + 1] + t.chain_s
         self.simulates = self.m <= 4 * self.p and self.m * self.p <= (64 if self.zb else 256)
         """Few micro-batches: fill and drain decide, so partial partitions are simulated."""
 

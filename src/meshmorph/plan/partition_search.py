@@ -187,24 +187,18 @@ def _balanced(solver: StageSolver, bounds: PartitionBounds) -> Choices | None:
     """Greedy: fill each stage up to an equal share of the remaining fastest time."""
     p, L = solver.plan.pp, solver.L
     suffix = bounds.suffix_min
-    choices, start = [], 0
-    for k in range(p):
+    stops, start = [], 0
+    for k in range(p - 1):
         left = p - k
-        if k == p - 1:
-            stop = L
-        else:
-            target = suffix[start] / left
-            stop, acc = start, 0.0
-            while stop < L - (left - 1) and (stop == start or acc + (
-                    suffix[stop] - suffix[stop + 1]) / 2 <= target):
-                acc += suffix[stop] - suffix[stop + 1]
-                stop += 1
-        choice = solver.stage(k, start, stop)
-        if choice is None:
-            return None
-        choices.append((start, stop, choice))
+        target = suffix[start] / left
+        stop, acc = start, 0.0
+        while stop < L - (left - 1) and (stop == start or acc + (
+                suffix[stop] - suffix[stop + 1]) / 2 <= target):
+            acc += suffix[stop] - suffix[stop + 1]
+            stop += 1
+        stops.append(stop)
         start = stop
-    return choices
+    return _from_stops(solver, stops)
 
 
 def interleaved_block_counts(blocks: int, chunks: int) -> list[tuple[int, ...]]:
@@ -255,14 +249,10 @@ def stages_of_counts(model: ModelSpec, counts: Sequence[int], mode: Recompute,
 class FrontPartition:
     """The best partition over fronts found below the bound, and what is proven about the rest."""
 
-    step_s: float
-    """Its step (inf when none beat the bound)."""
     stages: Chosen | None
     """(start, stop, front point) of each rank, None when none beat the bound."""
     open_bound_s: float
     """Least lower bound of the branches left when the node budget ran out (inf if none)."""
-    nodes: int
-    """Branch-and-bound nodes visited."""
 
 
 def best_front_partition(fronts: StageFronts, bound: float, tolerance: float = 0.0,
@@ -272,8 +262,7 @@ def best_front_partition(fronts: StageFronts, bound: float, tolerance: float = 0
     search = _FrontSearch(fronts, bound, tolerance, max_nodes)
     if search.later[0][0] < search.cut:
         search.dfs(0, 0, 0.0, 0.0, search.later[0][0], [])
-    return FrontPartition(search.best if search.chosen is not None else float("inf"),
-                          search.chosen, search.open_bound, search.visited)
+    return FrontPartition(search.chosen, search.open_bound)
 
 
 class _FrontSearch:

@@ -151,16 +151,14 @@ class RankBound:
             self.syncs, params, 2 / 3 * (self.fixed_compute + n * self.block_compute))
         return tail if scalar else np.where(params > 0, tail, self._tail_of_none)
 
-    def block_chain(self, kind: FillKind) -> float:
-        """One block's share of micro-batch 0's chain in the fill bound of ``kind``: its forward,
-        forward and backward, or forward and input gradient (``AFTER_WARMUP``: ``back_chain``)."""
-        return {FillKind.WITH_TAIL: self.block_fwd, FillKind.WORK: self.block_work,
-                FillKind.FB_OPS: self.block_work - self.block_wgrad}[kind]
-
-    def fixed_chain(self, kind: FillKind) -> float:
-        """The fixed layers' share of that chain."""
-        return {FillKind.WITH_TAIL: self.fixed_fwd, FillKind.WORK: self.fixed_work,
-                FillKind.FB_OPS: self.fixed_work - self.fixed_wgrad}[kind]
+    def fill_chain(self, kind: FillKind) -> tuple[float, float]:
+        """(one block's, the fixed layers') share of micro-batch 0's chain in the fill bound of
+        ``kind``: their forward, forward and backward, or forward and input gradient
+        (``AFTER_WARMUP``: ``back_chain``)."""
+        return {FillKind.WITH_TAIL: (self.block_fwd, self.fixed_fwd),
+                FillKind.WORK: (self.block_work, self.fixed_work),
+                FillKind.FB_OPS: (self.block_work - self.block_wgrad,
+                                  self.fixed_work - self.fixed_wgrad)}[kind]
 
     def back_chain(self, split: bool) -> tuple[float, float]:
         """(one block's, the fixed layers') backward that micro-batch 0's chain back from the loss
@@ -171,14 +169,9 @@ class RankBound:
     def _all(self, most: int) -> np.ndarray:
         """h(n) for n = 0..most: ``_value`` over an array, the same operations in the same
         order (so the same figures)."""
-        terms = self.terms
         n = np.arange(most + 1)
-        params = self.fixed_params + n * self.block_params
-        largest = np.where(n > 0, max(self.biggest_fixed, self.block_params), self.biggest_fixed)
-        stored = self.fixed_stored + n * self.block_stored
-        need = (params * terms.bytes_per_param + (terms.in_flight * stored + 0.0)
-                + largest * terms.gather_bytes_per_param + terms.reserved_bytes) \
-            - terms.budget_bytes
+        need = self._over_budget(n, np.where(n > 0, max(self.biggest_fixed, self.block_params),
+                                             self.biggest_fixed))
         over = need > 0
         extra = np.zeros(most + 1)
         if over.any():
@@ -199,17 +192,21 @@ class RankBound:
         with np.errstate(invalid="ignore"):
             return self.m * (self.fixed_work + n * self.block_work + extra) + self.tail(n)
 
-    def _value(self, n: int) -> float:
-        # CostModel.rank_memory's terms (RankMemoryTerms.total) and least_extra_time, inline:
-        # the same operations in the same order, so the same figures
+    def _over_budget(self, n, largest):  # noqa: ANN001, ANN202 (numbers, or arrays of them)
+        """Bytes over the budget with no recompute of n blocks, the largest layer's parameters
+        ``largest``: CostModel.rank_memory's terms (RankMemoryTerms.total), inline (the same
+        operations in the same order, so the same figures)."""
         terms = self.terms
         params = self.fixed_params + n * self.block_params
-        largest = max(self.biggest_fixed, self.block_params) if n else self.biggest_fixed
         stored = self.fixed_stored + n * self.block_stored
-        # bytes over the budget with no recompute
-        need = (params * terms.bytes_per_param + (terms.in_flight * stored + 0.0)
+        return (params * terms.bytes_per_param + (terms.in_flight * stored + 0.0)
                 + largest * terms.gather_bytes_per_param + terms.reserved_bytes) \
             - terms.budget_bytes
+
+    def _value(self, n: int) -> float:
+        # ``_over_budget`` and least_extra_time, inline: the same figures as rank_memory's
+        need = self._over_budget(
+            n, max(self.biggest_fixed, self.block_params) if n else self.biggest_fixed)
         extra = 0.0
         if need > 0:
             need += self.working  # some block recomputes, and rematerialises while it does

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 from rich import box
@@ -81,28 +83,19 @@ def _seconds(value: Any) -> str:
     return f"{value:.3f} s" if value >= 1 else f"{value * 1e3:.1f} ms"
 
 
-def _schedule_short(label: str) -> str:
-    return label.replace("interleaved", "intl")
-
-
-def _overlap_short(label: str) -> str:
-    return label.replace("grad", "g").replace("no-", "-")
-
-
-def _recompute_short(label: str) -> str:
-    return label.replace(", ", ",")
-
-
 def plan_columns(context: bool) -> list[Column]:
     """The columns of the plans table (``cp`` only with ``context``): the degrees, step time,
     MFU and memory always; the rest left out to fit, the throughput figures MFU restates first."""
     return [
         Column("#"), Column("tp pp dp"), *((Column("cp"),) if context else ()),
         Column("ZeRO"), Column("SP", justify="center", drop=3),
-        Column("overlap", "ovl", "left", drop=6, abbreviate=_overlap_short),
-        Column("schedule", "sched", "left", drop=2, abbreviate=_schedule_short),
+        Column("overlap", "ovl", "left", drop=6,
+               abbreviate=lambda label: label.replace("grad", "g").replace("no-", "-")),
+        Column("schedule", "sched", "left", drop=2,
+               abbreviate=lambda label: label.replace("interleaved", "intl")),
         Column("mb x m", drop=1), Column("recompute", "recomp", "left", drop=2,
-                                         abbreviate=_recompute_short, wrap=12),
+                                         abbreviate=lambda label: label.replace(", ", ","),
+                                         wrap=12),
         Column("step"), Column("tokens/s", "tok/s", drop=5), Column("TFLOP/s/GPU", "TF/s", drop=7),
         Column("MFU"), Column("peak GiB", "GiB"), Column("bubble", drop=4),
     ]
@@ -195,14 +188,11 @@ def layer_strategy_summary(plan: Plan) -> list[str]:
     for k, stage in enumerate(plan.stages):
         if stage.layer_strategies is None:
             continue
-        runs: list[list] = []
-        for offset, s in enumerate(stage.layer_strategies):
-            if runs and runs[-1][2] == s:
-                runs[-1][1] = stage.start + offset
-            else:
-                runs.append([stage.start + offset, stage.start + offset, s])
+        runs = [(s, [stage.start + offset for offset, _ in run])
+                for s, run in groupby(enumerate(stage.layer_strategies), key=itemgetter(1))]
         lines.append(f"stage {k}: " + " | ".join(
-            f"L{a}{f'-{b}' if b != a else ''} tp{s.tp} dp{s.dp} z{s.zero}" for a, b, s in runs))
+            f"L{at[0]}{f'-{at[-1]}' if len(at) > 1 else ''} tp{s.tp} dp{s.dp} z{s.zero}"
+            for s, at in runs))
     return lines
 
 

@@ -260,11 +260,11 @@ def _does_not_fit(cost: CostModel, configs: list[Config],
                   options: SearchOptions) -> PlanDoesNotFit:
     """Name the constraint that failed, by how much, for the layout that came closest."""
     closest: tuple[float, Plan, Estimate] | None = None
+    mode = Recompute.FULL if Recompute.FULL in options.recompute else options.recompute[-1]
     for config in configs:
         plan = config.plan
         if plan.num_chunks > cost.model.num_blocks:
             continue
-        mode = Recompute.FULL if Recompute.FULL in options.recompute else options.recompute[-1]
         candidate, estimate = even_estimate(cost, config, mode)
         excess = max(m.total - b for m, b in zip(estimate.memory, estimate.memory_budget_bytes,
                                                    strict=True))
@@ -276,7 +276,6 @@ def _does_not_fit(cost: CostModel, configs: list[Config],
     stage = max(range(plan.pp), key=lambda k: estimate.memory[k].total - estimate.memory_budget_bytes[k])
     need = estimate.memory[stage].total / GIB
     have = estimate.memory_budget_bytes[stage] / GIB
-    mode = Recompute.FULL if Recompute.FULL in options.recompute else options.recompute[-1]
     # only the ways out the search has not already tried
     ways = ["use more or larger GPUs", "a shorter sequence"]
     if 3 not in options.zero_stages:

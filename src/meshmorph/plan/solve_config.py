@@ -80,25 +80,36 @@ def _even_times(cost: CostModel, config: Config, mode: Recompute
                 ) -> tuple[Plan, list[GPUSpec], list[PieceCost]]:
     """``even_estimate``'s plan, chunk GPUs and chunk times, not yet simulated (chunks with
     the same layers and recompute priced once)."""
-    plan = config.plan
-    candidate = plan.with_even_stages(cost.model, mode)
-    gpus = [cluster_gpu(cost, config.rank_gpus[plan.pp_rank_of_chunk(c)])
-            for c in range(plan.num_chunks)]
+    candidate = config.plan.with_even_stages(cost.model, mode)
+    gpus = _chunk_gpus(cost, config)
     if len(set(config.rank_gpus)) > 1:
         candidate = replace(candidate, stages=tuple(
             replace(s, gpu=g.name) for s, g in zip(candidate.stages, gpus, strict=True)))
+    return candidate, gpus, _chunk_times(cost, candidate, candidate.stages, gpus, mode, {})
+
+
+def _chunk_gpus(cost: CostModel, config: Config) -> list[GPUSpec]:
+    """The GPU of each model chunk of ``config`` (its pipeline rank's)."""
+    plan = config.plan
+    return [cluster_gpu(cost, config.rank_gpus[plan.pp_rank_of_chunk(c)])
+            for c in range(plan.num_chunks)]
+
+
+def _chunk_times(cost: CostModel, plan: Plan, stages: Sequence[StagePlan], gpus: list[GPUSpec],
+                 mode: Recompute, chunks: dict[tuple, PieceCost]) -> list[PieceCost]:
+    """``cost.chunk_time`` of each stage (every block under ``mode``) on its GPU, looked up in
+    and added to ``chunks``: by (first, last, layers, mode, GPU) where the model's ends are
+    alike (``_alike_ends``), else by (start, stop, mode, GPU)."""
     alike = _alike_ends(cost.model)
-    last = len(candidate.stages) - 1
-    priced: dict[tuple, PieceCost] = {}
-    times = []
-    for c, (s, g) in enumerate(zip(candidate.stages, gpus, strict=True)):
-        key = (c == 0, c == last, s.stop - s.start, s.recompute, g.name) if alike else \
-            (s.start, s.stop, s.recompute, g.name)
-        time = priced.get(key)
+    times, last = [], len(stages) - 1
+    for c, (s, g) in enumerate(zip(stages, gpus, strict=True)):
+        key = (c == 0, c == last, s.stop - s.start, mode, g.name) if alike else \
+            (s.start, s.stop, mode, g.name)
+        time = chunks.get(key)
         if time is None:
-            time = priced[key] = cost.chunk_time(candidate, s.start, s.stop, s.recompute, g)
+            time = chunks[key] = cost.chunk_time(plan, s.start, s.stop, s.recompute, g)
         times.append(time)
-    return candidate, gpus, times
+    return times
 
 
 def _alike_ends(model: ModelSpec) -> bool:
@@ -129,22 +140,10 @@ def counts_times(cost: CostModel, config: Config, counts: tuple[int, ...], mode:
     with them is the candidate), not yet simulated.
     ``chunks``: the configuration's chunk times by (start, stop, mode, GPU), filled as they are
     priced (a chunk's time reads the plan's strategy, not the stages of the others)."""
-    plan = config.plan
-    gpus = [cluster_gpu(cost, config.rank_gpus[plan.pp_rank_of_chunk(c)])
-            for c in range(plan.num_chunks)]
-    chunks = {} if chunks is None else chunks
-    alike = _alike_ends(cost.model)
+    gpus = _chunk_gpus(cost, config)
     stages = stages_of_counts(cost.model, counts, mode, [g.name for g in gpus]
                               if len(set(config.rank_gpus)) > 1 else None)
-    times, last = [], len(counts) - 1
-    for index, (stage, count, g) in enumerate(zip(stages, counts, gpus, strict=True)):
-        key = (index == 0, index == last, count, mode, g.name) if alike else \
-            (stage.start, stage.stop, mode, g.name)
-        time = chunks.get(key)
-        if time is None:
-            time = chunks[key] = cost.chunk_time(plan, stage.start, stage.stop, stage.recompute,
-                                                 g)
-        times.append(time)
+    times = _chunk_times(cost, config.plan, stages, gpus, mode, {} if chunks is None else chunks)
     return gpus, times, stages
 
 
@@ -229,9 +228,8 @@ def solve_layers(cost: CostModel, config: Config, options: SearchOptions,
     uniform_only = options.one_strategy_per_stage
     ends = list(config.ends) if config.ends is not None else None
     if plan.pp > 1 and plan.vpp == 1:
-        one, mixed, open_bound = solve_partitioned(cost, plan, strategies, options, uniform_only,
-                                                   bounds, cache, config_bound, ends)
-        return LayersResult(one, mixed, open_bound)
+        return LayersResult(*solve_partitioned(cost, plan, strategies, options, uniform_only,
+                                               bounds, cache, config_bound, ends))
     one, mixed = _solve_plan(cost, plan, strategies, options, uniform_only, bounds, cache, ends)
     # interleaved and V: even chunks, each rank its own busy time: the bound stays open
     return LayersResult(one, mixed, config_bound if plan.pp > 1 else float("inf"))
@@ -286,12 +284,7 @@ def _solve_plan(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
         for pair in ends:
             found = _solve_plan(cost, plan, strategies, options, uniform_only, bounds, cache,
                                 [pair])
-            if found[0] is not None and (one is None or found[0][1].step_time_s
-                                         < one[1].step_time_s):
-                one = found[0]
-            if found[1] is not None and (mixed is None or found[1][1].step_time_s
-                                         < mixed[1].step_time_s):
-                mixed = found[1]
+            one, mixed = _faster(one, found[0]), _faster(mixed, found[1])
         return one, mixed
     gpu = cost.default_gpu()
     uniform: list[StageSolution] = []
@@ -300,14 +293,12 @@ def _solve_plan(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
     for k in range(plan.pp):
         chunks = rank_chunks(plan, k)
         holds_end = any(a == 0 or b == last + 1 for a, b in chunks)
-        best: StageSolution | None = None
-        for s in strategies:
-            if ends is not None and holds_end and (s.tp, s.zero) not in ends:
-                continue  # a tied end under this strategy does not run
-            one = solve_stage(cost, plan, k, 0, 0, [s], options.recompute, gpu,
+        solved = (solve_stage(cost, plan, k, 0, 0, [s], options.recompute, gpu,
                               upper_bound_s=bounds[0], cache=cache, chunks=chunks)
-            if one is not None and (best is None or one.busy_s < best.busy_s):
-                best = one
+                  for s in strategies  # a tied end under a strategy not in ``ends`` does not run
+                  if ends is None or not holds_end or (s.tp, s.zero) in ends)
+        best = min((sol for sol in solved if sol is not None), key=lambda sol: sol.busy_s,
+                   default=None)
         if best is not None:
             uniform.append(best)
         if uniform_only:
@@ -326,6 +317,17 @@ def _solve_plan(cost: CostModel, plan: Plan, strategies: list[LayerStrategy],
         mixed_.append(best)
     one = _assemble(cost, plan, uniform) if len(uniform) == plan.pp else None
     return one, (_assemble(cost, plan, mixed_) if not uniform_only else one)
+
+
+def _step(found: Found) -> float:
+    """The step of a found plan (inf for none)."""
+    return found[1].step_time_s if found is not None else float("inf")
+
+
+def _faster(best: Found, found: Found) -> Found:
+    """``found`` when it is faster than ``best`` (or ``best`` is None), else ``best``."""
+    return found if found is not None and (best is None or _step(found) < _step(best)) \
+        else best
 
 
 LABELS_PER_NODE = 1
@@ -356,15 +358,13 @@ def solve_partitioned(cost: CostModel, plan: Plan, strategies: list[LayerStrateg
             chunks.append((a, b, tuple(s for _, s, _ in picked), tuple(r for _, _, r in picked)))
         return _build(cost, plan, chunks)
 
-    def step(found: tuple[Plan, Estimate] | None) -> float:
-        return found[1].step_time_s if found is not None else float("inf")
-
     for uniform, pair in itertools.product((True, False), ends or [None]):
-        if step(one) < step(mixed):  # a rank's least busy time is not always the least step
+        if _step(one) < _step(mixed):  # a rank's least busy time is not always the least step
             mixed = one
         if not uniform and uniform_only:
             break
-        bound = min(bounds[0], step(one)) if uniform else min(bounds[1], step(one), step(mixed))
+        bound = min(bounds[0], _step(one)) if uniform else \
+            min(bounds[1], _step(one), _step(mixed))
         fronts = StageFronts(cost, plan, strategies, options.recompute, gpu, cache,
                              uniform=uniform, max_labels=None if options.max_nodes is None
                              else LABELS_PER_NODE * options.max_nodes, ends=pair)
@@ -377,8 +377,8 @@ def solve_partitioned(cost: CostModel, plan: Plan, strategies: list[LayerStrateg
         if out.stages is not None:
             found = build(out.stages)
             if uniform:
-                one = found if step(found) < step(one) else one
-            if step(found) < step(mixed):
+                one = found if _step(found) < _step(one) else one
+            if _step(found) < _step(mixed):
                 mixed = found
     return one, (one if uniform_only else mixed), open_bound
 

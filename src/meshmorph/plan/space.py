@@ -174,14 +174,9 @@ def divisors(n: int, *, up_to: int | None = None) -> list[int]:
 def tp_degrees(model: ModelSpec, cluster: Cluster, options: SearchOptions) -> list[int]:
     if not model.tp_splittable:
         return [1]
-    out = []
-    for tp in divisors(cluster.gpus_per_node):
-        if options.tp_degrees is not None and tp not in options.tp_degrees:
-            continue
-        if model.num_heads % tp or model.num_kv_heads % tp or model.ffn_hidden_size % tp:
-            continue
-        out.append(tp)
-    return out
+    return [tp for tp in divisors(cluster.gpus_per_node)
+            if (options.tp_degrees is None or tp in options.tp_degrees)
+            and not (model.num_heads % tp or model.num_kv_heads % tp or model.ffn_hidden_size % tp)]
 
 
 def cp_degrees(model: ModelSpec, devices: int, options: SearchOptions) -> list[int]:
@@ -317,9 +312,8 @@ def layer_strategies(model: ModelSpec, cluster: Cluster, options: SearchOptions,
     out = []
     for tp in tp_degrees(model, cluster, options):
         dp = devices // tp
-        if devices % tp or sequences % dp or sequences // dp > options.max_micro_batch:
-            continue
-        if sequence_parallel and model.seq_len % tp:
+        if (devices % tp or sequences % dp or sequences // dp > options.max_micro_batch
+                or (sequence_parallel and model.seq_len % tp)):
             continue
         out.extend(LayerStrategy(tp=tp, dp=dp, zero=z)
                    for z in (options.zero_stages if dp > 1 else (0,))

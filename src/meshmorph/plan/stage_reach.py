@@ -8,6 +8,8 @@ does: a greedy with a binary search per rank. Otherwise a memoised search over s
 
 from __future__ import annotations
 
+from itertools import takewhile
+
 from meshmorph.plan.stage_recompute import StageSolver
 
 
@@ -64,13 +66,8 @@ class MemoryReach:
             p = solver.plan.pp
             if k == p - 1:
                 self._finish[key] = solver.fits(k, start, solver.L)
-            else:
-                ok = False
-                for stop in range(start + 1, solver.L - (p - 1 - k) + 1):
-                    if not solver.fits(k, start, stop):
-                        break  # more layers never need less memory
-                    if self._search(k + 1, stop):
-                        ok = True
-                        break
-                self._finish[key] = ok
+            else:  # the ends that fit come first: more layers never need less memory
+                stops = takewhile(lambda stop: solver.fits(k, start, stop),
+                                  range(start + 1, solver.L - (p - 1 - k) + 1))
+                self._finish[key] = any(self._search(k + 1, stop) for stop in stops)
         return self._finish[key]

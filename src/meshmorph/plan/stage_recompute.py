@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 from meshmorph.cost.layer_cost import PieceCost
 from meshmorph.cost.model import CostModel
@@ -69,12 +70,8 @@ class StageSolver:
         # layers whose recompute is a choice (more than one allowed mode keeps activations)
         self._flexible = [sum(1 for m in self.modes if m in layer.activation) > 1
                           for layer in self.model.layers]
-        self.class_prefix = []
-        for rep in sorted(set(self.classes)):
-            prefix = [0]
-            for c in self.classes:
-                prefix.append(prefix[-1] + (c == rep))
-            self.class_prefix.append(prefix)
+        self.class_prefix = [list(accumulate((int(c == rep) for c in self.classes), initial=0))
+                             for rep in sorted(set(self.classes))]
 
     def stage(self, k: int, start: int, stop: int) -> StageChoice | None:
         """Fastest recompute for layers [start, stop) on pipeline rank k that fits, or None."""
@@ -164,13 +161,12 @@ class StageSolver:
 
     def _solve(self, k: int, start: int, stop: int, gpu: GPUSpec) -> StageChoice | None:
         best: StageChoice | None = None
+        best_key: tuple[float, float] | None = None  # the chain's forward + backward, then B
         for modes in self._assignments(k, start, stop, gpu, self._groups(start, stop)):
             time = self.cost.chunk_time(self.plan, start, stop, modes, gpu)
-            key = time.bgrad_s if self.zb else time.bwd_s
-            if best is None or (time.fwd_s + key, time.bwd_s) < (
-                    best.time.fwd_s + (best.time.bgrad_s if self.zb else best.time.bwd_s),
-                    best.time.bwd_s):
-                best = StageChoice(modes, time, 0.0)
+            key = (time.fwd_s + (time.bgrad_s if self.zb else time.bwd_s), time.bwd_s)
+            if best_key is None or key < best_key:
+                best, best_key = StageChoice(modes, time, 0.0), key
         if best is None:
             return None
         return replace(best, tail_s=rank_tail_s(self.cost, self.plan, best.time, gpu))

@@ -19,6 +19,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -248,10 +249,8 @@ def solve_stage(cost: CostModel, plan: Plan, pp_rank: int, start: int, stop: int
     if ends is not None and not pin_ends(choices, [i for a, b in spans for i in range(a, b)],
                                          strategies, ends, cost.model.num_layers):
         return None
-    starts, position = set(), 0  # positions where a chunk starts: nothing to redistribute there
-    for a, b in spans:
-        starts.add(position)
-        position += b - a
+    # positions where a chunk starts: nothing to redistribute there
+    starts = set(accumulate((b - a for a, b in spans[:-1]), initial=0))
     program = _Program(choices, strategies, cap, upper_bound_s, plan.num_microbatches,
                        Moves(cost, plan, strategies, gpu))
     found = program.run(starts)

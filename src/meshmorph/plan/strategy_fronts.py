@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from meshmorph.cost.layer_cost import PieceCost
 from meshmorph.cost.model import CostModel
@@ -119,10 +120,6 @@ class StageFronts:
         self._fronts: dict[tuple[int, int], tuple[float, dict[int, list[FrontPoint]]]] = {}
         self.move = Moves(cost, plan, strategies, gpu)
         """(forward, backward) seconds per micro-batch from a layer at one tp to one at another."""
-        self.programs = 0
-        """Dynamic programs run (each gives the fronts of many stages)."""
-        self.labels = 0
-        """Labels the programs kept in all (their work)."""
         rows = self.rows(0)
         # the least figures of each layer, whatever its strategy (the bounds read them)
         self.least_f = [min(c.piece.fwd_s for c in row) for row in rows]
@@ -130,13 +127,9 @@ class StageFronts:
         self.least_w = [min(self._w(c.piece) for c in row) for row in rows]
         self.least_busy = [min(c.busy_s for c in row) for row in rows]
         self.least_tail = [min(c.tail_s for c in row) for row in rows]
-        self.prefix_f = [0.0]
-        self.prefix_b = [0.0]
-        self.prefix_busy = [0.0]
-        for i in range(self.L):
-            self.prefix_f.append(self.prefix_f[-1] + self.least_f[i])
-            self.prefix_b.append(self.prefix_b[-1] + self.least_b[i])
-            self.prefix_busy.append(self.prefix_busy[-1] + self.least_busy[i])
+        self.prefix_f, self.prefix_b, self.prefix_busy = (
+            list(accumulate(values, initial=0.0))
+            for values in (self.least_f, self.least_b, self.least_busy))
         # the last rank holding [a, L) waits prefix_f[a] and runs the layers [a, pos) before a
         # label that starts at pos: at least the least of that over its possible starts
         self.lead = [min((self.prefix_f[a] + self.prefix_busy[pos] - self.prefix_busy[a]
@@ -252,7 +245,6 @@ class StageFronts:
                  reverse: bool) -> dict[int, list[FrontPoint]]:
         """Forward from ``start`` (fronts by stop), or for the last rank backward from the
         model's end (fronts by start; the bound then uses the earliest start, rank k's k)."""
-        self.programs += 1
         rows = self.rows(k)
         allowed_set = set(allowed)
         order = list(range(self.L - 1, k - 1, -1)) if reverse else list(
@@ -289,7 +281,6 @@ class StageFronts:
                         out.append(new)
             layer = {tp: pareto(labs) for tp, labs in nxt.items() if labs}
             kept = sum(len(labs) for labs in layer.values())
-            self.labels += kept
             if self.max_labels is not None and kept > self.max_labels:
                 raise FrontBudgetExceeded(f"{kept} labels after layer {index} on rank {k}")
             if not layer:

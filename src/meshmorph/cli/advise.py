@@ -7,7 +7,7 @@ import argparse
 
 from meshmorph.cli.args import positive_float
 from meshmorph.cli.output import finish, write_json
-from meshmorph.cli.simulate import add_job_flags
+from meshmorph.cli.simulate import add_job_flags, first_few
 from meshmorph.predict.advise import AdviceOptions, advise, pareto, recommend
 from meshmorph.predict.cloud_catalog import load_catalog
 from meshmorph.spec.catalog import load_model
@@ -19,11 +19,6 @@ ADVISE_COLUMNS = (Column(""), Column("instance", justify="left", wrap=20), Colum
                   Column("tp/pp/dp"), Column("time h (P90)", "time h"),
                   Column("cost $ (P90)", "cost $"))
 """Columns of ``meshmorph advise`` (``*`` marks the recommended option)."""
-
-
-def _zones(shares: dict[str, float]) -> str:
-    names = list(shares)
-    return ", ".join(names[:2]) + (f" +{len(names) - 2}" if len(names) > 2 else "")
 
 
 def _nothing(model: str, tokens: float, options: AdviceOptions) -> str:
@@ -52,15 +47,17 @@ def _advise(args: argparse.Namespace) -> int:
     assert pick is not None
     console = report_console(args.wide)
     rows = [["*" if o is pick else "", o["instance"], str(o["gpus"]), o["policy"],
-             _zones(o["zones"]), f"{o['plan']['tp']}/{o['plan']['pp']}/{o['plan']['dp']}",
+             first_few(list(o["zones"]), 2),
+             f"{o['plan']['tp']}/{o['plan']['pp']}/{o['plan']['dp']}",
              f"{o['time_h']:.1f} ({o['time_h_p90']:.1f})",
              f"{o['cost_usd']:,.0f} ({o['cost_usd_p90']:,.0f})"] for o in front]
     print_table(console, ADVISE_COLUMNS, rows,
                 title=f"{model.name}, {args.tokens:.3g} tokens: Pareto options (P50 over "
                       f"{args.runs} runs, P90 in brackets)")
     console.print(f"recommended (*): {pick['gpus']} x {pick['gpu']} ({pick['instance']}, "
-                  f"{pick['policy']}, {_zones(pick['zones'])}): {pick['time_h']:.1f} h, "
-                  f"${pick['cost_usd']:,.0f} (prices read {pick['price_date']})")
+                  f"{pick['policy']}, {first_few(list(pick['zones']), 2)}): "
+                  f"{pick['time_h']:.1f} h, ${pick['cost_usd']:,.0f} (prices read "
+                  f"{pick['price_date']})")
     for note in sorted({n for o in front for n in o["notes"]}):
         console.print(f"[dim]note:[/] {note}")
     if args.json:

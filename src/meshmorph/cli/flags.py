@@ -42,16 +42,11 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _field(cls: type, name: str) -> dataclasses.Field[Any]:
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            return f
-    raise KeyError(f"{cls.__name__} has no field {name!r}")
-
-
 def field_default(cls: type, name: str) -> Any:
     """The default of field ``name`` of ``cls`` (its factory's value for a factory)."""
-    f = _field(cls, name)
+    f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    if f is None:
+        raise KeyError(f"{cls.__name__} has no field {name!r}")
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:
@@ -93,15 +88,13 @@ def add_field(parser: argparse.ArgumentParser, cls: type, name: str, flag: str |
     elif is_flag and default and help_text == doc:  # a flag that turns a default off
         help_text = f"turns off (default on): {doc}"
     kwargs: dict[str, Any] = {"dest": name, "default": default, "help": help_text}
+    flag = flag or "--" + name.replace("_", "-")
     if is_flag:
         kwargs["action"] = "store_false" if default else "store_true"
+    elif choices:
+        kwargs.update(type=parse, choices=choices)
     else:
-        kwargs["type"] = parse
-        if choices:
-            kwargs["choices"] = choices
-    flag = flag or "--" + name.replace("_", "-")
-    if not is_flag and not choices:
-        kwargs["metavar"] = flag.lstrip("-").upper().replace("-", "_")
+        kwargs.update(type=parse, metavar=flag.lstrip("-").upper().replace("-", "_"))
     kwargs.update(overrides)
     parser.add_argument(flag, **kwargs)
 

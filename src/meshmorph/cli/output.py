@@ -25,21 +25,6 @@ def write_json(path: Path, data: Any, flag: str = "--json") -> None:
         raise unwritable(path, exc, flag) from None
 
 
-def check_writable(path: Path | None, flag: str) -> None:
-    """Refuse an output path that cannot be written, before any work is done."""
-    if path is None:
-        return
-    if path.is_dir():
-        raise ValueError(f"{flag} {path} is a folder; pass a file path")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"{flag} {path}: {parent} is not a folder; pass a writable path")
-    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ValueError(f"cannot write {path} (permission denied); pass a writable path to {flag}")
-
-
 def add_output(parser: argparse.ArgumentParser, flag: str, help: str, **kwargs: Any) -> None:
     """A flag naming a file the subcommand writes (checked writable before the work starts)."""
     kwargs.setdefault("metavar", "FILE")
@@ -48,24 +33,34 @@ def add_output(parser: argparse.ArgumentParser, flag: str, help: str, **kwargs: 
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """Refuse any output flag of the parsed subcommand whose path cannot be written."""
+    """Refuse any output flag of the parsed subcommand whose path cannot be written, before any
+    work is done."""
     for flag in getattr(args, "output_flags", ()):
-        check_writable(getattr(args, flag.lstrip("-").replace("-", "_")), flag)
-
-
-def add_wide(parser: argparse.ArgumentParser) -> None:
-    """``--wide``: print every table column with its full header, at any width (the tables
-    otherwise fit 100 columns; meshmorph.tables)."""
-    parser.add_argument("--wide", action="store_true",
-                        help="print every table column unabbreviated, however wide (default: "
-                             "tables fit 100 columns, on a terminal and piped alike)")
+        path = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if path is None:
+            continue
+        if path.is_dir():
+            raise ValueError(f"{flag} {path} is a folder; pass a file path")
+        parent = path.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise ValueError(f"{flag} {path}: {parent} is not a folder; pass a writable path")
+        if not os.access(parent, os.W_OK | os.X_OK) or (path.exists()
+                                                         and not os.access(path, os.W_OK)):
+            raise ValueError(f"cannot write {path} (permission denied); pass a writable path "
+                             f"to {flag}")
 
 
 def finish(parser: argparse.ArgumentParser, func: Any, *, wide: bool = True, **files: str) -> None:
     """The last flags of a subcommand and the function that runs it: ``--NAME FILE`` for each
-    ``NAME=help`` of ``files`` (``add_output``), then ``--wide`` (unless not ``wide``)."""
+    ``NAME=help`` of ``files`` (``add_output``), then ``--wide`` (unless not ``wide``): every
+    table column with its full header, at any width (the tables otherwise fit 100 columns;
+    meshmorph.tables)."""
     for name, help in files.items():
         add_output(parser, f"--{name}", help=help)
     if wide:
-        add_wide(parser)
+        parser.add_argument("--wide", action="store_true",
+                            help="print every table column unabbreviated, however wide (default: "
+                                 "tables fit 100 columns, on a terminal and piped alike)")
     parser.set_defaults(func=func)

@@ -32,23 +32,19 @@ MAX_SEQ_LEN = 2**24
 """Largest --seq-len accepted (tokens per sequence)."""
 
 
-def _chart_paths(chart: Path) -> tuple[Path, Path]:
-    """The pipeline timeline goes to ``chart``, the memory chart beside it (``NAME-memory.png``)."""
-    return chart, chart.with_name(f"{chart.stem}-memory{chart.suffix or '.png'}")
-
-
 def _write_charts(plan: Plan, cost, estimate, chart: Path, console) -> None:  # type: ignore[no-untyped-def]
+    """The pipeline timeline to ``chart``, the memory chart beside it (``NAME-memory.png``)."""
     from meshmorph.viz.memory_chart import write_memory_chart
     from meshmorph.viz.timeline_chart import write_plan_pipeline_chart
 
-    timeline_png, memory_png = _chart_paths(chart)
+    memory_png = chart.with_name(f"{chart.stem}-memory{chart.suffix or '.png'}")
     try:
-        write_plan_pipeline_chart(plan, cost, timeline_png)
+        write_plan_pipeline_chart(plan, cost, chart)
         write_memory_chart(estimate, memory_png,
                            title=f"{plan.model}: peak memory per GPU by pipeline stage")
     except OSError as exc:
         raise unwritable(chart, exc, "--chart") from None
-    console.print(f"charts: {timeline_png} (pipeline timeline), {memory_png} (memory per stage)")
+    console.print(f"charts: {chart} (pipeline timeline), {memory_png} (memory per stage)")
 
 
 # --- meshmorph plan --------------------------------------------------------------------------
@@ -169,8 +165,7 @@ def build_plan(args: argparse.Namespace, model) -> Plan:  # type: ignore[no-unty
     missing = [f"--{n}" for n in ("tp", "pp", "dp") if getattr(args, n) is None]
     if missing:
         raise PlanError(f"estimate needs {', '.join(missing)} (or --plan FILE)")
-    tp, pp, dp, micro = args.tp, args.pp, args.dp, args.micro_batch
-    vpp = args.vpp
+    tp, pp, dp, micro, vpp = args.tp, args.pp, args.dp, args.micro_batch, args.vpp
     schedule = Schedule(args.schedule) if args.schedule else (
         Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B)
     if schedule.v_shape:  # the table's chunks per rank, whatever --vpp says
@@ -192,8 +187,7 @@ def _estimate(args: argparse.Namespace) -> int:
     cluster = parse_cluster(args.cluster)
     if args.plan is not None:
         stored = load_plan(args.plan)
-        source = args.model or stored.model
-        model = load_model(source, args.seq_len or stored.seq_len)
+        model = load_model(args.model or stored.model, args.seq_len or stored.seq_len)
     elif args.model is None:
         raise PlanError("estimate needs --model (or --plan FILE)")
     else:

@@ -133,9 +133,8 @@ def draw(best: MovePlan, naive: MovePlan, out_png: Path) -> Path:
         image = ax.imshow(grid, cmap="viridis", vmin=0, vmax=top)
         ax.set_xticks(range(len(devices)), [str(d) for d in devices])
         ax.set_yticks(range(len(devices)), [str(d) for d in devices])
-        ax.set_xlabel("destination device")
-        ax.set_ylabel("source device")
-        ax.set_title(f"{name}: {move.bytes_moved / 2**20:.1f} MiB moved")
+        ax.set(xlabel="destination device", ylabel="source device",
+               title=f"{name}: {move.bytes_moved / 2**20:.1f} MiB moved")
         fig.colorbar(image, ax=ax, label="MiB")
     return save_figure(fig, out_png)
 
@@ -147,8 +146,7 @@ def _reshape(args: argparse.Namespace) -> int:
                            f"--to for {plan_b.model} at seq_len {plan_b.seq_len}; a reshape "
                            "keeps the model: give two plans for the same model")
     model = load_model(plan_a.model, plan_a.seq_len)
-    plan_a = plan_a if plan_a.stages else plan_a.with_even_stages(model)
-    plan_b = plan_b if plan_b.stages else plan_b.with_even_stages(model)
+    plan_a, plan_b = (p if p.stages else p.with_even_stages(model) for p in (plan_a, plan_b))
     if args.cluster:  # refused before anything is planned or moved
         estimate = CostModel(model, parse_cluster(args.cluster)).estimate(plan_b)
         line = does_not_fit_line(plan_b, estimate)

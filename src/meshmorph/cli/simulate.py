@@ -81,14 +81,14 @@ def market_for(args: argparse.Namespace, cluster: Cluster) -> Market:
         spot_gpu_usd_per_h=user_price), load_catalog(args.catalog))
 
 
-def _zones_used(summary: dict[str, Any], limit: int = 3) -> str:
-    shares = list(summary["zones"].items())
-    text = ", ".join(f"{z} {s:.0%}" for z, s in shares[:limit])
-    return text + (f" +{len(shares) - limit}" if len(shares) > limit else "")
+def first_few(items: list[str], limit: int) -> str:
+    """The first ``limit`` items, comma-separated, then ``+N`` for the N others."""
+    return ", ".join(items[:limit]) + (f" +{len(items) - limit}" if len(items) > limit else "")
 
 
 def _row(name: str, source: str | None, s: dict[str, Any], deadline: float | None) -> list[str]:
-    cells = [name, *((source,) if source is not None else ()), _zones_used(s),
+    cells = [name, *((source,) if source is not None else ()),
+             first_few([f"{z} {share:.0%}" for z, share in s["zones"].items()], 3),
              " / ".join(f"{s[f'time_h_p{p}']:.1f}" for p in (10, 50, 90)),
              " / ".join(f"{s[f'cost_usd_p{p}']:,.0f}" for p in (10, 50, 90)),
              f"{s['preemptions_mean']:.1f}"]
@@ -150,19 +150,20 @@ def _simulate(args: argparse.Namespace) -> int:
     batch = args.global_batch or default_global_batch(model.seq_len, cluster.world_size)
     steps = steps_for_tokens(args.tokens, batch, model.seq_len)
     job = TrainingJob(model=model, cluster=cluster, global_batch=batch, total_steps=steps)
-    if not cluster.homogeneous or job.plan(job.nodes) is None:
+    plan = job.plan(job.nodes) if cluster.homogeneous else None
+    if plan is None:
         raise ValueError(f"no plan of {model.name} fits {cluster.describe()}; use more or larger "
                          "GPUs (see meshmorph plan)")
     market = market_for(args, cluster)
-    overheads = Overheads()
-    results = run_scenario(Scenario(job=job, market=market, overheads=overheads,
-                                    policies=policies_for(args, market.mode), runs=args.runs, seed=args.seed,
-                                    deadline_h=args.deadline, replay=args.trace is not None))
-    plan = job.plan(job.nodes)
+    results = run_scenario(Scenario(job=job, market=market, overheads=Overheads(),
+                                    policies=policies_for(args, market.mode), runs=args.runs,
+                                    seed=args.seed, deadline_h=args.deadline,
+                                    replay=args.trace is not None))
+    step_s = job.step_time_s(job.nodes)
     console = report_console(args.wide)
     console.print(f"[bold]{model.name}[/], {args.tokens:.3g} tokens = {steps} steps of {batch} "
                   f"sequences on {cluster.describe()} ({cluster.world_size} GPUs), plan tp "
-                  f"{plan.tp} pp {plan.pp} dp {plan.dp}, step {job.step_time_s(job.nodes):.2f} s; "
+                  f"{plan.tp} pp {plan.pp} dp {plan.dp}, step {step_s:.2f} s; "
                   f"{market.provider.name} ({market.provider.notice_s:g} s notice"
                   + (f", {market.provider.max_runtime_h:g} h cap)" if market.provider.max_runtime_h
                      else ")") + (f"; deadline {args.deadline:g} h" if args.deadline else ""))
@@ -175,7 +176,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, {
             "model": model.name, "cluster": cluster.describe(), "tokens": args.tokens,
-            "steps": steps, "global_batch": batch, "step_time_s": job.step_time_s(job.nodes),
+            "steps": steps, "global_batch": batch, "step_time_s": step_s,
             "plan": plan.to_dict(), "deadline_h": args.deadline, "market": _market_json(market),
             "policies": {str(r.policy): {"fit": r.model, "trace": r.replay, "zones": r.zones}
                          for r in results}})

@@ -1,8 +1,6 @@
-"""``meshmorph streams``: the operator graph of a net, its width, streams, syncs and a picture.
-
-It traces the net, assigns streams, then runs the assignment once with the CPU stream executor to
-check that the output equals eager mode bit for bit and that the race checks find nothing.
-"""
+"""``meshmorph streams``: the operator graph of a net, its width, streams, syncs and a picture; the
+assignment is run once with the CPU stream executor to check that the output equals eager mode
+bit for bit and that the race checks find nothing."""
 
 from __future__ import annotations
 

@@ -80,10 +80,9 @@ def _compare(run_dir: Path) -> tuple[list[tuple[str, list[OpRecord]]], str]:
             raise ValueError(f"{meta_path}: {key} must be a whole number >= 1, got {value!r}; "
                              "write it with 'meshmorph run --trace'")
     p, m, v = counts["pp"], counts["microbatches"], counts["vpp"]
-    check_size(p, m, chunks_per_rank(schedule, v), MAX_DRAWN_PAIRS, "a readable chart")
-    first_step = [op for op in measured if op[1] != "STEP"]
-    stages = p * chunks_per_rank(schedule, v)
-    times = measured_times(first_step, stages)
+    chunks = chunks_per_rank(schedule, v)
+    check_size(p, m, chunks, MAX_DRAWN_PAIRS, "a readable chart")
+    times = measured_times([op for op in measured if op[1] != "STEP"], p * chunks)
     predicted = simulate_schedule(schedule, p, m, times, v=v)
     measured_end = max(op[5] for op in measured)
     lanes = [(f"simulated from the run's median action times: {schedule} pp {p} m {m}",

@@ -194,5 +194,4 @@ def example_input(model: nn.Module, batch: int,
         raise ValueError(f"a batch of {batch} x {tuple(shape)} is {values:,} input values, above "
                          f"meshmorph's limit of {MAX_INPUT_VALUES:,} (2**24, 64 MiB of fp32) for "
                          "a net traced on this CPU; pass a smaller --batch or --input-shape")
-    generator = torch.Generator().manual_seed(0)
-    return torch.randn((batch, *shape), generator=generator)
+    return torch.randn((batch, *shape), generator=torch.Generator().manual_seed(0))

@@ -26,8 +26,7 @@ SCHEDULE_NAMES = tuple(str(s) for s in Schedule)
 def chunks_per_rank(name: str, v: int) -> int:
     """Model chunks (stages) each rank holds: the table's fixed number, or ``v`` (interleaved);
     a V schedule also takes v 1 as its 2."""
-    info = _schedule(name).info
-    fixed = info.chunks_per_rank
+    fixed = _schedule(name).info.chunks_per_rank
     if fixed is None:
         return v
     if v not in (1, fixed):

@@ -73,8 +73,7 @@ class StageTimes:
 
     def durations(self) -> list[float]:
         """The flat duration list ``replay`` indexes."""
-        n = len(self.fwd_s)
-        zeros = [0.0] * n
+        zeros = [0.0] * len(self.fwd_s)
         return (list(self.fwd_s) + list(self.bwd_s) + list(self.wgrad_s or zeros)
                 + list(self.igrad_s if self.igrad_s is not None else self.bwd_s)
                 + list(self.step_s or zeros))
@@ -116,8 +115,8 @@ def peak_activations(orders: Sequence[Sequence[Action]]) -> tuple[int, ...]:
             if a.kind == Kind.F:
                 held += 1
                 peak = max(peak, held)
-            elif (a.kind == Kind.B or (a.kind == Kind.W)
-                  or (a.kind == Kind.I and (a.stage, a.microbatch) not in split)):
+            elif a.kind in (Kind.B, Kind.W) or (a.kind == Kind.I
+                                                 and (a.stage, a.microbatch) not in split):
                 held -= 1
         peaks.append(peak)
     return tuple(peaks)

@@ -33,11 +33,9 @@ def _zbv_rank(p: int, n: int, r: int) -> list[Action]:
     count: dict[tuple[Kind, int], int] = defaultdict(int)
     order: list[Action] = []
 
-    def add(kind: Kind, stage: int, mb: int | None = None) -> None:
-        index = count[kind, stage] if mb is None else mb
-        order.append(Action(kind, stage, index))
-        if mb is None:
-            count[kind, stage] += 1
+    def add(kind: Kind, stage: int) -> None:
+        order.append(Action(kind, stage, count[kind, stage]))
+        count[kind, stage] += 1
 
     for _ in range(2 * (p - r) - 1):
         add(Kind.F, c0)
@@ -56,20 +54,15 @@ def _zbv_rank(p: int, n: int, r: int) -> list[Action]:
         add(Kind.F, c1)
         add(Kind.I, c1)
         add(Kind.W, c1)
-    w0, w1 = count[Kind.W, c0], count[Kind.W, c1]
     for _ in range(r):
         add(Kind.I, c0)
         add(Kind.I, c1)
     for _ in range(p - r):
         add(Kind.I, c0)
-        add(Kind.W, c0, w0)
-        w0 += 1
-    while w1 < count[Kind.I, c1]:
-        add(Kind.W, c1, w1)
-        w1 += 1
-    while w0 < count[Kind.I, c0]:
-        add(Kind.W, c0, w0)
-        w0 += 1
+        add(Kind.W, c0)
+    for stage in (c1, c0):  # the weight gradients still due
+        while count[Kind.W, stage] < count[Kind.I, stage]:
+            add(Kind.W, stage)
     return order
 
 
@@ -112,12 +105,8 @@ def _dualpipev_rank(p: int, m: int, r: int) -> list[Action]:
         add(Kind.I, c1)
         weight()
         add(Kind.F, c1)
-    for i in range(m - 2 * p + r + 1):  # 4: F0B1 - F1B0
-        if i == 0 and r == p - 1:  # not overlapped, to shorten the bubble
-            add(Kind.F, c0)
-            add(Kind.B, c1)
-        else:
-            overlapped(c0, c1)
+    for _ in range(m - 2 * p + r + 1):  # 4: F0B1 - F1B0 (torch runs the last rank's first F0B1
+        overlapped(c0, c1)  # apart, to shorten the bubble: the same order in a list)
         overlapped(c1, c0)
     for _ in range(p - r - 1):  # 5: B1 - F1B0
         add(Kind.B, c1)

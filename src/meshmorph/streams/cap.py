@@ -39,16 +39,14 @@ def merge_streams(dag: nx.DiGraph, order: list[str], streams: list[list[str]],
     while len(merged) > max_streams:
         totals = [sum(_time_s(dag, op) for op in s) for s in merged]
         shortest = min(range(len(merged)), key=lambda i: (totals[i], i))
-        best: tuple[float, float, int] | None = None
-        best_streams: list[list[str]] = []
+        candidates = {}  # target -> the streams with the shortest merged into it
         for target in range(len(merged)):
-            if target == shortest:
-                continue
-            union = sorted(merged[target] + merged[shortest], key=position.__getitem__)
-            candidate = [union if i == target else s for i, s in enumerate(merged) if i != shortest]
-            key = (makespan_s(dag, order, candidate), totals[target], target)
-            if best is None or key < best:
-                best, best_streams = key, candidate
-        merged = best_streams
+            if target != shortest:
+                union = sorted(merged[target] + merged[shortest], key=position.__getitem__)
+                candidates[target] = [union if i == target else s
+                                      for i, s in enumerate(merged) if i != shortest]
+        target = min(candidates,
+                     key=lambda t: (makespan_s(dag, order, candidates[t]), totals[t], t))
+        merged = candidates[target]
     merged.sort(key=lambda s: position[s[0]])
     return merged

@@ -13,8 +13,6 @@ def write_loss_chart(records: list[dict], out_png: Path, *, title: str = "traini
     losses = [r["loss"] for r in records]
     fig, ax = pyplot().subplots(figsize=(7, 4))
     ax.plot(steps, losses, marker="." if len(steps) < 60 else None, linewidth=1.5)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(title)
+    ax.set(xlabel="step", ylabel="loss", title=title)
     ax.grid(alpha=0.3)
     return save_figure(fig, out_png)

@@ -38,10 +38,8 @@ def write_memory_chart(estimate: Estimate, out_png: Path, *,
         if total > budget:
             ax.text(stage, total, "over", ha="center", va="bottom", color="#e15759", fontsize=8)
     ax.set_xticks(list(stages), [str(s) for s in stages])
-    ax.set_xlabel("pipeline stage")
-    ax.set_ylabel("GiB per GPU")
-    ax.set_ylim(0, max(max(bottom), max(budgets)) * 1.12)
-    ax.set_title(title)
+    ax.set(xlabel="pipeline stage", ylabel="GiB per GPU", title=title,
+           ylim=(0, max(max(bottom), max(budgets)) * 1.12))
     handles, labels = ax.get_legend_handles_labels()
     # legend top to bottom in the order the parts are stacked on the bars, the budget line first
     order = [labels.index("device memory"), *reversed(range(len(PART_COLOURS)))]

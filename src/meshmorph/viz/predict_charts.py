@@ -20,8 +20,7 @@ def write_timeline_chart(runs: dict[str, RunResult], path: Path, title: str) -> 
         for start, end, kind, *_ in run.timeline:
             ax.barh(row, (end - start) / 3600, left=start / 3600, color=COLOURS[kind], height=0.6)
     ax.set_yticks(range(len(runs)), list(runs))
-    ax.set_xlabel("hours since the first request")
-    ax.set_title(title)
+    ax.set(xlabel="hours since the first request", title=title)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
     ax.legend(handles, list(COLOURS), loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=5)
     save_figure(fig, path, dpi=110)

@@ -22,10 +22,9 @@ def write_streams_chart(assignment: StreamAssignment, out_png: Path, *, title: s
                         labels: bool = True) -> Path:
     """Draw ``assignment`` to ``out_png`` (PNG) and return the path."""
     plt = pyplot()
-    position = {op: i for i, op in enumerate(assignment.order)}
     stream_of = assignment.stream_of
     count = len(assignment.streams)
-    xy = {op: (float(stream_of[op]), -float(position[op])) for op in assignment.order}
+    xy = {op: (float(stream_of[op]), -float(i)) for i, op in enumerate(assignment.order)}
     colours = plt.get_cmap("tab10" if count <= 10 else "tab20")
     # big graphs (a training step): bounded canvas, no per-operator labels
     fig, ax = plt.subplots(figsize=(min(2.0 + 1.6 * count, MAX_INCHES[0]),
@@ -48,9 +47,7 @@ def write_streams_chart(assignment: StreamAssignment, out_png: Path, *, title: s
             for op in ops:
                 ax.text(xy[op][0] + 0.08, xy[op][1], op, fontsize=6, va="center")
     ax.set_xticks(range(count), [f"stream {s}" if count <= 12 else str(s) for s in range(count)])
-    ax.set_xlim(-0.5, count - 0.1)
-    ax.set_yticks([])
-    ax.set_ylabel("issue order (top first)")
+    ax.set(xlim=(-0.5, count - 0.1), yticks=[], ylabel="issue order (top first)")
     ax.set_title(title or f"{len(assignment.order)} ops, width {assignment.width}, {count} streams, "
                           f"{len(assignment.syncs)} syncs (red)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))

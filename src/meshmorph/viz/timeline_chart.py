@@ -1,10 +1,6 @@
-"""Pipeline timelines as Gantt charts: one row per rank, one box per action, bubbles hatched.
-
-``plan_timeline`` simulates a plan's schedule on the cost model's per-chunk times (the numbers
-the cost model prices the step with); ``draw_timelines`` draws one or more timelines stacked on
-one time axis (``meshmorph timeline --compare`` puts the predicted one over the measured one;
-``plan``/``estimate --chart`` draw a plan's).
-"""
+"""Pipeline timelines as Gantt charts: one row per rank, one box per action, bubbles hatched; a
+plan's on the cost model's per-chunk times (``plan``/``estimate --chart``), or several lanes on
+one time axis (``meshmorph timeline --compare``: the simulated one over the measured one)."""
 
 from __future__ import annotations
 
@@ -115,8 +111,7 @@ def draw_timelines(lanes: Sequence[Lane], out_png: Path) -> Path:
         ax.set_title(f"{lane.title} — {lane_end * scale:.3g} {unit}, bubble {bubble:.1%}",
                      fontsize=9, loc="left")
         ax.grid(axis="x", alpha=0.3)
-    axes[-1, 0].set_xlim(0, end_s * scale)
-    axes[-1, 0].set_xlabel(f"time ({unit})")
+    axes[-1, 0].set(xlim=(0, end_s * scale), xlabel=f"time ({unit})")
     handles = [Patch(color=KIND_COLOURS[k], label=KIND_NAMES[k]) for k in KIND_COLOURS if k in kinds]
     handles.append(Patch(facecolor="#f3f3f3", edgecolor="#d62728", hatch="///", label="bubble"))
     axes[0, 0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7,

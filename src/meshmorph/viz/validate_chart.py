@@ -22,10 +22,8 @@ def chart(rows: Sequence[dict[str, object]], path: Path, title: str) -> None:
     ax.plot([0, top], [0, top * 0.9], ":", color="grey", lw=0.8)
     for r, x, y in zip(rows, meas, pred, strict=True):
         ax.annotate(str(r["name"]), (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    ax.set_xlim(0, top)
-    ax.set_ylim(0, top)
-    ax.set_xlabel("measured step time (s)")
-    ax.set_ylabel("predicted step time (s)")
+    ax.set(xlim=(0, top), ylim=(0, top), xlabel="measured step time (s)",
+           ylabel="predicted step time (s)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
     save_figure(fig, path)

@@ -112,10 +112,8 @@ class Box:
 
     def row_numel(self) -> int:
         """Elements in one index along dim 0 (the whole box for a 0-d box)."""
-        return math.prod(self.length[1:]) if self.ndim else 1
+        return math.prod(self.length[1:])
 
     def __str__(self) -> str:
-        if not self.ndim:
-            return "[]"
         return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(self.offset, self.length,
                                                                strict=True)) + "]"

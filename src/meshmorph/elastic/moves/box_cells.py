@@ -22,9 +22,7 @@ def _cuts(needed: Box, boxes: Sequence[Box], dim: int) -> list[int]:
 def merge_cells(cells: list[tuple[Box, frozenset[int]]]) -> list[tuple[Box, frozenset[int]]]:
     """Merge boxes that touch along one dim, agree on the others and share their senders,
     dim by dim from the last (a grid of cells becomes its largest row-major blocks)."""
-    if not cells or cells[0][0].ndim == 0:
-        return cells
-    ndim = cells[0][0].ndim
+    ndim = cells[0][0].ndim if cells else 0
     for dim in reversed(range(ndim)):
         def along(cell: tuple[Box, frozenset[int]], dim: int = dim) -> tuple:
             box, who = cell

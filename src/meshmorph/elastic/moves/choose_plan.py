@@ -63,23 +63,15 @@ def rank_choices(model: ModelSpec, plan_a: Plan, candidates: Sequence[tuple[Plan
     return sorted(choices, key=lambda c: (c.total_s, c.move_time_s))
 
 
-def candidate_plans(model: ModelSpec, world_size: int, *, global_batch: int,
-                    dtype: str = "fp32", cluster: str | None = None,
-                    top_k: int = 8) -> list[tuple[Plan, float]]:
-    """The planner's ``top_k`` fastest plans for ``world_size`` devices that the runtime
-    accepts, with their predicted step times (the global batch kept)."""
-    return runnable_plans(model, world_size, global_batch=global_batch, dtype=dtype,
-                          cluster=cluster, top_k=top_k).plans
-
-
 def choose_plan(model: ModelSpec, plan_a: Plan, world_size: int, *, survivors: Sequence[int],
                 steps_left: int, cluster: str | None = None,
                 time_model: MoveTimeModel | None = None) -> PlanChoice:
     """The next plan for ``world_size`` devices: least predicted time to finish, move included.
-    Where the running plan still fits the device count it is a candidate too (it moves only
-    what the lost devices held)."""
-    candidates = candidate_plans(model, world_size, global_batch=plan_a.global_batch,
-                                 dtype=plan_a.dtype, cluster=cluster)
+    The candidates are the planner's 8 fastest plans the runtime accepts (the global batch
+    kept); where the running plan still fits the device count it is a candidate too (it moves
+    only what the lost devices held)."""
+    candidates = runnable_plans(model, world_size, global_batch=plan_a.global_batch,
+                                dtype=plan_a.dtype, cluster=cluster).plans
     if plan_a.world_size == world_size and all(p != plan_a for p, _ in candidates):
         where = parse_cluster(cluster or f"cpu:1x{world_size}")
         candidates.append((plan_a, CostModel(model, where).estimate(plan_a).step_time_s))

@@ -27,6 +27,7 @@ Terms left at 0 are not priced, so the defaults give the transfers alone on the 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,13 +186,11 @@ def cpu_cluster(move: MovePlan) -> Cluster:
 def link_between(cluster: Cluster, src: int, dst: int,
                  coefficients: CostCoefficients) -> comm.Link:
     """The effective link a message from ``src`` to ``dst`` crosses."""
-    if node_of(cluster, src) == node_of(cluster, dst):
-        node, first = node_of(cluster, src), 0
-        for group in cluster.groups:  # the group the node belongs to
-            if node < first + group.num_nodes:
-                return comm.Link.from_spec(group.intra_link, coefficients.link_efficiency)
-            first += group.num_nodes
-    return comm.Link.from_spec(cluster.inter_link, coefficients.link_efficiency)
+    if node_of(cluster, src) != node_of(cluster, dst):
+        return comm.Link.from_spec(cluster.inter_link, coefficients.link_efficiency)
+    ends = itertools.accumulate(group.num_gpus for group in cluster.groups)
+    group = next(g for g, end in zip(cluster.groups, ends, strict=True) if src < end)
+    return comm.Link.from_spec(group.intra_link, coefficients.link_efficiency)
 
 
 def _host_of(cluster: Cluster, device: int) -> int:

@@ -31,7 +31,6 @@ rounding.
 
 from __future__ import annotations
 
-import gc
 import json
 from dataclasses import replace
 from functools import partial
@@ -60,7 +59,7 @@ from tests.helpers.oracle import (
     violations,
 )
 from tests.helpers.reference import deviation, reference_run
-from tests.helpers.world import Part, part_folder
+from tests.helpers.world import Part, collect, part_folder
 
 WORLD = 4
 STEPS = 3
@@ -178,13 +177,13 @@ def _checkpoint(out: Path, rank: int) -> None:
     saved = _full_params(engine)
     through += steps(engine, CKPT_AT)
     del engine
-    gc.collect()
+    collect()
     info = verify_checkpoint(folder)
     resumed = build_engine(model, plan, OPTIM, seed=SEED + 1, device=torch.device("cpu"))
     load_checkpoint(resumed, info)
     after = steps(resumed, CKPT_AT)
     del resumed
-    gc.collect()
+    collect()
     uniform = build_engine(model, ckpt_uniform(model, plan), OPTIM, seed=SEED + 1,
                            device=torch.device("cpu"))
     load_checkpoint(uniform, info)

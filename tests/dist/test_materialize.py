@@ -23,7 +23,7 @@ import torch
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
 from meshmorph.spec.transformer import TransformerShape, build_transformer
-from tests.helpers.world import Part, part_folder
+from tests.helpers.world import Part, collect, part_folder
 
 WORLD = 4
 SEED = 11
@@ -105,8 +105,6 @@ def _check_case(name: str, rank: int) -> dict[str, object]:
 def materialize_part(rank: int, world_size: int, out: Path) -> None:
     """Every case under both block sizes; the runtime's block size is restored afterwards (the
     world's later parts build engines too)."""
-    import gc
-
     from meshmorph.run.model import decoder as models
 
     results: dict[str, dict[str, object]] = {}
@@ -116,7 +114,7 @@ def materialize_part(rank: int, world_size: int, out: Path) -> None:
             models.INIT_BLOCK_BYTES = block_bytes  # the reference and the shards alike
             for name in CASES:
                 results[f"{name}/{blocks}"] = _check_case(name, rank)
-                gc.collect()
+                collect()
     finally:
         models.INIT_BLOCK_BYTES = default
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))

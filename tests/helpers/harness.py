@@ -6,7 +6,6 @@ then reads what the ranks reported (``reported_run``) and compares it with the o
 
 from __future__ import annotations
 
-import gc
 import json
 import traceback
 from collections.abc import Callable, Iterable
@@ -19,6 +18,7 @@ from meshmorph.run.config import OptimConfig
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
 from tests.helpers.reference import ReferenceRun
+from tests.helpers.world import collect
 
 
 def each_case(rank: int, out: Path, cases: Iterable[tuple[str, Callable[[Path], None]]]) -> None:
@@ -34,7 +34,7 @@ def each_case(rank: int, out: Path, cases: Iterable[tuple[str, Callable[[Path], 
         except Exception:
             (folder / f"error{rank}.txt").write_text(traceback.format_exc())
             print(f"rank {rank} case {name} failed:\n{traceback.format_exc()}", flush=True)
-        gc.collect()
+        collect()
         dist.barrier()
 
 

@@ -25,7 +25,7 @@ SCHEDULES = ("1f1b", "zb")
 def trace_part(rank: int, world: int, out: Path) -> None:
     import os
 
-    from meshmorph.run.engine.pipeline import TRACE_ENV
+    from meshmorph.schedule.trace import TRACE_ENV
     from meshmorph.spec import catalog_model
 
     spec = catalog_model("gpt-tiny").with_seq_len(16)

@@ -60,3 +60,12 @@ def test_planning_and_the_command_line_import_no_torch(module: str) -> None:
     code = f"import sys, {module}; print('torch' in sys.modules, 'torchao' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False False", f"{module} imports torch or torchao"
+
+
+def test_every_subcommand_registers_without_torch() -> None:
+    # the parser registers every subcommand, so any meshmorph command line (plan, --help) pays
+    # for what their modules import: torch and its pipelining took 2.5 s of every start
+    code = ("import sys; from meshmorph.cli.app import build_parser; build_parser(); "
+            "print('torch' in sys.modules, 'torchao' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False False", "a subcommand's module imports torch or torchao"

@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 
 from meshmorph.cli.args import non_negative_int
-from meshmorph.run.engine.pipeline import TRACE_ENV
 from meshmorph.run.launch.launcher import launch, prepare_run
 from meshmorph.run.metrics import LOSS_CHART, METRICS_FILE, read_metrics
+from meshmorph.schedule.trace import TRACE_ENV
 
 INTERRUPTED = 130
 """The launcher's exit code after Ctrl-C (128 + SIGINT), as a shell reports it."""

@@ -31,9 +31,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import numpy as np
-from scipy import optimize, special, stats
+
+if TYPE_CHECKING:
+    from scipy import optimize
 
 Z95 = 1.959964
 """Two-sided 95% normal quantile."""
@@ -177,6 +180,8 @@ def log_likelihood(data: Durations, shape: float, scale_h: float) -> float:
 def _minimize(nll: Callable[[np.ndarray], float], starts: list[np.ndarray], xatol: float,
               fatol: float, maxiter: int) -> optimize.OptimizeResult:
     """The best of Nelder-Mead runs of ``nll`` from each start."""
+    from scipy import optimize  # scipy takes a second to import: only where a fit is made
+
     return min((optimize.minimize(nll, x0, method="Nelder-Mead",
                                   options={"xatol": xatol, "fatol": fatol, "maxiter": maxiter})
                 for x0 in starts), key=lambda r: r.fun)
@@ -200,6 +205,8 @@ def _covariance(nll: Callable[[np.ndarray], float], theta: np.ndarray, step: flo
 
 def poisson_ci95(events: int, exposure: float) -> tuple[float, float]:
     """Exact (chi-square) 95% interval of the rate ``events / exposure``."""
+    from scipy import stats  # as in _minimize
+
     low = float(stats.chi2.ppf(0.025, 2 * events)) / (2 * exposure) if events else 0.0
     return low, float(stats.chi2.ppf(0.975, 2 * events + 2)) / (2 * exposure)
 
@@ -367,12 +374,15 @@ def _mean_ticks(theta: np.ndarray, p_min: float) -> float:
 
 
 def _fit(runs: Runs, tick_s: float, mixture: bool, source: str) -> RunFit:
+    from scipy import special  # as in _minimize
+
     pairs, weight = np.unique(np.array([runs.ticks, runs.complete], dtype=float), axis=1,
                               return_counts=True)
     grouped = (pairs[0], pairs[1] > 0, weight.astype(float))
     total = float(sum(runs.ticks))
     p_min = 1 / (2 * total)
     p0 = min(max(runs.events / total, p_min), 1 - 1e-9)
+
     def logit(p: float) -> float:
         return float(special.logit(min(max(p, p_min), 1 - 1e-9)))
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scipy import stats
-
 
 def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
     """Mean absolute percentage error, in percent: 100/n * sum |p - m| / m."""
@@ -22,4 +20,6 @@ def kendall_tau(predicted: Sequence[float], measured: Sequence[float]) -> float:
     Needs two plans at least; NaN where either side is constant."""
     if len(predicted) < 2:
         raise ValueError("Kendall tau needs two plans at least; run validate with --plans 2 or more")
+    from scipy import stats  # scipy takes a second to import: only where tau is computed
+
     return float(stats.kendalltau(predicted, measured).statistic)

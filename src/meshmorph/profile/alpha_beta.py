@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scipy import stats
-
 
 @dataclass(frozen=True, slots=True)
 class AlphaBeta:
@@ -37,6 +35,8 @@ def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> AlphaBe
     if len(set(nbytes)) < 2:
         raise ValueError("an alpha-beta fit needs timings at two message sizes at least; "
                          f"got sizes {sorted(set(nbytes))}")
+    from scipy import stats  # scipy takes a second to import: only where a fit is made
+
     fit = stats.linregress(list(nbytes), list(seconds))
     return AlphaBeta(max(float(fit.intercept), 0.0), max(float(fit.slope), 1e-15),
                      float(fit.rvalue) ** 2)

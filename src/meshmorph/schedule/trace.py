@@ -15,6 +15,9 @@ from typing import Any
 
 from meshmorph.files import read_document
 
+TRACE_ENV = "MESHMORPH_TRACE_STEPS"
+"""Set by ``meshmorph run --trace N``: the ranks time every pipeline action of N steps and write
+them in this format."""
 OpRecord = tuple[int, str, int, int, float, float]
 """(rank, kind, stage, micro-batch, start_s, end_s): one action of a timeline."""
 

@@ -13,7 +13,6 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment, linprog
 
 from meshmorph.elastic.moves.box import Box
 from meshmorph.elastic.moves.layout import DTYPE_BYTES, Layout
@@ -95,6 +94,8 @@ def _check_devices(needed: int, available: int) -> None:
 
 def best_placement(receive: np.ndarray, devices: Sequence[int]) -> dict[int, int]:
     """New rank -> device minimising the total bytes received (``linear_sum_assignment``)."""
+    from scipy.optimize import linear_sum_assignment  # scipy: imported where a move is planned
+
     _check_devices(*receive.shape)
     rows, cols = linear_sum_assignment(receive)
     return {int(r): int(devices[c]) for r, c in zip(rows, cols, strict=True)}
@@ -117,6 +118,8 @@ def placement_bytes(receive: np.ndarray, devices: Sequence[int],
 def balance_senders(groups: Mapping[frozenset[int], int]) -> dict[frozenset[int], dict[int, float]]:
     """Bytes each sender sends of each group, minimising the busiest sender (an LP over
     ``y[group, sender] >= 0``: ``sum_s y[g, s] = bytes[g]``, ``sum_g y[g, s] <= T``, min T)."""
+    from scipy.optimize import linprog  # scipy: imported where a move is planned
+
     pairs = [(g, s) for g in groups for s in sorted(g)]
     senders = sorted({s for g in groups for s in g})
     if not pairs:

@@ -45,7 +45,7 @@ from torch.distributed.pipelining.schedules import (
 from meshmorph.run.parallel.mesh import TrainMesh
 from meshmorph.run.parallel.parallelize import TORCH_DTYPES, uses_fsdp_precision
 from meshmorph.schedule import schedule_actions
-from meshmorph.schedule.trace import timeline_events, write_trace
+from meshmorph.schedule.trace import TRACE_ENV, timeline_events, write_trace
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
 
@@ -73,10 +73,6 @@ def _io_shapes(chunk_index: int, plan: Plan, spec: ModelSpec) -> tuple[torch.Ten
                           requires_grad=True) \
         if last else hidden
     return inputs, outputs
-
-
-TRACE_ENV = "MESHMORPH_TRACE_STEPS"
-"""Set by ``meshmorph run --trace N``: the ranks time every pipeline action of N steps."""
 
 
 class ActionRecorder:

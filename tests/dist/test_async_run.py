@@ -20,7 +20,7 @@ from meshmorph.run.data import DataShard, SampleOrder
 from meshmorph.run.job import load_job
 from meshmorph.run.model.decoder import build_chunk
 from meshmorph.run.model.loss import token_cross_entropy
-from meshmorph.run.trainer import make_source
+from meshmorph.run.data import make_source
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.plan import Plan
 from tests.helpers.cli import records, run_cli

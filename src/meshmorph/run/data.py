@@ -1,4 +1,5 @@
-"""Deterministic data: a seeded sample order, two sample sources, and each rank's share.
+"""Deterministic data: a seeded sample order, two sample sources (``make_source`` picks a job's),
+and each rank's share.
 
 The whole data-loader state is one integer, ``consumed_samples``. Step k's global batch is
 positions ``[consumed, consumed + global_batch)`` of the sample order, and data-parallel rank r
@@ -13,6 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from meshmorph.run.job import JobConfig
+from meshmorph.spec.model import ModelSpec
 
 # SyntheticTask: the order runs over this many distinct samples before an epoch ends
 SYNTHETIC_NUM_SAMPLES = 1 << 17
@@ -180,3 +184,19 @@ class DataShard:
         """LongTensor[global_batch // dp, seq_len + 1] for the step that starts at
         ``consumed_samples``."""
         return self.source.samples(self.indices(consumed_samples))
+
+
+def make_source(job: JobConfig, model: ModelSpec) -> SampleSource:
+    """The job's sample source, checked against the model's vocabulary."""
+    if job.data.kind == "synthetic":
+        return SyntheticTask(vocab_size=model.vocab_size, seq_len=job.model.seq_len,
+                             seed=job.data.seed)
+    path = job.data_path()
+    assert path is not None  # DataSection insists on a path for text
+    source = ByteTextFile(path, job.model.seq_len)
+    if model.vocab_size < ByteTextFile.vocab_size:
+        raise ValueError(
+            f"text data is byte-level ({ByteTextFile.vocab_size} tokens) but model {model.name} has "
+            f"vocab_size {model.vocab_size}; use a model with vocab_size >= 256"
+        )
+    return source

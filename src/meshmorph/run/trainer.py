@@ -35,7 +35,7 @@ from meshmorph.run.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from meshmorph.run.data import ByteTextFile, DataShard, SampleOrder, SampleSource, SyntheticTask
+from meshmorph.run.data import DataShard, SampleOrder, make_source
 from meshmorph.run.engine.state_line import write_state_line
 from meshmorph.run.fingerprint import run_fingerprint
 from meshmorph.run.job import JobConfig, load_job
@@ -61,22 +61,6 @@ def log_samples(shard: DataShard, consumed: int, step: int) -> None:
               "dp_rank": shard.dp_rank, "ids": [int(i) for i in shard.indices(consumed)]}
     with (Path(folder) / f"samples-rank{dist.get_rank()}.jsonl").open("a") as handle:
         handle.write(json.dumps(record) + "\n")
-
-
-def make_source(job: JobConfig, model: ModelSpec) -> SampleSource:
-    """The job's sample source, checked against the model's vocabulary."""
-    if job.data.kind == "synthetic":
-        return SyntheticTask(vocab_size=model.vocab_size, seq_len=job.model.seq_len,
-                             seed=job.data.seed)
-    path = job.data_path()
-    assert path is not None  # DataSection insists on a path for text
-    source = ByteTextFile(path, job.model.seq_len)
-    if model.vocab_size < ByteTextFile.vocab_size:
-        raise ValueError(
-            f"text data is byte-level ({ByteTextFile.vocab_size} tokens) but model {model.name} has "
-            f"vocab_size {model.vocab_size}; use a model with vocab_size >= 256"
-        )
-    return source
 
 
 def restart_store(timeout: timedelta) -> dist.Store | None:

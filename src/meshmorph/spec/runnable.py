@@ -1,10 +1,10 @@
 """What the runtime runs: every rule ``meshmorph run`` refuses a plan by, each stated once, with
 the message a user sees.
 
-``check_runnable`` (what ``run/engine/train_engine.validate_plan`` calls after
-``Plan.check_against``) applies them in order; the planners call the same functions, so a plan
-they hand out is one ``meshmorph run`` runs. Pure Python (no torch): planning a job needs
-nothing else.
+``check_runnable`` applies them in order (``check_plan``: after ``Plan.check_against``, what
+``meshmorph run`` and every rank check before they start); the planners call the same
+functions, so a plan they hand out is one ``meshmorph run`` runs. Pure Python (no torch):
+planning a job needs nothing else.
 
 - **The model** (``model_refusal``): the runtime rebuilds gpt and llama decoders, at the plan's
   sequence length; interleaved chunks need pp > 1.
@@ -401,6 +401,14 @@ def runtime_refusal(model: ModelSpec, plan: Plan, *, cuda: bool = False) -> str 
 def check_runnable(model: ModelSpec, plan: Plan, *, cuda: bool = False) -> None:
     """Raise PlanError naming the first rule ``plan`` fails (``runtime_refusal``), if any."""
     _raise(runtime_refusal(model, plan, cuda=cuda))
+
+
+def check_plan(model: ModelSpec, plan: Plan, world_size: int, *, cuda: bool) -> None:
+    """Refuse, before any process starts, a plan this model cannot run on ``world_size``
+    processes: the plan's own checks (``Plan.check_against``), then every rule above for ranks
+    on CUDA devices (``cuda``) or not."""
+    plan.check_against(model, world_size)
+    check_runnable(model, plan, cuda=cuda)
 
 
 def _raise(refusal: str | None) -> None:

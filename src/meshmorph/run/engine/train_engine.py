@@ -59,7 +59,7 @@ from meshmorph.run.parallel.parallelize import TORCH_DTYPES, autocasts, parallel
 from meshmorph.run.parallel.segments import ParallelChunk
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan
-from meshmorph.spec.runnable import check_runnable, defers_grad_reduce
+from meshmorph.spec.runnable import check_plan, defers_grad_reduce
 
 __all__ = ["TrainEngine", "build_engine", "defers_grad_reduce", "validate_plan"]
 
@@ -69,8 +69,7 @@ def validate_plan(model: ModelSpec, plan: Plan, world_size: int, *,
     """Refuse, before any process group exists, a plan this model or job cannot run: the plan's
     own checks, then every rule of spec/runnable.py for ranks on CUDA devices (``cuda``; None:
     where this machine has one, as ``trainer.init_distributed`` decides)."""
-    plan.check_against(model, world_size)
-    check_runnable(model, plan, cuda=torch.cuda.is_available() if cuda is None else cuda)
+    check_plan(model, plan, world_size, cuda=torch.cuda.is_available() if cuda is None else cuda)
 
 
 class TrainEngine:

@@ -49,7 +49,7 @@ from meshmorph.run.metrics import METRICS_FILE
 from meshmorph.spec.catalog import load_model
 from meshmorph.spec.model import ModelSpec
 from meshmorph.spec.plan import Plan, PlanError, load_plan
-from meshmorph.spec.runnable import check_fp8_job, refuse_context_parallel
+from meshmorph.spec.runnable import check_fp8_job, check_plan, refuse_context_parallel
 
 STOP_GRACE_S = 300.0
 """Seconds the ranks get, after the first Ctrl-C and beyond what their step is expected to take
@@ -199,11 +199,12 @@ def check_plan_for_job(plan: Plan, job: JobConfig, model: ModelSpec, nproc: int)
             raise PlanError(
                 f"the plan has {what} {planned} but the job has {wanted}; make them agree"
             )
-    from meshmorph.run.engine.train_engine import validate_plan
+    import torch  # where the ranks will run; not the runtime itself (seconds more to import)
 
     if job.train.compile:  # the ranks compile the plan's blocks ([train] compile)
         plan = replace(plan, compile=True)
-    validate_plan(model, plan, nproc)  # check_against, plus what the runtime itself needs
+    # the plan's own checks and what the runtime needs, as the ranks will check them again
+    check_plan(model, plan, nproc, cuda=torch.cuda.is_available())
     check_host_memory(model, plan, nproc)  # the steps' batches and activations fit this machine
 
 
@@ -228,7 +229,7 @@ def prepare_run(job_path: Path, *, nproc: int | None, plan_arg: str | None, resu
                 inject_failure: str | None = None, node_rank: int | None = None,
                 rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> PreparedRun:
     """Every check a run needs, with no process started and nothing written."""
-    from meshmorph.run.trainer import make_source
+    from meshmorph.run.data import make_source
 
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}; leave it out to use the "

@@ -40,6 +40,19 @@ def _command(args: list[str], nice: int) -> list[str]:
     return [tool, "-n", str(nice), *command] if tool else command
 
 
+def _popen(args: list[str], nice: int, **kwargs: object) -> subprocess.Popen[str]:
+    """``meshmorph ARGS`` started in a new session (``nice``: see ``_command``). Where Linux
+    groups the CPU by session (``sched_autogroup``), the new session is a group of its own and
+    the groups share the CPU first, whatever their processes' nice: the group's own nice is set
+    too, or a run in the background would take as much CPU as a foreground test's run."""
+    proc = _POPEN(_command(args, nice), text=True, start_new_session=True,
+                  **kwargs)  # type: ignore[call-overload]
+    if nice:
+        with contextlib.suppress(OSError):  # no autogroups here: the process nice serves alone
+            Path(f"/proc/{proc.pid}/autogroup").write_text(str(nice))
+    return proc
+
+
 STARTED: dict[int, list[subprocess.Popen[str]]] = {}
 """The launchers ``start_cli`` started, by the thread that started them: those still running
 are killed when the foreground test or the background job that started them ends
@@ -50,8 +63,7 @@ def start_cli(args: list[str], log: Path, env: Mapping[str, str] | None = None, 
               nice: int = 0) -> subprocess.Popen[str]:
     """``meshmorph ARGS`` started in a new session, stdout and stderr into ``log``; ``nice``:
     its CPU priority increment (for runs in the background of the session)."""
-    proc = _POPEN(_command(args, nice), text=True, stdout=log.open("w"),
-                  stderr=subprocess.STDOUT, start_new_session=True,
+    proc = _popen(args, nice, stdout=log.open("w"), stderr=subprocess.STDOUT,
                   env=dict(ENVIRONMENT if env is None else env))
     STARTED.setdefault(threading.get_ident(), []).append(proc)
     return proc
@@ -96,8 +108,8 @@ def run_cli(args: list[str], *, timeout_s: float = 120, nice: int = 0) -> tuple[
     torchrun); past the timeout every process it started is killed and the test fails. A run
     that printed nothing but ``TORCH_LOAD_FAILURE`` is started once more."""
     for attempt in (1, 2):
-        proc = _POPEN(_command(args, nice), text=True, stdout=subprocess.PIPE,
-                      stderr=subprocess.STDOUT, start_new_session=True, env=ENVIRONMENT)
+        proc = _popen(args, nice, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                      env=ENVIRONMENT)
         try:
             output, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -105,8 +105,10 @@ def _dualpipev_rank(p: int, m: int, r: int) -> list[Action]:
         add(Kind.I, c1)
         weight()
         add(Kind.F, c1)
-    for _ in range(m - 2 * p + r + 1):  # 4: F0B1 - F1B0 (torch runs the last rank's first F0B1
-        overlapped(c0, c1)  # apart, to shorten the bubble: the same order in a list)
+    # 4: F0B1 - F1B0 (torch runs the last rank's first F0B1 apart, to shorten the bubble: in an
+    # action list that is the same order)
+    for _ in range(m - 2 * p + r + 1):
+        overlapped(c0, c1)
         overlapped(c1, c0)
     for _ in range(p - r - 1):  # 5: B1 - F1B0
         add(Kind.B, c1)

@@ -39,7 +39,7 @@ def merge_streams(dag: nx.DiGraph, order: list[str], streams: list[list[str]],
     while len(merged) > max_streams:
         totals = [sum(_time_s(dag, op) for op in s) for s in merged]
         shortest = min(range(len(merged)), key=lambda i: (totals[i], i))
-        candidates = {}  # target -> the streams with the shortest merged into it
+        candidates: dict[int, list[list[str]]] = {}  # target -> the shortest merged into it
         for target in range(len(merged)):
             if target != shortest:
                 union = sorted(merged[target] + merged[shortest], key=position.__getitem__)

@@ -16,8 +16,6 @@ point-to-point transfer the tensors it sends (a receive sends nothing).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -90,11 +88,3 @@ class CommCounter(TorchDispatchMode):
                 self.calls[kind] = self.calls.get(kind, 0) + 1
                 self.log.append((kind, name, _nbytes(payload)))
         return func(*args, **(kwargs or {}))
-
-
-@contextmanager
-def count_comm() -> Iterator[CommCounter]:
-    """Count this rank's collectives inside the block: ``with count_comm() as counter: ...``."""
-    counter = CommCounter()
-    with counter:
-        yield counter

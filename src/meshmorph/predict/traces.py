@@ -18,13 +18,13 @@ The GPU is the one the user simulates: a trace says when capacity was there, not
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from meshmorph.predict.measurements import packaged_json
+from meshmorph.spec.gpus import is_figure
 
 DIGITS = "0123456789abcdefg"
 """One base-17 digit per probe round of ``data/spot_data.json``'s H100 availability (how many
@@ -91,8 +91,7 @@ def _fail(path: str, key: str, problem: str) -> TraceError:
 
 
 def _number(value: Any, path: str, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-            or value <= 0:
+    if not is_figure(value, zero_ok=False):
         raise _fail(path, key, f"must be a finite number > 0, got {value!r}")
     return float(value)
 
